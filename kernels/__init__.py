@@ -1,0 +1,1 @@
+"""Fused Triton kernels (installed as ``verl_ds.kernels``); ``dispatch`` picks Triton or torch."""

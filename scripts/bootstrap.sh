@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create .venv and install verl_ds with its test extras; idempotent (a stamp records the install).
+# CPU torch goes in first and is pinned for the rest: a plain `torch` requirement would pull a
+# multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.bootstrap-stamp
+want="torch=$TORCH_VERSION $(sha1sum setup.py | cut -c1-12)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
+  echo "torch==$TORCH_VERSION" > .venv/constraints.txt
+  .venv/bin/python -m pip install -q -c .venv/constraints.txt -e '.[dev]'
+  echo "$want" > "$stamp"
+fi
+# DeepSpeed JIT-compiles its CPU shared-memory comm op on first use (30-60 s): warm the cache once.
+export DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_ext}
+.venv/bin/python -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 || true

@@ -1,0 +1,32 @@
+"""verl_ds: PPO for HuggingFace causal LMs on DeepSpeed ZeRO-3, under any launcher."""
+import platform
+
+from setuptools import find_packages, setup
+
+install_requires = [
+    "torch>=2.4,<3",  # 2.13.0 (the CPU wheel used in CI) satisfies this range
+    "deepspeed>=0.15",
+    "transformers>=4.45",
+    "accelerate>=0.34",
+    "tokenizers>=0.19",
+    "pyyaml>=6",
+    "tqdm>=4.60",
+    "safetensors>=0.4",
+]
+if platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64"):
+    install_requires.append("triton>=3.0")
+
+setup(
+    name="verl_ds",
+    version="0.1.0",
+    description="RLHF (PPO) training launcher for LLMs on DeepSpeed ZeRO-3, with fused Triton kernels",
+    python_requires=">=3.10",
+    packages=find_packages(include=["verl_ds", "verl_ds.*"]) + ["verl_ds.kernels"],
+    package_dir={"verl_ds.kernels": "kernels"},
+    install_requires=install_requires,
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "matplotlib>=3.7", "pyarrow>=14", "datasets>=2.18"],
+        "plot": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["verl-ds=verl_ds.cli:main"]},
+)
