@@ -1,0 +1,123 @@
+"""The ``verl-ds`` command: ``train``, ``config`` (print the resolved config or the key reference)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
+
+
+def _quiet_environment() -> None:
+    """Defaults that keep CPU runs quiet and fast; a user's own settings win."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not os.environ.get("CUDA_VISIBLE_DEVICES") and not os.path.exists("/dev/nvidia0"):
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # the deepspeed launcher does not set it, and 2 ranks x all cores thrash a small machine
+    if "OMP_NUM_THREADS" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_CACHE.*")
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help=f"YAML config (default: {os.path.relpath(DEFAULT_CONFIG)} when it exists)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. actor.lr=1e-4 trainer.total_steps=10")
+
+
+def _load(args):
+    from verl_ds.config import load_config
+
+    path = args.config if args.config is not None else (DEFAULT_CONFIG if os.path.isfile(DEFAULT_CONFIG) else None)
+    return load_config(path, args.overrides)
+
+
+def cmd_train(args) -> int:
+    import torch
+
+    from verl_ds.dist import detect_launch
+    from verl_ds.trainer import PPOTrainer
+
+    cfg = _load(args)
+    launch = detect_launch(local_rank_arg=args.local_rank)
+    level = logging.INFO if launch.rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank{launch.rank}] %(levelname)s %(name)s: %(message)s")
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if launch.world_size > 1 or "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if launch.rank == 0:
+        print(f"verl_ds: launcher={launch.launcher} world_size={launch.world_size} "
+              f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---", flush=True)
+    trainer = PPOTrainer(cfg, launch)
+    summary = trainer.fit()
+    if launch.rank == 0:
+        print(format_summary(summary), flush=True)
+    return 0
+
+
+def format_summary(s: dict) -> str:
+    lines = ["", "=== verl_ds summary ===", f"steps: {s['steps']}   time: {s['elapsed_s']:.1f} s   "
+             f"throughput: {s['tokens_per_s']:.0f} tokens/s"]
+    if "reward_first10" in s:
+        lines.append(f"train reward: first 10% of steps {s['reward_first10']:.3f} -> last 10% {s['reward_last10']:.3f} "
+                     f"(+{s['reward_last10'] - s['reward_first10']:.3f})")
+    if "val_before" in s:
+        lines.append(f"validation reward (greedy): {s['val_before']:.3f} -> {s['val_after']:.3f}")
+    lines.append(f"run directory: {s['output_dir']}")
+    if s.get("reward_curve"):
+        lines.append(f"reward curve: {s['reward_curve']}")
+    if s.get("export_dir"):
+        lines.append(f"HF export: {s['export_dir']}")
+    return "\n".join(lines)
+
+
+def cmd_config(args) -> int:
+    from verl_ds.config import describe, validate
+
+    if args.describe:
+        print(describe())
+        return 0
+    cfg = _load(args)
+    validate(cfg, args.world_size)
+    print(cfg.to_yaml() if not args.json else json.dumps(cfg.to_dict(), indent=1))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verl-ds", description="PPO for HF causal LMs on DeepSpeed ZeRO-3")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="run PPO training (what launch/train.py runs)")
+    _config_args(p)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    p.set_defaults(func=cmd_train)
+    p = sub.add_parser("config", help="print the resolved, validated config (or --describe every key)")
+    _config_args(p)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--describe", action="store_true", help="a table of every key with type, default and help")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv=None) -> int:
+    _quiet_environment()
+    args = build_parser().parse_args(argv)
+    from verl_ds.config import ConfigError
+    from verl_ds.dist import LaunchError
+
+    try:
+        return args.func(args)
+    except (ConfigError, LaunchError) as exc:
+        print(f"verl_ds: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Rank, world size and master address from whatever launched us, and torch.distributed set-up.
+
+Supported: plain ``python`` (world size 1), ``torchrun``, the ``deepspeed`` launcher (it also
+appends ``--local_rank=N``), ``accelerate launch`` and ``srun`` under Slurm (SLURM_PROCID,
+SLURM_LOCALID, SLURM_NTASKS, SLURM_NODELIST; the first node is the master). Inconsistent
+variables are an error before any collective is entered.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is inconsistent; the message names the variables."""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # python | torchrun | deepspeed | accelerate | slurm
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm node list such as ``gpu[01-03,07],cpu5`` to host names (what ``scontrol show hostnames`` does)."""
+    hosts: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
+        prefix, ranges = m.group(1), m.group(2)
+        if not prefix:
+            continue
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                width = len(lo)
+                hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+            else:
+                hosts.append(prefix + part)
+    return hosts
+
+
+def _int_env(env, name) -> Optional[int]:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def detect_launch(env=None, local_rank_arg: Optional[int] = None) -> LaunchInfo:
+    """Read the launch variables; raise LaunchError when they contradict each other."""
+    env = os.environ if env is None else env
+    rank, world, local = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE"), _int_env(env, "LOCAL_RANK")
+    if rank is None and world is None and env.get("SLURM_PROCID") is not None:
+        # srun without torchrun: derive the torch variables from Slurm's
+        rank, world = _int_env(env, "SLURM_PROCID"), _int_env(env, "SLURM_NTASKS")
+        local = _int_env(env, "SLURM_LOCALID")
+        if world is None:
+            raise LaunchError("SLURM_PROCID is set but SLURM_NTASKS is not; launch with srun --ntasks=N")
+        nodes = expand_nodelist(env.get("SLURM_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1")
+        addr = env.get("MASTER_ADDR") or nodes[0]
+        port = _int_env(env, "MASTER_PORT") or 29500 + (_int_env(env, "SLURM_JOB_ID") or 0) % 1000
+        launcher = "slurm"
+    else:
+        if local is None and local_rank_arg is not None:
+            local = local_rank_arg
+        if rank is None and world is None:
+            if local_rank_arg not in (None, 0):
+                raise LaunchError(f"--local_rank={local_rank_arg} was given but RANK/WORLD_SIZE are not set")
+            rank, world, local = 0, 1, 0
+        elif rank is None or world is None:
+            raise LaunchError(f"inconsistent launch environment: RANK={env.get('RANK')!r}, WORLD_SIZE={env.get('WORLD_SIZE')!r}; "
+                              "set both (torchrun, deepspeed and accelerate do) or neither (plain python)")
+        addr = env.get("MASTER_ADDR") or "127.0.0.1"
+        port = _int_env(env, "MASTER_PORT")
+        if port is None:
+            if world > 1:
+                raise LaunchError(f"WORLD_SIZE={world} but MASTER_PORT is not set")
+            port = free_port()
+        if env.get("ACCELERATE_DYNAMO_BACKEND") is not None or env.get("ACCELERATE_MIXED_PRECISION") is not None \
+                or any(k.startswith("ACCELERATE_") for k in env):
+            launcher = "accelerate"
+        elif local_rank_arg is not None or env.get("DEEPSPEED_LAUNCHER") is not None:
+            launcher = "deepspeed"
+        elif env.get("TORCHELASTIC_RUN_ID") is not None:
+            launcher = "torchrun"
+        else:
+            launcher = "python" if world == 1 else "torchrun"
+    if world < 1:
+        raise LaunchError(f"world size must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank {rank} is outside the world of size {world} (expected 0 <= rank < {world})")
+    if local is None:
+        local = rank
+    if local < 0 or local > rank:
+        raise LaunchError(f"local rank {local} is inconsistent with rank {rank} (expected 0 <= local_rank <= rank)")
+    return LaunchInfo(rank=rank, local_rank=local, world_size=world, master_addr=addr, master_port=port, launcher=launcher)
+
+
+def export_launch_env(info: LaunchInfo) -> None:
+    """Make the torch variables explicit: DeepSpeed tries MPI when they are missing, and ignores SLURM_*."""
+    os.environ.update({"RANK": str(info.rank), "LOCAL_RANK": str(info.local_rank), "WORLD_SIZE": str(info.world_size),
+                       "MASTER_ADDR": info.master_addr, "MASTER_PORT": str(info.master_port)})
+
+
+def init_distributed(info: LaunchInfo, timeout_s: int, device: str) -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA) with a bounded timeout."""
+    import deepspeed
+
+    export_launch_env(info)
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s),
+                               rank=info.rank, world_size=info.world_size, auto_mpi_discovery=False)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over ranks (in place, returned); a no-op at world size 1."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj, src: int = 0):
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

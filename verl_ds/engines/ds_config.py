@@ -1,0 +1,73 @@
+"""The DeepSpeed JSON, generated from the job config by one pure function (unit-tested on CPU)."""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from verl_ds.config import Config, Derived
+
+
+def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 0.0) -> dict:
+    """DeepSpeed config for ``role`` in {"actor", "critic", "ref"}; batch sizes are derived, never patched later.
+
+    The reference (and a neural reward model) is an inference engine: ZeRO-3, no optimizer.
+    The optimizer itself is a torch AdamW passed to ``deepspeed.initialize`` (DeepSpeed's own
+    "AdamW" type becomes FusedAdam and JIT-compiles for a minute on CPU).
+    """
+    ds = cfg.deepspeed
+    train = role in ("actor", "critic")
+    stage = ds.zero_stage if train else 3
+    zero: dict = {"stage": stage}
+    if stage == 3:
+        zero.update({
+            "stage3_max_live_parameters": ds.stage3_max_live_parameters,
+            "stage3_max_reuse_distance": ds.stage3_max_reuse_distance,
+            "stage3_prefetch_bucket_size": ds.stage3_prefetch_bucket_size,
+            "stage3_param_persistence_threshold": ds.stage3_param_persistence_threshold,
+        })
+        if ds.offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    if train and ds.offload_optimizer and stage > 0:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    out = {
+        "train_micro_batch_size_per_gpu": cfg.actor.micro_batch_size,
+        "gradient_accumulation_steps": derived.grad_accum if train else 1,
+        "train_batch_size": cfg.actor.micro_batch_size * (derived.grad_accum if train else 1) * derived.world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.model.dtype == "bf16"},
+        "gradient_clipping": float(grad_clip) if train else 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if ds.config_file:
+        out = merge_user_ds_config(out, ds.config_file)
+    return out
+
+
+_DERIVED_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def merge_user_ds_config(generated: dict, path: str, user: Optional[dict] = None) -> dict:
+    """Overlay a user DeepSpeed JSON onto the generated one; batch-size keys stay derived from the job config."""
+    if user is None:
+        with open(path, encoding="utf-8") as fh:
+            user = json.load(fh)
+    if not isinstance(user, dict):
+        raise ValueError(f"deepspeed.config_file {path!r}: expected a JSON object, got {type(user).__name__}")
+    for key in _DERIVED_KEYS:
+        if key in user and user[key] != "auto" and user[key] != generated[key]:
+            raise ValueError(f"deepspeed.config_file {path!r}: {key}={user[key]} conflicts with the value derived from the job "
+                             f"config ({generated[key]}); remove it or set it to \"auto\" and size batches with rollout/actor keys")
+    if "optimizer" in user:
+        raise ValueError(f"deepspeed.config_file {path!r}: drop the 'optimizer' section; verl_ds passes a torch AdamW "
+                         "(lr from actor.lr / critic.lr) so no fused optimizer is JIT-compiled")
+    merged = dict(generated)
+    for key, value in user.items():
+        if key in _DERIVED_KEYS:
+            continue
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,120 @@
+"""Metrics: named timers, cross-rank reduction, and the loggers (metrics.jsonl; TensorBoard / wandb when enabled).
+
+Metric keys follow verl's (``actor/pg_loss``, ``critic/vf_loss``, ``timing_s/gen``, ...) so existing
+dashboards work unchanged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+class Timings:
+    """``with timings("gen"):`` records seconds under ``timing_s/gen``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def as_metrics(self) -> dict:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}
+
+
+def mean_of_lists(values: dict) -> dict:
+    """{key: [floats]} -> {key: mean}."""
+    return {k: float(sum(v) / len(v)) for k, v in values.items() if len(v)}
+
+
+def reduce_across_ranks(metrics: dict, op: str = "mean") -> dict:
+    """Average (or sum) scalar metrics over ranks; every rank must pass the same keys."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1) or not metrics:
+        return dict(metrics)
+    keys = sorted(metrics)
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    if op == "mean":
+        t /= dist.get_world_size()
+    return dict(zip(keys, t.tolist()))
+
+
+class MetricsLogger:
+    """Rank 0 writes one JSON line per step to ``metrics.jsonl`` and keeps the latest values for /metrics."""
+
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool = False, wandb: bool = False,
+                 config: dict | None = None):
+        self.enabled = enabled
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.latest: dict = {}
+        self._lock = threading.Lock()
+        self._tb = self._wandb = None
+        if not enabled:
+            return
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            except ImportError:
+                log.warning("trainer.tensorboard is on but tensorboard is not installed; skipping it")
+        if wandb:
+            try:
+                import wandb as _wandb
+
+                self._wandb = _wandb.init(project="verl_ds", dir=output_dir, config=config or {}, resume="allow")
+            except ImportError:
+                log.warning("trainer.wandb is on but wandb is not installed; skipping it")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps that ran after the checkpoint (they are trained again)."""
+        if not (self.enabled and os.path.isfile(self.path)):
+            return
+        with open(self.path, encoding="utf-8") as fh:
+            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w", encoding="utf-8") as fh:
+            fh.writelines(kept)
+
+    def log(self, step: int, metrics: dict) -> None:
+        with self._lock:
+            self.latest = {"step": step, **metrics}
+        if not self.enabled:
+            return
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.latest)
+
+    def history(self) -> list[dict]:
+        if not os.path.isfile(self.path):
+            return []
+        with open(self.path, encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
