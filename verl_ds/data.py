@@ -1,0 +1,386 @@
+"""Prompt data: load a prompt set, shard it across ranks, and left-pad batches for generation.
+
+- `PromptDataset` reads JSON lines, Parquet, or a `datasets` data set saved with `save_to_disk`, tokenizes the prompt
+  field (optionally through the chat template) and keeps pass-through fields for reward functions. Bad rows never
+  crash: each is skipped (or, when overlong, truncated) and counted by reason; `report()` and `summary()` say what
+  happened and where. A missing file, an unsupported format or zero usable rows is an error at construction.
+- `DistributedPromptSampler` draws a seeded permutation per epoch; each rank takes its shard of every global batch;
+  its `state_dict()` resumes exactly.
+- `collate_prompts` left-pads a list of items into tensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+import numpy as np
+import torch
+
+# Why a row was skipped (or, for "truncated", kept but cut). Keys are the counted reasons in `report()`.
+REASONS = {
+    "non_utf8": "line is not valid UTF-8",
+    "invalid_json": "line is not valid JSON",
+    "not_an_object": "row is not a JSON object",
+    "missing_prompt": "prompt field missing",
+    "null_prompt": "prompt is null",
+    "non_string_prompt": "prompt is not a string (or a chat message list with apply_chat_template)",
+    "invalid_unicode": "prompt holds unpaired surrogates",
+    "empty_prompt": "prompt is empty, whitespace only, or has no tokens",
+    "missing_passthrough": "a field named in passthrough_keys is missing",
+    "overlong": "prompt longer than max_prompt_length (skipped)",
+    "truncated": "prompt longer than max_prompt_length (kept, cut from the left)",
+}
+_OPTIONS = ("prompt_key", "max_prompt_length", "overlong", "empty", "apply_chat_template", "passthrough_keys")
+_SHOW = 3  # locations listed per reason in messages
+_TOKENIZE_CHUNK = 1024
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Tokenized prompts. Item i: {"input_ids": list[int], "prompt": str, **pass-through fields}.
+
+    "prompt" is the prompt field's text (for a chat message list, the last user message's content), before any chat
+    template or truncation: what reward functions parse. Build with `from_file` or `from_records`.
+    """
+
+    def __init__(self, items: list[dict], problems: dict[str, list[str]], n_rows: int, source: str):
+        self.items, self.problems, self.n_rows, self.source = items, problems, n_rows, source
+
+    @classmethod
+    def from_file(cls, path: str, tokenizer, *, split: str | None = None, **options) -> "PromptDataset":
+        """Load `path`: .jsonl / .json (JSON lines, or one JSON array) / .parquet, or a directory written by
+        `datasets.Dataset.save_to_disk` (`split` picks from a DatasetDict). `options` are those of `from_records`."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a file or directory path, got {type(path).__name__}")
+        path = os.fspath(path)
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise TypeError(f"PromptDataset.from_file: unknown options {unknown}; valid: {list(_OPTIONS)}")
+        if not os.path.exists(path):
+            raise ValueError(f"data file {path!r} does not exist")
+        if os.path.isdir(path):
+            rows = _read_saved_dataset(path, split)
+        else:
+            ext = os.path.splitext(path)[1].lower()
+            readers = {".jsonl": _read_json_lines, ".ndjson": _read_json_lines, ".json": _read_json_lines,
+                       ".parquet": _read_parquet}
+            if ext not in readers:
+                raise ValueError(f"data file {path!r}: unsupported extension {ext!r}; expected one of "
+                                 f"{sorted(readers)} or a directory saved with datasets' save_to_disk")
+            rows = readers[ext](path)
+        return _build(cls, rows, tokenizer, source=path, **options)
+
+    @classmethod
+    def from_records(cls, records: list, tokenizer, *, prompt_key: str = "prompt",
+                     max_prompt_length: int | None = None, overlong: str = "truncate", empty: str = "skip",
+                     apply_chat_template: bool = False, passthrough_keys: list[str] | None = None,
+                     source: str = "records") -> "PromptDataset":
+        """Build from a list of dicts.
+
+        max_prompt_length: token limit (None: no limit). overlong: "truncate" (keep the last tokens, i.e. the end of
+        the prompt), "skip" or "error". empty: "skip" or "error" for empty/whitespace prompts.
+        apply_chat_template: wrap the prompt as one user message, add the generation prompt (the tokenizer must have a
+        chat template); a prompt may then also be a list of {"role", "content"} messages.
+        passthrough_keys: fields kept for reward functions; None keeps every other field (None where a row lacks it),
+        a list keeps those and skips rows missing one.
+        """
+        if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
+            raise TypeError(f"records: expected a list of dicts, got {type(records).__name__}")
+        rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
+        return _build(cls, rows, tokenizer, prompt_key=prompt_key, max_prompt_length=max_prompt_length,
+                      overlong=overlong, empty=empty, apply_chat_template=apply_chat_template,
+                      passthrough_keys=passthrough_keys, source=source)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+    def report(self) -> dict[str, int]:
+        """{reason: count} of the rows skipped or truncated (reasons in `REASONS`); empty when all rows were clean."""
+        return {reason: len(where) for reason, where in self.problems.items()}
+
+    def summary(self) -> str:
+        """One line: rows read, kept, and each skip/truncate reason with its count and first locations."""
+        head = f"{self.source}: kept {len(self.items)} of {self.n_rows} rows"
+        if not self.problems:
+            return head
+        return head + "; " + "; ".join(_describe(reason, where) for reason, where in self.problems.items())
+
+
+def _describe(reason: str, where: list[str]) -> str:
+    more = f", +{len(where) - _SHOW} more" if len(where) > _SHOW else ""
+    return f"{reason} {len(where)} ({', '.join(where[:_SHOW])}{more})"
+
+
+def _read_json_lines(path: str) -> list[tuple[str, object, str | None]]:
+    """(location, row, reason) per non-blank line; a .json file holding one array is read as its elements."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    if path.lower().endswith(".json") and data.lstrip()[:1] == b"[":
+        try:
+            array = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"data file {path!r}: not a valid JSON array ({e}); use JSON lines to skip bad rows "
+                             "one by one") from None
+        return [(f"item {i}", row, None) for i, row in enumerate(array)]
+    rows = []
+    for n, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        where = f"line {n}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            rows.append((where, None, "non_utf8"))
+            continue
+        try:
+            rows.append((where, json.loads(text), None))
+        except json.JSONDecodeError:
+            rows.append((where, None, "invalid_json"))
+    return rows
+
+
+def _read_parquet(path: str) -> list[tuple[str, object, str | None]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path!r} needs pyarrow (pip install pyarrow)") from e
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as e:
+        raise ValueError(f"data file {path!r}: cannot read as Parquet: {type(e).__name__}: {e}") from e
+    return [(f"row {i}", row, None) for i, row in enumerate(records)]
+
+
+def _read_saved_dataset(path: str, split: str | None) -> list[tuple[str, object, str | None]]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"reading the directory {path!r} needs the `datasets` package (pip install datasets)") from e
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:
+        raise ValueError(f"data directory {path!r} is not a data set saved with datasets' save_to_disk "
+                         f"({type(e).__name__}: {e})") from e
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds)
+        if split is None and len(names) == 1:
+            split = names[0]
+        elif split is None:
+            split = "train" if "train" in ds else None
+        if split not in ds:
+            raise ValueError(f"data directory {path!r} holds splits {names}; set split to one of them (got {split!r})")
+        ds = ds[split]
+    elif split is not None:
+        raise ValueError(f"split={split!r} given but {path!r} holds a single data set, not a DatasetDict")
+    return [(f"row {i}", row, None) for i, row in enumerate(ds.to_list())]
+
+
+def _check_options(tokenizer, prompt_key, max_prompt_length, overlong, empty, apply_chat_template, passthrough_keys):
+    if not isinstance(prompt_key, str) or not prompt_key:
+        raise ValueError(f"prompt_key: expected a non-empty field name, got {prompt_key!r}")
+    if max_prompt_length is not None and (isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int)
+                                          or max_prompt_length < 1):
+        raise ValueError(f"max_prompt_length: expected a positive int or None, got {max_prompt_length!r}")
+    if overlong not in ("truncate", "skip", "error"):
+        raise ValueError(f"overlong: expected 'truncate', 'skip' or 'error', got {overlong!r}")
+    if empty not in ("skip", "error"):
+        raise ValueError(f"empty: expected 'skip' or 'error', got {empty!r}")
+    if passthrough_keys is not None and (isinstance(passthrough_keys, str)
+                                         or not all(isinstance(k, str) for k in passthrough_keys)):
+        raise ValueError(f"passthrough_keys: expected None or a list of field names, got {passthrough_keys!r}")
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer: expected a HuggingFace tokenizer, got {type(tokenizer).__name__}")
+    if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("apply_chat_template=True but the tokenizer has no chat_template; set "
+                         "apply_chat_template=False or use a tokenizer that has one")
+
+
+def _prompt_text(value, apply_chat_template: bool) -> tuple[str | None, list | None, str | None]:
+    """(text, messages, reason) for one prompt field value."""
+    if value is None:
+        return None, None, "null_prompt"
+    if isinstance(value, str):
+        return value, None, None
+    is_messages = (isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value))
+    if apply_chat_template and is_messages:
+        users = [m["content"] for m in value if m["role"] == "user"]
+        return (users[-1] if users else value[-1]["content"]), value, None
+    return None, None, "non_string_prompt"
+
+
+def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None, overlong="truncate",
+           empty="skip", apply_chat_template=False, passthrough_keys=None, source="records"):
+    _check_options(tokenizer, prompt_key, max_prompt_length, overlong, empty, apply_chat_template, passthrough_keys)
+    problems: dict[str, list[str]] = {}
+    kept = []  # (where, prompt text, text to tokenize, passthrough dict)
+
+    def bad(reason, where):
+        if reason == "empty_prompt" and empty == "error":
+            raise ValueError(f"{source}: {where}: empty prompt (empty='error'; use empty='skip' to skip such rows)")
+        problems.setdefault(reason, []).append(where)
+
+    all_keys = list(dict.fromkeys(k for _, row, _ in rows if isinstance(row, dict) for k in row if k != prompt_key))
+    keys = all_keys if passthrough_keys is None else [k for k in passthrough_keys if k != prompt_key]
+    for where, row, reason in rows:
+        if reason is None and not isinstance(row, dict):
+            reason = "not_an_object"
+        if reason is None and prompt_key not in row:
+            reason = "missing_prompt"
+        if reason is not None:
+            bad(reason, where)
+            continue
+        text, messages, reason = _prompt_text(row[prompt_key], apply_chat_template)
+        if reason is None and not text.strip():
+            reason = "empty_prompt"
+        if reason is None:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                reason = "invalid_unicode"
+        if reason is None and passthrough_keys is not None and any(k not in row for k in keys):
+            reason = "missing_passthrough"
+        if reason is not None:
+            bad(reason, where)
+            continue
+        if apply_chat_template:
+            messages = messages or [{"role": "user", "content": text}]
+            to_tokenize = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            to_tokenize = text
+        kept.append((where, text, to_tokenize, {k: row.get(k) for k in keys}))
+
+    # The chat template already spells out BOS etc. as text; adding special tokens again would double them.
+    ids_list = []
+    for start in range(0, len(kept), _TOKENIZE_CHUNK):
+        chunk = [k[2] for k in kept[start:start + _TOKENIZE_CHUNK]]
+        ids_list += tokenizer(chunk, add_special_tokens=not apply_chat_template)["input_ids"]
+
+    items = []
+    for (where, text, _, extras), ids in zip(kept, ids_list):
+        if not ids:
+            bad("empty_prompt", where)
+            continue
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            if overlong == "error":
+                raise ValueError(f"{source}: {where}: prompt has {len(ids)} tokens > max_prompt_length="
+                                 f"{max_prompt_length} (overlong='error'; use 'truncate' or 'skip')")
+            bad("overlong" if overlong == "skip" else "truncated", where)
+            if overlong == "skip":
+                continue
+            ids = ids[-max_prompt_length:]
+        items.append({"input_ids": list(ids), "prompt": text, **extras})
+
+    dataset = cls(items, problems, len(rows), source)
+    if not items:
+        raise ValueError(f"{source}: no usable prompts (prompt_key={prompt_key!r}). {dataset.summary()}")
+    return dataset
+
+
+class DistributedPromptSampler:
+    """Indices of this rank's prompts, one batch at a time, forever (epoch after epoch).
+
+    Every epoch is a permutation of range(dataset_len) seeded by (seed, epoch). Global batch b of an epoch is
+    permutation[b*G:(b+1)*G] with G = batch_size_per_rank * world_size; rank r takes its slice [r*B:(r+1)*B].
+    With drop_last the incomplete last global batch of an epoch is dropped; without it, it is filled from the start
+    of the same permutation. `state_dict()` after k batches + `load_state_dict()` continues with batch k+1.
+    """
+
+    def __init__(self, dataset_len: int, batch_size_per_rank: int, rank: int = 0, world_size: int = 1,
+                 seed: int = 0, drop_last: bool = True):
+        for name, value, low in (("dataset_len", dataset_len, 1), ("batch_size_per_rank", batch_size_per_rank, 1),
+                                 ("world_size", world_size, 1), ("rank", rank, 0), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+        if rank >= world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+        self.dataset_len, self.batch_size, self.rank, self.world_size = dataset_len, batch_size_per_rank, rank, world_size
+        self.seed, self.drop_last = seed, drop_last
+        self.global_batch_size = batch_size_per_rank * world_size
+        if dataset_len < self.global_batch_size:
+            raise ValueError(f"the data set has {dataset_len} prompts, fewer than one global batch "
+                             f"({batch_size_per_rank} per rank x {world_size} ranks = {self.global_batch_size}); "
+                             "add prompts or lower the batch size")
+        full, rest = divmod(dataset_len, self.global_batch_size)
+        self.batches_per_epoch = full if drop_last or rest == 0 else full + 1
+        self.epoch, self.position = 0, 0  # position: global batches already taken in this epoch
+        self._perm_epoch, self._perm = None, None
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.dataset_len)
+            if not self.drop_last:  # wrap around so the last global batch is full
+                self._perm = np.concatenate([self._perm, self._perm[:self.global_batch_size]])
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def next_batch(self) -> list[int]:
+        """This rank's indices for the next global batch."""
+        if self.position >= self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        start = self.position * self.global_batch_size + self.rank * self.batch_size
+        self.position += 1
+        return self._permutation()[start:start + self.batch_size].tolist()
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        """Where the sampler stands: {"epoch", "position", "seed", "dataset_len", "global_batch_size"}."""
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "dataset_len": self.dataset_len, "global_batch_size": self.global_batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; a different data set size or global batch size is an error (the position would
+        point at other prompts)."""
+        missing = [k for k in ("epoch", "position", "seed") if k not in state]
+        if missing:
+            raise ValueError(f"sampler state: missing keys {missing}; got {sorted(state)}")
+        for key in ("dataset_len", "global_batch_size"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"sampler state: saved {key}={state[key]} but this run has {getattr(self, key)}; "
+                                 "the data position cannot be resumed exactly (start without resuming the data, "
+                                 "or restore the original data set / batch sizes)")
+        epoch, position, seed = state["epoch"], state["position"], state["seed"]
+        if not all(isinstance(v, int) and v >= 0 for v in (epoch, position, seed)) or position > self.batches_per_epoch:
+            raise ValueError(f"sampler state: expected ints epoch >= 0, seed >= 0, 0 <= position <= "
+                             f"{self.batches_per_epoch}; got epoch={epoch!r} position={position!r} seed={seed!r}")
+        self.epoch, self.position, self.seed = epoch, position, seed
+        self._perm_epoch = None
+
+
+def collate_prompts(items: list[dict], pad_token_id: int) -> dict:
+    """Left-pad items to the longest prompt.
+
+    Returns input_ids (B, P) int64, attention_mask (B, P) bool (True on prompt tokens), prompt_length (B,) int64,
+    prompts list[str], extras {field: list} of every other item field (None where an item lacks it).
+    """
+    if not items:
+        raise ValueError("collate_prompts: items is empty")
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+        raise ValueError(f"collate_prompts: pad_token_id: expected an int, got {pad_token_id!r} "
+                         "(a tokenizer without a pad token: set tokenizer.pad_token = tokenizer.eos_token)")
+    lengths = [len(item["input_ids"]) for item in items]
+    if min(lengths) == 0:
+        raise ValueError(f"collate_prompts: item {lengths.index(0)} has no input_ids")
+    B, P = len(items), max(lengths)
+    input_ids = torch.full((B, P), pad_token_id, dtype=torch.int64)
+    attention_mask = torch.zeros((B, P), dtype=torch.bool)
+    for i, item in enumerate(items):
+        n = lengths[i]
+        input_ids[i, P - n:] = torch.as_tensor(item["input_ids"], dtype=torch.int64)
+        attention_mask[i, P - n:] = True
+    keys = dict.fromkeys(k for item in items for k in item if k not in ("input_ids", "prompt"))
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "prompt_length": torch.tensor(lengths, dtype=torch.int64),
+        "prompts": [item["prompt"] for item in items],
+        "extras": {k: [item.get(k) for item in items] for k in keys},
+    }

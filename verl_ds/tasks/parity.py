@@ -1,0 +1,102 @@
+"""The default task: answer "even : 3 8 1 5 =>" with digits of the requested parity.
+
+The instruction word (even/odd) comes first and a few random digits follow as distractor context, so the policy
+must read the instruction rather than copy the context. The reward is the fraction of the first `length` response
+words that are single digits of the requested parity; missing words (the response stopped early) count as failures.
+An optimal policy scores 1.0; one that ignores the instruction but outputs digits scores about 0.5. A freshly
+initialised tiny model (near-uniform sampling) scores about 0.29 with `build_tokenizer(parity.VOCAB)` (18 tokens with
+the specials) but only about 0.015 with the full default vocabulary (280 tokens): without an SFT warm start, build the
+tokenizer from `VOCAB`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+RESPONSE_LENGTH = 6  # L: the number of response words that are scored
+TARGETS = ("even", "odd")
+GOOD_DIGITS = {"even": ("0", "2", "4", "6", "8"), "odd": ("1", "3", "5", "7", "9")}
+VOCAB = [str(d) for d in range(10)] + ["even", "odd", ":", "=>"]  # all the task needs (specials are added)
+_EOS = "<eos>"
+
+
+def make_prompt(target: str, context: list[int]) -> str:
+    """'even : 3 8 1 5 =>' for target 'even' and context [3, 8, 1, 5]."""
+    return f"{target} : {' '.join(str(d) for d in context)} =>"
+
+
+def generate_prompts(n: int, seed: int, context_len: tuple[int, int] = (2, 6)) -> list[dict]:
+    """`n` records {"prompt": str, "target": "even" | "odd"}; the same (n, seed) always gives the same list."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected a positive int, got {n!r}")
+    lo, hi = context_len
+    if not 0 <= lo <= hi:
+        raise ValueError(f"context_len: expected (min, max) with 0 <= min <= max, got {context_len!r}")
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        target = rng.choice(TARGETS)
+        context = [rng.randrange(10) for _ in range(rng.randint(lo, hi))]
+        records.append({"prompt": make_prompt(target, context), "target": target})
+    return records
+
+
+def write_jsonl(path: str, n: int, seed: int) -> str:
+    """Write `generate_prompts(n, seed)` as JSON lines to `path` (parents created); returns `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for record in generate_prompts(n, seed):
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+def sft_examples(n: int, seed: int, length: int = RESPONSE_LENGTH) -> list[tuple[str, str]]:
+    """`n` (prompt, response) pairs with optimal responses ('2 8 0 4 4 6'); the caller appends EOS if wanted."""
+    rng = random.Random(seed + 1)  # not the prompt stream, so responses don't mirror the context digits
+    pairs = []
+    for record in generate_prompts(n, seed):
+        good = GOOD_DIGITS[record["target"]]
+        pairs.append((record["prompt"], " ".join(rng.choice(good) for _ in range(length))))
+    return pairs
+
+
+def target_of(prompt: str) -> str | None:
+    """The first instruction word (even/odd) in `prompt`, or None."""
+    return next((w for w in prompt.split() if w in TARGETS), None)
+
+
+def score(response: str, target: str, length: int = RESPONSE_LENGTH) -> float:
+    """Fraction of the first `length` words of `response` that are single digits of parity `target`.
+
+    The response ends at its first '<eos>' word if special tokens were not skipped when decoding; words after the
+    end, or missing because the response stopped early, score 0.
+    """
+    words = response.split()
+    if _EOS in words:
+        words = words[:words.index(_EOS)]
+    good = GOOD_DIGITS[target]
+    return sum(w in good for w in words[:length]) / length
+
+
+def parity_reward(prompts: list[str], responses: list[str], batch=None,
+                  length: int = RESPONSE_LENGTH) -> list[float]:
+    """Rule-based reward in [0, 1] per sample (see `score`).
+
+    The target is `batch.extras["target"]` when the data set passes it through, else the instruction word
+    found in the prompt (which also works after a chat template).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"parity_reward: got {len(prompts)} prompts but {len(responses)} responses")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"parity_reward: length: expected a positive int, got {length!r}")
+    extras = getattr(batch, "extras", None) or {}
+    targets = extras.get("target") or [None] * len(prompts)
+    rewards = []
+    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+        target = targets[i] if targets[i] in TARGETS else target_of(prompt)
+        if target is None:
+            raise ValueError(f"parity_reward: sample {i}: no 'target' field and no instruction word "
+                             f"({'/'.join(TARGETS)}) in prompt {prompt!r:.120}")
+        rewards.append(score(response, target, length))
+    return rewards
