@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import threading
 import time
 from collections import defaultdict
 from typing import Optional
@@ -76,6 +77,8 @@ class PPOTrainer:
         self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard=cfg.trainer.tensorboard,
                                      wandb=cfg.trainer.wandb, config=cfg.to_dict())
         self.fault_hook = None  # reliability tests inject kills at named points
+        self._swap_lock = threading.Lock()
+        self._pending_swap = None
         self._build()
 
     # ------------------------------------------------------------------ construction
@@ -113,7 +116,10 @@ class PPOTrainer:
 
         self.registry = ModelRegistry()
         policy, ref_policy, value = PolicyModel(self.actor), PolicyModel(self.ref), ValueModel(self.critic)
-        reward = self.build_reward()
+        reward = self.build_reward(cfg.reward.functions, cfg.reward.model_path, cfg.reward.model_weight)
+        if self.is_main:
+            self.state.set("reward_name", "+".join(str(f if isinstance(f, str) else f["name"]) for f in cfg.reward.functions)
+                           + (" +model" if cfg.reward.model_path else ""))
         self.registry.register("actor", policy, aliases=("ppo_actor", "policy"))
         self.registry.register("critic", value, aliases=("value", "ppo_critic"))
         self.registry.register("ref", ref_policy, aliases=("reference",))
@@ -159,31 +165,89 @@ class PPOTrainer:
                     log.warning("%s prompts: %s", name, ds.summary())
         return train, val
 
-    def build_reward(self):
-        """The RewardModel from ``reward.functions`` (shipped names or 'module:fn') and ``reward.model_path``."""
+    def build_reward(self, functions: list, model_path: Optional[str], model_weight: Optional[float]):
+        """A RewardModel from reward function specs (shipped names or 'module:fn') and an optional neural scorer."""
         from verl_ds.models import RewardModel
-        from verl_ds.rewards import get_reward_fn, load_reward_fn
+        from verl_ds.rewards import resolve_reward_fn
 
         rc = self.cfg.reward
         scorer = None
-        if rc.model_path is not None:
+        if model_path is not None:
             from transformers import AutoModelForSequenceClassification
 
             from verl_ds.config import ConfigError
 
-            if not os.path.isdir(rc.model_path):
-                raise ConfigError(f"reward.model_path: {rc.model_path!r} does not exist or is not a directory")
-            rm = AutoModelForSequenceClassification.from_pretrained(rc.model_path, num_labels=1)
+            if not os.path.isdir(model_path):
+                raise ConfigError(f"reward model path {model_path!r} does not exist or is not a directory")
+            rm = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
             scorer = make_engine(rm, self.cfg, self.derived, "ref")
         reward = RewardModel(model=scorer, tokenizer=self.tokenizer, eos_reward=rc.eos_reward,
-                             model_weight=rc.model_weight)
-        for spec in rc.functions:
+                             model_weight=rc.model_weight if model_weight is None else model_weight)
+        for spec in functions:
             spec = {"name": spec} if isinstance(spec, str) else dict(spec)
             name = spec["name"]
-            fn = load_reward_fn(name) if (":" in name) else get_reward_fn(name)
-            reward.register_reward_fn(fn, name=name.split(":")[-1], weight=float(spec.get("weight", 1.0)),
-                                      per_token=bool(spec.get("per_token", False)))
+            reward.register_reward_fn(resolve_reward_fn(name), name=name.split(":")[-1],
+                                      weight=float(spec.get("weight", 1.0)), per_token=bool(spec.get("per_token", False)))
         return reward
+
+    # ------------------------------------------------------------------ reward hot swap
+
+    def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
+        """Validate a reward swap request and queue it for the next step boundary (rank 0, any thread).
+
+        ``spec``: ``{"function": name}``, ``{"functions": [name | {name, weight, per_token}, ...]}`` and/or
+        ``{"model_path": dir, "model_weight": w}``. Function names are resolved now, so a typo is
+        refused at once instead of failing every rank at the boundary.
+        """
+        from verl_ds.rewards import resolve_reward_fn
+
+        if not isinstance(spec, dict):
+            raise ValueError(f"reward swap: expected a JSON object, got {type(spec).__name__}")
+        unknown = set(spec) - {"function", "functions", "model_path", "model_weight"}
+        if unknown:
+            raise ValueError(f"reward swap: unknown field(s) {sorted(unknown)}; expected function, functions, "
+                             "model_path, model_weight")
+        functions = list(spec.get("functions") or []) + ([spec["function"]] if spec.get("function") else [])
+        model_path = spec.get("model_path")
+        if not functions and not model_path:
+            raise ValueError("reward swap: give 'function', 'functions' or 'model_path'")
+        clean = []
+        for i, f in enumerate(functions):
+            item = {"name": f} if isinstance(f, str) else f
+            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or set(item) - {"name", "weight", "per_token"}:
+                raise ValueError(f"reward swap: functions[{i}]: expected a name or {{name, weight, per_token}}, got {f!r}")
+            if "weight" in item and (isinstance(item["weight"], bool) or not isinstance(item["weight"], (int, float))):
+                raise ValueError(f"reward swap: functions[{i}].weight: expected a number, got {item['weight']!r}")
+            resolve_reward_fn(item["name"])  # raises with the valid names
+            clean.append(item)
+        if model_path is not None and not os.path.isdir(str(model_path)):
+            raise ValueError(f"reward swap: model_path {model_path!r} is not a local directory")
+        request = {"functions": clean, "model_path": model_path, "model_weight": spec.get("model_weight"),
+                   "client": client}
+        with self._swap_lock:
+            self._pending_swap = request
+        return {"staged": {k: v for k, v in request.items() if k != "client"},
+                "applies_at_step": self.state.get("global_step") + 1}
+
+    def _apply_reward_swap(self) -> None:
+        """At a step boundary: every rank builds the staged reward and registers it (collective)."""
+        request = None
+        if self.is_main:
+            with self._swap_lock:
+                request, self._pending_swap = self._pending_swap, None
+        request = vdist.broadcast_object(request)
+        if request is None:
+            return
+        reward = self.build_reward(functions=request["functions"], model_path=request["model_path"],
+                                   model_weight=request["model_weight"])
+        self.registry.register("reward", reward, aliases=("reward_model",))
+        self.ppo.reward = reward
+        if self.is_main:
+            name = "+".join(f["name"] for f in request["functions"]) + (" +model" if request["model_path"] else "")
+            old = (self.state.get("reward_version"), self.state.get("reward_name"))
+            self.state.update({"reward_version": old[0] + 1, "reward_name": name})
+            self._audit([{"key": "reward", "old": old[1], "new": name, "client": request["client"],
+                          "spec": {k: v for k, v in request.items() if k != "client"}}])
 
     def _sft_warmup(self, model) -> None:
         """Supervised warm start on the built-in task's reference responses (same on every rank: deterministic)."""
@@ -259,9 +323,10 @@ class PPOTrainer:
         start = time.perf_counter()
         with t("boundary"):
             if self.is_main:
-                changes = st.apply_staged()
+                self._audit(st.apply_staged())
+            self._apply_reward_swap()
+            if self.is_main:
                 st.set("global_step", st.get("global_step") + 1)
-                self._audit(changes)
             st.sync()
         step = st.get("global_step")
         set_lr(self.actor, st.get("actor_lr"))
