@@ -1,0 +1,394 @@
+"""RolloutBatch: the tensors of one PPO rollout, with the layout every model and loss relies on.
+
+Layout (verl's). B = batch, P = prompt width, R = response width, T = P + R.
+
+=================  ========  =======  ==========================================================
+field              shape     dtype    meaning
+=================  ========  =======  ==========================================================
+observation        (B, T)    int64    prompt left-padded to P, then response right-padded to R
+action             (B, R)    int64    the response ids (== observation[:, P:])
+mask               (B, T)    bool     attention mask: real prompt and response tokens (EOS included)
+response_mask      (B, R)    bool     real response tokens (EOS included); built from
+                                      response_length, never from ``token != pad`` (pad may be EOS)
+prompt_length      (B,)      int64    real prompt tokens per row (>= 1)
+response_length    (B,)      int64    real response tokens per row (1..R)
+done               (B,)      bool     the response ended with EOS (not truncated)
+next_observation   (B, T)    int64    observation shifted left by one token, pad appended: column t
+                                      holds the token after column t (the state after action t)
+logprob            (B, R)    float32  log-prob of each response token under the rollout ("old") actor
+ref_logprob        (B, R)    float32  same under the frozen reference
+value, old_value   (B, R)    float32  critic values aligned with response tokens (fresh pass / the
+                                      values the value loss clips around)
+score              (B, R)    float32  token-level task scores from RewardModel.compute_rewards
+reward             (B, R)    float32  token rewards fed to GAE (score - kl_coef * KL when in-reward)
+advantage, return  (B, R)    float32  GAE advantages and returns (``batch.returns`` aliases ``return``)
+=================  ========  =======  ==========================================================
+
+``extras`` holds per-sample non-tensor data (prompt texts, ground-truth answers): every value is a
+sequence of length B and is sliced by ``select``/``split`` and joined by ``cat`` like the tensors.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Iterable, Sequence
+
+import torch
+
+__all__ = ["RolloutBatch", "FIELDS", "DESIGN_FIELDS", "PPO_FIELDS", "REQUIRED_FOR_LOSS", "ROLLOUT_FIELDS"]
+
+DESIGN_FIELDS = ("observation", "action", "logprob", "value", "reward", "next_observation", "done",
+                 "advantage", "return", "mask", "prompt_length", "response_length")
+PPO_FIELDS = ("ref_logprob", "old_value", "response_mask", "score")
+FIELDS = DESIGN_FIELDS + PPO_FIELDS
+# What generation alone produces (RolloutBatch.from_generation fills these).
+ROLLOUT_FIELDS = ("observation", "action", "mask", "response_mask", "prompt_length", "response_length", "done",
+                  "next_observation")
+# The design's "every field present before any loss".
+REQUIRED_FOR_LOSS = DESIGN_FIELDS + ("response_mask",)
+
+# field -> (dims, dtype); dims use the layout letters above
+_SPEC: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
+    "observation": (("B", "T"), torch.int64),
+    "next_observation": (("B", "T"), torch.int64),
+    "mask": (("B", "T"), torch.bool),
+    "action": (("B", "R"), torch.int64),
+    "response_mask": (("B", "R"), torch.bool),
+    "prompt_length": (("B",), torch.int64),
+    "response_length": (("B",), torch.int64),
+    "done": (("B",), torch.bool),
+    **{f: (("B", "R"), torch.float32) for f in
+       ("logprob", "ref_logprob", "value", "old_value", "score", "reward", "advantage", "return")},
+}
+_FLOAT_FIELDS = tuple(f for f, (_, dt) in _SPEC.items() if dt == torch.float32)
+_ALIASES = {"returns": "return"}
+
+
+class BatchValidationError(ValueError):
+    """A RolloutBatch field is missing or malformed; ``field`` names it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(f"RolloutBatch.{field}: {message}")
+
+
+def _canonical(name: str) -> str:
+    name = _ALIASES.get(name, name)
+    if name not in FIELDS:
+        close = difflib.get_close_matches(name, FIELDS + tuple(_ALIASES), n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise AttributeError(f"RolloutBatch has no field {name!r}{hint} Fields: {list(FIELDS)} "
+                             "(per-sample non-tensor data goes in batch.extras)")
+    return name
+
+
+def _slice_extra(value: Any, idx: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[idx.to(value.device)]
+    if hasattr(value, "__array__") and hasattr(value, "shape"):  # numpy arrays
+        return value[idx.cpu().numpy()]
+    out = [value[i] for i in idx.tolist()]
+    return type(value)(out) if isinstance(value, tuple) else out
+
+
+class RolloutBatch:
+    """Dict-like container of the fields above with attribute access (see module docstring).
+
+    ``RolloutBatch(observation=..., action=..., returns=..., extras={"prompts": [...]})``; a field not
+    given is None. ``batch.x``, ``batch["x"]`` and ``getattr(batch, "return")`` all work.
+    """
+
+    __slots__ = ("_data", "extras")
+
+    def __init__(self, extras: dict[str, Sequence] | None = None, **fields: torch.Tensor | None):
+        object.__setattr__(self, "_data", dict.fromkeys(FIELDS))
+        object.__setattr__(self, "extras", dict(extras or {}))
+        for name, value in fields.items():
+            self[name] = value
+
+    # ---- access -------------------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return object.__getattribute__(self, "_data")[_canonical(name)]
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "extras":
+            if not isinstance(value, dict):
+                raise TypeError(f"RolloutBatch.extras must be a dict, got {type(value).__name__}")
+            object.__setattr__(self, name, value)
+        else:
+            self[name] = value
+
+    def __getitem__(self, name: str) -> torch.Tensor | None:
+        try:
+            return self._data[_canonical(name)]
+        except AttributeError as e:
+            raise KeyError(str(e)) from None
+
+    def __setitem__(self, name: str, value: torch.Tensor | None) -> None:
+        name = _canonical(name)
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"RolloutBatch.{name} must be a torch.Tensor or None, got {type(value).__name__}")
+        self._data[name] = value
+
+    def present(self) -> list[str]:
+        """Names of the fields that are set (not None), in FIELDS order."""
+        return [f for f in FIELDS if self._data[f] is not None]
+
+    def items(self):
+        return [(f, self._data[f]) for f in self.present()]
+
+    def __len__(self) -> int:
+        for f in FIELDS:
+            if self._data[f] is not None:
+                return int(self._data[f].shape[0]) if self._data[f].dim() > 0 else 0
+        for v in self.extras.values():
+            return len(v)
+        return 0
+
+    @property
+    def prompt_width(self) -> int:
+        """P = T - R."""
+        return self.observation.shape[1] - self.response_width
+
+    @property
+    def response_width(self) -> int:
+        """R, from action (or any (B, R) field)."""
+        for f in ("action", "response_mask") + _FLOAT_FIELDS:
+            if self._data[f] is not None:
+                return int(self._data[f].shape[1])
+        raise BatchValidationError("action", "cannot tell the response width R: no (B, R) field is set")
+
+    def __repr__(self) -> str:
+        parts = [f"{f}={tuple(t.shape)}:{str(t.dtype).replace('torch.', '')}" for f, t in self.items()]
+        if self.extras:
+            parts.append(f"extras={sorted(self.extras)}")
+        return f"RolloutBatch({', '.join(parts)})"
+
+    # ---- construction helpers ---------------------------------------------------------------------
+    @staticmethod
+    def response_length_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+        """(B,) int64: index of the first EOS + 1, or R when a row has no EOS (truncated)."""
+        R = response_ids.shape[1]
+        is_eos = response_ids == eos_token_id
+        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), torch.full_like(is_eos[:, 0], R, dtype=torch.int64))
+        return torch.where(is_eos.any(-1), first + 1, first).to(torch.int64)
+
+    @staticmethod
+    def make_next_observation(observation: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+        """observation shifted left by one column with ``pad_token_id`` appended (see module docstring)."""
+        pad = torch.full_like(observation[:, :1], pad_token_id)
+        return torch.cat([observation[:, 1:], pad], dim=1)
+
+    @classmethod
+    def from_generation(cls, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                        response_length: torch.Tensor | None = None, done: torch.Tensor | None = None, *,
+                        pad_token_id: int, eos_token_id: int | None = None,
+                        extras: dict | None = None) -> "RolloutBatch":
+        """Build the ROLLOUT_FIELDS from generation output.
+
+        prompt_ids (B, P) left-padded with prompt_mask (B, P); response_ids (B, R). response_length
+        (B,) defaults to ``response_length_from_eos`` (needs eos_token_id); done (B,) defaults to
+        "the last real token is eos_token_id" (all False without eos_token_id). Response positions
+        past response_length are overwritten with pad_token_id.
+        """
+        if response_length is None:
+            if eos_token_id is None:
+                raise ValueError("from_generation: pass response_length or eos_token_id to find where responses end")
+            response_length = cls.response_length_from_eos(response_ids, eos_token_id)
+        response_length = response_length.to(device=response_ids.device, dtype=torch.int64)
+        B, R = response_ids.shape
+        if prompt_ids.shape[0] != B or prompt_mask.shape != prompt_ids.shape or response_length.shape != (B,):
+            raise ValueError(f"from_generation: shapes disagree: prompt_ids {tuple(prompt_ids.shape)}, prompt_mask "
+                             f"{tuple(prompt_mask.shape)}, response_ids {tuple(response_ids.shape)}, response_length "
+                             f"{tuple(response_length.shape)}")
+        response_mask = torch.arange(R, device=response_ids.device).unsqueeze(0) < response_length.unsqueeze(1)
+        action = torch.where(response_mask, response_ids, torch.full_like(response_ids, pad_token_id)).to(torch.int64)
+        prompt_mask = prompt_mask.bool()
+        observation = torch.cat([prompt_ids.to(torch.int64), action], dim=1)
+        if done is None:
+            last = action.gather(1, (response_length - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            done = (last == eos_token_id) & (response_length > 0) if eos_token_id is not None else \
+                torch.zeros(B, dtype=torch.bool, device=action.device)
+        return cls(observation=observation, action=action, mask=torch.cat([prompt_mask, response_mask], dim=1),
+                   response_mask=response_mask, prompt_length=prompt_mask.sum(-1).to(torch.int64),
+                   response_length=response_length, done=done.to(torch.bool),
+                   next_observation=cls.make_next_observation(observation, pad_token_id), extras=extras)
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> "RolloutBatch":
+        """Check presence, shapes, dtypes, masks, finiteness and padding; returns self.
+
+        Every field that is set is checked, required or not. The first problem raises
+        BatchValidationError (a ValueError) naming the field, what was expected and what was found.
+        """
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+            raise TypeError(f"validate: pad_token_id must be an int, got {pad_token_id!r}")
+        for f in required:
+            f = _canonical(f)
+            if self._data[f] is None:
+                dims, dt = _SPEC[f]
+                raise BatchValidationError(f, f"missing: expected a ({', '.join(dims)}) {_dt(dt)} tensor, found None")
+        present = self.present()
+        if not present:
+            raise BatchValidationError("observation", "the batch is empty: no field is set")
+        sizes: dict[str, tuple[int, str]] = {}  # letter -> (size, field it came from)
+        for f in present:
+            t = self._data[f]
+            dims, dt = _SPEC[f]
+            if t.dim() != len(dims):
+                raise BatchValidationError(f, f"expected {len(dims)}-D ({', '.join(dims)}), found shape {tuple(t.shape)}")
+            if t.dtype != dt:
+                hint = " (use a bool mask, not 0/1 ints)" if dt == torch.bool else ""
+                raise BatchValidationError(f, f"expected dtype {_dt(dt)}, found {_dt(t.dtype)}{hint}")
+            for letter, n in zip(dims, t.shape):
+                if letter in sizes and sizes[letter][0] != n:
+                    raise BatchValidationError(
+                        f, f"expected {letter} = {sizes[letter][0]} (from {sizes[letter][1]}), found shape "
+                           f"{tuple(t.shape)}")
+                sizes.setdefault(letter, (n, f))
+        for k, v in self.extras.items():
+            if "B" in sizes and (not hasattr(v, "__len__") or len(v) != sizes["B"][0]):
+                raise BatchValidationError(f"extras[{k!r}]", f"expected a per-sample sequence of length "
+                                           f"B = {sizes['B'][0]}, found {type(v).__name__} of length "
+                                           f"{len(v) if hasattr(v, '__len__') else 'n/a'}")
+        for f in _FLOAT_FIELDS:
+            t = self._data[f]
+            if t is not None and not bool(torch.isfinite(t).all()):
+                bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+                raise BatchValidationError(f, f"expected finite float32 values, found {t[tuple(bad)].item()} at "
+                                              f"index {tuple(bad)}")
+        self._validate_layout(pad_token_id, sizes)
+        return self
+
+    def _validate_layout(self, pad_token_id: int, sizes: dict) -> None:
+        d = self._data
+        if "T" in sizes and "R" in sizes and sizes["R"][0] >= sizes["T"][0]:
+            raise BatchValidationError(sizes["R"][1], f"expected response width R < T = {sizes['T'][0]} (the "
+                                                      f"prompt needs at least one column), found R = {sizes['R'][0]}")
+        R = sizes["R"][0] if "R" in sizes else None
+        T = sizes["T"][0] if "T" in sizes else None
+        P = T - R if (T is not None and R is not None) else None
+        if d["response_length"] is not None and R is not None:
+            rl = d["response_length"]
+            if bool(((rl < 1) | (rl > R)).any()):
+                i = int(((rl < 1) | (rl > R)).nonzero()[0])
+                raise BatchValidationError("response_length", f"expected values in [1, R={R}], found {int(rl[i])} "
+                                                              f"at row {i}")
+        if d["prompt_length"] is not None and P is not None:
+            pl = d["prompt_length"]
+            if bool(((pl < 1) | (pl > P)).any()):
+                i = int(((pl < 1) | (pl > P)).nonzero()[0])
+                raise BatchValidationError("prompt_length", f"expected values in [1, P={P}], found {int(pl[i])} "
+                                                            f"at row {i}")
+        if d["response_mask"] is not None and d["response_length"] is not None:
+            want = torch.arange(R, device=d["response_mask"].device).unsqueeze(0) < d["response_length"].unsqueeze(1)
+            _expect_equal("response_mask", d["response_mask"], want, "True exactly on the first response_length "
+                                                                     "columns of each row")
+        if d["mask"] is not None and P is not None:
+            if d["response_mask"] is not None:
+                _expect_equal("mask", d["mask"][:, P:], d["response_mask"], "mask[:, P:] == response_mask")
+            if d["prompt_length"] is not None:
+                want = torch.arange(P, device=d["mask"].device).unsqueeze(0) >= (P - d["prompt_length"]).unsqueeze(1)
+                _expect_equal("mask", d["mask"][:, :P], want, "the prompt part True on the last prompt_length "
+                                                              "columns (left padding)")
+        if d["mask"] is not None and d["observation"] is not None:
+            obs = d["observation"]
+            bad = (~d["mask"]) & (obs != pad_token_id)
+            if bool(bad.any()):
+                i, j = bad.nonzero()[0].tolist()
+                raise BatchValidationError("observation", f"expected pad_token_id {pad_token_id} wherever mask is "
+                                                          f"False, found {int(obs[i, j])} at ({i}, {j})")
+        if d["action"] is not None and d["observation"] is not None and P is not None:
+            _expect_equal("action", d["action"], d["observation"][:, P:], "action == observation[:, P:] (the "
+                                                                          "last R columns)")
+
+    # ---- reshaping ------------------------------------------------------------------------------
+    def select(self, indices: torch.Tensor | Sequence[int] | slice) -> "RolloutBatch":
+        """A new batch with rows ``indices`` of every field and extras."""
+        B = len(self)
+        if isinstance(indices, slice):
+            idx = torch.arange(B)[indices]
+        else:
+            idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        if idx.numel() and (int(idx.min()) < -B or int(idx.max()) >= B):
+            raise IndexError(f"RolloutBatch.select: indices must be in [0, {B}), got min {int(idx.min())} "
+                             f"max {int(idx.max())}")
+        out = RolloutBatch(extras={k: _slice_extra(v, idx) for k, v in self.extras.items()})
+        for f, t in self.items():
+            out._data[f] = t[idx.to(t.device)]
+        return out
+
+    def split(self, mini_batch_size: int, generator: torch.Generator | None = None,
+              shuffle: bool = True) -> list["RolloutBatch"]:
+        """Equal mini-batches (B must be divisible by mini_batch_size), rows shuffled with
+        ``generator`` unless shuffle=False."""
+        B = len(self)
+        if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
+            raise ValueError(f"split: mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
+        if B % mini_batch_size:
+            raise ValueError(f"split: batch size {B} is not divisible by mini_batch_size {mini_batch_size}; "
+                             f"mini-batches must be equal for the loss normalisation to be right")
+        order = torch.randperm(B, generator=generator) if shuffle else torch.arange(B)
+        return [self.select(order[i:i + mini_batch_size]) for i in range(0, B, mini_batch_size)]
+
+    @staticmethod
+    def cat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """Concatenate along B; all batches must set the same fields and extras with equal trailing shapes."""
+        batches = list(batches)
+        if not batches:
+            raise ValueError("RolloutBatch.cat: got an empty list")
+        first = batches[0]
+        fields, keys = first.present(), set(first.extras)
+        for n, b in enumerate(batches[1:], start=1):
+            if b.present() != fields:
+                diff = sorted(set(b.present()) ^ set(fields))
+                raise ValueError(f"RolloutBatch.cat: batch {n} sets fields {b.present()}, batch 0 sets {fields} "
+                                 f"(differ in {diff})")
+            if set(b.extras) != keys:
+                raise ValueError(f"RolloutBatch.cat: batch {n} has extras {sorted(b.extras)}, batch 0 has "
+                                 f"{sorted(keys)}")
+            for f in fields:
+                if b._data[f].shape[1:] != first._data[f].shape[1:]:
+                    raise ValueError(f"RolloutBatch.cat: field {f!r} of batch {n} has shape "
+                                     f"{tuple(b._data[f].shape)}, batch 0 has {tuple(first._data[f].shape)} "
+                                     f"(only the batch dimension may differ; pad to a common width first)")
+        out = RolloutBatch()
+        for f in fields:
+            out._data[f] = torch.cat([b._data[f] for b in batches], dim=0)
+        for k in first.extras:
+            vals = [b.extras[k] for b in batches]
+            if isinstance(vals[0], torch.Tensor):
+                out.extras[k] = torch.cat(vals, dim=0)
+            else:
+                out.extras[k] = [x for v in vals for x in v]
+        return out
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "RolloutBatch":
+        """A new batch with every tensor (fields and tensor extras) on ``device``."""
+        out = RolloutBatch(extras={k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+                                   for k, v in self.extras.items()})
+        for f, t in self.items():
+            out._data[f] = t.to(device, non_blocking=non_blocking)
+        return out
+
+    def clone(self) -> "RolloutBatch":
+        out = RolloutBatch(extras={k: (v.clone() if isinstance(v, torch.Tensor) else list(v))
+                                   for k, v in self.extras.items()})
+        for f, t in self.items():
+            out._data[f] = t.clone()
+        return out
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _expect_equal(field: str, found: torch.Tensor, want: torch.Tensor, rule: str) -> None:
+    want = want.to(found.dtype)
+    if not torch.equal(found, want):
+        diff = found != want
+        i, j = diff.nonzero()[0].tolist()
+        raise BatchValidationError(field, f"expected {rule}; found a mismatch at ({i}, {j}): expected "
+                                          f"{want[i, j].item()}, found {found[i, j].item()} "
+                                          f"({int(diff.any(-1).sum())} row(s) differ)")

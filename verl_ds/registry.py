@@ -1,0 +1,207 @@
+"""ModelRegistry: name -> model instance, with aliases, atomic hot swap and a version per name.
+
+Also the class table that ``BaseModel.__init_subclass__`` fills (``model_classes()``).
+
+Hot swap: ``register(name, new_model)`` on an existing name replaces the instance under the lock and
+bumps its version; the next ``get`` (by name or alias) returns the new instance. A ``get`` never sees
+None or a half-registered entry: entries are immutable and replaced in one dict assignment.
+"""
+from __future__ import annotations
+
+import difflib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelRegistry", "UnknownModelError", "default_registry", "model_classes", "register_model_class"]
+
+_MISSING = object()
+
+
+class UnknownModelError(KeyError):
+    """A name that is neither registered nor an alias; the message suggests close matches."""
+
+    def __str__(self):  # KeyError would repr() the message
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class _Entry:
+    model: Any
+    version: int
+    registered_at: float
+
+
+def _close_matches(name: str, pool: list[str]) -> str:
+    close = difflib.get_close_matches(str(name), pool, n=3, cutoff=0.5)
+    # 'reward_model' vs 'reward': difflib's ratio alone misses long suffixes; prefixes count too
+    for p in pool:
+        if p not in close and min(len(p), len(str(name))) >= 3 and (str(name).startswith(p) or p.startswith(str(name))):
+            close.append(p)
+    return f"; did you mean {' or '.join(repr(c) for c in close[:3])}?" if close else ""
+
+
+def _torch_modules(model: Any) -> list:
+    import torch.nn as nn
+
+    if isinstance(model, nn.Module):
+        return [model]
+    fn = getattr(model, "torch_modules", None)
+    return list(fn()) if callable(fn) else []
+
+
+def _param_stats(model: Any) -> tuple[bool | None, int | None]:
+    """(trainable, num_parameters) over the torch modules the model is or wraps; (None, None) if none.
+
+    Parameters are counted once even when shared; a ZeRO-3 partitioned parameter reports its full
+    size through ``ds_numel`` (its local ``numel()`` is 0).
+    """
+    modules = _torch_modules(model)
+    if not modules:
+        return None, None
+    seen, total, trainable = set(), 0, False
+    for m in modules:
+        for p in m.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += int(getattr(p, "ds_numel", p.numel()))
+            trainable = trainable or bool(p.requires_grad)
+    return trainable, total
+
+
+class ModelRegistry:
+    """Thread-safe name -> instance map with aliases; see the module docstring."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._aliases: dict[str, str] = {}  # alias -> canonical name
+        self._last_version: dict[str, int] = {}  # survives unregister so versions never repeat
+
+    def register(self, name: str, model: Any, aliases: tuple[str, ...] | list[str] = ()) -> int:
+        """Register (or atomically replace) ``name``; returns the new version.
+
+        Aliases are added to the ones the name already has. An alias may not shadow another
+        registered name or point to a different name already.
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"model name must be a non-empty str, got {name!r}")
+        if model is None:
+            raise ValueError(f"cannot register None as model {name!r}; unregister({name!r}) removes a model")
+        if isinstance(aliases, str):
+            aliases = (aliases,)
+        with self._lock:
+            if name in self._aliases:
+                raise ValueError(f"{name!r} is already an alias of {self._aliases[name]!r}; "
+                                 f"register under {self._aliases[name]!r} or unregister the alias first")
+            for a in aliases:
+                if not isinstance(a, str) or not a or a == name:
+                    raise ValueError(f"alias of {name!r} must be a non-empty str other than the name, got {a!r}")
+                if a in self._entries:
+                    raise ValueError(f"alias {a!r} of {name!r} is already a registered model name")
+                if self._aliases.get(a, name) != name:
+                    raise ValueError(f"alias {a!r} already points to {self._aliases[a]!r}")
+            version = self._last_version.get(name, 0) + 1
+            self._entries[name] = _Entry(model, version, time.time())
+            self._last_version[name] = version
+            for a in aliases:
+                self._aliases[a] = name
+            return version
+
+    def unregister(self, name: str) -> Any:
+        """Remove a name (or the name an alias points to) and its aliases; returns the model."""
+        with self._lock:
+            canonical = self._resolve(name)
+            entry = self._entries.pop(canonical)
+            self._aliases = {a: n for a, n in self._aliases.items() if n != canonical}
+            return entry.model
+
+    def _resolve(self, name: str) -> str:
+        if name in self._entries:
+            return name
+        if name in self._aliases:
+            return self._aliases[name]
+        pool = sorted(set(self._entries) | set(self._aliases))
+        raise UnknownModelError(f"{name!r} is not registered{_close_matches(name, pool)} Registered: {pool}")
+
+    def get(self, name: str, default: Any = _MISSING) -> Any:
+        """The instance registered under ``name`` or an alias; unknown -> ``default`` if given, else
+        UnknownModelError with close-match suggestions."""
+        with self._lock:
+            try:
+                return self._entries[self._resolve(name)].model
+            except UnknownModelError:
+                if default is _MISSING:
+                    raise
+                return default
+
+    __getitem__ = get
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._entries or name in self._aliases
+
+    def names(self) -> list[str]:
+        """Registered canonical names, sorted."""
+        with self._lock:
+            return sorted(self._entries)
+
+    def aliases(self, name: str | None = None) -> dict[str, str] | list[str]:
+        """All aliases as {alias: name}, or the aliases of one name as a sorted list."""
+        with self._lock:
+            if name is None:
+                return dict(self._aliases)
+            canonical = self._resolve(name)
+            return sorted(a for a, n in self._aliases.items() if n == canonical)
+
+    def version(self, name: str) -> int:
+        """The version of ``name`` (1 at first registration, +1 at each swap)."""
+        with self._lock:
+            return self._entries[self._resolve(name)].version
+
+    def snapshot(self) -> list[dict]:
+        """One dict per name: {name, aliases, class, version, registered_at, trainable, num_parameters}.
+
+        trainable/num_parameters are None when the model neither is nor wraps torch modules.
+        """
+        with self._lock:
+            items = [(n, e, sorted(a for a, c in self._aliases.items() if c == n)) for n, e in self._entries.items()]
+        out = []
+        for name, entry, aliases in sorted(items, key=lambda t: t[0]):
+            trainable, numel = _param_stats(entry.model)
+            out.append({"name": name, "aliases": aliases, "class": type(entry.model).__name__,
+                        "version": entry.version, "registered_at": entry.registered_at,
+                        "trainable": trainable, "num_parameters": numel})
+        return out
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+_DEFAULT = ModelRegistry()
+
+
+def default_registry() -> ModelRegistry:
+    """The process-wide registry (what /v1/models shows). Tests build their own ModelRegistry()."""
+    return _DEFAULT
+
+
+# ---- class table ------------------------------------------------------------------------------------
+_CLASSES: dict[str, type] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def register_model_class(cls: type) -> None:
+    """Record a concrete model class under its ``__name__`` (a later class of the same name replaces
+    it, so re-imports and notebook re-definitions work)."""
+    with _CLASSES_LOCK:
+        _CLASSES[cls.__name__] = cls
+
+
+def model_classes() -> dict[str, type]:
+    """name -> concrete BaseModel subclass, as filled by ``BaseModel.__init_subclass__``."""
+    with _CLASSES_LOCK:
+        return dict(_CLASSES)
