@@ -27,11 +27,13 @@ REASONS = {
     "non_string_prompt": "prompt is not a string (or a chat message list with apply_chat_template)",
     "invalid_unicode": "prompt holds unpaired surrogates",
     "empty_prompt": "prompt is empty, whitespace only, or has no tokens",
+    "chat_template_error": "the tokenizer's chat template rejected the messages",
     "missing_passthrough": "a field named in passthrough_keys is missing",
     "overlong": "prompt longer than max_prompt_length (skipped)",
     "truncated": "prompt longer than max_prompt_length (kept, cut from the left)",
 }
 _OPTIONS = ("prompt_key", "max_prompt_length", "overlong", "empty", "apply_chat_template", "passthrough_keys")
+_ITEM_KEYS = ("input_ids", "prompt")  # what every item holds besides pass-through fields
 _SHOW = 3  # locations listed per reason in messages
 _TOKENIZE_CHUNK = 1024
 
@@ -193,6 +195,9 @@ def _check_options(tokenizer, prompt_key, max_prompt_length, overlong, empty, ap
     if passthrough_keys is not None and (isinstance(passthrough_keys, str)
                                          or not all(isinstance(k, str) for k in passthrough_keys)):
         raise ValueError(f"passthrough_keys: expected None or a list of field names, got {passthrough_keys!r}")
+    if passthrough_keys is not None and set(passthrough_keys) & set(_ITEM_KEYS):
+        raise ValueError(f"passthrough_keys: {sorted(set(passthrough_keys) & set(_ITEM_KEYS))} are reserved for the "
+                         "tokenized prompt; rename those fields in the data set")
     if not callable(tokenizer):
         raise TypeError(f"tokenizer: expected a HuggingFace tokenizer, got {type(tokenizer).__name__}")
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
@@ -225,8 +230,11 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
             raise ValueError(f"{source}: {where}: empty prompt (empty='error'; use empty='skip' to skip such rows)")
         problems.setdefault(reason, []).append(where)
 
-    all_keys = list(dict.fromkeys(k for _, row, _ in rows if isinstance(row, dict) for k in row if k != prompt_key))
-    keys = all_keys if passthrough_keys is None else [k for k in passthrough_keys if k != prompt_key]
+    if passthrough_keys is None:  # every field but the prompt; the item's own names cannot be overwritten
+        keys = list(dict.fromkeys(k for _, row, _ in rows if isinstance(row, dict) for k in row
+                                  if k != prompt_key and k not in _ITEM_KEYS))
+    else:
+        keys = [k for k in passthrough_keys if k != prompt_key]
     for where, row, reason in rows:
         if reason is None and not isinstance(row, dict):
             reason = "not_an_object"
@@ -248,11 +256,14 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
         if reason is not None:
             bad(reason, where)
             continue
+        to_tokenize = text
         if apply_chat_template:
-            messages = messages or [{"role": "user", "content": text}]
-            to_tokenize = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            to_tokenize = text
+            try:
+                to_tokenize = tokenizer.apply_chat_template(messages or [{"role": "user", "content": text}],
+                                                            tokenize=False, add_generation_prompt=True)
+            except Exception:  # templates may raise_exception() on messages they reject (roles not alternating)
+                bad("chat_template_error", where)
+                continue
         kept.append((where, text, to_tokenize, {k: row.get(k) for k in keys}))
 
     # The chat template already spells out BOS etc. as text; adding special tokens again would double them.
@@ -278,7 +289,9 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
 
     dataset = cls(items, problems, len(rows), source)
     if not items:
-        raise ValueError(f"{source}: no usable prompts (prompt_key={prompt_key!r}). {dataset.summary()}")
+        fields = next((sorted(row) for _, row, _ in rows if isinstance(row, dict)), [])
+        raise ValueError(f"{source}: no usable prompts (prompt_key={prompt_key!r}; fields of the first row: {fields}). "
+                         f"{dataset.summary()}")
     return dataset
 
 
@@ -299,8 +312,8 @@ class DistributedPromptSampler:
                 raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
         if rank >= world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
-        self.dataset_len, self.batch_size, self.rank, self.world_size = dataset_len, batch_size_per_rank, rank, world_size
-        self.seed, self.drop_last = seed, drop_last
+        self.dataset_len, self.batch_size, self.seed, self.drop_last = dataset_len, batch_size_per_rank, seed, drop_last
+        self.rank, self.world_size = rank, world_size
         self.global_batch_size = batch_size_per_rank * world_size
         if dataset_len < self.global_batch_size:
             raise ValueError(f"the data set has {dataset_len} prompts, fewer than one global batch "
@@ -376,7 +389,7 @@ def collate_prompts(items: list[dict], pad_token_id: int) -> dict:
         n = lengths[i]
         input_ids[i, P - n:] = torch.as_tensor(item["input_ids"], dtype=torch.int64)
         attention_mask[i, P - n:] = True
-    keys = dict.fromkeys(k for item in items for k in item if k not in ("input_ids", "prompt"))
+    keys = dict.fromkeys(k for item in items for k in item if k not in _ITEM_KEYS)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,

@@ -103,7 +103,8 @@ def test_file_errors(tmp_path, tok):
 
 def test_zero_usable_rows_is_an_error_with_the_reasons(tmp_path, tok):
     path = write_lines(tmp_path / "d.jsonl", [b'{"text": "a"}', b'{"text": "b"}', b"{"])
-    with pytest.raises(ValueError, match=r"no usable prompts \(prompt_key='prompt'\).*kept 0 of 3 rows; "
+    with pytest.raises(ValueError, match=r"no usable prompts \(prompt_key='prompt'; fields of the first row: "
+                                         r"\['text'\]\)\..*kept 0 of 3 rows; "
                                          r"missing_prompt 2 \(line 1, line 2\); invalid_json 1 \(line 3\)"):
         PromptDataset.from_file(path, tok)
 
@@ -135,6 +136,11 @@ def test_chat_template(tok):
     ds = PromptDataset.from_records([{"prompt": messages}], tok, apply_chat_template=True)
     assert tok.decode(ds[0]["input_ids"]) == "system : odd <eos> user : 1 2 => assistant :"
     assert ds[0]["prompt"] == "1 2 =>"
+    strict = build_tokenizer()
+    strict.chat_template = ("{% if messages|length > 1 %}{{ raise_exception('roles must alternate') }}{% endif %}"
+                            "{{ messages[0]['content'] }}")
+    ds = PromptDataset.from_records([GOOD, {"prompt": messages}], strict, apply_chat_template=True)
+    assert len(ds) == 1 and ds.report() == {"chat_template_error": 1}
     bare = build_tokenizer()
     bare.chat_template = None
     with pytest.raises(ValueError, match="apply_chat_template=True but the tokenizer has no chat_template"):
@@ -148,6 +154,14 @@ def test_passthrough_keys(tok):
     ds = PromptDataset.from_records(records, tok, passthrough_keys=["answer"])
     assert len(ds) == 1 and set(ds[0]) == {"input_ids", "prompt", "answer"}
     assert ds.report() == {"missing_passthrough": 1}
+
+
+def test_reserved_fields_are_not_passed_through(tok):
+    records = [{"question": "1", "prompt": "other", "input_ids": [9, 9], "answer": "1"}]
+    ds = PromptDataset.from_records(records, tok, prompt_key="question")
+    assert ds[0] == {"input_ids": tok("1")["input_ids"], "prompt": "1", "answer": "1"}
+    with pytest.raises(ValueError, match=r"passthrough_keys: \['input_ids'\] are reserved for the tokenized prompt"):
+        PromptDataset.from_records(records, tok, prompt_key="question", passthrough_keys=["answer", "input_ids"])
 
 
 @pytest.mark.parametrize("kwargs, message", [
