@@ -187,9 +187,11 @@ def _suggest(name: str, options) -> str:
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(tp))
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
     return getattr(tp, "__name__", str(tp))
 
 
