@@ -1,0 +1,283 @@
+"""Full-vocabulary symmetric KL between actor and reference logits, and a fused log-prob + entropy +
+token-level KL kernel.
+
+Symmetric KL (half the Jeffreys divergence), with x = logits / T, y = ref_logits / T, p = softmax(x),
+q = softmax(y) and d = x - y:
+    J = (KL(p||q) + KL(q||p)) / 2 = 1/2 sum_v (p_v - q_v)(log p_v - log q_v) = 1/2 (E_p[d] - E_q[d])
+(the log-sum-exp terms cancel because sum_v (p_v - q_v) = 0), so one online pass over both rows
+with two running maxima gives it. The torch twin is ``verl_ds.algos.kl.full_symmetric_kl_torch``.
+
+Gradient w.r.t. x (none flows to the reference), using d p_v / d x_k = p_v ([v == k] - p_k):
+    d/dx_k sum_v p_v d_v = p_k d_k - p_k E_p[d] + p_k        (the last p_k from d d_k / d x_k = 1)
+    d/dx_k sum_v q_v d_v = q_k
+    dJ/dx_k = 1/2 (p_k (d_k - E_p[d] + 1) - q_k),   and d/d logits_k = dJ/dx_k / T.
+The backward re-reads both rows and rebuilds p and q from the saved log-sum-exps and E_p[d].
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import (NEG_BIG, check_float_2d, check_labels, check_runnable, check_temperature, tuned,
+                     unit_col_stride, vocab_meta)
+from .logprob import logprob_entropy_backward, row_logprob_entropy
+
+
+def _symkl_fwd_kernel(
+    x_ptr, x_row_stride, y_ptr, y_row_stride, kl_ptr, stats_ptr, n_rows, n_cols, inv_temperature,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_V)
+    m_x = tl.full((), NEG_BIG, tl.float32)
+    m_y = tl.full((), NEG_BIG, tl.float32)
+    s_x = tl.zeros((), tl.float32)  # sum e^{x - m_x}
+    s_y = tl.zeros((), tl.float32)
+    a = tl.zeros((), tl.float32)  # sum e^{x - m_x} d   -> E_p[d] = a / s_x
+    b = tl.zeros((), tl.float32)  # sum e^{y - m_y} d   -> E_q[d] = b / s_y
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + offs
+        # 1. Both blocks; padding reads -inf so its weights e^{-inf} are 0.
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=float("-inf"))
+        y = tl.load(y_ptr + row * y_row_stride + cols, mask=cols < n_cols, other=float("-inf"))
+        x = x.to(tl.float32) * inv_temperature
+        y = y.to(tl.float32) * inv_temperature
+        # 2. Two online softmaxes; d itself needs no rescaling, only the weights do.
+        mx_new = tl.maximum(m_x, tl.max(x, 0))
+        my_new = tl.maximum(m_y, tl.max(y, 0))
+        alpha_x = tl.exp(m_x - mx_new)
+        alpha_y = tl.exp(m_y - my_new)
+        ex = tl.exp(x - mx_new)
+        ey = tl.exp(y - my_new)
+        d = x - y
+        # zero weight -> zero term, also where d is -inf - -inf (padding, masked vocabulary)
+        a = a * alpha_x + tl.sum(tl.where(ex > 0, ex * d, 0.0), 0)
+        b = b * alpha_y + tl.sum(tl.where(ey > 0, ey * d, 0.0), 0)
+        s_x = s_x * alpha_x + tl.sum(ex, 0)
+        s_y = s_y * alpha_y + tl.sum(ey, 0)
+        m_x = mx_new
+        m_y = my_new
+    # 3. J >= 0 holds exactly; clamp the rounding (the gradient is taken as if unclamped).
+    mean_d_p = a / s_x
+    tl.store(kl_ptr + row, tl.maximum(0.5 * (mean_d_p - b / s_y), 0.0))
+    # 4. For the backward: stats (5, N) = max x, log-sum x, max y, log-sum y, E_p[d] (lse kept in two
+    #    parts for precision, see _utils).
+    tl.store(stats_ptr + row, m_x)
+    tl.store(stats_ptr + n_rows + row, tl.log(s_x))
+    tl.store(stats_ptr + 2 * n_rows + row, m_y)
+    tl.store(stats_ptr + 3 * n_rows + row, tl.log(s_y))
+    tl.store(stats_ptr + 4 * n_rows + row, mean_d_p)
+
+
+def _symkl_bwd_kernel(
+    x_ptr, x_row_stride, y_ptr, y_row_stride, grad_x_ptr, grad_row_stride, grad_kl_ptr,
+    stats_ptr, n_rows, n_cols, inv_temperature, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    # 1. Per-row scalars: 1/2 and 1/T fold into the incoming gradient.
+    g = tl.load(grad_kl_ptr + row) * 0.5 * inv_temperature
+    m_x = tl.load(stats_ptr + row)
+    log_s_x = tl.load(stats_ptr + n_rows + row)
+    m_y = tl.load(stats_ptr + 2 * n_rows + row)
+    log_s_y = tl.load(stats_ptr + 3 * n_rows + row)
+    mean_d_p = tl.load(stats_ptr + 4 * n_rows + row)
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, n_cols, BLOCK_V):
+        cols = start + offs
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + row * y_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        x = x * inv_temperature
+        y = y * inv_temperature
+        # 2. Rebuild p and q; dJ/dx_k from the module docstring.
+        p = tl.exp((x - m_x) - log_s_x)
+        q = tl.exp((y - m_y) - log_s_y)
+        grad = g * (tl.where(p > 0, p * (x - y - mean_d_p + 1.0), 0.0) - q)
+        tl.store(grad_x_ptr + row * grad_row_stride + cols, grad.to(grad_x_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+_symkl_fwd = tuned(triton.jit(_symkl_fwd_kernel), key=["n_cols"])
+_symkl_bwd = tuned(triton.jit(_symkl_bwd_kernel), key=["n_cols"])
+
+
+def symkl_forward(logits, ref_logits, temperature):
+    """Launch the forward: (N, V) x2 with unit column stride -> kl (N,), stats (5, N) for the backward; fp32."""
+    n_rows, n_cols = logits.shape
+    kl = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(5, n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows:
+        _symkl_fwd[(n_rows,)](logits, logits.stride(0), ref_logits, ref_logits.stride(0), kl, stats, n_rows, n_cols,
+                              1.0 / temperature, **vocab_meta(n_cols))
+    return kl, stats
+
+
+def symkl_backward(logits, ref_logits, stats, grad_kl, temperature):
+    """Launch the backward -> grad w.r.t. logits (N, V) in the logits' dtype."""
+    n_rows, n_cols = logits.shape
+    grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    if n_rows:
+        _symkl_bwd[(n_rows,)](logits, logits.stride(0), ref_logits, ref_logits.stride(0), grad, grad.stride(0),
+                              grad_kl.float().contiguous(), stats, n_rows, n_cols, 1.0 / temperature,
+                              **vocab_meta(n_cols))
+    return grad
+
+
+class SymmetricKLFunction(torch.autograd.Function):
+    """Autograd wrapper: saves both logits and five (N,) vectors; no gradient to the reference."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, temperature):
+        kl, stats = symkl_forward(logits, ref_logits, temperature)
+        ctx.save_for_backward(logits, ref_logits, stats)
+        ctx.temperature = temperature
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        logits, ref_logits, stats = ctx.saved_tensors
+        return symkl_backward(logits, ref_logits, stats, grad_kl, ctx.temperature), None, None
+
+
+def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-row 1/2 (KL(p||q) + KL(q||p)) over the full vocabulary, fused in Triton (one pass).
+
+    Parameters:
+        logits: (N, V) actor logits, float32/bfloat16/float16; the gradient flows to them.
+        ref_logits: (N, V) reference logits (any of those dtypes); treated as constant.
+        temperature: positive float dividing both.
+    Returns:
+        (N,) float32, >= 0.
+    """
+    check_float_2d("logits", logits)
+    check_float_2d("ref_logits", ref_logits, logits.shape[0])
+    if ref_logits.shape != logits.shape:
+        raise ValueError(f"ref_logits must have the logits' shape {tuple(logits.shape)}, got {tuple(ref_logits.shape)}")
+    if ref_logits.device != logits.device:
+        raise ValueError(f"ref_logits must be on the logits' device {logits.device}, got {ref_logits.device}")
+    temperature = check_temperature(temperature)
+    check_runnable(logits, "full_symmetric_kl")
+    return SymmetricKLFunction.apply(unit_col_stride(logits), unit_col_stride(ref_logits.detach()), temperature)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused token-level variant: log-prob, entropy and a KL estimator of delta = logprob - ref_logprob in
+# the same single pass over the actor logits (the estimator is an epilogue on two scalars per row).
+
+KL_KINDS = {"k1": 1, "kl": 1, "abs": 2, "k2": 3, "mse": 3, "k3": 4, "low_var_kl": 4}
+KL_KIND_CHOICES = tuple(KL_KINDS) + tuple(k + "+" for k in KL_KINDS)
+
+
+def _logprob_entropy_kl_fwd_kernel(
+    logits_ptr, logits_row_stride, labels_ptr, ref_logprob_ptr, logprob_ptr, entropy_ptr, kl_ptr, max_ptr, log_sum_ptr,
+    n_cols, inv_temperature, ignore_index, KL_KIND: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    # 1. The log-prob and entropy pass of logprob.py.
+    active, logprob, entropy, m, log_s = row_logprob_entropy(logits_ptr, logits_row_stride, labels_ptr, row, n_cols,
+                                                             inv_temperature, ignore_index, True, BLOCK_V)
+    # 2. The estimator on delta = logprob - ref (peers.md 2.2; k3 with verl's clamps).
+    delta = logprob - tl.load(ref_logprob_ptr + row).to(tl.float32)
+    if KL_KIND == 1:
+        kl = delta
+    elif KL_KIND == 2:
+        kl = tl.abs(delta)
+    elif KL_KIND == 3:
+        kl = 0.5 * delta * delta
+    else:
+        u = tl.minimum(tl.maximum(-delta, -20.0), 20.0)
+        kl = tl.minimum(tl.maximum(tl.exp(u) - u - 1.0, -10.0), 10.0)
+    tl.store(logprob_ptr + row, logprob)
+    tl.store(entropy_ptr + row, entropy)
+    tl.store(kl_ptr + row, tl.where(active, kl, 0.0))
+    tl.store(max_ptr + row, m)
+    tl.store(log_sum_ptr + row, log_s)
+
+
+_fused_fwd = tuned(triton.jit(_logprob_entropy_kl_fwd_kernel), key=["n_cols", "KL_KIND"])
+
+
+def kl_estimator_grad(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """d kl / d logprob of the estimator ``kind`` (N,), matching torch autograd of the forward formula.
+
+    A trailing ``+`` is verl's straight-through variant: the forward value of the estimator with the
+    gradient of k2 (which is delta).
+    """
+    delta = logprob - ref_logprob
+    base = kind[:-1] if kind.endswith("+") else kind
+    if kind.endswith("+") or KL_KINDS[base] == 3:
+        return delta
+    if KL_KINDS[base] == 1:
+        return torch.ones_like(delta)
+    if KL_KINDS[base] == 2:
+        return torch.sign(delta)
+    # k3: u = clamp(-delta, -20, 20), kl = clamp(e^u - u - 1, -10, 10); d kl/d logprob = 1 - e^u where
+    # neither clamp is active (torch passes the gradient at the clamp bounds too).
+    u = (-delta).clamp(-20.0, 20.0)
+    k = torch.exp(u) - u - 1.0
+    live = (delta.abs() <= 20.0) & (k >= -10.0) & (k <= 10.0)
+    return torch.where(live, 1.0 - torch.exp(u), torch.zeros_like(u))
+
+
+class LogprobEntropyKLFunction(torch.autograd.Function):
+    """Autograd wrapper for the fused kernel; the backward is logprob.py's with the KL folded into the
+    log-prob's incoming gradient: g_logprob + g_kl * d kl / d logprob."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ref_logprob, kind, temperature, ignore_index):
+        n_rows, n_cols = logits.shape
+        logprob = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        entropy, kl = torch.empty_like(logprob), torch.empty_like(logprob)
+        stats = torch.empty(2, n_rows, dtype=torch.float32, device=logits.device)
+        if n_rows:
+            _fused_fwd[(n_rows,)](logits, logits.stride(0), labels, ref_logprob, logprob, entropy, kl, stats[0], stats[1],
+                                  n_cols, 1.0 / temperature, ignore_index,
+                                  KL_KIND=KL_KINDS[kind.rstrip("+")], **vocab_meta(n_cols))
+        ctx.save_for_backward(logits, labels, ref_logprob, logprob, entropy, stats)
+        ctx.kind, ctx.temperature, ctx.ignore_index = kind, temperature, ignore_index
+        ctx.set_materialize_grads(False)
+        return logprob, entropy, kl
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy, grad_kl):
+        logits, labels, ref_logprob, logprob, entropy, stats = ctx.saved_tensors
+        if grad_logprob is None and grad_entropy is None and grad_kl is None:
+            return (None,) * 6
+        coef = torch.zeros_like(logprob) if grad_logprob is None else grad_logprob.float()
+        if grad_kl is not None:
+            coef = coef + grad_kl.float() * kl_estimator_grad(logprob, ref_logprob, ctx.kind)
+        grad_logits = logprob_entropy_backward(logits, labels, stats, entropy, coef, grad_entropy,
+                                               ctx.temperature, ctx.ignore_index)
+        return grad_logits, None, None, None, None, None
+
+
+def logprob_entropy_kl(logits: torch.Tensor, labels: torch.Tensor, ref_logprob: torch.Tensor, kind: str,
+                       temperature: float = 1.0, ignore_index: int = -100):
+    """Log-prob, entropy and a token-level KL estimator in one Triton pass over the actor logits.
+
+    Parameters:
+        logits: (N, V) float32/bfloat16/float16 actor logits.
+        labels: (N,) int64 token ids, or ``ignore_index`` for rows to skip (all outputs 0 there).
+        ref_logprob: (N,) reference log-probs of the same tokens (float; treated as constant).
+        kind: ``k1``/``kl`` (delta), ``abs``, ``k2``/``mse`` (delta^2 / 2), ``k3``/``low_var_kl``
+            (e^{-delta} - 1 + delta with verl's clamps), each optionally with ``+`` (value of the
+            estimator, gradient of k2), where delta = logprob - ref_logprob.
+        temperature: positive float dividing the logits.
+    Returns:
+        (logprob, entropy, kl), each (N,) float32 and differentiable w.r.t. ``logits``.
+    """
+    if not isinstance(kind, str) or kind not in KL_KIND_CHOICES:
+        raise ValueError(f"kind must be one of {', '.join(KL_KIND_CHOICES)}, got {kind!r}")
+    check_float_2d("logits", logits)
+    check_labels(labels, logits.shape[0], logits.shape[1], ignore_index)
+    if not isinstance(ref_logprob, torch.Tensor) or not ref_logprob.is_floating_point():
+        raise TypeError(f"ref_logprob must be a float tensor, got {getattr(ref_logprob, 'dtype', type(ref_logprob))}")
+    if ref_logprob.shape != labels.shape:
+        raise ValueError(f"ref_logprob must have shape {tuple(labels.shape)}, got {tuple(ref_logprob.shape)}")
+    for name, t in (("labels", labels), ("ref_logprob", ref_logprob)):
+        if t.device != logits.device:
+            raise ValueError(f"{name} must be on the logits' device {logits.device}, got {t.device}")
+    temperature = check_temperature(temperature)
+    check_runnable(logits, "logprob_entropy_kl")
+    return LogprobEntropyKLFunction.apply(unit_col_stride(logits), labels.contiguous(),
+                                          ref_logprob.detach().float().contiguous(), kind, temperature,
+                                          int(ignore_index))
