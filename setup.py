@@ -23,6 +23,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["verl_ds", "verl_ds.*"]) + ["verl_ds.kernels"],
     package_dir={"verl_ds.kernels": "kernels"},
+    package_data={"verl_ds.tasks": ["data/*.jsonl"]},
     install_requires=install_requires,
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "matplotlib>=3.7", "pyarrow>=14", "datasets>=2.18"],
