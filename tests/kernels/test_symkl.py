@@ -1,0 +1,164 @@
+"""kernels/symkl.py: full-vocabulary symmetric KL and the fused log-prob + entropy + KL estimator."""
+import math
+
+import pytest
+import torch
+from kernel_refs import (DEVICE, GRAD_TOL, TOL, assert_close, ref_kl_estimator, ref_logprob_entropy,
+                         ref_symmetric_kl)
+
+from verl_ds.kernels.symkl import KL_KIND_CHOICES, full_symmetric_kl, logprob_entropy_kl
+
+
+def _pair(n_rows, n_cols, dtype=torch.float32, scale=2.0):
+    logits = (torch.randn(n_rows, n_cols) * scale).to(dtype).to(DEVICE)
+    ref_logits = (logits.float().cpu() + torch.randn(n_rows, n_cols) * scale).to(dtype).to(DEVICE)
+    return logits, ref_logits
+
+
+def _check_symkl(logits, ref_logits, temperature=1.0):
+    dtype = logits.dtype
+    x = logits.clone().requires_grad_()
+    y = ref_logits.clone().requires_grad_()  # must receive no gradient
+    kl = full_symmetric_kl(x, y, temperature)
+    x_ref = logits.detach().double().requires_grad_()
+    kl_ref = ref_symmetric_kl(x_ref, ref_logits, temperature)
+    assert kl.dtype == torch.float32 and kl.shape == (logits.shape[0],)
+    assert_close(kl, kl_ref, **TOL[dtype], what="symmetric kl")
+    assert (kl >= 0).all()
+    w = torch.randn(logits.shape[0], device=logits.device)
+    (w * kl).sum().backward()
+    (w.double() * kl_ref).sum().backward()
+    assert x.grad.dtype == dtype
+    assert_close(x.grad, x_ref.grad, **GRAD_TOL[dtype], what="grad logits")
+    assert y.grad is None
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(7, 1), (9, 1000), (2, 32003)])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_fp32_forward_backward_vs_float64(n_rows, n_cols, temperature):
+    _check_symkl(*_pair(n_rows, n_cols), temperature)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_forward_backward(dtype):
+    _check_symkl(*_pair(9, 1000, dtype), 1.2)
+
+
+def test_bf16_large_vocab():
+    _check_symkl(*_pair(2, 32003, torch.bfloat16))
+
+
+def test_hand_computed_two_token_case():
+    # x = (0, 0), y = (0, log 3): p = (1/2, 1/2), q = (1/4, 3/4), d = x - y = (0, -log 3)
+    # J = 1/2 sum (p - q) d = 1/2 * (-1/4)(-log 3) = log(3) / 8
+    # dJ/dx_k = 1/2 (p_k (d_k - E_p[d] + 1) - q_k), E_p[d] = -log(3)/2
+    x = torch.tensor([[0.0, 0.0]], device=DEVICE, requires_grad=True)
+    y = torch.tensor([[0.0, math.log(3.0)]], device=DEVICE)
+    kl = full_symmetric_kl(x, y)
+    kl.sum().backward()
+    l3 = math.log(3.0)
+    expected_grad = [0.5 * (0.5 * (l3 / 2 + 1) - 0.25), 0.5 * (0.5 * (-l3 + l3 / 2 + 1) - 0.75)]
+    assert_close(kl, torch.tensor([l3 / 8]), atol=1e-7, rtol=1e-6, what="J")
+    assert_close(x.grad, torch.tensor([expected_grad]), atol=1e-7, rtol=1e-6, what="dJ/dx")
+    assert abs(sum(expected_grad)) < 1e-12  # softmax invariance: the gradient sums to 0
+
+
+def test_zero_for_equal_distributions_and_shift_invariant():
+    logits = torch.randn(4, 777, device=DEVICE)
+    x = logits.clone().requires_grad_()
+    kl = full_symmetric_kl(x, logits + 5.0)  # same softmax
+    kl.sum().backward()
+    assert (kl.abs() < 1e-6).all()
+    assert (x.grad.abs() < 1e-6).all()
+
+
+def test_large_logits_stay_finite():
+    logits, ref_logits = _pair(3, 1000, scale=1e4)
+    x = logits.clone().requires_grad_()
+    kl = full_symmetric_kl(x, ref_logits)
+    assert torch.isfinite(kl).all() and (kl >= 0).all()
+    assert_close(kl, ref_symmetric_kl(logits, ref_logits), atol=1e-2, rtol=1e-5, what="J at 1e4")
+    kl.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_symkl_errors_name_the_argument():
+    logits, ref_logits = _pair(3, 10)
+    with pytest.raises(ValueError, match=r"ref_logits must have the logits' shape \(3, 10\), got \(3, 11\)"):
+        full_symmetric_kl(logits, torch.zeros(3, 11, device=DEVICE))
+    with pytest.raises(ValueError, match=r"ref_logits must have 3 rows, got shape \(2, 10\)"):
+        full_symmetric_kl(logits, ref_logits[:2])
+    with pytest.raises(TypeError, match="ref_logits must be float32, bfloat16 or float16, got torch.float64"):
+        full_symmetric_kl(logits, ref_logits.double())
+    with pytest.raises(ValueError, match="temperature must be a positive finite float, got -1.0"):
+        full_symmetric_kl(logits, ref_logits, temperature=-1.0)
+
+
+# --- fused log-prob + entropy + token-level KL estimator -------------------------------------------
+
+def _check_fused(n_rows, n_cols, kind, dtype=torch.float32, temperature=1.0):
+    logits = (torch.randn(n_rows, n_cols) * 2).to(dtype).to(DEVICE)
+    labels = torch.randint(0, n_cols, (n_rows,))
+    labels[0] = -100
+    labels = labels.to(DEVICE)
+    # reference log-probs spread so that delta covers both signs and k3's clamp at |delta| > 20
+    ref_logprob = (-torch.rand(n_rows) * 12 - 0.1).to(DEVICE)
+    ref_logprob[-1] = -40.0
+    x = logits.clone().requires_grad_()
+    logprob, entropy, kl = logprob_entropy_kl(x, labels, ref_logprob, kind, temperature)
+    x_ref = logits.detach().double().requires_grad_()
+    logprob_ref, entropy_ref = ref_logprob_entropy(x_ref, labels, temperature)
+    active = labels != -100
+    kl_ref = torch.where(active, ref_kl_estimator(logprob_ref, ref_logprob.double(), kind), 0.0)
+    assert_close(logprob, logprob_ref, **TOL[dtype], what="logprob")
+    assert_close(entropy, entropy_ref, **TOL[dtype], what="entropy")
+    assert_close(kl, kl_ref, atol=TOL[dtype]["atol"] * 10, rtol=TOL[dtype]["rtol"] * 10, what=f"kl {kind}")
+    w = torch.randn(3, n_rows, device=DEVICE)
+    ((w[0] * logprob).sum() + (w[1] * entropy).sum() + (w[2] * kl).sum()).backward()
+    w = w.double()
+    ((w[0] * logprob_ref).sum() + (w[1] * entropy_ref).sum() + (w[2] * kl_ref).sum()).backward()
+    assert_close(x.grad, x_ref.grad, **GRAD_TOL[dtype], what=f"grad logits ({kind})")
+
+
+@pytest.mark.parametrize("kind", KL_KIND_CHOICES)
+def test_fused_every_kind_vs_float64(kind):
+    _check_fused(12, 301, kind, temperature=0.8)
+
+
+def test_fused_large_vocab_and_bf16():
+    _check_fused(2, 32003, "k3")
+    _check_fused(6, 1000, "low_var_kl+", torch.bfloat16, temperature=1.1)
+
+
+def test_fused_straight_through_has_k2_gradient():
+    logits = torch.randn(5, 64, device=DEVICE)
+    labels = torch.randint(0, 64, (5,), device=DEVICE)
+    ref_logprob = torch.full((5,), -3.0, device=DEVICE)
+    grads = {}
+    for kind in ("k3+", "k2", "k3"):
+        x = logits.clone().requires_grad_()
+        lp, _, kl = logprob_entropy_kl(x, labels, ref_logprob, kind)
+        kl.sum().backward()
+        grads[kind] = (x.grad, kl.detach())
+    assert torch.equal(grads["k3+"][0], grads["k2"][0])
+    assert torch.equal(grads["k3+"][1], grads["k3"][1])
+
+
+def test_fused_matches_unfused_logprob_kernel():
+    from verl_ds.kernels.logprob import logprobs_and_entropy
+    logits = torch.randn(7, 513, device=DEVICE)
+    labels = torch.randint(0, 513, (7,), device=DEVICE)
+    lp, ent, kl = logprob_entropy_kl(logits, labels, torch.zeros(7, device=DEVICE), "k1")
+    lp2, ent2 = logprobs_and_entropy(logits, labels)
+    assert torch.equal(lp, lp2) and torch.equal(ent, ent2) and torch.equal(kl, lp)
+
+
+def test_fused_errors_name_the_argument():
+    logits = torch.randn(3, 10, device=DEVICE)
+    labels = torch.zeros(3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="kind must be one of k1, kl, abs.*got 'full'"):
+        logprob_entropy_kl(logits, labels, torch.zeros(3, device=DEVICE), "full")
+    with pytest.raises(ValueError, match=r"ref_logprob must have shape \(3,\), got \(2,\)"):
+        logprob_entropy_kl(logits, labels, torch.zeros(2, device=DEVICE), "k1")
+    with pytest.raises(TypeError, match="ref_logprob must be a float tensor, got torch.int64"):
+        logprob_entropy_kl(logits, labels, labels, "k1")
