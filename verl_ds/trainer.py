@@ -343,7 +343,7 @@ class PPOTrainer:
         batch = RolloutBatch.from_generation(prompts["input_ids"], prompts["attention_mask"], gen.responses,
                                              gen.response_length, gen.done, pad_token_id=tok.pad_token_id,
                                              extras={"prompt": prompts["prompts"], **prompts["extras"]})
-        temperature = st.get("temperature")
+        temperature, kl_coef = st.get("temperature"), st.get("kl_coef")  # this step's values, identical on every rank
         with torch.no_grad():
             with t("old_log_prob"):
                 actor = self.registry.get("actor")
@@ -372,15 +372,16 @@ class PPOTrainer:
         metrics = {**reward_metrics, **adv_metrics, **critic_metrics, **actor_metrics, **kl_metrics,
                    "response_length/mean": float(batch.response_length.float().mean()),
                    "response_length/clip_ratio": float((~batch.done).float().mean()),
-                   "prompt_length/mean": float(batch.prompt_length.float().mean())}
+                   "prompt_length/mean": float(batch.prompt_length.float().mean()),
+                   # what this rank used: averaged over ranks, a rank that missed an update would show
+                   "actor/kl_coef": kl_coef, "state/temperature": temperature,
+                   "state/version": float(st.version), "state/reward_version": float(st.get("reward_version"))}
         metrics = reduce_across_ranks(metrics)
         step_time = time.perf_counter() - start
         total_tokens = reduce_across_ranks({"n": n_tokens}, op="sum")["n"]
         metrics.update(reduce_across_ranks(t.as_metrics(), op="mean"))
         metrics.update({"timing_s/step": step_time, "perf/total_num_tokens": total_tokens,
-                        "perf/throughput": total_tokens / step_time / self.world, "training/global_step": step,
-                        "actor/kl_coef": st.get("kl_coef"), "state/version": st.version,
-                        "state/temperature": temperature, "state/reward_version": st.get("reward_version")})
+                        "perf/throughput": total_tokens / step_time / self.world, "training/global_step": step})
         return metrics
 
     def _update_kl_controller(self, batch) -> dict:

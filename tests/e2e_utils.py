@@ -1,0 +1,53 @@
+"""Helpers for end-to-end tests: run launch/train.py in subprocesses (1 or 2 ranks) with a timeout."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+
+# a short, fast job: tiny model, small batches; tests add their own overrides
+FAST = ["trainer.total_steps=2", "rollout.batch_size=8", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
+        "rollout.max_new_tokens=6", "data.num_train_prompts=64", "data.num_val_prompts=8",
+        "trainer.progress_bar=false", "trainer.plot=false", "model.hidden_size=32", "model.intermediate_size=64"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def base_env(**extra) -> dict:
+    env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET"):
+        env.pop(k, None)
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore::FutureWarning",
+                "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_ext")),
+                "PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", "")})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_train(output_dir: str, overrides=(), nproc: int = 1, timeout: int = 240, env=None, check: bool = True):
+    """Run the trainer (``nproc`` ranks via torchrun when > 1); returns the CompletedProcess."""
+    args = [f"trainer.output_dir={output_dir}", *FAST, *overrides]
+    if nproc == 1:
+        cmd = [sys.executable, TRAIN, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               f"--master_port={free_port()}", TRAIN, *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or base_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"training failed (exit {proc.returncode}):\n--- stdout ---\n{proc.stdout[-4000:]}\n"
+                             f"--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
