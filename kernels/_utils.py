@@ -83,21 +83,24 @@ def unit_col_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-def vocab_block(n_cols: int) -> int:
-    """Vocabulary block per loop step when interpreting (on CUDA the autotuner picks)."""
-    # The interpreter pays ~5 ms per loop iteration of the row pass almost whatever the block, so
-    # take big blocks there (V = 32003 is one iteration).
-    return max(16, min(triton.next_power_of_2(n_cols), 32768))
+# Set by benchmarks/kernels.py --sweep to time other launch shapes; None in normal use.
+VOCAB_LAUNCH_OVERRIDE: dict | None = None
 
 
-def vocab_configs() -> list:
-    """Autotune candidates for the row-streaming kernels on CUDA: vocab block x warps.
+def vocab_meta(n_cols: int) -> dict:
+    """Launch meta-parameters (vocab block per loop step, warps) of the row-streaming kernels.
 
-    Rows are independent programs, so occupancy comes from N; the block trades loop overhead
-    against registers (BLOCK_V / (32 * num_warps) fp32 values per thread and per live tensor).
+    One program streams one row, so occupancy comes from N (thousands of rows). On CUDA a 4096-wide
+    block with 8 warps gives each thread 16 values (two 16-byte loads for bf16) per step and keeps
+    ~8 KB in flight per program; several programs per SM hide the latency. No autotuning: with
+    the constexpr and dtype variants it would compile and time hundreds of kernels per process.
+    The interpreter pays ~5 ms per loop iteration almost whatever the block, so it takes blocks
+    of up to 32768 (V = 32003 is one iteration).
     """
-    return [triton.Config({"BLOCK_V": b}, num_warps=w)
-            for b, w in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16))]
+    if VOCAB_LAUNCH_OVERRIDE is not None:
+        return dict(VOCAB_LAUNCH_OVERRIDE)
+    block = max(16, min(triton.next_power_of_2(n_cols), 32768 if INTERPRETING_AT_IMPORT else 4096))
+    return {"BLOCK_V": block, "num_warps": 8 if block >= 2048 else 4}
 
 
 @triton.jit
@@ -130,16 +133,3 @@ def row_softmax_stats(row_ptr, n_cols, inv_temperature, WITH_ENTROPY: tl.constex
     log_s = tl.log(s)
     entropy = log_s - t / s
     return m, log_s, entropy
-
-
-
-def tuned(kernel, key):
-    """``kernel`` autotuned over ``vocab_configs()`` on CUDA; unchanged when interpreting, where
-    more than one config fails and the launcher passes ``vocab_meta(n_cols)`` instead."""
-    if INTERPRETING_AT_IMPORT:
-        return kernel
-    return triton.autotune(configs=vocab_configs(), key=key)(kernel)
-
-
-def vocab_meta(n_cols: int) -> dict:
-    return {"BLOCK_V": vocab_block(n_cols)} if INTERPRETING_AT_IMPORT else {}

@@ -124,7 +124,8 @@ def _check_inputs(token_rewards, values, response_mask, gamma, lam, method):
         raise ValueError(f"token_rewards must be 2-D (B, T), got shape {tuple(token_rewards.shape)}")
     for name, t in (("values", values), ("response_mask", response_mask)):
         if t.shape != token_rewards.shape:
-            raise ValueError(f"{name} must have token_rewards' shape {tuple(token_rewards.shape)}, got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have token_rewards' shape {tuple(token_rewards.shape)}, got {tuple(t.shape)}")
         if t.device != token_rewards.device:
             raise ValueError(f"{name} must be on token_rewards' device {token_rewards.device}, got {t.device}")
     for name, x in (("gamma", gamma), ("lam", lam)):

@@ -4,8 +4,8 @@ With x = logits / temperature, p = softmax(x), lse = logsumexp(x):
     logprob_n = x_{n, y_n} - lse_n              entropy_n = lse_n - sum_v p_v x_v
 The torch twin is ``verl_ds.algos.logprob.logprobs_and_entropy_torch``. Nothing of size (N, V) is
 kept between forward and backward: the backward re-reads the logits and rebuilds p from the saved
-row max and log-sum (lse = max + log-sum, kept apart for precision, see _utils). Rows whose label is ``ignore_index`` run no loop iteration and get logprob = entropy = 0 and a
-zero gradient.
+row max and log-sum (lse = max + log-sum, kept apart for precision, see _utils). Rows whose label
+is ``ignore_index`` run no loop iteration and get logprob = entropy = 0 and a zero gradient.
 
 Gradient (per row, k over the vocabulary, g_l and g_H the incoming gradients):
     d logprob / d x_k = [k == y] - p_k
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (check_float_2d, check_labels, check_runnable, check_temperature, row_softmax_stats, tuned,
+from ._utils import (check_float_2d, check_labels, check_runnable, check_temperature, row_softmax_stats,
                      unit_col_stride, vocab_meta)
 
 
@@ -45,6 +45,7 @@ def row_logprob_entropy(logits_ptr, logits_row_stride, labels_ptr, row, n_cols, 
             tl.where(active, m, 0.0), tl.where(active, log_s, 0.0))
 
 
+@triton.jit
 def _logprob_entropy_fwd_kernel(
     logits_ptr, logits_row_stride, labels_ptr, logprob_ptr, entropy_ptr, max_ptr, log_sum_ptr,
     n_cols, inv_temperature, ignore_index,
@@ -61,6 +62,7 @@ def _logprob_entropy_fwd_kernel(
         tl.store(entropy_ptr + row, entropy)
 
 
+@triton.jit
 def _logprob_entropy_bwd_kernel(
     logits_ptr, logits_row_stride, grad_logits_ptr, grad_row_stride, labels_ptr, max_ptr, log_sum_ptr, entropy_ptr,
     grad_logprob_ptr, grad_entropy_ptr, n_cols, inv_temperature, ignore_index,
@@ -94,10 +96,6 @@ def _logprob_entropy_bwd_kernel(
                  mask=cols < n_cols)
 
 
-_fwd = tuned(triton.jit(_logprob_entropy_fwd_kernel), key=["n_cols", "WITH_ENTROPY"])
-_bwd = tuned(triton.jit(_logprob_entropy_bwd_kernel), key=["n_cols", "HAS_GRAD_ENTROPY"])
-
-
 def logprob_entropy_forward(logits, labels, temperature, with_entropy, ignore_index):
     """Launch the forward. logits (N, V) with unit column stride -> logprob, entropy or None, stats, where
     stats (2, N) holds each row's max and log-sum for the backward; all fp32."""
@@ -106,9 +104,9 @@ def logprob_entropy_forward(logits, labels, temperature, with_entropy, ignore_in
     stats = torch.empty(2, n_rows, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logprob) if with_entropy else None
     if n_rows:
-        _fwd[(n_rows,)](logits, logits.stride(0), labels, logprob, entropy if with_entropy else logprob,
-                        stats[0], stats[1], n_cols, 1.0 / temperature, ignore_index, WITH_ENTROPY=with_entropy,
-                        **vocab_meta(n_cols))
+        _logprob_entropy_fwd_kernel[(n_rows,)](
+            logits, logits.stride(0), labels, logprob, entropy if with_entropy else logprob, stats[0], stats[1],
+            n_cols, 1.0 / temperature, ignore_index, WITH_ENTROPY=with_entropy, **vocab_meta(n_cols))
     return logprob, entropy, stats
 
 
@@ -120,11 +118,11 @@ def logprob_entropy_backward(logits, labels, stats, entropy, grad_logprob, grad_
         grad_logprob = torch.zeros(n_rows, dtype=torch.float32, device=logits.device)
     has_grad_entropy = grad_entropy is not None
     if n_rows:
-        _bwd[(n_rows,)](logits, logits.stride(0), grad_logits, grad_logits.stride(0), labels, stats[0], stats[1],
-                        entropy if has_grad_entropy else stats, grad_logprob.float().contiguous(),
-                        grad_entropy.float().contiguous() if has_grad_entropy else stats,
-                        n_cols, 1.0 / temperature, ignore_index, HAS_GRAD_ENTROPY=has_grad_entropy,
-                        **vocab_meta(n_cols))
+        _logprob_entropy_bwd_kernel[(n_rows,)](
+            logits, logits.stride(0), grad_logits, grad_logits.stride(0), labels, stats[0], stats[1],
+            entropy if has_grad_entropy else stats, grad_logprob.float().contiguous(),
+            grad_entropy.float().contiguous() if has_grad_entropy else stats,
+            n_cols, 1.0 / temperature, ignore_index, HAS_GRAD_ENTROPY=has_grad_entropy, **vocab_meta(n_cols))
     return grad_logits
 
 

@@ -19,11 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (NEG_BIG, check_float_2d, check_labels, check_runnable, check_temperature, tuned,
+from ._utils import (NEG_BIG, check_float_2d, check_labels, check_runnable, check_temperature,
                      unit_col_stride, vocab_meta)
 from .logprob import logprob_entropy_backward, row_logprob_entropy
 
 
+@triton.jit
 def _symkl_fwd_kernel(
     x_ptr, x_row_stride, y_ptr, y_row_stride, kl_ptr, stats_ptr, n_rows, n_cols, inv_temperature,
     BLOCK_V: tl.constexpr,
@@ -70,6 +71,7 @@ def _symkl_fwd_kernel(
     tl.store(stats_ptr + 4 * n_rows + row, mean_d_p)
 
 
+@triton.jit
 def _symkl_bwd_kernel(
     x_ptr, x_row_stride, y_ptr, y_row_stride, grad_x_ptr, grad_row_stride, grad_kl_ptr,
     stats_ptr, n_rows, n_cols, inv_temperature, BLOCK_V: tl.constexpr,
@@ -96,18 +98,14 @@ def _symkl_bwd_kernel(
         tl.store(grad_x_ptr + row * grad_row_stride + cols, grad.to(grad_x_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
-_symkl_fwd = tuned(triton.jit(_symkl_fwd_kernel), key=["n_cols"])
-_symkl_bwd = tuned(triton.jit(_symkl_bwd_kernel), key=["n_cols"])
-
-
 def symkl_forward(logits, ref_logits, temperature):
     """Launch the forward: (N, V) x2 with unit column stride -> kl (N,), stats (5, N) for the backward; fp32."""
     n_rows, n_cols = logits.shape
     kl = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     stats = torch.empty(5, n_rows, dtype=torch.float32, device=logits.device)
     if n_rows:
-        _symkl_fwd[(n_rows,)](logits, logits.stride(0), ref_logits, ref_logits.stride(0), kl, stats, n_rows, n_cols,
-                              1.0 / temperature, **vocab_meta(n_cols))
+        _symkl_fwd_kernel[(n_rows,)](logits, logits.stride(0), ref_logits, ref_logits.stride(0), kl, stats,
+                                     n_rows, n_cols, 1.0 / temperature, **vocab_meta(n_cols))
     return kl, stats
 
 
@@ -116,9 +114,9 @@ def symkl_backward(logits, ref_logits, stats, grad_kl, temperature):
     n_rows, n_cols = logits.shape
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if n_rows:
-        _symkl_bwd[(n_rows,)](logits, logits.stride(0), ref_logits, ref_logits.stride(0), grad, grad.stride(0),
-                              grad_kl.float().contiguous(), stats, n_rows, n_cols, 1.0 / temperature,
-                              **vocab_meta(n_cols))
+        _symkl_bwd_kernel[(n_rows,)](logits, logits.stride(0), ref_logits, ref_logits.stride(0), grad, grad.stride(0),
+                                     grad_kl.float().contiguous(), stats, n_rows, n_cols, 1.0 / temperature,
+                                     **vocab_meta(n_cols))
     return grad
 
 
@@ -167,6 +165,7 @@ KL_KINDS = {"k1": 1, "kl": 1, "abs": 2, "k2": 3, "mse": 3, "k3": 4, "low_var_kl"
 KL_KIND_CHOICES = tuple(KL_KINDS) + tuple(k + "+" for k in KL_KINDS)
 
 
+@triton.jit
 def _logprob_entropy_kl_fwd_kernel(
     logits_ptr, logits_row_stride, labels_ptr, ref_logprob_ptr, logprob_ptr, entropy_ptr, kl_ptr, max_ptr, log_sum_ptr,
     n_cols, inv_temperature, ignore_index, KL_KIND: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -191,9 +190,6 @@ def _logprob_entropy_kl_fwd_kernel(
     tl.store(kl_ptr + row, tl.where(active, kl, 0.0))
     tl.store(max_ptr + row, m)
     tl.store(log_sum_ptr + row, log_s)
-
-
-_fused_fwd = tuned(triton.jit(_logprob_entropy_kl_fwd_kernel), key=["n_cols", "KL_KIND"])
 
 
 def kl_estimator_grad(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -229,9 +225,9 @@ class LogprobEntropyKLFunction(torch.autograd.Function):
         entropy, kl = torch.empty_like(logprob), torch.empty_like(logprob)
         stats = torch.empty(2, n_rows, dtype=torch.float32, device=logits.device)
         if n_rows:
-            _fused_fwd[(n_rows,)](logits, logits.stride(0), labels, ref_logprob, logprob, entropy, kl, stats[0], stats[1],
-                                  n_cols, 1.0 / temperature, ignore_index,
-                                  KL_KIND=KL_KINDS[kind.rstrip("+")], **vocab_meta(n_cols))
+            _logprob_entropy_kl_fwd_kernel[(n_rows,)](
+                logits, logits.stride(0), labels, ref_logprob, logprob, entropy, kl, stats[0], stats[1],
+                n_cols, 1.0 / temperature, ignore_index, KL_KIND=KL_KINDS[kind.rstrip("+")], **vocab_meta(n_cols))
         ctx.save_for_backward(logits, labels, ref_logprob, logprob, entropy, stats)
         ctx.kind, ctx.temperature, ctx.ignore_index = kind, temperature, ignore_index
         ctx.set_materialize_grads(False)
