@@ -3,7 +3,7 @@ import json
 import os
 
 import pytest
-from conftest import TOKEN
+from server_testutil import TOKEN
 
 from verl_ds import client
 from verl_ds.client import ClientError, parse_assignments, resolve_url

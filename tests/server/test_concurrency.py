@@ -1,7 +1,7 @@
 """Many clients at once while a 'trainer' thread applies staged updates, bumps the step and swaps models."""
 import threading
 
-from conftest import TOKEN, Box, call
+from server_testutil import TOKEN, Box, call
 
 READ_PATHS = ["/v1/models", "/metrics", "/healthz", "/v1/models/reward_model", "/v1/state/top_k"]
 

@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from conftest import TOKEN, call, make_registry
+from server_testutil import TOKEN, call, make_registry
 
 from verl_ds.server import TOKEN_ENV, ControlServer, is_loopback
 from verl_ds.state import SharedState

@@ -2,7 +2,7 @@
 import json
 import os
 
-from conftest import TOKEN, call
+from server_testutil import TOKEN, call
 
 from verl_ds.server import URL_FILE
 from verl_ds.state import HOT_KEYS, STATE_KEYS
@@ -45,7 +45,7 @@ def test_models_list_has_openai_shape_and_verl_ds_fields(server, parts):
 
 
 def test_models_list_follows_hot_swap(server, parts):
-    from conftest import Box
+    from server_testutil import Box
 
     parts["registry"].register("reward", Box())
     entry = {m["id"]: m for m in call(server.url, "GET", "/v1/models").json["data"]}["reward"]
