@@ -513,6 +513,22 @@ class _Handler(BaseHTTPRequestHandler):
             self.request_version = "HTTP/1.0"  # a 0.9 answer has no status line; nobody speaks 0.9 to us
         self._send_json(code, {"error": text, "status": code})
 
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue`` (curl sends it for bodies over 1 KiB): refuse an oversized body before
+        the client sends it instead of inviting it with '100 Continue'."""
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            n = 0
+        limit = self.control.max_body_bytes
+        if n > limit:
+            self.command = self.command or ""
+            self.close_connection = True
+            self._send_safely(413, {"error": f"request body of {n} bytes is over the limit of {limit} bytes "
+                                    "(server.max_body_bytes)", "status": 413})
+            return False
+        return super().handle_expect_100()
+
     def log_message(self, fmt, *args):  # per-request lines would flood the training log
         log.debug("control server %s: " + fmt, self.address_string(), *args)
 

@@ -154,6 +154,24 @@ def test_body_over_limit_is_413_before_reading(server, parts):
     assert parts["state"].staged() == []
 
 
+def test_expect_100_continue(server, parts):
+    head = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+            "Expect: 100-continue\r\nContent-Length: 5000\r\n\r\n").encode()
+    status, body = status_and_json(raw_exchange(server.port, head))  # refused before the body is sent
+    assert status == 413 and body["error"].startswith("request body of 5000 bytes is over the limit")
+    payload = b'{"lam": 0.5}'
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall((f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n"
+                   f"Expect: 100-continue\r\nContent-Length: {len(payload)}\r\n\r\n").encode())
+        assert s.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(payload)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    status, body = status_and_json(answer)
+    assert status == 202 and body["staged"] == {"lam": 0.5}
+
+
 def test_chunked_body_over_limit_is_413_and_small_chunked_body_works(server, parts):
     auth = f"Authorization: Bearer {TOKEN}\r\n"
     big = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n"
