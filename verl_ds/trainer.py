@@ -124,11 +124,13 @@ class PPOTrainer:
         self.registry.register("critic", value, aliases=("value", "ppo_critic"))
         self.registry.register("ref", ref_policy, aliases=("reference",))
         self.registry.register("reward", reward, aliases=("reward_model",))
-        self.ppo = PPOModel(actor=policy, critic=value, reward=reward, ref=ref_policy, state=self.state)
-        self.registry.register("ppo", self.ppo)
         self.ppo_config = PPOConfig(loss_agg_mode=cfg.algo.loss_agg_mode, clip_ratio_c=cfg.algo.clip_ratio_c,
                                     kl_in_reward=cfg.algo.kl_placement == "reward",
-                                    whiten_advantages=cfg.algo.whiten_advantages)
+                                    whiten_advantages=cfg.algo.whiten_advantages, kl_horizon=cfg.algo.kl_horizon)
+        # PPOModel looks its components up in our registry at every call: a swapped reward is used at once
+        self.ppo = PPOModel(actor=policy, critic=value, reward=reward, ref=ref_policy, state=self.state,
+                            config=self.ppo_config, registry=self.registry)
+        self.registry.register("ppo", self.ppo)
 
     @staticmethod
     def initial_state(cfg: Config) -> dict:
@@ -240,8 +242,7 @@ class PPOTrainer:
             return
         reward = self.build_reward(functions=request["functions"], model_path=request["model_path"],
                                    model_weight=request["model_weight"])
-        self.registry.register("reward", reward, aliases=("reward_model",))
-        self.ppo.reward = reward
+        self.ppo.swap("reward", reward)  # registers it under "reward" (aliases kept), bumps its version
         if self.is_main:
             name = "+".join(f["name"] for f in request["functions"]) + (" +model" if request["model_path"] else "")
             old = (self.state.get("reward_version"), self.state.get("reward_name"))
@@ -357,7 +358,7 @@ class PPOTrainer:
             responses = tok.batch_decode([r[:n] for r, n in zip(batch.action.tolist(), batch.response_length.tolist())],
                                          skip_special_tokens=True)
             scores, reward_metrics = self.registry.get("reward").compute_rewards(batch, prompts["prompts"], responses)
-            batch.reward = scores
+            batch.score = scores
         with t("adv"):
             adv_metrics = self.ppo.compute_advantage(batch, self.ppo_config, whiten_fn=global_masked_whiten)
         batch.validate(tok.pad_token_id)
