@@ -138,10 +138,13 @@ def test_matches_algos_torch_path(method, n_steps):
 
 def test_algos_dispatch_reaches_the_kernel(monkeypatch):
     from verl_ds.algos import gae as algos_gae
+    calls = []
+    monkeypatch.setattr(gae_module, "compute_gae", lambda *a, **k: calls.append(1) or compute_gae(*a, **k))
     rewards, values, mask = _batch(3, 21)
     out = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("VERL_DS_KERNELS", backend)
         out[backend] = algos_gae.compute_gae(rewards, values, mask, 0.97, 0.9)
+    assert len(calls) == 1  # the triton run only
     for a, b in zip(out["triton"], out["torch"]):
         assert_close(a, b, **TOL32, what="algos triton vs torch")

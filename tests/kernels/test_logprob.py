@@ -164,12 +164,17 @@ def test_matches_algos_torch_path(dtype, temperature):
 def test_algos_dispatch_reaches_the_kernel(monkeypatch):
     # verl_ds.algos routes to this kernel under VERL_DS_KERNELS=triton and to its torch path under torch
     from verl_ds.algos import logprob as algos_logprob
+    from verl_ds.kernels import logprob as kernel_module
+    calls = []
+    monkeypatch.setattr(kernel_module, "logprobs_and_entropy",
+                        lambda *a, **k: calls.append(1) or logprobs_and_entropy(*a, **k))
     logits = _inputs(12, 77, n_ignored=0)[0].view(3, 4, 77)
     labels = torch.randint(0, 77, (3, 4), device=DEVICE)
     out = {}
     for backend in ("triton", "torch"):
         monkeypatch.setenv("VERL_DS_KERNELS", backend)
         out[backend] = algos_logprob.logprobs_and_entropy(logits, labels, temperature=0.9)
+    assert len(calls) == 1  # the triton run only
     for a, b in zip(out["triton"], out["torch"]):
         assert a.shape == (3, 4)
         assert_close(a, b, **TOL[torch.float32], what="algos triton vs torch")
