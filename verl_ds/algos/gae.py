@@ -1,0 +1,120 @@
+"""Generalised advantage estimation over (B, T) with a response mask, verl semantics (peers.md 2.3).
+
+Walking t backwards with a carry (next value v, running advantage g), a valid token does
+    g <- r_t + gamma * v - V_t + gamma * lam * g ;  v <- V_t
+and a masked token changes neither, so trailing padding bootstraps from 0 and masked spans inside a
+response are bridged. The advantage at t is g after step t; returns = advantages + values.
+
+No Python loop over t. The valid tokens of each row are compacted in reverse order against the right
+end (one scatter): slot T-1-k holds the k-th valid token, the slots left of them are empty. There the
+recursion
+is a forward discounted cumulative sum A_j = delta_j + c A_{j-1} with c = gamma * lam, which in float64
+is A_j = S_j / w_j with w_j = c**(J - j) and S = cumsum(w * delta), J the last slot of the block. The
+weights before j are all smaller than w_j, so the cumsum adds small terms first and the division does
+not amplify rounding (error ~ eps * max|delta| / (1 - c)). Blocks keep w >= 1e-200: a single block when
+c**T stays above that (always for gamma * lam near 1, including 1), otherwise blocks of L slots with
+c**L ~ 1e-200, where the carry from the previous block is its last local value (what it leaves out is
+c**L times smaller, below float64 resolution). A masked token holds the advantage of the next valid
+token to its right, the same compact slot as that token: one gather serves every position.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._checks import as_bool_mask, check_float_tensor, check_same_shape, check_unit_interval
+
+# Rows per chunk so that the dozen (rows, T) temporaries stay in cache instead of faulting in fresh pages.
+_CHUNK_ELEMS = 1 << 16
+_TINY_LOG = math.log(1e-200)  # smallest weight kept in a block
+
+
+def _block_len(c: float, t: int) -> int:
+    if c >= 1.0 or t <= 1:
+        return t
+    if c <= 0.0:
+        return 1
+    if (t - 1) * math.log(c) >= _TINY_LOG:
+        return t
+    return max(1, int(_TINY_LOG / math.log(c)))
+
+
+def _scan_compact(delta: torch.Tensor, c: float) -> torch.Tensor:
+    """A_j = delta_j + c * A_{j-1} along dim 1 of a (b, T) float64 tensor (A_{-1} = 0), in place."""
+    b, t = delta.shape
+    blk = _block_len(c, t)
+    if blk >= t:
+        w = torch.pow(torch.full((t,), c, dtype=torch.float64, device=delta.device),
+                      torch.arange(t - 1, -1, -1, dtype=torch.float64, device=delta.device))
+        return delta.mul_(w).cumsum_(1).div_(w)
+    nq = -(-t // blk)
+    x = torch.nn.functional.pad(delta, (0, nq * blk - t)).view(b, nq, blk)  # (b, nq, L)
+    w = torch.pow(torch.full((blk,), c, dtype=torch.float64, device=delta.device),
+                  torch.arange(blk - 1, -1, -1, dtype=torch.float64, device=delta.device))
+    x.mul_(w).cumsum_(2).div_(w)
+    # carry from the previous block's last slot, decayed by c**(o + 1) at offset o
+    decay = torch.pow(torch.full((blk,), c, dtype=torch.float64, device=delta.device),
+                      torch.arange(1, blk + 1, dtype=torch.float64, device=delta.device))
+    carry = x[:, :-1, -1:].clone()  # (b, nq - 1, 1)
+    x[:, 1:].addcmul_(carry, decay)
+    return x.view(b, nq * blk)[:, :t]
+
+
+def _gae_rows(rewards, values, mask, gamma, lam, adv_out, ret_out):
+    b, t = rewards.shape
+    f64 = torch.float64
+    # compact slot of position t: that of the next valid token at or after t, T-1 - (valid tokens before t)
+    slot = torch.cumsum(mask, dim=1).neg_().add_(mask).add_(t - 1)  # (b, T) int64
+    dest = torch.where(mask, slot, t)  # masked tokens go to a spare column, so NaNs there never enter
+    r_c = torch.zeros(b, t + 1, dtype=f64, device=rewards.device).scatter_(1, dest, rewards.to(f64))
+    vals = values.to(f64)
+    # v_c column j + 1 holds slot j; column 0 is the value 0 that follows the last valid token
+    v_c = torch.zeros(b, t + 2, dtype=f64, device=values.device)
+    v_c[:, 1:].scatter_(1, dest, vals)
+    r_c[:, t] = 0.0
+    # slot j: delta = r + gamma * V(next valid token, in slot j - 1) - V
+    delta = torch.add(r_c[:, :t], v_c[:, :t], alpha=gamma).sub_(v_c[:, 1:t + 1])
+    adv = _scan_compact(delta, gamma * lam).gather(1, slot)
+    adv_out.copy_(adv)
+    ret_out.copy_(adv.add_(vals))
+
+
+def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                      gamma: float, lam: float):
+    """Torch path of :func:`compute_gae` (no input checks; ``response_mask`` bool or 0/1).
+
+    The reference the Triton kernel is tested against. Returns (advantages, returns), (B, T) float32."""
+    mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    b, t = token_rewards.shape
+    adv = torch.empty(b, t, dtype=torch.float32, device=token_rewards.device)
+    ret = torch.empty(b, t, dtype=torch.float32, device=token_rewards.device)
+    rows = max(1, _CHUNK_ELEMS // max(t, 1)) if token_rewards.device.type == "cpu" else max(b, 1)
+    for s in range(0, b if t else 0, rows):
+        _gae_rows(token_rewards[s:s + rows], values[s:s + rows], mask[s:s + rows], float(gamma), float(lam),
+                  adv[s:s + rows], ret[s:s + rows])
+    return adv, ret
+
+
+def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
+                gamma: float = 1.0, lam: float = 1.0):
+    """GAE advantages and returns with verl's masked-carry semantics (see the module docstring).
+
+    token_rewards, values: (B, T) float; response_mask: (B, T) bool (or 0/1), True = trainable token.
+    Returns (advantages, returns), both (B, T) float32; masked positions hold the carried advantage
+    (callers mask them). No whitening here: see :func:`masked_whiten`."""
+    check_float_tensor(token_rewards, "token_rewards")
+    check_float_tensor(values, "values")
+    if token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards must have shape (B, T), got shape {tuple(token_rewards.shape)}")
+    check_same_shape(token_rewards, "token_rewards", values, "values")
+    mask = as_bool_mask(response_mask, "response_mask", token_rewards.shape, "token_rewards")
+    gamma = check_unit_interval(gamma, "gamma")
+    lam = check_unit_interval(lam, "lam")
+    from verl_ds.kernels import dispatch
+
+    if dispatch.backend_for(token_rewards) == "triton":
+        from verl_ds.kernels.gae import compute_gae as kernel
+
+        return kernel(token_rewards, values, mask, gamma, lam)
+    return compute_gae_torch(token_rewards, values, mask, gamma, lam)

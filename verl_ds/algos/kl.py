@@ -1,0 +1,159 @@
+"""KL estimators: per-token from sampled log-probs, and the exact full-vocabulary symmetric KL.
+
+Per token (peers.md 2.2), with d = logprob - ref_logprob for tokens sampled from pi:
+    k1 ("kl")          d                      unbiased for KL(pi||ref), can be negative
+    abs                |d|
+    k2 ("mse")         d^2 / 2                its gradient is that of the true reverse KL
+    k3 ("low_var_kl")  exp(-d) - 1 + d        >= 0, unbiased, low variance; d clamped to [-20, 20]
+                                              and the result to [-10, 10] as verl does
+    symmetric          0.5 d (1 - exp(-d))    >= 0, unbiased for 0.5 (KL(pi||ref) + KL(ref||pi)),
+                                              since E_pi[exp(-d) (-d)] = KL(ref||pi); d clamped to [-20, 20]
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ._checks import check_float_tensor, check_positive_number, check_same_shape
+from .logprob import rows_per_chunk
+
+KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "symmetric")
+_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+_CLAMP_D = 20.0  # exp(20) ~ 5e8: large enough to be exact for any real policy, small enough to stay finite
+_CLAMP_K3 = 10.0
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of the given ``kind`` (see the module docstring), float32, same shape.
+
+    logprob, ref_logprob: (...) float log-probs of the sampled tokens under pi and ref. Differentiable."""
+    check_float_tensor(logprob, "logprob")
+    check_float_tensor(ref_logprob, "ref_logprob")
+    check_same_shape(logprob, "logprob", ref_logprob, "ref_logprob")
+    if not isinstance(kind, str) or kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+    kind = _ALIASES.get(kind, kind)
+    d = logprob.to(torch.float32) - ref_logprob.to(torch.float32)
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d.square()
+    d = d.clamp(-_CLAMP_D, _CLAMP_D)
+    if kind == "k3":
+        return (torch.exp(-d) - 1.0 + d).clamp(-_CLAMP_K3, _CLAMP_K3)
+    # -expm1(-d) = 1 - exp(-d) without cancellation near d = 0
+    return 0.5 * d * -torch.expm1(-d)
+
+
+class _SymmetricKL(torch.autograd.Function):
+    """0.5 * sum_v (p_v - q_v)(x_v - y_v), x = logits/t, y = ref/t, chunk by chunk; (N,) float32.
+
+    With D = x - y and E_p[D] = sum_v p_v D_v, the gradients are
+        dJ/dx_v = 0.5 (p_v (D_v - E_p[D]) + p_v - q_v)
+        dJ/dy_v = 0.5 (q_v (E_q[D] - D_v) + q_v - p_v)
+    and the softmaxes are recomputed per chunk in the backward."""
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, inv_t: float, rows: int):
+        n, v = logits.shape
+        dev = logits.device
+        out = torch.empty(n, dtype=torch.float32, device=dev)
+        e_p = torch.empty(n, dtype=torch.float32, device=dev)
+        e_q = torch.empty(n, dtype=torch.float32, device=dev)
+        rows = min(rows, max(n, 1))
+        bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(3)]
+        for s in range(0, n, rows):
+            p, q, d = _chunk_stats(logits[s:s + rows], ref_logits[s:s + rows], inv_t, bufs)
+            r = p.shape[0]
+            # E_p[D] and E_q[D] (fp32 chunk-local sums); J = 0.5 (E_p[D] - E_q[D])
+            # nansum: 0 * (-inf) where one side masks an entry the other may not
+            ep = torch.mul(p, d, out=p).nansum(dim=1)
+            eq = torch.mul(q, d, out=q).nansum(dim=1)
+            e_p[s:s + r] = ep
+            e_q[s:s + r] = eq
+            out[s:s + r] = 0.5 * (ep - eq)
+        ctx.save_for_backward(logits, ref_logits, e_p, e_q)
+        ctx.inv_t, ctx.rows = inv_t, rows
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        logits, ref_logits, e_p, e_q = ctx.saved_tensors
+        inv_t, rows = ctx.inv_t, ctx.rows
+        want_x, want_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        n, v = logits.shape
+        gx = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_x else None
+        gy = torch.empty_like(ref_logits, memory_format=torch.contiguous_format) if want_y else None
+        scale = (0.5 * inv_t) * g.to(torch.float32)  # chain rule through x = logits / t
+        bufs = [torch.empty(min(rows, max(n, 1)), v, dtype=torch.float32, device=logits.device)
+                for _ in range(4)]
+        for s in range(0, n, rows):
+            p, q, d = _chunk_stats(logits[s:s + rows], ref_logits[s:s + rows], inv_t, bufs)
+            r = p.shape[0]
+            sc = scale[s:s + r, None]
+            tmp = bufs[3][:r]
+            if want_x:
+                # p (D - E_p[D] + 1) - q
+                torch.sub(d, (e_p[s:s + r] - 1.0)[:, None], out=tmp).mul_(p).sub_(q).mul_(sc)
+                gx[s:s + r].copy_(tmp)
+            if want_y:
+                # q (E_q[D] + 1 - D) - p
+                torch.sub((e_q[s:s + r] + 1.0)[:, None], d, out=tmp).mul_(q).sub_(p).mul_(sc)
+                gy[s:s + r].copy_(tmp)
+        return gx, gy, None, None
+
+
+def _chunk_stats(c, c_ref, inv_t, bufs):
+    """softmax(c/t), softmax(c_ref/t) and D = (c - c_ref)/t for one chunk, in the fp32 scratch bufs."""
+    r = c.shape[0]
+    p, q, d = bufs[0][:r], bufs[1][:r], bufs[2][:r]
+    # x/t in fp32 (a (1, 1) fp32 scale promotes bf16/fp16 chunks in the same pass)
+    scale = torch.full((1, 1), inv_t, dtype=torch.float32, device=c.device)
+    torch.mul(c, scale, out=p)
+    torch.mul(c_ref, scale, out=q)
+    torch.sub(p, q, out=d)
+    # a vocabulary entry masked (-inf) in both gives NaN here; it carries no mass in either, so D = 0
+    d.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    for x in (p, q):
+        x.sub_(x.amax(dim=1, keepdim=True)).exp_()
+        x.div_(x.sum(dim=1, keepdim=True))
+    return p, q, d
+
+
+def full_symmetric_kl_torch(logits2d: torch.Tensor, ref_logits2d: torch.Tensor, temperature: float = 1.0, *,
+                            chunk_rows: int | None = None) -> torch.Tensor:
+    """Torch path of :func:`full_symmetric_kl` on (N, V) logits: (N,) float32, differentiable.
+
+    No input checks (the public function does them). The reference the Triton kernel is tested against."""
+    rows = rows_per_chunk(logits2d.shape[1], logits2d.device, chunk_rows)
+    return _SymmetricKL.apply(logits2d, ref_logits2d, 1.0 / float(temperature), rows)
+
+
+def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Exact 0.5 * (KL(p||q) + KL(q||p)) per position, p = softmax(logits/t), q = softmax(ref_logits/t).
+
+    logits, ref_logits: (..., V) float of one shape. Returns (...) float32. It equals
+    0.5 * sum_v (p_v - q_v)(x_v - y_v) (the log-sum-exp terms cancel), computed chunk by chunk with no
+    (..., V) temporaries. Differentiable w.r.t. ``logits`` (and ``ref_logits`` if it requires grad)."""
+    check_float_tensor(logits, "logits")
+    check_float_tensor(ref_logits, "ref_logits")
+    check_same_shape(logits, "logits", ref_logits, "ref_logits")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got shape {tuple(logits.shape)}")
+    if ref_logits.device != logits.device:
+        raise ValueError(f"ref_logits is on {ref_logits.device} but logits is on {logits.device}")
+    temperature = check_positive_number(temperature, "temperature")
+    v = logits.shape[-1]
+    x, y = logits.reshape(-1, v), ref_logits.reshape(-1, v)
+    from verl_ds.kernels import dispatch
+
+    if dispatch.backend_for(x) == "triton":
+        from verl_ds.kernels.symkl import full_symmetric_kl as kernel
+
+        out = kernel(x, y, temperature)
+    else:
+        out = full_symmetric_kl_torch(x, y, temperature)
+    return out.view(logits.shape[:-1])

@@ -1,0 +1,212 @@
+"""Token log-probs and entropy of softmax(logits / temperature), one pass over the vocabulary.
+
+The torch path walks the rows of the (N, V) logits in chunks sized to stay in cache, so no second
+logits-sized tensor is ever built (no full ``log_softmax``, no full ``logits / temperature`` copy):
+the extra memory is two fp32 scratch chunks plus O(N) per-row statistics. Per row it keeps
+M = max(z)/t, s = sum_v exp(z_v/t - M) and H; log p_y = z_y/t - M - log s and
+H = log s - sum_v exp(z_v/t - M) (z_v/t - M) / s (peers.md 2.1).
+
+The backward is a custom autograd.Function that recomputes exp(z/t - M) chunk by chunk from the
+saved (M, log s) instead of saving the softmax:
+    d log p_y / dz_v = (1[v = y] - p_v) / t
+    dH / dz_v        = -p_v (log p_v + H) / t
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ._checks import check_float_tensor, check_positive_number, check_tensor
+
+# 512K fp32 elements (2 MiB) per scratch chunk on CPUs: the two chunks stay in L2/L3, and each op is big
+# enough that its OpenMP fork/join and the Python loop stay a few % of the time (512 chunks for 8192x32000).
+# GPUs (the Triton-less fallback) want big chunks.
+CPU_CHUNK_ELEMS = 1 << 19
+CUDA_CHUNK_ELEMS = 1 << 24
+# exp() of anything below ~-104 is 0 in fp32; clamping shifted logits here keeps 0 * (-inf) (a masked
+# vocabulary entry) from turning the entropy gradient into NaN, and changes nothing else. (The forward
+# uses nansum for the same reason: a NaN logit still shows, through max and log s.)
+_NEG_FLOOR = -1.0e4
+
+
+def rows_per_chunk(n_cols: int, device: torch.device, chunk_rows: int | None = None) -> int:
+    """Rows per scratch chunk for an (N, n_cols) input on ``device``."""
+    if chunk_rows is not None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+        return chunk_rows
+    elems = CUDA_CHUNK_ELEMS if device.type == "cuda" else CPU_CHUNK_ELEMS
+    return max(1, elems // max(1, n_cols))
+
+
+class _LogProbEntropy(torch.autograd.Function):
+    """(logits (N, V), labels (N,) or None) -> (logprob (N,), entropy (N,)), both float32.
+
+    An output that was not asked for (no labels / want_ent=False) is an empty tensor."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, inv_t: float, want_ent: bool, chunk_rows: int):
+        n, v = logits.shape
+        dev = logits.device
+        m_scaled = torch.empty(n, dtype=torch.float32, device=dev)  # M = max(z) / t
+        log_s = torch.empty(n, dtype=torch.float32, device=dev)
+        ent = torch.empty(n if want_ent else 0, dtype=torch.float32, device=dev)
+        rows = min(chunk_rows, max(n, 1))
+        zbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
+        ebuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
+        for s in range(0, n, rows):
+            c = logits[s:s + rows]
+            r = c.shape[0]
+            z, e = zbuf[:r], ebuf[:r]
+            m = c.amax(dim=1, keepdim=True).to(torch.float32).mul_(inv_t)  # (r, 1)
+            torch.add(m.neg(), c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
+            torch.exp(z, out=e)
+            ssum = e.sum(dim=1)
+            ls = ssum.log()
+            m_scaled[s:s + r] = m.squeeze(1)
+            log_s[s:s + r] = ls
+            if want_ent:
+                e.mul_(z)
+                ent[s:s + r] = ls - e.nansum(dim=1) / ssum
+        if labels is not None:
+            # O(N) work: float64 keeps z_y/t - M - log s as exact as the fp32 inputs allow.
+            zy = logits.gather(1, labels.unsqueeze(1)).squeeze(1).to(torch.float64)
+            lp = (zy * inv_t - m_scaled.double() - log_s.double()).to(torch.float32)
+        else:
+            lp = torch.empty(0, dtype=torch.float32, device=dev)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0, dtype=torch.long),
+                              m_scaled, log_s, ent)
+        ctx.inv_t, ctx.rows = inv_t, rows
+        ctx.has_labels, ctx.want_ent = labels is not None, want_ent
+        if labels is None:
+            ctx.mark_non_differentiable(lp)
+        if not want_ent:
+            ctx.mark_non_differentiable(ent)
+        return lp, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        logits, labels, m_scaled, log_s, ent = ctx.saved_tensors
+        if not ctx.has_labels:
+            g_lp = None
+        if not ctx.want_ent:
+            g_ent = None
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None
+        inv_t, rows = ctx.inv_t, ctx.rows
+        n, v = logits.shape
+        inv_ts = inv_t / log_s.exp()  # 1 / (t s): p / t = exp(z/t - M) / (t s)
+        g_lp32 = g_lp.to(torch.float32) if g_lp is not None else torch.zeros_like(log_s)
+        if g_ent is not None:
+            # -(p/t)(g_lp + g_H (log p + H)) = exp(z/t - M) * (a (z/t - M) + b), log p = (z/t - M) - log s
+            g_h = g_ent.to(torch.float32)
+            a = -g_h * inv_ts
+            b = -(g_lp32 + g_h * (ent - log_s)) * inv_ts
+        else:
+            b = -g_lp32 * inv_ts
+        grad = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
+        exact_out = logits.dtype == torch.float32
+        zbuf = torch.empty(rows, v, dtype=torch.float32, device=logits.device)
+        ebuf = torch.empty(rows, v, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, rows):
+            c = logits[s:s + rows]
+            r = c.shape[0]
+            z, e = zbuf[:r], ebuf[:r]
+            torch.add(m_scaled[s:s + r, None].neg(), c, alpha=inv_t, out=z)
+            torch.exp(z, out=e)
+            if g_ent is not None:
+                z.clamp_(min=_NEG_FLOOR)
+                torch.addcmul(b[s:s + r, None], z, a[s:s + r, None], out=z)
+                coef = z
+            else:
+                coef = b[s:s + r, None]
+            if exact_out:
+                torch.mul(e, coef, out=grad[s:s + r])
+            else:
+                # add the label term in fp32 before the single rounding to bf16/fp16
+                torch.mul(e, coef, out=z)
+                if g_lp is not None:
+                    z[torch.arange(r, device=z.device), labels[s:s + r]] += g_lp32[s:s + r] * inv_t
+                grad[s:s + r].copy_(z)
+        if exact_out and g_lp is not None:
+            grad[torch.arange(n, device=grad.device), labels] += g_lp32 * inv_t
+        return grad, None, None, None, None
+
+
+def logprobs_and_entropy_torch(logits2d: torch.Tensor, labels: torch.Tensor | None, temperature: float = 1.0,
+                               compute_entropy: bool = True, *, chunk_rows: int | None = None):
+    """Torch path: log softmax(logits2d / t) at ``labels`` and the entropy, both (N,) float32.
+
+    logits2d: (N, V) float; labels: (N,) int64 in [0, V) or None (then logprob is None);
+    differentiable w.r.t. ``logits2d``. No input checks: the public functions do them. The
+    reference the Triton kernels are tested against."""
+    rows = rows_per_chunk(logits2d.shape[1], logits2d.device, chunk_rows)
+    lp, ent = _LogProbEntropy.apply(logits2d, labels, 1.0 / float(temperature), bool(compute_entropy), rows)
+    return (lp if labels is not None else None), (ent if compute_entropy else None)
+
+
+def _check_inputs(logits, labels, temperature):
+    check_float_tensor(logits, "logits")
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got shape {tuple(logits.shape)}")
+    temperature = check_positive_number(temperature, "temperature")
+    v = logits.shape[-1]
+    if labels is not None:
+        check_tensor(labels, "labels")
+        if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+            raise TypeError(f"labels must be an integer (int64) tensor of token ids, got dtype {labels.dtype}")
+        if labels.shape != logits.shape[:-1]:
+            raise ValueError(f"shape mismatch: labels has shape {tuple(labels.shape)} but logits has shape "
+                             f"{tuple(logits.shape)}; labels must have shape logits.shape[:-1] = "
+                             f"{tuple(logits.shape[:-1])}")
+        if labels.device != logits.device:
+            raise ValueError(f"labels is on {labels.device} but logits is on {logits.device}")
+        if labels.numel():
+            lo, hi = int(labels.min()), int(labels.max())
+            if lo < 0 or hi >= v:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"labels must be token ids in [0, V) = [0, {v}), got {bad}")
+        labels = labels.reshape(-1).to(torch.int64)
+    return logits.reshape(-1, v), labels, temperature
+
+
+def _dispatch(logits2d, labels, temperature, compute_entropy):
+    from verl_ds.kernels import dispatch
+
+    if dispatch.backend_for(logits2d) == "triton":
+        from verl_ds.kernels.logprob import logprobs_and_entropy as kernel
+
+        kernel_labels = labels if labels is not None else torch.zeros(
+            logits2d.shape[0], dtype=torch.int64, device=logits2d.device)
+        lp, ent = kernel(logits2d, kernel_labels, temperature, compute_entropy=compute_entropy)
+        return (lp if labels is not None else None), ent
+    return logprobs_and_entropy_torch(logits2d, labels, temperature, compute_entropy)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at ``labels``.
+
+    logits: (..., V) float32/bfloat16/float16; labels: (...) int64 in [0, V). Returns (...) float32,
+    differentiable w.r.t. ``logits``."""
+    logits2d, flat_labels, temperature = _check_inputs(logits, labels, temperature)
+    lp, _ = _dispatch(logits2d, flat_labels, temperature, compute_entropy=False)
+    return lp.view(labels.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature): logits (..., V) -> (...) float32, differentiable."""
+    logits2d, _, temperature = _check_inputs(logits, None, temperature)
+    _, ent = _dispatch(logits2d, None, temperature, compute_entropy=True)
+    return ent.view(logits.shape[:-1])
+
+
+def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
+    """(log softmax(logits / t) at ``labels``, entropy of softmax(logits / t)) from one pass over the logits.
+
+    logits: (..., V); labels: (...) int64 in [0, V). Both results are (...) float32, differentiable
+    w.r.t. ``logits``."""
+    logits2d, flat_labels, temperature = _check_inputs(logits, labels, temperature)
+    lp, ent = _dispatch(logits2d, flat_labels, temperature, compute_entropy=True)
+    return lp.view(labels.shape), ent.view(labels.shape)

@@ -1,0 +1,99 @@
+"""PPO losses: the clipped surrogate with dual clip (peers.md 2.6) and the clipped value loss (2.7)."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._checks import as_bool_mask, check_float_tensor, check_positive_number, check_same_shape
+from .masked import agg_loss, masked_mean
+
+_LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: the ratio stays finite for any real policy drift
+
+
+def _check_btensors(ref_name, ref, **others):
+    check_float_tensor(ref, ref_name)
+    if ref.dim() != 2:
+        raise ValueError(f"{ref_name} must have shape (B, T), got shape {tuple(ref.shape)}")
+    for name, t in others.items():
+        check_float_tensor(t, name)
+        check_same_shape(ref, ref_name, t, name)
+
+
+def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean", normalizer=None):
+    """PPO clipped surrogate with dual clip (Ye et al. 2019, arXiv:1912.09729), as verl's ``vanilla``.
+
+    logprob, old_logprob, advantages, response_mask: (B, T). With rho = exp(clamp(logprob - old_logprob,
+    -20, 20)): L = max(-A rho, -A clip(rho, 1 - low, 1 + high)), and where A < 0 it is capped at -c A
+    (clip_ratio_c = c > 1; None disables the dual clip). Aggregated with ``loss_agg_mode``/``normalizer``
+    (see :func:`agg_loss`). Returns (loss 0-d float32, metrics) with float metrics pg_clipfrac
+    (share of valid tokens where the clipped term is the larger), pg_clipfrac_lower (share where the
+    dual clip caps a negative-advantage token) and ppo_kl (masked mean of old_logprob - logprob)."""
+    _check_btensors("logprob", logprob, old_logprob=old_logprob, advantages=advantages)
+    m = as_bool_mask(response_mask, "response_mask", logprob.shape, "logprob")
+    low = check_positive_number(clip_ratio_low, "clip_ratio_low", allow_zero=True)
+    high = check_positive_number(clip_ratio_high, "clip_ratio_high", allow_zero=True)
+    if low >= 1.0:
+        raise ValueError(f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0, got {low!r}")
+    if clip_ratio_c is not None:
+        if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, numbers.Real) or not clip_ratio_c > 1.0:
+            raise ValueError(f"clip_ratio_c must be a number > 1 (or None to disable the dual clip), "
+                             f"got {clip_ratio_c!r}")
+    zero = torch.zeros((), dtype=torch.float32, device=logprob.device)
+    # zero out padding first: a NaN there would otherwise reach the gradient through 0 * NaN
+    log_ratio = torch.where(m, logprob.to(torch.float32) - old_logprob.to(torch.float32), zero)
+    adv = torch.where(m, advantages.to(torch.float32), zero)
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    clipped = torch.maximum(loss1, loss2)
+    if clip_ratio_c is not None:
+        loss3 = -adv * float(clip_ratio_c)
+        lower = (adv < 0) & (clipped > loss3)
+        losses = torch.where(adv < 0, torch.minimum(clipped, loss3), clipped)
+    else:
+        lower = torch.zeros_like(m)
+        losses = clipped
+    loss = agg_loss(losses, m, loss_agg_mode, normalizer)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((loss2 > loss1).float(), m).item(),
+            "pg_clipfrac_lower": masked_mean(lower.float(), m).item(),
+            "ppo_kl": masked_mean(-log_ratio, m).item(),
+        }
+    return loss, metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               response_mask: torch.Tensor, cliprange_value: float | None = 0.5,
+               loss_agg_mode: str = "token-mean", normalizer=None):
+    """Clipped value loss 0.5 * agg(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clip(V - V_old, +-eps).
+
+    values (new predictions), old_values (rollout-time), returns, response_mask: (B, T).
+    cliprange_value=None disables clipping. Returns (loss 0-d float32, metrics) with float metrics
+    vf_clipfrac (share of valid tokens where the clipped term is the larger) and vpred_mean."""
+    _check_btensors("values", values, old_values=old_values, returns=returns)
+    m = as_bool_mask(response_mask, "response_mask", values.shape, "values")
+    zero = torch.zeros((), dtype=torch.float32, device=values.device)
+    v = torch.where(m, values.to(torch.float32), zero)
+    r = torch.where(m, returns.to(torch.float32), zero)
+    err1 = (v - r).square()
+    if cliprange_value is not None:
+        eps = check_positive_number(cliprange_value, "cliprange_value", allow_zero=True)
+        v_old = torch.where(m, old_values.to(torch.float32), zero)
+        v_clip = v_old + (v - v_old).clamp(-eps, eps)
+        err2 = (v_clip - r).square()
+        losses = torch.maximum(err1, err2)
+    else:
+        err2 = err1
+        losses = err1
+    loss = 0.5 * agg_loss(losses, m, loss_agg_mode, normalizer)
+    with torch.no_grad():
+        metrics = {
+            "vf_clipfrac": masked_mean((err2 > err1).float(), m).item(),
+            "vpred_mean": masked_mean(v, m).item(),
+        }
+    return loss, metrics

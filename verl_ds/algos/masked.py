@@ -1,0 +1,124 @@
+"""Masked reductions and loss aggregation (peers.md 2.8, 2.9).
+
+Masked-out values are replaced by 0 before anything is multiplied or summed, so a NaN or inf in
+padding never reaches a result or a gradient. Masks are bool, or 0/1 integer/float tensors.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from ._checks import as_bool_mask, check_float_tensor, check_tensor
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def _masked_values(x, mask):
+    check_float_tensor(x, "x")
+    m = as_bool_mask(mask, "mask", x.shape, "x")
+    return torch.where(m, x.to(torch.float32), torch.zeros((), dtype=torch.float32, device=x.device)), m
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of ``x`` over the positions where ``mask`` is true, float32.
+
+    x, mask: same shape. dim=None reduces everything to a 0-d tensor, an int or tuple reduces those
+    dims. Where nothing is valid the result is 0 (no NaN, no device sync), as in verl."""
+    xm, m = _masked_values(x, mask)
+    if dim is None:
+        dim = tuple(range(x.dim()))
+    return xm.sum(dim=dim) / m.sum(dim=dim).clamp(min=1).to(torch.float32)
+
+
+def _count_at_least_two(m: torch.Tensor, what: str) -> torch.Tensor:
+    n = m.sum()
+    if int(n) < 2:  # one sync; Bessel's correction is undefined below 2 samples
+        raise ValueError(f"{what} needs at least 2 valid (mask=True) elements for the unbiased variance, "
+                         f"got {int(n)}")
+    return n.to(torch.float32)
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over the valid positions (0-d float32), Bessel-corrected by default.
+
+    Raises ValueError when fewer than 2 elements are valid (with unbiased=True; 1 without)."""
+    xm, m = _masked_values(x, mask)
+    if unbiased:
+        n = _count_at_least_two(m, "masked_var")
+    else:
+        n = m.sum().to(torch.float32)
+        if int(n) < 1:
+            raise ValueError("masked_var needs at least 1 valid (mask=True) element, got 0")
+    mean = xm.sum() / n
+    centered = torch.where(m, xm - mean, torch.zeros((), dtype=torch.float32, device=x.device))
+    return centered.square().sum() / (n - 1 if unbiased else n)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the valid positions (unbiased var), float32, same shape.
+
+    shift_mean=False adds the mean back (scale only). Masked positions are 0 in the result. Raises
+    ValueError when fewer than 2 elements are valid."""
+    xm, m = _masked_values(x, mask)
+    n = _count_at_least_two(m, "masked_whiten")
+    mean = xm.sum() / n
+    centered = torch.where(m, xm - mean, torch.zeros((), dtype=torch.float32, device=x.device))
+    var = centered.square().sum() / (n - 1)
+    out = centered * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = torch.where(m, out + mean, out)
+    return out
+
+
+def _check_normalizer(normalizer):
+    if normalizer is None:
+        return None
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.dim() != 0:
+            raise ValueError(f"normalizer must be a number or a 0-d tensor, got a tensor of shape "
+                             f"{tuple(normalizer.shape)}")
+        return normalizer.to(torch.float32)
+    if isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real) or not normalizer > 0:
+        raise ValueError(f"normalizer must be a positive number or a 0-d tensor, got {normalizer!r}")
+    return float(normalizer)
+
+
+def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", normalizer=None, *,
+             max_len: int | None = None) -> torch.Tensor:
+    """Aggregate a per-token loss ``loss_mat`` (B, T) over ``mask`` (B, T) into a 0-d float32 loss.
+
+    Modes (X = loss_mat, m = mask; a sequence counts when it has a valid token):
+      token-mean               sum(X m) / N_tok
+      seq-mean-token-sum       sum_i sum_t X m / N_seq
+      seq-mean-token-mean      sum_i (sum_t X m / sum_t m) / N_seq        (GRPO)
+      seq-mean-token-sum-norm  sum(X m) / (N_seq * C), C = max_len or T   (Dr.GRPO)
+    ``normalizer`` (a positive number or 0-d tensor), when given, replaces the local N_tok (token-mean)
+    or N_seq (seq-* modes). The trainer passes the global token (or sequence) count of the mini-batch
+    divided by dp_size * grad_accum, so DeepSpeed's averaging over ranks and micro-batches yields the
+    exact global mean. Without it, an all-masked batch gives 0."""
+    check_float_tensor(loss_mat, "loss_mat")
+    if loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat must have shape (B, T), got shape {tuple(loss_mat.shape)}")
+    if not isinstance(mode, str) or mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
+    check_tensor(mask, "mask")
+    m = as_bool_mask(mask, "mask", loss_mat.shape, "loss_mat")
+    norm = _check_normalizer(normalizer)
+    zero = torch.zeros((), dtype=torch.float32, device=loss_mat.device)
+    xm = torch.where(m, loss_mat.to(torch.float32), zero)
+    if mode == "token-mean":
+        denom = norm if norm is not None else m.sum().clamp(min=1).to(torch.float32)
+        return xm.sum() / denom
+    tok_per_seq = m.sum(dim=-1)  # (B,)
+    denom = norm if norm is not None else (tok_per_seq > 0).sum().clamp(min=1).to(torch.float32)
+    if mode == "seq-mean-token-sum":
+        return xm.sum() / denom
+    if mode == "seq-mean-token-mean":
+        seq_means = xm.sum(dim=-1) / tok_per_seq.clamp(min=1).to(torch.float32)  # empty rows give 0
+        return seq_means.sum() / denom
+    if max_len is None:
+        max_len = loss_mat.shape[-1]
+    elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    return xm.sum() / (denom * max_len)
