@@ -1,0 +1,200 @@
+"""RewardModel: neural scorer at the last real token, reward functions, composition, boundary checks."""
+import numpy as np
+import pytest
+import torch
+
+from verl_ds.models import RewardFunctionError, RewardModel
+
+from models_testutil import EOS, PAD
+
+
+def texts(batch):
+    n = len(batch)
+    return [f"p{i}" for i in range(n)], [f"r{i}" for i in range(n)]
+
+
+def per_token_scores_reference(scorer, ids):
+    """Score of an unpadded single sequence at its last token, computed from the backbone + head."""
+    with torch.no_grad():
+        h = scorer.model(input_ids=ids).last_hidden_state
+        return scorer.score(h)[:, -1, 0]
+
+
+def test_neural_scorer_scores_last_real_token(tiny_scorer, make_rollout):
+    b = make_rollout()
+    rm = RewardModel(model=tiny_scorer)
+    scores = rm.get_reward(b.observation, b.mask)
+    assert scores.shape == (4,) and scores.dtype == torch.float32
+    for i in range(4):
+        real = b.observation[i][b.mask[i]].unsqueeze(0)
+        torch.testing.assert_close(scores[i], per_token_scores_reference(tiny_scorer, real)[0], atol=1e-5, rtol=0)
+
+
+def test_neural_scorer_with_pad_equal_to_eos(tiny_scorer):
+    # pad == eos: HF's own pooling (input_ids != pad) would score the token before the final EOS
+    tiny_scorer.config.pad_token_id = EOS
+    rm = RewardModel(model=tiny_scorer)
+    obs = torch.tensor([[EOS, 5, 6, 7, EOS], [4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]).bool()
+    scores = rm.get_reward(obs, mask)
+    torch.testing.assert_close(scores[0], per_token_scores_reference(tiny_scorer, obs[:1, 1:])[0], atol=1e-5, rtol=0)
+    with torch.no_grad():
+        hf_pooled = tiny_scorer(input_ids=obs, attention_mask=mask.long()).logits[0, 0]
+    assert not torch.isclose(scores[0], hf_pooled)
+
+
+def test_get_reward_from_threads_is_consistent(tiny_scorer, make_rollout):
+    import threading
+
+    b = make_rollout()
+    rm = RewardModel(model=tiny_scorer)
+    want = rm.get_reward(b.observation, b.mask)
+    got = [None] * 6
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, rm.get_reward(b.observation, b.mask)))
+               for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for g in got:
+        torch.testing.assert_close(g, want)
+
+
+def test_batch_mode_scores_on_last_response_token_and_weighted_sum(make_rollout):
+    b = make_rollout()
+    rm = RewardModel()
+    rm.register_reward_fn(lambda p, r, batch: [1.0, 2.0, 3.0, 4.0], name="a", weight=0.5)
+    rm.register_reward_fn(lambda p, r, batch: torch.tensor([10.0, 0.0, 0.0, 0.0], dtype=torch.float64), name="b")
+    scores, metrics = rm.compute_rewards(b, *texts(b))
+    assert scores.dtype == torch.float32 and scores.shape == (4, 4)
+    want = torch.zeros(4, 4)
+    last = b.response_length - 1
+    want[torch.arange(4), last] = torch.tensor([0.5 + 10.0, 1.0, 1.5, 2.0])
+    torch.testing.assert_close(scores, want)
+    assert metrics == {"reward/a/mean": 2.5, "reward/b/mean": 2.5}
+    assert all(isinstance(v, float) for v in metrics.values())
+
+
+def test_scorer_and_functions_compose(tiny_scorer, make_rollout):
+    b = make_rollout()
+    rm = RewardModel(model=tiny_scorer, model_weight=2.0, model_name="rm")
+    rm.register_reward_fn(lambda p, r, batch: [1.0] * 4, name="bonus")
+    scores, metrics = rm.compute_rewards(b, *texts(b))
+    neural = rm.get_reward(b.observation, b.mask)
+    torch.testing.assert_close(scores.sum(-1), 2.0 * neural + 1.0)
+    assert set(metrics) == {"reward/rm/mean", "reward/bonus/mean"}
+    assert metrics["reward/rm/mean"] == pytest.approx(float(neural.mean()), abs=1e-6)
+
+
+def test_per_token_padding_zeroed_and_eos_modes(make_rollout):
+    b = make_rollout()  # row 0 ends with EOS at column 2 (length 3); others truncated (length 4)
+    assert b.done.tolist() == [True, False, False, False] and b.response_length.tolist() == [3, 4, 4, 4]
+    ones = lambda p, r, batch: torch.ones(4, 4, dtype=torch.float64)  # noqa: E731
+    zero = RewardModel(eos_reward="zero")
+    zero.register_reward_fn(ones, name="t", per_token=True)
+    s, m = zero.compute_rewards(b, *texts(b))
+    assert s[0].tolist() == [1.0, 1.0, 0.0, 0.0]  # EOS zeroed, padding zeroed
+    assert s[1].tolist() == [1.0, 1.0, 1.0, 1.0]  # truncated: no EOS to zero
+    keep = RewardModel(eos_reward="keep")
+    keep.register_reward_fn(ones, name="t", per_token=True)
+    s, _ = keep.compute_rewards(b, *texts(b))
+    assert s[0].tolist() == [1.0, 1.0, 1.0, 0.0]
+    ragged = RewardModel(eos_reward="keep")
+    ragged.register_reward_fn(lambda p, r, batch: [[0.5] * int(n) for n in batch.response_length], name="rag",
+                              per_token=True)
+    s, m = ragged.compute_rewards(b, *texts(b))
+    torch.testing.assert_close(s, 0.5 * b.response_mask.float())
+    assert m["reward/rag/mean"] == pytest.approx(0.5 * 15 / 4)
+    with pytest.raises(ValueError, match="eos_reward must be one of"):
+        RewardModel(eos_reward="drop")
+
+
+def test_numpy_and_int_outputs_converted(make_rollout):
+    b = make_rollout()
+    rm = RewardModel()
+    rm.register_reward_fn(lambda p, r, batch: np.array([1, 0, 1, 0]), name="np_int")
+    scores, _ = rm.compute_rewards(b, *texts(b))
+    assert scores.dtype == torch.float32 and scores.sum().item() == 2.0
+
+
+@pytest.mark.parametrize("out, message", [
+    ([1.0, 2.0, 3.0], r"reward function 'bad': returned 3 values for 4 samples"),
+    ([1.0, float("nan"), 0.0, 0.0], r"reward function 'bad' \(sample 1\): returned a non-finite reward \(nan\)"),
+    ([1.0, 2.0, "x", 0.0], r"reward function 'bad' \(sample 2\): returned str 'x'; expected a float"),
+    (torch.zeros(4, 1), r"returned shape \(B, 1\) = \(4, 1\); return \(B,\) \(squeeze the last dim\)"),
+    (torch.zeros(4, 4), r"returned shape \(4, 4\); expected \(4,\), one value per sample"),
+    (None, r"returned NoneType; expected a list of 4 floats"),
+    (torch.tensor([1j, 0, 0, 0]), r"dtype torch.complex64; expected real numbers"),
+])
+def test_bad_outputs_name_function_and_sample(make_rollout, out, message):
+    b = make_rollout()
+    rm = RewardModel()
+    rm.register_reward_fn(lambda p, r, batch: out, name="bad")
+    with pytest.raises(RewardFunctionError, match=message):
+        rm.compute_rewards(b, *texts(b))
+
+
+def test_per_token_bad_outputs(make_rollout):
+    b = make_rollout()
+    rm = RewardModel()
+    rm.register_reward_fn(lambda p, r, batch: torch.zeros(4, 3), name="pt", per_token=True)
+    with pytest.raises(RewardFunctionError, match=r"'pt': per-token reward returned shape \(4, 3\); expected \(B, R\)"):
+        rm.compute_rewards(b, *texts(b))
+    rm.register_reward_fn(lambda p, r, batch: [[1.0]] * 4, name="pt", per_token=True)
+    with pytest.raises(RewardFunctionError, match=r"'pt' \(sample 0\): per-token row has 1 values; expected "
+                                                  r"response_length=3 or R=4"):
+        rm.compute_rewards(b, *texts(b))
+    inf_in_padding = torch.zeros(4, 4)
+    inf_in_padding[0, 3] = float("inf")  # beyond row 0's response: ignored
+    rm.register_reward_fn(lambda p, r, batch: inf_in_padding, name="pt", per_token=True)
+    rm.compute_rewards(b, *texts(b))
+
+
+def test_exception_names_function_and_failing_sample(make_rollout):
+    b = make_rollout()
+
+    def picky(prompts, responses, batch):
+        return [1.0 / (0 if r == "r2" else 1) for r in responses]
+
+    rm = RewardModel()
+    rm.register_reward_fn(picky)
+    with pytest.raises(RewardFunctionError, match=r"reward function 'picky' \(sample 2\): raised ZeroDivisionError") as e:
+        rm.compute_rewards(b, *texts(b))
+    assert e.value.index == 2 and e.value.name == "picky" and isinstance(e.value.__cause__, ZeroDivisionError)
+
+
+def test_registration_rules_and_hot_replace(make_rollout):
+    b = make_rollout()
+    rm = RewardModel()
+    with pytest.raises(ValueError, match="no reward source"):
+        rm.compute_rewards(b, *texts(b))
+    with pytest.raises(ValueError, match="weight must be a finite float, got inf"):
+        rm.register_reward_fn(lambda p, r, x: [0.0] * 4, weight=float("inf"))
+    with pytest.raises(TypeError, match="fn must be callable"):
+        rm.register_reward_fn("nope")
+    assert rm.register_reward_fn(lambda p, r, x: [0.0] * 4) == "lambda_0"
+    rm.register_reward_fn(lambda p, r, x: [1.0] * 4, name="lambda_0", weight=2.0)  # replaces, same slot
+    assert rm.reward_fns() == [{"name": "lambda_0", "weight": 2.0, "per_token": False}]
+    scores, _ = rm.compute_rewards(b, *texts(b))
+    assert scores.sum().item() == 8.0
+    with pytest.raises(ValueError, match="got 3 prompts and 4 responses"):
+        rm.compute_rewards(b, ["a"] * 3, ["b"] * 4)
+    rm.unregister_reward_fn("lambda_0")
+    with pytest.raises(KeyError, match="no reward function named 'lambda_0'"):
+        rm.unregister_reward_fn("lambda_0")
+
+
+def test_state_dict_and_unsupported(make_rollout):
+    rm = RewardModel(eos_reward="keep", model_weight=0.5)
+    rm.register_reward_fn(lambda p, r, x: [0.0], name="f", weight=3.0)
+    sd = rm.state_dict()
+    assert sd == {"eos_reward": "keep", "model_weight": 0.5, "model_name": "reward_model",
+                  "reward_fns": [{"name": "f", "weight": 3.0, "per_token": False}]}
+    other = RewardModel()
+    other.register_reward_fn(lambda p, r, x: [0.0], name="f")
+    other.load_state_dict(sd)
+    assert other.eos_reward == "keep" and other.reward_fns()[0]["weight"] == 3.0
+    with pytest.raises(ValueError, match="has no neural scorer"):
+        rm.get_reward(torch.ones(1, 2, dtype=torch.long))
+    with pytest.raises(NotImplementedError, match="use ValueModel"):
+        rm.get_value(torch.ones(1, 2, dtype=torch.long))

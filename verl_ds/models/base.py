@@ -1,0 +1,255 @@
+"""BaseModel: the contract every model component of verl_ds follows.
+
+Six abstract methods (``get_action``, ``get_value``, ``get_logprob``, ``get_reward``, ``update``,
+``state_dict``); a method that makes no sense for a component (a reward model has no action) raises
+NotImplementedError with a message saying which component to use instead.
+
+Construction checks ``required_modules`` at once: a missing one raises MissingModuleError whose
+message starts with exactly ``Missing required module: <name>`` and lists what was given; one of the
+wrong kind (``module_types``) raises TypeError naming the kind expected. Concrete subclasses are
+recorded in the registry's class table (``verl_ds.registry.model_classes()``).
+
+Hot hyper-parameters live in ``self._state`` (a :class:`verl_ds.state.SharedState`), never in
+attributes: the trainer and the HTTP control plane change them there and every model reads them at
+call time.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+import torch.nn as nn
+
+from verl_ds.registry import register_model_class
+from verl_ds.state import SharedState
+
+__all__ = ["BaseModel", "MissingModuleError", "check_observation", "check_mask", "position_ids_from_mask",
+           "unwrap_module"]
+
+
+class MissingModuleError(ValueError):
+    """A required module was not given (or was None)."""
+
+
+def _describe(v: Any) -> str:
+    return "None" if v is None else type(v).__name__
+
+
+def _is_abstract(cls: type) -> bool:
+    # ABCMeta computes __abstractmethods__ only after __init_subclass__ has run, so look it up by hand.
+    names = set()
+    for base in cls.__mro__[1:]:
+        names |= set(getattr(base, "__abstractmethods__", ()))
+    names |= {n for n, v in vars(cls).items() if getattr(v, "__isabstractmethod__", False)}
+    return any(getattr(getattr(cls, n, None), "__isabstractmethod__", False) for n in names)
+
+
+def unwrap_module(m: Any) -> Any:
+    """The innermost model under DeepSpeed/DDP wrappers (their ``.module``), else ``m``."""
+    seen = 0
+    while isinstance(m, nn.Module) and hasattr(m, "module") and isinstance(m.module, nn.Module) and seen < 4:
+        m, seen = m.module, seen + 1
+    return m
+
+
+def check_observation(observation: Any, who: str) -> torch.Tensor:
+    """observation must be a (B, T) integer tensor."""
+    if not isinstance(observation, torch.Tensor):
+        raise TypeError(f"{who}: observation must be a (B, T) int64 tensor of token ids, got {type(observation).__name__}")
+    if observation.dim() != 2:
+        raise ValueError(f"{who}: observation must be 2-D (B, T), got shape {tuple(observation.shape)}")
+    if observation.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{who}: observation must hold int64 token ids, got dtype {observation.dtype}")
+    if observation.shape[1] == 0:
+        raise ValueError(f"{who}: observation is empty: shape {tuple(observation.shape)}")
+    return observation.long()
+
+
+def check_mask(mask: Any, observation: torch.Tensor, who: str) -> torch.Tensor:
+    """A (B, T) attention mask matching the observation (None -> all ones); returned as bool.
+
+    A (B, T, T) attention matrix is refused: HF models build the causal matrix themselves, and a 3-D
+    mask where a 2-D one is expected silently masks everything out in some models.
+    """
+    if mask is None:
+        return torch.ones_like(observation, dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{who}: mask must be a (B, T) bool tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(observation.shape):
+        extra = (" (pass the (B, T) attention mask, not a (B, T, T) attention matrix)" if mask.dim() == 3 else "")
+        raise ValueError(f"{who}: mask must have the observation's shape (B, T) = {tuple(observation.shape)}, "
+                         f"got {tuple(mask.shape)}{extra}")
+    if mask.dtype != torch.bool:
+        if mask.dtype.is_floating_point or bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"{who}: mask must be bool (or 0/1 integers), got dtype {mask.dtype} with values "
+                             f"other than 0/1")
+        mask = mask.bool()
+    if bool((~mask.any(-1)).any()):
+        row = int((~mask.any(-1)).nonzero()[0])
+        raise ValueError(f"{who}: mask row {row} has no real token")
+    return mask
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counting real tokens only (cumsum - 1, clamped at 0), so left padding does not
+    shift the positions of the prompt (the same ids HF generate() uses)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of the last True column of each row of a (B, T) bool mask."""
+    T = mask.shape[1]
+    return (T - 1 - mask.flip(-1).int().argmax(-1)).long()
+
+
+class BaseModel(ABC):
+    """Abstract model component (see the module docstring).
+
+    Subclasses set ``required_modules`` (names that must be given and not None) and optionally
+    ``module_types`` (name -> expected class or tuple of classes), and call
+    ``super().__init__(state=..., **modules)`` first in their ``__init__``; the modules become
+    attributes of the same names.
+    """
+
+    required_modules: ClassVar[tuple[str, ...]] = ()
+    module_types: ClassVar[dict[str, type | tuple[type, ...]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not _is_abstract(cls):
+            register_model_class(cls)
+
+    def __init__(self, state: SharedState | None = None, **modules: Any):
+        name = type(self).__name__
+        given = ", ".join(f"{k}={_describe(v)}" for k, v in modules.items()) or "nothing"
+        for req in self.required_modules:
+            if modules.get(req) is None:
+                raise MissingModuleError(f"Missing required module: {req} ({name} was given: {given})")
+        for key, value in modules.items():
+            kind = self.module_types.get(key)
+            if value is not None and kind is not None and not isinstance(value, kind):
+                want = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+                raise TypeError(f"{name}: module {key!r} must be a {want}, got {type(value).__name__}")
+        if state is not None and not isinstance(state, SharedState):
+            raise TypeError(f"{name}: state must be a SharedState, got {type(state).__name__}")
+        self._state = state if state is not None else SharedState()
+        self._module_names = frozenset(modules)
+        for key, value in modules.items():
+            if not isinstance(getattr(type(self), key, None), property):  # properties: the subclass stores it
+                setattr(self, key, value)
+
+    @property
+    def state(self) -> SharedState:
+        """The SharedState this model reads its hot hyper-parameters from."""
+        return self._state
+
+    # ---- the contract ---------------------------------------------------------------------------
+    @abstractmethod
+    def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
+                   top_k: int = 50, top_p: float = 0.95):
+        """(action, logprob, entropy) for the next step; no_grad and thread-safe."""
+
+    @abstractmethod
+    def get_value(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) value of each observation."""
+
+    @abstractmethod
+    def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None):
+        """Log-probs of ``action`` given ``observation``."""
+
+    @abstractmethod
+    def get_reward(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) reward of each observation."""
+
+    @abstractmethod
+    def update(self, batch: Any, config: Any) -> None:
+        """In-place update from a batch; hot state is read from and written to ``self._state``."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """Public, non-weight state (see ``public_state``); weights are checkpointed by their engines."""
+        return self.public_state()
+
+    # ---- helpers for subclasses -----------------------------------------------------------------
+    def public_state(self) -> dict:
+        """The attributes not starting with ``_``, minus modules and callables (the design's rule).
+
+        The module slots given to ``__init__`` are skipped even when None.
+
+        Objects with a ``state_dict()`` (KL controllers) contribute that; dataclasses their fields;
+        plain data a deep copy. nn.Modules and nested BaseModels are skipped: their weights belong to
+        the DeepSpeed engine checkpoints.
+        """
+        out = {}
+        for key, value in vars(self).items():
+            if key.startswith("_") or key in self._module_names or isinstance(value, (nn.Module, BaseModel)):
+                continue
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                out[key] = dataclasses.asdict(value)
+            elif hasattr(value, "state_dict") and callable(value.state_dict):
+                out[key] = value.state_dict()
+            elif isinstance(value, (bool, int, float, str, list, tuple, dict, type(None))):
+                out[key] = copy.deepcopy(value)
+        return out
+
+    def load_public_state(self, sd: dict) -> None:
+        """Inverse of ``public_state`` for the keys present in ``sd``."""
+        if not isinstance(sd, dict):
+            raise TypeError(f"{type(self).__name__}.load_state_dict expects a dict, got {type(sd).__name__}")
+        for key, value in sd.items():
+            if key.startswith("_") or not hasattr(self, key):
+                raise KeyError(f"{type(self).__name__}.load_state_dict: unknown key {key!r}; "
+                               f"known: {sorted(self.public_state())}")
+            current = getattr(self, key)
+            if dataclasses.is_dataclass(current) and not isinstance(current, type):
+                setattr(self, key, type(current)(**value))
+            elif hasattr(current, "load_state_dict") and not isinstance(current, nn.Module):
+                current.load_state_dict(value)
+            else:
+                setattr(self, key, copy.deepcopy(value))
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore what ``state_dict()`` returned."""
+        self.load_public_state(sd)
+
+    def torch_modules(self) -> list[nn.Module]:
+        """The nn.Modules this component holds (directly or through nested BaseModels), for the
+        registry's parameter counts."""
+        out = []
+        for key, value in vars(self).items():
+            if isinstance(value, nn.Module):
+                out.append(value)
+            elif isinstance(value, BaseModel):
+                out.extend(value.torch_modules())
+        return out
+
+    def _not_supported(self, method: str, use: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} does not implement {method}(); {use}")
+
+
+def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: torch.Tensor, lr: float | None,
+                   who: str) -> None:
+    """backward + step for a DeepSpeed engine (``module.backward``/``module.step``) or a plain module
+    with a torch optimizer. ``lr`` is written to the param groups first (hot learning rate) unless the
+    engine owns an LR scheduler."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
+        raise ValueError(f"{who}.update: config['loss'] must be a scalar tensor that requires grad, got "
+                         f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    engine_like = callable(getattr(module, "backward", None)) and callable(getattr(module, "step", None))
+    opt = getattr(module, "optimizer", None) if engine_like else optimizer
+    if lr is not None and opt is not None and getattr(module, "lr_scheduler", None) is None:
+        for group in opt.param_groups:
+            group["lr"] = lr
+    if engine_like:
+        module.backward(loss)
+        module.step()
+    elif optimizer is not None:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        raise ValueError(f"{who}.update got a loss but has no optimizer: pass optimizer= at construction or "
+                         f"wrap the model in a DeepSpeed engine")

@@ -1,0 +1,171 @@
+"""PolicyModel: a causal LM (HF model or a DeepSpeed engine wrapping one) behind the BaseModel contract."""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
+from verl_ds.models.base import (BaseModel, check_mask, check_observation, optimizer_step, position_ids_from_mask,
+                                 unwrap_module)
+from verl_ds.state import SharedState
+
+__all__ = ["PolicyModel", "filter_logits"]
+
+
+def _check_sampling(temperature: float, top_k: int, top_p: float, who: str) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"{who}: temperature must be a float > 0, got {temperature!r} (use top_k=1 for greedy)")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1:
+        raise ValueError(f"{who}: top_k must be an int >= 0 (0 or -1 disables it), got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"{who}: top_p must be in (0, 1] (1.0 disables it), got {top_p!r}")
+
+
+def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """vLLM order: divide by temperature, then keep the top_k largest, then the smallest set whose
+    probability reaches top_p; removed entries become -inf. logits (B, V) -> (B, V) float32.
+
+    top_k <= 0 and top_p = 1.0 disable truncation. Ties at the k-th value are all kept.
+    """
+    x = logits.float() / temperature
+    V = x.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p  # the first token always stays (mass_before = 0 < top_p)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x
+
+
+class PolicyModel(BaseModel):
+    """The actor (or the frozen reference): ``lm`` is anything whose
+    ``__call__(input_ids=, attention_mask=, position_ids=)`` returns an object with ``.logits`` (B, T, V):
+    a HF causal LM or a DeepSpeed engine around one.
+
+    Position ids are computed from the attention mask (cumsum - 1), so left-padded prompts get the
+    same positions as unpadded ones. ``optimizer`` is only used by ``update`` when ``lm`` is not a
+    DeepSpeed engine. ``lr_key`` is the SharedState key of this model's learning rate.
+    """
+
+    required_modules = ("lm",)
+
+    def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 lr_key: str = "actor_lr"):
+        super().__init__(state=state, lm=lm)
+        if not callable(lm):
+            raise TypeError(f"PolicyModel: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
+                            f"{type(lm).__name__}")
+        self._optimizer = optimizer
+        self.lr_key = lr_key
+        # Decided once here: which optional HF kwargs the wrapped model's forward accepts.
+        params = _forward_params(unwrap_module(lm))
+        self._extra_kwargs = {"use_cache": False} if "use_cache" in params else {}
+        self._keep_logits = "logits_to_keep" in params
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def _logits(self, observation: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
+        """Logits of the last ``keep`` positions, (B, keep, V)."""
+        kwargs = dict(self._extra_kwargs)
+        if self._keep_logits:
+            kwargs["logits_to_keep"] = keep
+        out = self.lm(input_ids=observation, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
+                      **kwargs)
+        logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:1] != observation.shape[:1]:
+            got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"PolicyModel: the lm must return logits of shape (B, T, V); got {got}")
+        if logits.shape[1] < keep:
+            raise ValueError(f"PolicyModel: the lm returned logits for {logits.shape[1]} positions, need {keep}")
+        return logits[:, -keep:]
+
+    # ---- contract ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
+                   top_k: int = 50, top_p: float = 0.95, generator: torch.Generator | None = None):
+        """Sample the next token for each row: returns (action (B,) int64, logprob (B,), entropy (B,)).
+
+        observation (B, T) must end with a real token in every row (prompts left-padded).
+        Temperature, top-k and top-p act on the logits in that order (vLLM). The returned logprob and
+        entropy are those of softmax(logits / temperature) before truncation: the distribution the
+        trainer recomputes with ``get_logprob`` (truncation would bias the PPO ratio). Thread-safe:
+        nothing is cached on self; pass a per-thread ``generator`` for reproducible draws.
+        """
+        who = "PolicyModel.get_action"
+        observation = check_observation(observation, who)
+        mask = check_mask(mask, observation, who)
+        _check_sampling(temperature, top_k, top_p, who)
+        if not bool(mask[:, -1].all()):
+            rows = (~mask[:, -1]).nonzero().flatten().tolist()
+            raise ValueError(f"{who}: the last column must be a real token in every row (left-pad the prompts); "
+                             f"rows {rows} end with padding")
+        logits = self._logits(observation, mask, 1)[:, -1].float()  # (B, V)
+        probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
+        action = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        logprob, entropy = logprobs_and_entropy(logits, action, temperature)
+        return action, logprob, entropy
+
+    def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None,
+                    temperature: float = 1.0, return_entropy: bool = False):
+        """Log-probs (B, R) float32 of the response tokens ``action`` (B, R) = observation[:, -R:].
+
+        logits[:, -R-1:-1] predict them; computed by ``verl_ds.algos.logprobs_and_entropy`` in one
+        pass, at ``temperature`` (the rollout's). Differentiable: the PPO update calls it under grad.
+        With return_entropy, also the entropy (B, R) of each position's distribution. Values at
+        padded response positions are meaningless; mask them with the response mask.
+        """
+        who = "PolicyModel.get_logprob"
+        observation = check_observation(observation, who)
+        mask = check_mask(mask, observation, who)
+        if not isinstance(action, torch.Tensor) or action.dim() != 2 or action.shape[0] != observation.shape[0]:
+            got = tuple(action.shape) if isinstance(action, torch.Tensor) else type(action).__name__
+            raise ValueError(f"{who}: action must be (B, R) = ({observation.shape[0]}, R) response ids, got {got}")
+        R, T = action.shape[1], observation.shape[1]
+        if not 1 <= R < T:
+            raise ValueError(f"{who}: action width R={R} must satisfy 1 <= R < T={T} (the observation holds the "
+                             f"prompt then the response)")
+        if not torch.equal(action.long(), observation[:, -R:]):
+            rows = (action.long() != observation[:, -R:]).any(-1).nonzero().flatten().tolist()
+            raise ValueError(f"{who}: action must equal the last R={R} columns of observation; rows {rows} differ")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"{who}: temperature must be a float > 0, got {temperature!r}")
+        logits = self._logits(observation, mask, R + 1)[:, :-1]  # (B, R, V): position t predicts token t+1
+        labels = action.long()
+        if return_entropy:
+            return logprobs_and_entropy(logits, labels, temperature)
+        return logprobs_from_logits(logits, labels, temperature)
+
+    def get_value(self, observation, mask=None):
+        raise self._not_supported("get_value", "a policy has no value head; use ValueModel (the critic)")
+
+    def get_reward(self, observation, mask=None):
+        raise self._not_supported("get_reward", "use RewardModel for rewards")
+
+    def update(self, batch: Any, config: Any) -> None:
+        """The actor step hook. With ``config["loss"]`` (a scalar tensor from compute_policy_loss): backward
+        and optimizer step (DeepSpeed engine: ``engine.backward``/``engine.step``; else the optimizer
+        given at construction), at the learning rate ``state[lr_key]`` read now. Without a loss: a
+        no-op (the trainer steps the engines itself)."""
+        loss = (config or {}).get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
+        if loss is None:
+            return None
+        optimizer_step(self.lm, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__)
+        return None
+
+    def state_dict(self) -> dict:
+        """{"lr_key": ...}: the weights are the engine's (DeepSpeed checkpoint)."""
+        return super().state_dict()
+
+
+def _forward_params(module: Any) -> set[str]:
+    fwd = getattr(module, "forward", module)
+    try:
+        return set(inspect.signature(fwd).parameters)
+    except (TypeError, ValueError):
+        return set()

@@ -1,0 +1,360 @@
+"""RewardModel: a neural scorer and/or Python reward functions, composed as a weighted sum.
+
+Reward function signature::
+
+    fn(prompts: list[str], responses: list[str], batch: RolloutBatch) -> list[float] | Tensor
+
+Batch mode returns (B,) (one score per sample, placed on the last real response token);
+``per_token=True`` returns (B, R) (or B sequences of response_length[i] or R values), zeroed on
+padding, with the EOS position zeroed or kept per ``eos_reward``. Whatever comes back is checked
+at the boundary: converted to float32 (float64 lists included), shape and finiteness checked, and
+any failure (or an exception inside the function) raises RewardFunctionError naming the function
+and the sample index.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from verl_ds.models.base import (BaseModel, check_mask, check_observation, last_token_index, optimizer_step,
+                                 position_ids_from_mask, unwrap_module)
+from verl_ds.state import SharedState
+
+__all__ = ["RewardModel", "RewardFunctionError", "EOS_REWARD_MODES"]
+
+EOS_REWARD_MODES = ("zero", "keep")
+
+
+class RewardFunctionError(ValueError):
+    """A reward function failed or returned something unusable; ``name`` and ``index`` say which/where."""
+
+    def __init__(self, name: str, message: str, index: int | None = None):
+        self.name, self.index = name, index
+        where = f" (sample {index})" if index is not None else ""
+        super().__init__(f"reward function {name!r}{where}: {message}")
+
+
+@dataclass(frozen=True)
+class _RewardFn:
+    name: str
+    fn: Callable
+    weight: float
+    per_token: bool
+
+
+def _check_weight(weight: Any, who: str) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(float(weight)):
+        raise ValueError(f"{who}: weight must be a finite float, got {weight!r}")
+    return float(weight)
+
+
+class RewardModel(BaseModel):
+    """Scores rollouts. ``model``: optional neural scorer, a HF ``AutoModelForSequenceClassification``
+    with one label (or a DeepSpeed engine around one, or any nn.Module returning per-token (B, T)
+    or pooled (B,) scores), scored at the last real token of each row (from the attention mask, so
+    pad == eos tokenizers work). It must share the actor's vocabulary; a reward model with its own
+    tokenizer belongs in a reward function that re-tokenizes the texts.
+
+    model_weight/model_name: the scorer's weight in the sum and its metric name. eos_reward: for
+    per-token functions, "zero" zeroes the EOS position, "keep" keeps it. ``tokenizer`` is kept for
+    callers that decode responses (not used here).
+    """
+
+    required_modules = ()
+
+    def __init__(self, model: nn.Module | None = None, tokenizer: Any = None, state: SharedState | None = None,
+                 eos_reward: str = "zero", model_weight: float = 1.0, model_name: str = "reward_model",
+                 optimizer: torch.optim.Optimizer | None = None):
+        super().__init__(state=state, model=model)
+        if model is not None and not callable(model):
+            raise TypeError(f"RewardModel: model must be a sequence-classification nn.Module (or a DeepSpeed engine "
+                            f"around one), got {type(model).__name__}")
+        if eos_reward not in EOS_REWARD_MODES:
+            raise ValueError(f"RewardModel: eos_reward must be one of {list(EOS_REWARD_MODES)}, got {eos_reward!r}")
+        self.eos_reward = eos_reward
+        self.model_weight = _check_weight(model_weight, "RewardModel")
+        self.model_name = str(model_name)
+        self._tokenizer = tokenizer
+        self._optimizer = optimizer
+        self._lock = threading.RLock()
+        self._fns: tuple[_RewardFn, ...] = ()  # replaced, never mutated: compute_rewards reads one snapshot
+        # The HF classifier pools with `input_ids != pad_token_id`, which drops a final EOS when pad == eos.
+        # A forward hook on its `score` head captures the per-token scores instead; the capture slot is
+        # thread-local, so concurrent get_reward calls never see each other's tensors.
+        self._capture = threading.local()
+        self._hook = None
+        head = getattr(unwrap_module(model), "score", None) if model is not None else None
+        if isinstance(head, nn.Module):
+            slot = self._capture
+
+            def _grab(module, args, output):
+                if getattr(slot, "active", False):
+                    slot.per_token = output
+            self._hook = head.register_forward_hook(_grab)
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    def close(self) -> None:
+        """Remove the capture hook from the scorer (call when this RewardModel is discarded but the
+        scorer lives on)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    # ---- functions -----------------------------------------------------------------------------------
+    def register_reward_fn(self, fn: Callable, name: str | None = None, weight: float = 1.0,
+                           per_token: bool = False) -> str:
+        """Add ``fn`` (see module docstring); a name already registered is replaced (hot swap).
+        Returns the name used (default: the function's ``__name__``)."""
+        if not callable(fn):
+            raise TypeError(f"register_reward_fn: fn must be callable, got {type(fn).__name__}")
+        if not isinstance(per_token, bool):
+            raise TypeError(f"register_reward_fn: per_token must be a bool, got {per_token!r}")
+        weight = _check_weight(weight, "register_reward_fn")
+        with self._lock:
+            if name is None:
+                name = getattr(fn, "__name__", type(fn).__name__)
+                if name == "<lambda>":
+                    name = f"lambda_{len(self._fns)}"
+            if not isinstance(name, str) or not name or name == self.model_name:
+                raise ValueError(f"register_reward_fn: name must be a non-empty str other than the scorer's "
+                                 f"{self.model_name!r}, got {name!r}")
+            entry = _RewardFn(name, fn, weight, per_token)
+            fns = [f for f in self._fns if f.name != name]
+            at = next((i for i, f in enumerate(self._fns) if f.name == name), len(fns))
+            fns.insert(at, entry)
+            self._fns = tuple(fns)
+        return name
+
+    def unregister_reward_fn(self, name: str) -> None:
+        with self._lock:
+            if name not in {f.name for f in self._fns}:
+                raise KeyError(f"no reward function named {name!r}; registered: {[f.name for f in self._fns]}")
+            self._fns = tuple(f for f in self._fns if f.name != name)
+
+    def reward_fns(self) -> list[dict]:
+        """[{"name", "weight", "per_token"}] in registration order."""
+        return [{"name": f.name, "weight": f.weight, "per_token": f.per_token} for f in self._fns]
+
+    # ---- neural scorer -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def get_reward(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) float32 scores of the neural scorer at the last real token of each row."""
+        who = "RewardModel.get_reward"
+        if self.model is None:
+            raise ValueError(f"{who}: this RewardModel has no neural scorer (only reward functions: "
+                             f"{[f.name for f in self._fns]}); use compute_rewards")
+        observation = check_observation(observation, who)
+        mask = check_mask(mask, observation, who)
+        B, T = observation.shape
+        self._capture.active, self._capture.per_token = True, None
+        try:
+            out = self.model(input_ids=observation, attention_mask=mask.long(),
+                             position_ids=position_ids_from_mask(mask))
+            per_token = self._capture.per_token
+        finally:
+            self._capture.active, self._capture.per_token = False, None
+        scores = per_token if per_token is not None else (out.logits if hasattr(out, "logits") else out)
+        if not isinstance(scores, torch.Tensor):
+            raise TypeError(f"{who}: the scorer must return a Tensor or an output with .logits, got "
+                            f"{type(scores).__name__}")
+        if scores.dim() == 3 and scores.shape[-1] == 1:
+            scores = scores.squeeze(-1)
+        if scores.dim() == 3:
+            raise ValueError(f"{who}: the scorer has {scores.shape[-1]} labels; a reward model needs num_labels=1")
+        if tuple(scores.shape) == (B, T):
+            scores = scores.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
+        elif tuple(scores.shape) == (B, 1):
+            scores = scores.squeeze(1)  # a pooled (B, num_labels=1) classifier output
+        elif tuple(scores.shape) != (B,):
+            raise ValueError(f"{who}: the scorer returned shape {tuple(scores.shape)}; expected (B, T) per-token, "
+                             f"(B, 1) pooled or (B,) scores with B={B}, T={T}")
+        return scores.float()
+
+    # ---- composition ---------------------------------------------------------------------------------
+    def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str]):
+        """Token-level scores (B, R) float32 and metrics ``reward/<name>/mean`` (unweighted, per-sample
+        sums averaged over the batch).
+
+        batch: a RolloutBatch with observation, mask, response_length (and done for per-token
+        functions with eos_reward="zero"). Batch-mode scores go on column response_length - 1.
+        """
+        who = "RewardModel.compute_rewards"
+        fns = self._fns
+        if self.model is None and not fns:
+            raise ValueError(f"{who}: no reward source: pass a neural scorer (model=) or register a function "
+                             f"with register_reward_fn")
+        rl = batch.response_length
+        if rl is None:
+            raise ValueError(f"{who}: batch.response_length is required to place rewards")
+        B, R = len(batch), batch.response_width
+        if len(prompts) != B or len(responses) != B:
+            raise ValueError(f"{who}: got {len(prompts)} prompts and {len(responses)} responses for a batch of {B}")
+        if bool(((rl < 1) | (rl > R)).any()):
+            i = int(((rl < 1) | (rl > R)).nonzero()[0])
+            raise ValueError(f"{who}: batch.response_length[{i}] = {int(rl[i])} is outside [1, R={R}]")
+        device = rl.device
+        rows = torch.arange(B, device=device)
+        valid = torch.arange(R, device=device).unsqueeze(0) < rl.unsqueeze(1)  # (B, R)
+        total = torch.zeros(B, R, dtype=torch.float32, device=device)
+        metrics: dict[str, float] = {}
+
+        def place(seq_scores: torch.Tensor) -> torch.Tensor:
+            mat = torch.zeros(B, R, dtype=torch.float32, device=device)
+            mat[rows, rl - 1] = seq_scores.to(device)
+            return mat
+
+        if self.model is not None:
+            mat = place(self.get_reward(batch.observation, batch.mask))
+            total += self.model_weight * mat
+            metrics[f"reward/{self.model_name}/mean"] = float(mat.sum(-1).mean())
+        for entry in fns:
+            raw = self._call(entry, list(prompts), list(responses), batch)
+            if entry.per_token:
+                mat = _to_token_scores(raw, entry.name, B, R, rl).to(device) * valid
+                if self.eos_reward == "zero":
+                    if batch.done is None:
+                        raise ValueError(f"{who}: per-token reward {entry.name!r} with eos_reward='zero' needs "
+                                         f"batch.done to find the EOS positions")
+                    mat[rows[batch.done], (rl - 1)[batch.done]] = 0.0
+            else:
+                mat = place(_to_seq_scores(raw, entry.name, B))
+            total += entry.weight * mat
+            metrics[f"reward/{entry.name}/mean"] = float(mat.sum(-1).mean())
+        return total, metrics
+
+    @staticmethod
+    def _call(entry: _RewardFn, prompts: list, responses: list, batch: Any) -> Any:
+        try:
+            return entry.fn(prompts, responses, batch)
+        except Exception as e:  # locate the failing sample so the user can reproduce it
+            index = None
+            if hasattr(batch, "select"):
+                for i in range(len(prompts)):
+                    try:
+                        entry.fn(prompts[i:i + 1], responses[i:i + 1], batch.select([i]))
+                    except Exception:
+                        index = i
+                        break
+            hint = "" if index is not None else " (not reproducible on any single sample)"
+            raise RewardFunctionError(entry.name, f"raised {type(e).__name__}: {e}{hint}", index) from e
+
+    # ---- the rest of the contract --------------------------------------------------------------------
+    def get_action(self, observation, mask=None, temperature=1.0, top_k=50, top_p=0.95):
+        raise self._not_supported("get_action", "a reward model does not act; use PolicyModel")
+
+    def get_value(self, observation, mask=None):
+        raise self._not_supported("get_value", "use ValueModel (the critic) for values")
+
+    def get_logprob(self, observation, action, mask=None):
+        raise self._not_supported("get_logprob", "use PolicyModel for log-probs")
+
+    def update(self, batch: Any, config: Any) -> None:
+        """Reward-model training hook: with ``config["loss"]`` backward + step of the scorer; else a no-op."""
+        loss = (config or {}).get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
+        if loss is None:
+            return None
+        if self.model is None:
+            raise ValueError("RewardModel.update: there is no neural scorer to train")
+        optimizer_step(self.model, self._optimizer, loss, None, type(self).__name__)
+        return None
+
+    def state_dict(self) -> dict:
+        """eos_reward, model_weight, model_name and the registered functions' names/weights (not the
+        functions themselves: they are code, re-registered from the config on resume)."""
+        out = super().state_dict()
+        out["reward_fns"] = self.reward_fns()
+        return out
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore the settings and the weights of functions registered under the same names."""
+        sd = dict(sd)
+        fns = {f["name"]: f for f in sd.pop("reward_fns", [])}
+        if "model_weight" in sd:
+            sd["model_weight"] = _check_weight(sd["model_weight"], "RewardModel.load_state_dict")
+        if sd.get("eos_reward", self.eos_reward) not in EOS_REWARD_MODES:
+            raise ValueError(f"RewardModel.load_state_dict: eos_reward must be one of {list(EOS_REWARD_MODES)}, "
+                             f"got {sd['eos_reward']!r}")
+        self.load_public_state(sd)
+        with self._lock:
+            self._fns = tuple(_RewardFn(f.name, f.fn, _check_weight(fns[f.name]["weight"], f.name), f.per_token)
+                              if f.name in fns else f for f in self._fns)
+
+
+def _number(x: Any, name: str, index: int) -> float:
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise RewardFunctionError(name, f"returned {type(x).__name__} {x!r}; expected a float", index)
+    return float(x)
+
+
+def _as_tensor(raw: Any, name: str) -> torch.Tensor | None:
+    if isinstance(raw, torch.Tensor):
+        t = raw
+    elif hasattr(raw, "__array__") and hasattr(raw, "dtype") and hasattr(raw, "shape"):  # numpy
+        t = torch.as_tensor(raw)
+    else:
+        return None
+    if t.is_complex() or not (t.dtype.is_floating_point or t.dtype in (torch.int64, torch.int32, torch.int16,
+                                                                      torch.int8, torch.uint8, torch.bool)):
+        raise RewardFunctionError(name, f"returned a tensor of dtype {t.dtype}; expected real numbers")
+    return t.detach().to(torch.float32)
+
+
+def _check_finite(t: torch.Tensor, name: str) -> torch.Tensor:
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        i = int(bad.reshape(t.shape[0], -1).any(-1).nonzero()[0])
+        raise RewardFunctionError(name, f"returned a non-finite reward ({t[i].flatten()[bad[i].flatten()][0].item()})",
+                                  i)
+    return t
+
+
+def _to_seq_scores(raw: Any, name: str, B: int) -> torch.Tensor:
+    """(B,) float32 from a list/tuple/array/Tensor of B numbers."""
+    t = _as_tensor(raw, name)
+    if t is None:
+        if not isinstance(raw, (list, tuple)):
+            raise RewardFunctionError(name, f"returned {type(raw).__name__}; expected a list of {B} floats or a (B,) "
+                                            f"tensor")
+        if len(raw) != B:
+            raise RewardFunctionError(name, f"returned {len(raw)} values for {B} samples; expected one per sample")
+        t = torch.tensor([_number(x, name, i) for i, x in enumerate(raw)], dtype=torch.float64).float()
+    if tuple(t.shape) == (B, 1) and B != 1:
+        raise RewardFunctionError(name, f"returned shape (B, 1) = {tuple(t.shape)}; return (B,) (squeeze the last "
+                                        f"dim), or register it with per_token=True for (B, R) rewards")
+    if t.dim() != 1 or t.shape[0] != B:
+        raise RewardFunctionError(name, f"returned shape {tuple(t.shape)}; expected ({B},), one value per sample")
+    return _check_finite(t, name)
+
+
+def _to_token_scores(raw: Any, name: str, B: int, R: int, rl: torch.Tensor) -> torch.Tensor:
+    """(B, R) float32 from a (B, R) tensor/array or B sequences of response_length[i] (or R) numbers."""
+    t = _as_tensor(raw, name)
+    if t is None:
+        if not isinstance(raw, (list, tuple)) or len(raw) != B:
+            got = f"{len(raw)} rows" if isinstance(raw, (list, tuple)) else type(raw).__name__
+            raise RewardFunctionError(name, f"per-token reward returned {got}; expected B={B} rows of per-token values")
+        t = torch.zeros(B, R, dtype=torch.float32)
+        for i, row in enumerate(raw):
+            rt = _as_tensor(row, name)
+            vals = rt.reshape(-1).tolist() if rt is not None else row
+            if not isinstance(vals, (list, tuple)) or len(vals) not in (int(rl[i]), R):
+                n = len(vals) if isinstance(vals, (list, tuple)) else type(vals).__name__
+                raise RewardFunctionError(name, f"per-token row has {n} values; expected response_length="
+                                                f"{int(rl[i])} or R={R}", i)
+            t[i, :len(vals)] = torch.tensor([_number(x, name, i) for x in vals], dtype=torch.float64).float()
+    if tuple(t.shape) != (B, R):
+        raise RewardFunctionError(name, f"per-token reward returned shape {tuple(t.shape)}; expected (B, R) = "
+                                        f"{(B, R)}")
+    valid = torch.arange(R).unsqueeze(0) < rl.cpu().unsqueeze(1)
+    return _check_finite(torch.where(valid, t, torch.zeros_like(t)), name)  # padding is dropped anyway
