@@ -1,0 +1,67 @@
+# Shell helpers shared by slurm/*.sbatch (sourced, not run). Kept apart from the sbatch scripts so the
+# tests can run them without Slurm: node-list expansion, the DeepSpeed hostfile, and the step runner that
+# forwards the preemption signal and requeues the job when the trainer exits with PREEMPT_EXIT_CODE.
+
+# The trainer's "checkpointed after SIGUSR1/SIGTERM, run me again" exit status (EX_TEMPFAIL).
+PREEMPT_EXIT_CODE=${PREEMPT_EXIT_CODE:-75}
+
+vds_log() { echo "[verl_ds slurm $(date +%H:%M:%S)] $*" >&2; }
+
+# Host names of the job, one per line: `scontrol show hostnames` where Slurm is installed, else the same
+# expansion in Python (verl_ds.dist.expand_nodelist, which the trainer itself uses for SLURM_NODELIST).
+vds_hosts() {
+    local list=${1:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}
+    if [ -z "$list" ]; then
+        vds_log "no node list: SLURM_JOB_NODELIST is not set (run inside an allocation)"
+        return 1
+    fi
+    if command -v scontrol >/dev/null 2>&1; then
+        scontrol show hostnames "$list"
+    else
+        "${PYTHON:-python}" -c 'import sys; from verl_ds.dist import expand_nodelist; print("\n".join(expand_nodelist(sys.argv[1])))' "$list"
+    fi
+}
+
+# vds_write_hostfile PATH SLOTS [NODELIST]: a DeepSpeed hostfile ("<host> slots=N" per node).
+vds_write_hostfile() {
+    local path=$1 slots=$2 hosts
+    hosts=$(vds_hosts "${3:-}") || return 1
+    printf '%s\n' "$hosts" | awk -v s="$slots" 'NF { print $1 " slots=" s }' > "$path"
+}
+
+# vds_run_step CMD...: run CMD in the background and wait for it. USR1 (sent by `#SBATCH --signal=B:USR1@T`)
+# and TERM (Slurm's preemption/cancel notice) are forwarded to it, so the trainer can checkpoint; when CMD
+# exits with PREEMPT_EXIT_CODE the job is requeued with REQUEUE_CMD (default: scontrol requeue <job id>),
+# at most MAX_REQUEUES times. Returns CMD's exit status.
+vds_run_step() {
+    local pid rc signalled=0
+    trap 'signalled=1; vds_log "USR1 received: asking the trainer to checkpoint and stop"; kill -USR1 "$pid" 2>/dev/null' USR1
+    trap 'signalled=1; vds_log "TERM received: forwarding to the trainer"; kill -TERM "$pid" 2>/dev/null' TERM
+    "$@" &
+    pid=$!
+    while :; do
+        wait "$pid"
+        rc=$?
+        # a trapped signal makes `wait` return early (status > 128) while the step still runs: wait again
+        # (bash keeps a finished job's status, so the second wait returns it even when the step has ended)
+        if [ "$signalled" = 1 ] && [ "$rc" -gt 128 ]; then
+            signalled=0
+            continue
+        fi
+        break
+    done
+    trap - USR1 TERM
+    if [ "$rc" -eq "$PREEMPT_EXIT_CODE" ]; then
+        local count=${SLURM_RESTART_COUNT:-0} max=${MAX_REQUEUES:-20}
+        if [ "$count" -ge "$max" ]; then
+            vds_log "trainer checkpointed (exit $rc) but the job was already requeued $count times (MAX_REQUEUES=$max): not requeueing"
+        else
+            vds_log "trainer checkpointed and exited $rc: requeueing job ${SLURM_JOB_ID:-?} (restart $((count + 1)))"
+            eval "${REQUEUE_CMD:-scontrol requeue ${SLURM_JOB_ID:?SLURM_JOB_ID is not set}}" \
+                || vds_log "requeue failed: resubmit by hand; trainer.resume=auto continues from the checkpoint"
+        fi
+    elif [ "$rc" -ne 0 ]; then
+        vds_log "training step failed with exit status $rc"
+    fi
+    return "$rc"
+}

@@ -1,0 +1,292 @@
+"""``verl-ds plan``: before anything is launched, the per-rank memory of actor, critic and reference,
+the global batch arithmetic, and the command line for every launcher.
+
+Parameter counts come from the model's config alone (``AutoConfig`` on a local directory, or the tiny
+config the trainer would build), instantiated on the ``meta`` device: no weights are read or allocated.
+Model-state memory of the trained engines is DeepSpeed's own estimator
+(``estimate_zero3_model_states_mem_needs`` / ``estimate_zero2_model_states_mem_needs``, the functions
+behind ``..._all_cold``); the reference is an inference-only ZeRO-3 engine, which DeepSpeed's estimator
+does not cover, so it is its parameters' bytes split over the ranks plus one gathered layer.
+"""
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from verl_ds.config import Config, Derived, validate
+
+GiB = 2**30
+BUFFER_FACTOR = 1.5  # DeepSpeed's default additional_buffer_factor for CPU memory
+# Used on the command lines; each launcher has its own default (29500), which collides between jobs.
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts of one model, as DeepSpeed's estimators want them."""
+    total: int           # unique parameters (tied embeddings counted once)
+    largest_layer: int   # most parameters held directly by one module (what ZeRO-3 gathers at once)
+    vocab_size: int
+    hidden_size: int
+    source: str          # the directory the config came from, or "tiny config"
+
+
+@dataclass(frozen=True)
+class RoleMemory:
+    """Estimated bytes for one engine: per GPU (each rank) and per node's CPU memory."""
+    role: str
+    zero_stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    gpu_bytes: int
+    cpu_bytes_per_node: int
+    note: str
+
+
+def _meta_size(config, critic: bool, source: str) -> ModelSize:
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = (AutoModel if critic else AutoModelForCausalLM).from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = int(text.hidden_size)
+    if critic:  # CriticLM = AutoModel backbone + Linear(hidden, 1)
+        total += hidden + 1
+        largest = max(largest, hidden + 1)
+    return ModelSize(total=total, largest_layer=largest, vocab_size=int(text.vocab_size), hidden_size=hidden,
+                     source=source)
+
+
+def model_size(cfg: Config, role: str = "actor") -> ModelSize:
+    """Parameter counts of the actor/reference (``role="actor"``/``"ref"``) or the critic, from the config only."""
+    if role not in ("actor", "ref", "critic"):
+        raise ValueError(f"role: expected 'actor', 'ref' or 'critic', got {role!r}")
+    critic = role == "critic"
+    path = (cfg.model.critic_path or cfg.model.path) if critic else cfg.model.path
+    if path is None:
+        from verl_ds.engines.build import _tiny_lm_config, load_tokenizer
+
+        return _meta_size(_tiny_lm_config(cfg, load_tokenizer(cfg)), critic, "tiny config")
+    import os
+
+    from transformers import AutoConfig
+
+    key = "model.critic_path" if critic and cfg.model.critic_path else "model.path"
+    if not os.path.isdir(path):
+        raise ValueError(f"{key}: {path!r} is not a directory (plan reads the model's config.json from it)")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # HF's message is long; ours names the key
+        raise ValueError(f"{key}: no usable config.json in {path!r} ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return _meta_size(config, critic, path)
+
+
+def _zero_settings(ds_cfg: dict) -> tuple[int, bool, bool]:
+    zero = ds_cfg.get("zero_optimization", {})
+    off_opt = str(zero.get("offload_optimizer", {}).get("device", "none")).lower() not in ("none", "")
+    off_param = str(zero.get("offload_param", {}).get("device", "none")).lower() not in ("none", "")
+    return int(zero.get("stage", 0)), off_opt, off_param
+
+
+def trained_engine_memory(role: str, size: ModelSize, stage: int, offload_optimizer: bool, offload_param: bool,
+                          nodes: int, gpus_per_node: int) -> RoleMemory:
+    """Model states (parameters, gradients, AdamW) of a trained engine, by DeepSpeed's estimators.
+
+    CPU memory is the steady state (offloaded states); building the models before partitioning is a separate,
+    transient peak (``estimate_memory``'s ``cpu_build_peak``).
+    """
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    n = nodes * gpus_per_node
+    p = size.total
+    if stage == 3:
+        # DeepSpeed's estimator has no "params offloaded, optimizer on GPU" row; offloading params implies
+        # the optimizer goes too in its model, so that row is the closest (and a lower bound on GPU).
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            p, size.largest_layer, num_gpus_per_node=gpus_per_node, num_nodes=nodes,
+            cpu_offload=offload_optimizer or offload_param, cpu_offload_params=offload_param, zero_init=True,
+            additional_buffer_factor=BUFFER_FACTOR)
+        note = "DeepSpeed estimate_zero3_model_states_mem_needs"
+        if offload_param and not offload_optimizer:
+            note += "; offload_param without offload_optimizer: GPU is a lower bound"
+    elif stage in (1, 2):
+        cpu, gpu = estimate_zero2_model_states_mem_needs(
+            p, num_gpus_per_node=gpus_per_node, num_nodes=nodes, cpu_offload=offload_optimizer,
+            additional_buffer_factor=BUFFER_FACTOR)
+        note = "DeepSpeed estimate_zero2_model_states_mem_needs"
+        if stage == 1 and not offload_optimizer:
+            # stage 1 keeps the full 16-bit gradients on every rank; stage 2's figure holds 1/n of them
+            gpu += int(2 * p - 2 * p / n)
+            note += " + unpartitioned 16-bit gradients (stage 1)"
+    else:
+        # nothing is partitioned: the stage-2 figure for a single rank
+        cpu, gpu = estimate_zero2_model_states_mem_needs(p, num_gpus_per_node=1, num_nodes=1, cpu_offload=False,
+                                                         additional_buffer_factor=BUFFER_FACTOR)
+        cpu = int(p * 4 * gpus_per_node * BUFFER_FACTOR)
+        note = "stage 0: DeepSpeed estimate_zero2_model_states_mem_needs for one rank (nothing partitioned)"
+    return RoleMemory(role, stage, offload_optimizer, offload_param, int(gpu), int(cpu), note)
+
+
+def inference_engine_memory(role: str, size: ModelSize, bytes_per_param: int, offload_param: bool,
+                            nodes: int, gpus_per_node: int) -> RoleMemory:
+    """A frozen ZeRO-3 engine (the reference): its parameters split over the ranks plus one gathered layer."""
+    n = nodes * gpus_per_node
+    layer = bytes_per_param * size.largest_layer
+    shard = 0 if offload_param else math.ceil(bytes_per_param * size.total / n)
+    offloaded = int(bytes_per_param * size.total / nodes * BUFFER_FACTOR) if offload_param else 0
+    return RoleMemory(role, 3, False, offload_param, layer + shard, offloaded,
+                      "inference ZeRO-3: parameters / world size + one gathered layer (CPU: offloaded parameters)")
+
+
+def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: int,
+                    sizes: Optional[dict] = None) -> dict:
+    """Per-role RoleMemory plus the extras, in bytes: rollout replica, logits, and the start-up peaks.
+
+    The trainer builds each model whole on every rank (no ``zero.Init``) and ``deepspeed.initialize`` moves
+    it to the device before partitioning it: one whole model per GPU, and per rank in CPU memory, at start-up.
+    """
+    from verl_ds.engines.ds_config import make_ds_config
+
+    sizes = sizes or {"actor": model_size(cfg, "actor"), "critic": model_size(cfg, "critic")}
+    bpp = 2 if cfg.model.dtype == "bf16" else 4
+    out: dict = {}
+    for role in ("actor", "critic"):
+        stage, off_opt, off_param = _zero_settings(make_ds_config(cfg, derived, role))
+        out[role] = trained_engine_memory(role, sizes[role], stage, off_opt, off_param, nodes, gpus_per_node)
+    _, _, ref_off = _zero_settings(make_ds_config(cfg, derived, "ref"))
+    out["ref"] = inference_engine_memory("ref", sizes["actor"], bpp, ref_off, nodes, gpus_per_node)
+    actor = sizes["actor"]
+    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    out["rollout_replica"] = bpp * actor.total if cfg.rollout.gather_params else 0
+    # fp32 log-softmax over the vocabulary of one micro-batch: the usual PPO memory spike
+    out["logits"] = 4 * cfg.actor.micro_batch_size * seq * actor.vocab_size
+    # no zero.Init: each model is moved to the device whole before DeepSpeed partitions it
+    out["startup_peak"] = bpp * max(actor.total, sizes["critic"].total)
+    out["steady"] = out["actor"].gpu_bytes + out["critic"].gpu_bytes + out["ref"].gpu_bytes + out["rollout_replica"]
+    out["cpu_per_node"] = sum(out[r].cpu_bytes_per_node for r in ("actor", "critic", "ref"))
+    out["cpu_build_peak"] = out["startup_peak"] * gpus_per_node
+    return out
+
+
+def _join(parts: Sequence[str]) -> str:
+    # $NODE_RANK-style placeholders stay unquoted so the shell on each node expands them
+    return " ".join(p if re.fullmatch(r"[\w@%+=:,./$-]+", p) else shlex.quote(p) for p in parts)
+
+
+def launch_commands(nodes: int, gpus_per_node: int, config_path: str = "configs/default.yaml",
+                    overrides: Sequence[str] = (), accelerate_config: str = "configs/accelerate/deepspeed_zero3.yaml",
+                    port: int = DEFAULT_PORT) -> dict:
+    """The command line for each launcher (multi-node ones are run on every node, with NODE_RANK set there)."""
+    world = nodes * gpus_per_node
+    job = ["launch/train.py", "--config", config_path, *overrides]
+    cmds: dict = {}
+    if world == 1:
+        cmds["python"] = _join(["python", *job])
+    if nodes == 1:
+        cmds["torchrun"] = _join(["torchrun", "--standalone", f"--nproc_per_node={gpus_per_node}", *job])
+        cmds["deepspeed"] = _join(["deepspeed", f"--num_gpus={gpus_per_node}", f"--master_port={port}", *job])
+        cmds["accelerate"] = _join(["accelerate", "launch", "--config_file", accelerate_config,
+                                    f"--num_processes={world}", f"--main_process_port={port}", *job])
+    else:
+        cmds["torchrun"] = _join(["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={gpus_per_node}",
+                                  "--node_rank=$NODE_RANK", "--master_addr=$MASTER_ADDR", f"--master_port={port}", *job])
+        cmds["deepspeed"] = _join(["deepspeed", "--hostfile=hostfile", f"--num_nodes={nodes}",
+                                   f"--num_gpus={gpus_per_node}", "--master_addr=$MASTER_ADDR", f"--master_port={port}",
+                                   *job])
+        cmds["accelerate"] = _join(["accelerate", "launch", "--config_file", accelerate_config,
+                                    f"--num_processes={world}", f"--num_machines={nodes}", "--machine_rank=$NODE_RANK",
+                                    "--main_process_ip=$MASTER_ADDR", f"--main_process_port={port}",
+                                    "--deepspeed_multinode_launcher=standard", *job])
+    env = ["CONFIG=" + shlex.quote(config_path)]
+    sb = ["sbatch", f"--nodes={nodes}", f"--ntasks-per-node={gpus_per_node}", f"--gpus-per-node={gpus_per_node}"]
+    cmds["slurm"] = " ".join(env) + " " + _join([*sb, "slurm/train.sbatch", *overrides])
+    cmds["slurm+deepspeed"] = " ".join(env) + " " + _join(
+        ["sbatch", f"--nodes={nodes}", "--ntasks-per-node=1", f"--gpus-per-node={gpus_per_node}",
+         "slurm/train_deepspeed.sbatch", *overrides])
+    return cmds
+
+
+def _fmt(b: float) -> str:
+    return f"{b / GiB:.2f} GiB" if b >= GiB / 10 else f"{b / 2**20:.2f} MiB"
+
+
+def _check_topology(world_size, nodes, gpus_per_node) -> int:
+    for name, v in (("world_size", world_size), ("nodes", nodes)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if gpus_per_node is None:
+        if world_size % nodes:
+            raise ValueError(f"world_size={world_size} is not divisible by nodes={nodes}; pass gpus_per_node")
+        return world_size // nodes
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node: expected an int >= 1, got {gpus_per_node!r}")
+    if nodes * gpus_per_node != world_size:
+        raise ValueError(f"world_size={world_size} must equal nodes * gpus_per_node = {nodes} * {gpus_per_node} "
+                         f"= {nodes * gpus_per_node}")
+    return gpus_per_node
+
+
+def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[int] = None, *,
+         config_path: str = "configs/default.yaml", overrides: Sequence[str] = ()) -> str:
+    """The plan as text: memory per rank for actor/critic/reference, batch arithmetic, launch commands.
+
+    ``validate(cfg, world_size)`` runs first, so a config that cannot run at this world size fails here
+    with its ConfigError. ``config_path``/``overrides`` only go into the printed command lines.
+    """
+    gpus_per_node = _check_topology(world_size, nodes, gpus_per_node)
+    derived = validate(cfg, world_size)
+    sizes = {"actor": model_size(cfg, "actor"), "critic": model_size(cfg, "critic")}
+    mem = estimate_memory(cfg, derived, nodes, gpus_per_node, sizes)
+    r, a = cfg.rollout, cfg.actor
+    seq = cfg.data.max_prompt_length + r.max_new_tokens
+    unit = "rank" if cfg.trainer.device == "cpu" else "GPU"
+    act, crit = sizes["actor"], sizes["critic"]
+    lines = [f"verl_ds plan: {nodes} node(s) x {gpus_per_node} rank(s) per node = world size {world_size}", "",
+             "== models (parameter counts from the config; no weights read) ==",
+             f"actor, ref: {act.total:,} parameters (largest layer {act.largest_layer:,}, vocab {act.vocab_size:,}) "
+             f"from {act.source}",
+             f"critic:     {crit.total:,} parameters (backbone + value head) from {crit.source}", "",
+             f"== memory per {unit}: model states, before activations ({cfg.model.dtype}) ==",
+             f"{'':<18}{'ZeRO':>4}  {'offload':<13}{'per ' + unit:>12}{'CPU per node':>15}"]
+    for role in ("actor", "critic", "ref"):
+        m = mem[role]
+        off = ",".join(k for k, on in (("optim", m.offload_optimizer), ("param", m.offload_param)) if on) or "none"
+        lines.append(f"{role:<18}{m.zero_stage:>4}  {off:<13}{_fmt(m.gpu_bytes):>12}{_fmt(m.cpu_bytes_per_node):>15}")
+    if mem["rollout_replica"]:
+        lines.append(f"{'rollout replica':<18}{'':>4}  {'':<13}{_fmt(mem['rollout_replica']):>12}"
+                     "   (rollout.gather_params=true: a whole actor copy for generate)")
+    lines += [f"{'total':<18}{'':>4}  {'':<13}{_fmt(mem['steady']):>12}{_fmt(mem['cpu_per_node']):>15}",
+              f"plus: fp32 logits of one micro-batch ({a.micro_batch_size} x {seq} tokens x {act.vocab_size:,}) "
+              f"{_fmt(mem['logits'])} per {unit}, and activations",
+              f"start-up: each model is built whole and moved to the device before DeepSpeed partitions it: "
+              f"{_fmt(mem['startup_peak'])} per {unit}, {_fmt(mem['cpu_build_peak'])} CPU per node, transient",
+              "sources: " + "; ".join(f"{role}: {mem[role].note}" for role in ("actor", "critic", "ref")),
+              "DeepSpeed's estimators assume 16-bit weights with fp32 master copies; an fp32 job needs about "
+              "as much (4+4+8 bytes per trained parameter)", "",
+              "== batch arithmetic ==",
+              f"rollout.batch_size {r.batch_size} prompts per step = {derived.prompts_per_rank} per rank x "
+              f"{world_size} rank(s); up to {r.batch_size * seq:,} tokens per step ({seq} = max_prompt_length "
+              f"{cfg.data.max_prompt_length} + max_new_tokens {r.max_new_tokens})",
+              f"actor.mini_batch_size {a.mini_batch_size} = micro_batch_size {a.micro_batch_size} x grad_accum "
+              f"{derived.grad_accum} x {world_size} rank(s) (DeepSpeed train_batch_size)",
+              f"optimizer steps per PPO step: actor {a.ppo_epochs} epoch(s) x {derived.mini_batches_per_epoch} "
+              f"mini-batch(es) = {a.ppo_epochs * derived.mini_batches_per_epoch}, critic {cfg.critic.ppo_epochs} x "
+              f"{derived.mini_batches_per_epoch} = {cfg.critic.ppo_epochs * derived.mini_batches_per_epoch}",
+              f"trainer.total_steps {cfg.trainer.total_steps}: {cfg.trainer.total_steps * r.batch_size:,} prompts", "",
+              "== launch (from the repository root) =="]
+    if nodes > 1:
+        lines.append(f"multi-node: run torchrun/accelerate on every node with NODE_RANK=0..{nodes - 1} and MASTER_ADDR="
+                     f"<node 0>; deepspeed once, with a hostfile of '<host> slots={gpus_per_node}' lines")
+    acc = "configs/accelerate/deepspeed_zero3_cpu.yaml" if cfg.trainer.device == "cpu" else \
+        "configs/accelerate/deepspeed_zero3.yaml"
+    for name, cmd in launch_commands(nodes, gpus_per_node, config_path, overrides, acc).items():
+        lines.append(f"{name + ':':<17}{cmd}")
+    return "\n".join(lines) + "\n"
