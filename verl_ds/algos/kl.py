@@ -150,7 +150,9 @@ def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperatur
     x, y = logits.reshape(-1, v), ref_logits.reshape(-1, v)
     from verl_ds.kernels import dispatch
 
-    if dispatch.backend_for(x) == "triton":
+    # the kernel takes fp32/bf16/fp16 and treats ref_logits as a constant; other cases use the torch path
+    if (x.dtype != torch.float64 and y.dtype != torch.float64 and not y.requires_grad
+            and dispatch.backend_for(x) == "triton"):
         from verl_ds.kernels.symkl import full_symmetric_kl as kernel
 
         out = kernel(x, y, temperature)

@@ -175,7 +175,8 @@ def _check_inputs(logits, labels, temperature):
 def _dispatch(logits2d, labels, temperature, compute_entropy):
     from verl_ds.kernels import dispatch
 
-    if dispatch.backend_for(logits2d) == "triton":
+    # the kernels take fp32/bf16/fp16; float64 logits (tests, references) stay on the torch path
+    if logits2d.dtype != torch.float64 and dispatch.backend_for(logits2d) == "triton":
         from verl_ds.kernels.logprob import logprobs_and_entropy as kernel
 
         kernel_labels = labels if labels is not None else torch.zeros(

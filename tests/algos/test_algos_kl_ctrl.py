@@ -1,0 +1,103 @@
+"""verl_ds.algos KL controllers: a KL series in, the coefficient series out."""
+import math
+
+import pytest
+import torch
+
+from verl_ds.algos import (
+    AdaptiveKLController,
+    FixedKLController,
+    MultiplicativeKLController,
+    make_kl_controller,
+)
+
+
+def _run(ctrl, kls, n=None):
+    return [ctrl.update(kl, n) for kl in kls]
+
+
+def test_multiplicative_sequence_by_hand():
+    ctrl = MultiplicativeKLController(0.1, target_kl=0.02)
+    # band: > 0.03 raises x1.5, < 0.01 lowers x0.8, otherwise unchanged
+    kls = [0.05, 0.05, 0.02, 0.0301, 0.03, 0.01, 0.0099, 0.0, 0.02]
+    expected, coef = [], 0.1
+    for factor in (1.5, 1.5, 1.0, 1.5, 1.0, 1.0, 0.8, 0.8, 1.0):
+        coef *= factor
+        expected.append(coef)
+    assert _run(ctrl, kls) == pytest.approx(expected, rel=1e-12)
+    assert ctrl.value == pytest.approx(expected[-1])
+
+
+def test_multiplicative_clamps_and_custom_factors():
+    ctrl = MultiplicativeKLController(0.1, 1.0, up=2.0, down=0.5, min_coef=0.02, max_coef=0.5)
+    assert _run(ctrl, [10, 10, 10, 10]) == pytest.approx([0.2, 0.4, 0.5, 0.5])
+    assert _run(ctrl, [0, 0, 0, 0, 0]) == pytest.approx([0.25, 0.125, 0.0625, 0.03125, 0.02])
+
+
+def test_adaptive_ziegler_sequence():
+    ctrl = AdaptiveKLController(0.2, target_kl=6.0, horizon=10000)
+    kls = [6.0, 9.0, 3.0, 12.0, 0.0, 6.6]
+    n = 256
+    coef, expected = 0.2, []
+    for kl in kls:
+        err = min(max(kl / 6.0 - 1, -0.2), 0.2)
+        coef *= 1 + err * n / 10000
+        expected.append(coef)
+    assert _run(ctrl, kls, n) == pytest.approx(expected, rel=1e-12)
+    # the step is +-0.2 n / H at most: 0.2 * (1 + 0.2 * 256 / 1e4) after a KL far above target
+    ctrl = AdaptiveKLController(0.2, 6.0, 10000)
+    assert ctrl.update(1e6, 256) == pytest.approx(0.2 * (1 + 0.2 * 0.0256))
+
+
+def test_fixed_controller_never_moves():
+    ctrl = FixedKLController(0.05)
+    assert _run(ctrl, [0.0, 1.0, 100.0], 8) == [0.05, 0.05, 0.05]
+
+
+@pytest.mark.parametrize("kind,kwargs", [("multiplicative", {}), ("adaptive", {}), ("fixed", {}),
+                                         ("bangbang", {"up": 1.2}), ("ziegler", {})])
+def test_state_dict_round_trip_resumes_exactly(kind, kwargs):
+    a = make_kl_controller(kind, 0.1, 0.05, horizon=500, **kwargs)
+    _run(a, [0.2, 0.01, 0.08], 64)
+    b = make_kl_controller(kind, 0.7, 0.3, horizon=9, **kwargs)
+    b.load_state_dict(a.state_dict())
+    assert b.state_dict() == a.state_dict()
+    assert _run(a, [0.3, 0.001], 64) == _run(b, [0.3, 0.001], 64)
+
+
+def test_factory_kinds_and_tensor_inputs():
+    assert isinstance(make_kl_controller("fixed", 0.1, None), FixedKLController)
+    assert isinstance(make_kl_controller("adaptive", 0.1, 0.05), AdaptiveKLController)
+    m = make_kl_controller("multiplicative", 0.1, 0.05, min_coef=0.01)
+    assert isinstance(m, MultiplicativeKLController) and m.min_coef == 0.01
+    assert m.update(torch.tensor(1.0), 4) == pytest.approx(0.15)  # a 0-d tensor KL is accepted
+
+
+def test_controller_errors():
+    with pytest.raises(ValueError, match="unknown KL controller kind 'pid'; valid kinds: fixed, adaptive, "
+                                         "multiplicative"):
+        make_kl_controller("pid", 0.1, 0.05)
+    with pytest.raises(ValueError, match="the adaptive KL controller needs target_kl"):
+        make_kl_controller("adaptive", 0.1)
+    with pytest.raises(TypeError, match="unexpected arguments for the 'adaptive' KL controller: up"):
+        make_kl_controller("adaptive", 0.1, 0.05, up=2.0)
+    with pytest.raises(ValueError, match="target_kl must be > 0, got 0.0"):
+        MultiplicativeKLController(0.1, 0.0)
+    with pytest.raises(ValueError, match="init_kl_coef must be >= 0, got -0.1"):
+        AdaptiveKLController(-0.1, 0.05)
+    with pytest.raises(ValueError, match="up must be >= 1"):
+        MultiplicativeKLController(0.1, 0.05, up=0.9)
+    with pytest.raises(ValueError, match=r"init_kl_coef must be in \[min_coef, max_coef\]"):
+        MultiplicativeKLController(0.1, 0.05, min_coef=0.2)
+    ctrl = AdaptiveKLController(0.1, 0.05)
+    with pytest.raises(ValueError, match="AdaptiveKLController.update needs n_samples"):
+        ctrl.update(0.1)
+    with pytest.raises(ValueError, match="n_samples must be a positive int .* got 0"):
+        ctrl.update(0.1, 0)
+    with pytest.raises(ValueError, match="current_kl must be finite, got nan"):
+        ctrl.update(math.nan, 8)
+    assert ctrl.value == 0.1  # a rejected update changes nothing
+    with pytest.raises(ValueError, match="state is for a 'fixed' KL controller, this one is 'adaptive'"):
+        ctrl.load_state_dict(FixedKLController(0.1).state_dict())
+    with pytest.raises(ValueError, match="lacks target_kl, horizon"):
+        ctrl.load_state_dict({"kind": "adaptive", "value": 0.3})
