@@ -66,6 +66,7 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Initial sampling temperature (hot-updatable).", gt=0.0)
     top_k: int = _f(0, "Initial top-k (0 disables; hot-updatable).", min=0)
     top_p: float = _f(1.0, "Initial top-p (1.0 disables; hot-updatable).", gt=0.0, max=1.0)
+    log_prob_micro_batch_size: int = _f(64, "Samples per rank in one no-grad forward (old/ref log-probs, values, validation).", min=1)
     gather_params: bool = _f(True, "Gather the actor's ZeRO-3 parameters once per generate call into a replica (fast); False: per-token gathering under synced_gpus.")
 
 

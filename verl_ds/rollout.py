@@ -36,8 +36,10 @@ def gathered_state_dict(module: torch.nn.Module) -> dict:
     for name, param in module.named_parameters():
         with GatheredParameters([param], modifier_rank=None):
             out[name] = param.detach().to("cpu", copy=True)
+    persistent = set(module.state_dict().keys())  # rotary caches etc. are non-persistent: not part of a checkpoint
     for name, buf in module.named_buffers():
-        out[name] = buf.detach().to("cpu", copy=True)
+        if name in persistent:
+            out[name] = buf.detach().to("cpu", copy=True)
     return out
 
 

@@ -275,7 +275,7 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one PPO step
 
     def _forward_in_micro_batches(self, fn, batch) -> torch.Tensor:
-        mb = self.cfg.actor.micro_batch_size
+        mb = self.cfg.rollout.log_prob_micro_batch_size
         return torch.cat([fn(batch.select(torch.arange(i, min(i + mb, len(batch))))) for i in range(0, len(batch), mb)])
 
     def _normalizer(self, mini) -> float:
