@@ -8,7 +8,8 @@ PREEMPT_EXIT_CODE=${PREEMPT_EXIT_CODE:-75}
 vds_log() { echo "[verl_ds slurm $(date +%H:%M:%S)] $*" >&2; }
 
 # Host names of the job, one per line: `scontrol show hostnames` where Slurm is installed, else the same
-# expansion in Python (verl_ds.dist.expand_nodelist, which the trainer itself uses for SLURM_NODELIST).
+# expansion as verl_ds.dist.expand_nodelist (which the trainer uses for SLURM_NODELIST; a test keeps the
+# two equal) in plain Python, without importing torch.
 vds_hosts() {
     local list=${1:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}
     if [ -z "$list" ]; then
@@ -17,9 +18,20 @@ vds_hosts() {
     fi
     if command -v scontrol >/dev/null 2>&1; then
         scontrol show hostnames "$list"
-    else
-        "${PYTHON:-python}" -c 'import sys; from verl_ds.dist import expand_nodelist; print("\n".join(expand_nodelist(sys.argv[1])))' "$list"
+        return
     fi
+    "${PYTHON:-python3}" - "$list" <<'PY'
+import re, sys
+for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", sys.argv[1]):
+    prefix, ranges = m.group(1), m.group(2)
+    if ranges is None:
+        print(prefix)
+        continue
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        for i in range(int(lo), int(hi or lo) + 1):
+            print(f"{prefix}{i:0{len(lo)}d}")
+PY
 }
 
 # vds_write_hostfile PATH SLOTS [NODELIST]: a DeepSpeed hostfile ("<host> slots=N" per node).
