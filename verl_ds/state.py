@@ -38,7 +38,7 @@ class StateKey:
     """Declaration of one SharedState key.
 
     range: (low, high) bounds for int/float keys, either may be None (unbounded); both inclusive
-    unless ``low_open`` (then low < value). choices: the allowed values of a str key.
+    unless ``low_open`` (then low < value) or ``high_open`` (value < high). choices: the allowed values of a str key.
     hot: True when it may be changed while training runs (through ``stage``); read-only keys are
     only written by the trainer (``set``). nullable: None is an allowed value (e.g. best_reward
     before any evaluation).
@@ -53,13 +53,15 @@ class StateKey:
     description: str = ""
     low_open: bool = False
     nullable: bool = False
+    high_open: bool = False
 
     def range_text(self) -> str | None:
         if self.range is None:
             return None
         lo, hi = self.range
         left = "(" if (self.low_open or lo is None) else "["
-        return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        right = ")" if (self.high_open or hi is None) else "]"
+        return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
 
     def check(self, value: Any) -> tuple[Any, str | None]:
         """Return (normalised value, None) or (None, reason why the value is refused)."""
@@ -88,7 +90,7 @@ class StateKey:
         if self.range is not None:
             lo, hi = self.range
             below = lo is not None and (value <= lo if self.low_open else value < lo)
-            above = hi is not None and value > hi
+            above = hi is not None and (value >= hi if self.high_open else value > hi)
             if below or above:
                 return None, f"{value!r} is out of range {self.range_text()}"
         return value, None
@@ -98,7 +100,7 @@ class StateKey:
             "type": _TYPE_NAMES[self.type],
             "default": self.default,
             "range": None if self.range is None else list(self.range),
-            "range_text": self.range_text(),
+            "range_text": self.range_text(),  # "(0.0, 100.0]": parentheses mark open bounds
             "choices": None if self.choices is None else list(self.choices),
             "hot": self.hot,
             "nullable": self.nullable,
@@ -106,8 +108,9 @@ class StateKey:
         }
 
 
-def _k(name, typ, default, description, *, range=None, choices=None, hot=False, low_open=False, nullable=False):
-    return StateKey(name, typ, default, range, choices, hot, description, low_open, nullable)
+def _k(name, typ, default, description, *, range=None, choices=None, hot=False, low_open=False, nullable=False,
+       high_open=False):
+    return StateKey(name, typ, default, range, choices, hot, description, low_open, nullable, high_open)
 
 
 # Defaults follow verl's PPO config where it has one (kl_coef 0.001, target_kl 0.1, clip 0.2,
@@ -127,7 +130,8 @@ STATE_KEYS: dict[str, StateKey] = {k.name: k for k in [
     _k("use_kl_penalty", bool, True, "apply the KL penalty (in the reward or in the loss, per PPOConfig.kl_in_reward)",
        hot=True),
     _k("kl_kind", str, "k1", "per-token KL estimator", choices=tuple(KL_KINDS), hot=True),
-    _k("clip_ratio_low", float, 0.2, "PPO ratio clip below 1 (epsilon_low)", range=(0.0, 1.0), hot=True),
+    _k("clip_ratio_low", float, 0.2, "PPO ratio clip below 1 (epsilon_low)", range=(0.0, 1.0), high_open=True,
+       hot=True),
     _k("clip_ratio_high", float, 0.2, "PPO ratio clip above 1 (epsilon_high)", range=(0.0, 10.0), hot=True),
     _k("cliprange_value", float, 0.5, "value-loss clip range around the old values", range=(0.0, 1e6), hot=True),
     _k("entropy_coef", float, 0.0, "entropy bonus coefficient", range=(0.0, 1.0), hot=True),

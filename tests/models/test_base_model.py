@@ -113,3 +113,21 @@ def test_mask_shape_checks():
 def test_position_ids_from_left_padded_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]]).bool()
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
+
+
+def test_observation_checks_and_optimizer_step_messages():
+    from verl_ds.models.base import check_observation, optimizer_step
+
+    with pytest.raises(TypeError, match=r"who: observation must be a \(B, T\) int64 tensor of token ids, got list"):
+        check_observation([[1, 2]], "who")
+    with pytest.raises(ValueError, match=r"who: observation must be 2-D \(B, T\), got shape \(3,\)"):
+        check_observation(torch.ones(3, dtype=torch.long), "who")
+    with pytest.raises(ValueError, match=r"who: observation is empty: shape \(2, 0\)"):
+        check_observation(torch.ones(2, 0, dtype=torch.long), "who")
+    with pytest.raises(TypeError, match=r"who: mask must be a \(B, T\) bool tensor, got list"):
+        check_mask([[1]], torch.ones(1, 1, dtype=torch.long), "who")
+    lin = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="Lin.update got a loss but has no optimizer"):
+        optimizer_step(lin, None, lin(torch.ones(1, 2)).sum(), 0.1, "Lin")
+    with pytest.raises(TypeError, match="Toy.load_state_dict expects a dict, got list"):
+        Toy(encoder=lin).load_state_dict([])

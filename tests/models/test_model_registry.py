@@ -126,3 +126,13 @@ def test_hot_swap_under_concurrent_gets():
 def test_default_registry_is_process_wide():
     assert default_registry() is default_registry()
     assert isinstance(default_registry(), ModelRegistry)
+
+
+def test_alias_must_differ_from_name():
+    reg = ModelRegistry()
+    with pytest.raises(ValueError, match="alias of 'actor' must be a non-empty str other than the name, got 'actor'"):
+        reg.register("actor", Box(1), aliases=("actor",))
+    with pytest.raises(UnknownModelError, match="'ghost' is not registered"):
+        reg.unregister("ghost")
+    reg.register("actor", Box(1), aliases="policy")  # a single alias as a str
+    assert reg.aliases("actor") == ["policy"] and len(reg) == 1

@@ -187,3 +187,20 @@ def test_update_steps_optimizer_at_hot_lr(tiny_lm, make_rollout):
     with pytest.raises(ValueError, match=r"config\['loss'\] must be a scalar tensor that requires grad"):
         pol.update(b, {"loss": torch.tensor(1.0)})
     assert pol.state_dict() == {"lr_key": "actor_lr"}
+
+
+class WrongLogits(torch.nn.Module):
+    """A real module whose output breaks the (B, T, V) logits contract."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return torch.zeros(input_ids.shape[0], 7)
+
+
+def test_lm_contract_errors(make_rollout):
+    b = make_rollout()
+    with pytest.raises(TypeError, match="lm must be callable"):
+        PolicyModel(3)
+    with pytest.raises(ValueError, match=r"the lm must return logits of shape \(B, T, V\); got \(4, 7\)"):
+        PolicyModel(WrongLogits()).get_logprob(b.observation, b.action, b.mask)
+    with pytest.raises(ValueError, match="temperature must be a float > 0, got -1"):
+        PolicyModel(WrongLogits()).get_logprob(b.observation, b.action, b.mask, temperature=-1)

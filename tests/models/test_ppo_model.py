@@ -260,12 +260,17 @@ def test_state_dict_roundtrip_restores_controller(setup):
 def test_hot_swap_reward_through_registry(setup):
     ppo, b, _ = setup
     reg = ModelRegistry()
+    reg.register("actor", ppo.actor, aliases=("policy",))
     p2 = PPOModel(ppo.actor, ppo.critic, ppo.reward, ref=ppo.ref, registry=reg)
     assert reg.get("reward") is ppo.reward
+    assert reg.version("actor") == 1  # already registered there: not bumped
     new = RewardModel()
     new.register_reward_fn(lambda p, r, x: [7.0] * len(p), name="seven")
     assert reg.register("reward", new) == 2
     assert p2.reward is new
+    p2.reward = ppo.reward  # attribute assignment is a swap too
+    assert reg.get("reward") is ppo.reward and reg.version("reward") == 3
+    p2.reward = new
     scores, _ = p2.reward.compute_rewards(b, [""] * 4, [""] * 4)
     assert scores.sum().item() == 28.0
     with pytest.raises(TypeError, match="module 'reward' must be a RewardModel, got ValueModel"):
@@ -282,3 +287,25 @@ def test_config_validation():
         from verl_ds.models.ppo import _as_config
         _as_config({"kl_coef": 0.1}, PPOConfig())
     assert math.isfinite(PPOConfig().clip_ratio_c)
+
+
+def test_more_ppo_messages(setup):
+    ppo, b, state = setup
+    with pytest.raises(TypeError, match="PPOConfig.kl_in_reward must be a bool, got 1"):
+        PPOConfig(kl_in_reward=1)
+    with pytest.raises(ValueError, match="PPOConfig.kl_horizon must be an int >= 1"):
+        PPOConfig(kl_horizon=0)
+    with pytest.raises(TypeError, match="config must be a PPOConfig, a dict or None, got str"):
+        ppo.compute_advantage(b, "fast")
+    with pytest.raises(ValueError, match="names has unknown role 'judge'"):
+        PPOModel(ppo.actor, ppo.critic, ppo.reward, names={"judge": "x"})
+    with pytest.raises(ValueError, match="PPOModel.swap: unknown role 'judge'"):
+        ppo.swap("judge", ppo.reward)
+    state.set("kl_ctrl_type", "adaptive")
+    b.ref_logprob = None
+    with pytest.raises(ValueError, match="batch.logprob and batch.ref_logprob are needed to measure the KL"):
+        ppo.update(b)
+    state.set("kl_ctrl_type", "fixed")
+    ppo.update(b)  # a fixed coefficient needs no measurement
+    cfg = ppo.compute_advantage(b, {"kl_in_reward": False, "whiten_advantages": False})
+    assert "actor/reward_kl_penalty" not in cfg

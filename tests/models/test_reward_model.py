@@ -198,3 +198,37 @@ def test_state_dict_and_unsupported(make_rollout):
         rm.get_reward(torch.ones(1, 2, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="use ValueModel"):
         rm.get_value(torch.ones(1, 2, dtype=torch.long))
+
+
+def test_more_reward_messages(make_rollout, tiny_scorer):
+    from models_testutil import tiny_llama_config
+    from transformers import LlamaForSequenceClassification
+
+    b = make_rollout()
+    with pytest.raises(TypeError, match="model must be a sequence-classification nn.Module"):
+        RewardModel(model=3)
+    rm = RewardModel()
+    with pytest.raises(TypeError, match="per_token must be a bool, got 1"):
+        rm.register_reward_fn(lambda p, r, x: [0.0] * 4, per_token=1)
+    with pytest.raises(ValueError, match="name must be a non-empty str other than the scorer's 'reward_model'"):
+        rm.register_reward_fn(lambda p, r, x: [0.0] * 4, name="reward_model")
+    two = LlamaForSequenceClassification(tiny_llama_config(num_labels=2)).eval()
+    with pytest.raises(ValueError, match="the scorer has 2 labels; a reward model needs num_labels=1"):
+        RewardModel(model=two).get_reward(b.observation, b.mask)
+    rm.register_reward_fn(lambda p, r, x: torch.ones(4, 4), name="pt", per_token=True)
+    no_done = b.clone()
+    no_done.done = None
+    with pytest.raises(ValueError, match=r"per-token reward 'pt' with eos_reward='zero' needs batch.done"):
+        rm.compute_rewards(no_done, *texts(b))
+    no_len = b.clone()
+    no_len.response_length = None
+    with pytest.raises(ValueError, match="batch.response_length is required"):
+        rm.compute_rewards(no_len, *texts(b))
+    rm.register_reward_fn(lambda p, r, x: [[1.0] * 4] * 3, name="pt", per_token=True)
+    with pytest.raises(RewardFunctionError, match=r"per-token reward returned 3 rows; expected B=4 rows"):
+        rm.compute_rewards(b, *texts(b))
+    with pytest.raises(ValueError, match="there is no neural scorer to train"):
+        rm.update(b, {"loss": torch.ones((), requires_grad=True)})
+    with pytest.raises(ValueError, match="eos_reward must be one of"):
+        rm.load_state_dict({"eos_reward": "sometimes"})
+    rm.update(b, {})  # no loss: a no-op

@@ -205,3 +205,40 @@ def test_to_device_and_clone():
     d = b.clone()
     d.value[0, 0] = 123.0
     assert b.value[0, 0] != 123.0
+
+
+def test_more_batch_messages():
+    b = make_batch()
+    with pytest.raises(TypeError, match="RolloutBatch.extras must be a dict, got list"):
+        b.extras = []
+    with pytest.raises(KeyError, match="no field 'bogus'"):
+        b["bogus"]
+    with pytest.raises(BatchValidationError, match="the batch is empty: no field is set"):
+        RolloutBatch().validate(PAD, required=())
+    with pytest.raises(BatchValidationError, match="cannot tell the response width R"):
+        RolloutBatch(observation=b.observation).response_width
+    wide = RolloutBatch(observation=b.observation, action=torch.zeros(4, 7, dtype=torch.long))
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.action: expected response width R < T = 7"):
+        wide.validate(PAD, required=())
+    bad = make_batch()
+    bad.prompt_length = bad.prompt_length.clone()
+    bad.prompt_length[3] = 9
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.prompt_length: expected values in \[1, P=3\], "
+                                                   r"found 9 at row 3"):
+        bad.validate(PAD)
+    right_padded = make_batch()
+    right_padded.prompt_length = torch.full((4,), 3)
+    if not torch.equal(right_padded.prompt_length, b.prompt_length):
+        with pytest.raises(BatchValidationError, match=r"RolloutBatch.mask: expected the prompt part True on the "
+                                                       r"last prompt_length columns \(left padding\)"):
+            right_padded.validate(PAD)
+    with pytest.raises(ValueError, match="mini_batch_size must be an int >= 1, got 0"):
+        b.split(0)
+    with pytest.raises(ValueError, match="pass response_length or eos_token_id"):
+        RolloutBatch.from_generation(torch.ones(1, 2, dtype=torch.long), torch.ones(1, 2), torch.ones(1, 2,
+                                     dtype=torch.long), pad_token_id=PAD)
+    with pytest.raises(ValueError, match=r"from_generation: shapes disagree: prompt_ids \(2, 2\)"):
+        RolloutBatch.from_generation(torch.ones(2, 2, dtype=torch.long), torch.ones(2, 2),
+                                     torch.ones(3, 2, dtype=torch.long), torch.ones(3, dtype=torch.long),
+                                     pad_token_id=PAD)
+    assert "observation=(4, 7):int64" in repr(b)

@@ -22,6 +22,8 @@ def test_declared_keys_and_schema():
     assert schema["kl_ctrl_type"]["choices"] == ["fixed", "adaptive", "multiplicative"]
     assert schema["kl_kind"]["choices"] == list(KL_KINDS)
     assert schema["temperature"]["range_text"] == "(0.0, 100.0]"
+    assert schema["clip_ratio_low"]["range_text"] == "[0.0, 1.0)"  # 1 - low must stay > 0
+    assert schema["top_k"]["range_text"] == "[0, inf)"
     assert schema["top_k"] == {**schema["top_k"], "type": "int", "hot": True, "range": [0, None]}
     for key, d in schema.items():
         assert d["description"], key
@@ -50,6 +52,8 @@ def test_set_validates_and_bumps_version_on_change():
         s.set("top_k", True)
     with pytest.raises(StateValidationError, match=r"gamma: 1.5 is out of range \[0.0, 1.0\]"):
         s.update({"gamma": 1.5})
+    with pytest.raises(StateValidationError, match=r"clip_ratio_low: 1.0 is out of range \[0.0, 1.0\)"):
+        s.set("clip_ratio_low", 1.0)
 
 
 def test_write_on_other_rank_refused():
@@ -164,3 +168,19 @@ def test_save_is_json_with_null_best_reward(tmp_path):
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["values"]["best_reward"] is None and data["format"] == 1
     assert os.path.getsize(tmp_path / "s.json") > 0
+
+
+def test_more_validation_messages():
+    s = SharedState(rank=0)
+    with pytest.raises(TypeError, match="updates must be a dict of key -> value, got list"):
+        s.update([("kl_coef", 0.1)])
+    with pytest.raises(StateValidationError, match=r"reward_name: expected str, got int 3"):
+        s.set("reward_name", 3)
+    with pytest.raises(StateValidationError, match=r"kl_coef: expected float, got None"):
+        s.set("kl_coef", None)
+    with pytest.raises(StateValidationError, match=r"kl_kind: 'k9' is not one of \['k1'"):
+        s.stage({"kl_kind": "k9"})
+    with pytest.raises(ValueError, match=r"'version' must be an int >= 0, got -1"):
+        s.load_state_dict({"values": {}, "version": -1})
+    err = StateValidationError({"a": "x", "b": "y"})
+    assert str(err) == "SharedState refused 2 key(s): a: x; b: y" and err.errors == {"a": "x", "b": "y"}

@@ -120,3 +120,9 @@ def test_critic_update_and_unsupported(tiny_critic, make_rollout):
         vm.get_action(b.observation)
     with pytest.raises(ValueError, match="a plain value function has no parameters to train"):
         ValueModel(lambda o: o.float()).update(b, {"loss": loss.detach().requires_grad_()})
+
+
+def test_critic_needs_hidden_size_without_config():
+    with pytest.raises(ValueError, match="pass hidden_size when the backbone has no HF config"):
+        CriticLM(torch.nn.Identity())
+    assert CriticLM(torch.nn.Identity(), hidden_size=8).value_head.in_features == 8
