@@ -161,7 +161,8 @@ def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperatur
 # Fused token-level variant: log-prob, entropy and a KL estimator of delta = logprob - ref_logprob in
 # the same single pass over the actor logits (the estimator is an epilogue on two scalars per row).
 
-KL_KINDS = {"k1": 1, "kl": 1, "abs": 2, "k2": 3, "mse": 3, "k3": 4, "low_var_kl": 4}
+# the names of verl_ds.algos.kl.kl_penalty (peers.md 2.2) -> the kernel's KL_KIND
+KL_KINDS = {"k1": 1, "kl": 1, "abs": 2, "k2": 3, "mse": 3, "k3": 4, "low_var_kl": 4, "symmetric": 5}
 KL_KIND_CHOICES = tuple(KL_KINDS) + tuple(k + "+" for k in KL_KINDS)
 
 
@@ -174,7 +175,8 @@ def _logprob_entropy_kl_fwd_kernel(
     # 1. The log-prob and entropy pass of logprob.py.
     active, logprob, entropy, m, log_s = row_logprob_entropy(logits_ptr, logits_row_stride, labels_ptr, row, n_cols,
                                                              inv_temperature, ignore_index, True, BLOCK_V)
-    # 2. The estimator on delta = logprob - ref (peers.md 2.2; k3 with verl's clamps).
+    # 2. The estimator on delta = logprob - ref (peers.md 2.2; k3 with verl's clamps; the torch twin
+    #    is verl_ds.algos.kl.kl_penalty).
     delta = logprob - tl.load(ref_logprob_ptr + row).to(tl.float32)
     if KL_KIND == 1:
         kl = delta
@@ -182,9 +184,15 @@ def _logprob_entropy_kl_fwd_kernel(
         kl = tl.abs(delta)
     elif KL_KIND == 3:
         kl = 0.5 * delta * delta
-    else:
+    elif KL_KIND == 4:
         u = tl.minimum(tl.maximum(-delta, -20.0), 20.0)
         kl = tl.minimum(tl.maximum(tl.exp(u) - u - 1.0, -10.0), 10.0)
+    else:
+        # symmetric: 1/2 d (1 - e^{-d}), d clamped to [-20, 20]; near 0 the series of 1 - e^{-d}
+        # (there is no expm1 in the interpreter) keeps the ~d^2/2 value's relative precision
+        d = tl.minimum(tl.maximum(delta, -20.0), 20.0)
+        one_minus_exp = tl.where(tl.abs(d) < 1e-3, d * (1.0 - d * (0.5 - d / 6.0)), 1.0 - tl.exp(-d))
+        kl = 0.5 * d * one_minus_exp
     tl.store(logprob_ptr + row, logprob)
     tl.store(entropy_ptr + row, entropy)
     tl.store(kl_ptr + row, tl.where(active, kl, 0.0))
@@ -206,6 +214,11 @@ def kl_estimator_grad(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: st
         return torch.ones_like(delta)
     if KL_KINDS[base] == 2:
         return torch.sign(delta)
+    if KL_KINDS[base] == 5:
+        # symmetric: d/dd [1/2 d (1 - e^{-d})] = 1/2 (1 - e^{-d}) + 1/2 d e^{-d}, zero where d is clamped
+        d = delta.clamp(-20.0, 20.0)
+        grad = 0.5 * (-torch.expm1(-d)) + 0.5 * d * torch.exp(-d)
+        return torch.where(delta.abs() <= 20.0, grad, torch.zeros_like(grad))
     # k3: u = clamp(-delta, -20, 20), kl = clamp(e^u - u - 1, -10, 10); d kl/d logprob = 1 - e^u where
     # neither clamp is active (torch passes the gradient at the clamp bounds too).
     u = (-delta).clamp(-20.0, 20.0)
@@ -255,8 +268,9 @@ def logprob_entropy_kl(logits: torch.Tensor, labels: torch.Tensor, ref_logprob: 
         labels: (N,) int64 token ids, or ``ignore_index`` for rows to skip (all outputs 0 there).
         ref_logprob: (N,) reference log-probs of the same tokens (float; treated as constant).
         kind: ``k1``/``kl`` (delta), ``abs``, ``k2``/``mse`` (delta^2 / 2), ``k3``/``low_var_kl``
-            (e^{-delta} - 1 + delta with verl's clamps), each optionally with ``+`` (value of the
-            estimator, gradient of k2), where delta = logprob - ref_logprob.
+            (e^{-delta} - 1 + delta with verl's clamps), ``symmetric`` (delta (1 - e^{-delta}) / 2),
+            as in ``verl_ds.algos.kl.kl_penalty``; each optionally with ``+`` (value of the
+            estimator, gradient of k2: verl's straight-through), where delta = logprob - ref_logprob.
         temperature: positive float dividing the logits.
     Returns:
         (logprob, entropy, kl), each (N,) float32 and differentiable w.r.t. ``logits``.

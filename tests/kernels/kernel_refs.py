@@ -57,7 +57,8 @@ def ref_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature
 
 
 def ref_kl_estimator(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """peers.md 2.2: k1 delta, abs |delta|, k2 delta^2/2, k3 verl's clamped e^{-delta} - 1 + delta;
+    """peers.md 2.2: k1 delta, abs |delta|, k2 delta^2/2, k3 verl's clamped e^{-delta} - 1 + delta,
+    symmetric delta (1 - e^{-delta}) / 2 with delta clamped to [-20, 20];
     a trailing '+' keeps the value and takes the gradient of k2 (straight-through)."""
     delta = logprob - ref_logprob
     base = kind.rstrip("+")
@@ -67,6 +68,9 @@ def ref_kl_estimator(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str
         value = delta.abs()
     elif base in ("k2", "mse"):
         value = 0.5 * delta ** 2
+    elif base == "symmetric":  # 1/2 (d (1 - e^{-d})): E_pi of it is 1/2 (KL(pi||ref) + KL(ref||pi))
+        d = delta.clamp(-20, 20)
+        value = 0.5 * d * (1 - torch.exp(-d))
     else:
         u = (-delta).clamp(-20, 20)
         value = (u.exp() - u - 1).clamp(-10, 10)

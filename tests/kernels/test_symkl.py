@@ -7,6 +7,7 @@ from kernel_refs import (DEVICE, GRAD_TOL, TOL, assert_close, ref_kl_estimator, 
                          ref_symmetric_kl)
 
 from verl_ds.kernels.symkl import KL_KIND_CHOICES, full_symmetric_kl, logprob_entropy_kl
+from verl_ds.kernels.symkl import KL_KINDS as KERNEL_KL_KINDS
 
 # Padding columns load -inf for both rows; the interpreter (numpy) warns on the -inf - -inf it then
 # masks away. Compiled kernels compute the same select silently.
@@ -166,3 +167,71 @@ def test_fused_errors_name_the_argument():
         logprob_entropy_kl(logits, labels, torch.zeros(2, device=DEVICE), "k1")
     with pytest.raises(TypeError, match="ref_logprob must be a float tensor, got torch.int64"):
         logprob_entropy_kl(logits, labels, labels, "k1")
+
+
+def test_fused_symmetric_estimator_precise_near_zero():
+    logits = torch.randn(8, 100, device=DEVICE)
+    labels = torch.randint(0, 100, (8,), device=DEVICE)
+    lp0, _, _ = logprob_entropy_kl(logits, labels, torch.zeros(8, device=DEVICE), "k1")
+    ref_logprob = lp0 - torch.logspace(-6, -1, 8, device=DEVICE)
+    lp, _, kl = logprob_entropy_kl(logits, labels, ref_logprob, "symmetric")
+    d = lp.double() - ref_logprob.double()
+    assert (kl > 0).all()
+    assert_close(kl, 0.5 * d * -torch.expm1(-d), atol=0, rtol=1e-5, what="symmetric near 0")
+
+
+# --- against the torch twins in verl_ds.algos.kl (principle 12) -------------------------------------
+
+@pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.bfloat16, 0.8)])
+def test_full_symmetric_kl_matches_algos_torch_path(dtype, temperature):
+    from verl_ds.algos.kl import full_symmetric_kl_torch
+    logits, ref_logits = _pair(9, 1003, dtype)
+    x = logits.clone().requires_grad_()
+    x_t = logits.clone().requires_grad_()
+    kl = full_symmetric_kl(x, ref_logits, temperature)
+    kl_t = full_symmetric_kl_torch(x_t, ref_logits, temperature)
+    assert_close(kl, kl_t, **TOL[dtype], what="symmetric kl vs algos")
+    w = torch.randn(9, device=DEVICE)
+    (w * kl).sum().backward()
+    (w * kl_t).sum().backward()
+    assert_close(x.grad, x_t.grad, **GRAD_TOL[dtype], what="grad vs algos")
+
+
+def test_fused_kinds_are_the_algos_kinds():
+    from verl_ds.algos.kl import KL_KINDS
+    assert set(KL_KINDS) == set(KERNEL_KL_KINDS)
+
+
+@pytest.mark.parametrize("kind", sorted(KERNEL_KL_KINDS))
+def test_fused_estimators_match_algos_kl_penalty(kind):
+    from verl_ds.algos.kl import kl_penalty
+    from verl_ds.algos.logprob import logprobs_and_entropy_torch
+    logits = torch.randn(6, 211, device=DEVICE) * 2
+    labels = torch.randint(0, 211, (6,), device=DEVICE)
+    ref_logprob = -torch.rand(6, device=DEVICE) * 12
+    ref_logprob[0] = -40.0  # outside the +-20 clamp
+    x = logits.clone().requires_grad_()
+    lp, ent, kl = logprob_entropy_kl(x, labels, ref_logprob, kind)
+    x_t = logits.clone().requires_grad_()
+    lp_t, ent_t = logprobs_and_entropy_torch(x_t, labels, 1.0)
+    kl_t = kl_penalty(lp_t, ref_logprob, kind)
+    assert_close(kl, kl_t, atol=2e-4, rtol=2e-5, what=f"{kind} vs kl_penalty")
+    (lp.sum() + ent.sum() + kl.sum()).backward()
+    (lp_t.sum() + ent_t.sum() + kl_t.sum()).backward()
+    assert_close(x.grad, x_t.grad, atol=1e-5, rtol=1e-4, what=f"{kind} grad vs kl_penalty")
+
+
+def test_algos_dispatch_reaches_the_kernel(monkeypatch):
+    from verl_ds.algos import kl as algos_kl
+    from verl_ds.kernels import symkl as kernel_module
+    calls = []
+    monkeypatch.setattr(kernel_module, "full_symmetric_kl",
+                        lambda *a, **k: calls.append(1) or full_symmetric_kl(*a, **k))
+    logits, ref_logits = _pair(6, 50)
+    out = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("VERL_DS_KERNELS", backend)
+        out[backend] = algos_kl.full_symmetric_kl(logits.view(2, 3, 50), ref_logits.view(2, 3, 50), 1.1)
+    assert len(calls) == 1  # the triton run only
+    assert out["triton"].shape == (2, 3)
+    assert_close(out["triton"], out["torch"], **TOL[torch.float32], what="algos triton vs torch")
