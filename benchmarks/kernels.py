@@ -96,7 +96,6 @@ def measure_bandwidth(device) -> float:
     src = torch.empty(n, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.empty_like(src)
     seconds = median_time(lambda: dst.copy_(src), device, 10)
-    del src, dst
     return 2 * 4 * n / seconds
 
 

@@ -1,7 +1,6 @@
 """Slow, obviously-correct float64 references for the kernel tests, and one verbose allclose."""
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
@@ -94,10 +93,3 @@ def ref_gae(token_rewards, values, response_mask, gamma: float, lam: float):
             adv[b, t] = g
     return adv, adv + v
 
-
-def algos_function(module: str, name: str):
-    """The torch twin in verl_ds.algos, or None while that module is not there yet."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
