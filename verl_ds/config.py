@@ -377,11 +377,43 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
             raise ConfigError(f"reward.functions[{i}]: expected a string or a mapping, got {spec!r}")
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, got {cfg.trainer.resume!r}")
+    _check_state_ranges(cfg)
     if cfg.deepspeed.config_file is not None and not os.path.isfile(cfg.deepspeed.config_file):
         raise ConfigError(f"deepspeed.config_file: {cfg.deepspeed.config_file!r} does not exist")
     return Derived(world_size=world_size, prompts_per_rank=r.batch_size // world_size,
                    mini_batches_per_epoch=r.batch_size // a.mini_batch_size, mini_batch_per_rank=per_rank,
                    grad_accum=per_rank // a.micro_batch_size)
+
+
+# SharedState key -> the config key that sets its value at step 0
+STATE_FROM_CONFIG = {
+    "actor_lr": "actor.lr", "critic_lr": "critic.lr", "kl_coef": "algo.kl_coef", "target_kl": "algo.target_kl",
+    "kl_ctrl_type": "algo.kl_ctrl", "kl_kind": "algo.kl_kind", "clip_ratio_low": "algo.clip_ratio_low",
+    "clip_ratio_high": "algo.clip_ratio_high", "cliprange_value": "critic.cliprange_value",
+    "entropy_coef": "algo.entropy_coef", "gamma": "algo.gamma", "lam": "algo.lam", "temperature": "rollout.temperature",
+    "top_k": "rollout.top_k", "top_p": "rollout.top_p", "max_new_tokens": "rollout.max_new_tokens",
+}
+
+
+def initial_state(cfg: Config) -> dict:
+    """SharedState values at step 0, taken from the config."""
+    out = {}
+    for key, dotted in STATE_FROM_CONFIG.items():
+        section, name = dotted.split(".")
+        out[key] = getattr(getattr(cfg, section), name)
+    out["use_kl_penalty"] = cfg.algo.kl_coef > 0 or cfg.algo.kl_ctrl != "fixed"
+    return out
+
+
+def _check_state_ranges(cfg: Config) -> None:
+    """The config's initial hyper-parameters must be values SharedState accepts (same ranges as hot updates)."""
+    from verl_ds.state import STATE_KEYS
+
+    for key, value in initial_state(cfg).items():
+        _, reason = STATE_KEYS[key].check(value)
+        if reason is not None:
+            raise ConfigError(f"{STATE_FROM_CONFIG.get(key, key)}: {reason} (the SharedState key {key!r} allows "
+                              f"{STATE_KEYS[key].range_text() or STATE_KEYS[key].choices})")
 
 
 def describe() -> str:

@@ -27,7 +27,7 @@ import torch
 
 from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
-from verl_ds.config import Config, validate
+from verl_ds.config import Config, initial_state, validate
 from verl_ds.engines.build import (build_actor_model, build_critic_model, load_tokenizer, make_engine, set_lr)
 from verl_ds.metrics import MetricsLogger, Timings, mean_of_lists, reduce_across_ranks
 from verl_ds.rollout import Rollout
@@ -111,7 +111,7 @@ class PPOTrainer:
 
         self.state = SharedState(rank=self.rank)
         if self.is_main:
-            self.state.update(self.initial_state(cfg))
+            self.state.update(initial_state(cfg))
         self.state.sync()
 
         self.registry = ModelRegistry()
@@ -131,19 +131,6 @@ class PPOTrainer:
         self.ppo = PPOModel(actor=policy, critic=value, reward=reward, ref=ref_policy, state=self.state,
                             config=self.ppo_config, registry=self.registry)
         self.registry.register("ppo", self.ppo)
-
-    @staticmethod
-    def initial_state(cfg: Config) -> dict:
-        """SharedState values at step 0, from the config's initial values."""
-        a = cfg.algo
-        return {
-            "actor_lr": cfg.actor.lr, "critic_lr": cfg.critic.lr, "kl_coef": a.kl_coef, "target_kl": a.target_kl,
-            "kl_ctrl_type": a.kl_ctrl, "use_kl_penalty": a.kl_coef > 0 or a.kl_ctrl != "fixed", "kl_kind": a.kl_kind,
-            "clip_ratio_low": a.clip_ratio_low, "clip_ratio_high": a.clip_ratio_high,
-            "cliprange_value": cfg.critic.cliprange_value, "entropy_coef": a.entropy_coef, "gamma": a.gamma,
-            "lam": a.lam, "temperature": cfg.rollout.temperature, "top_k": cfg.rollout.top_k,
-            "top_p": cfg.rollout.top_p, "max_new_tokens": cfg.rollout.max_new_tokens,
-        }
 
     def _build_data(self):
         from verl_ds.data import PromptDataset

@@ -62,6 +62,9 @@ def test_bad_keys_and_values_name_the_key(override, message):
     (["reward.functions=[{weight: 2}]"], 1, r"reward.functions\[0\]: expected a name"),
     (["trainer.resume=/no/such/dir"], 1, r"trainer.resume: expected 'auto', 'none' or an existing checkpoint"),
     (["data.max_prompt_length=250", "rollout.max_new_tokens=10"], 1, r"exceeds model.max_position_embeddings"),
+    (["algo.clip_ratio_low=1.0"], 1, r"algo.clip_ratio_low: 1.0 is out of range \[0.0, 1.0\)"),
+    (["algo.entropy_coef=2.0"], 1, r"algo.entropy_coef: 2.0 is out of range"),
+    (["actor.lr=5.0"], 1, r"actor.lr: 5.0 is out of range"),
 ])
 def test_inconsistent_configs_fail_before_building(overrides, world, message):
     with pytest.raises(ConfigError, match=message):
