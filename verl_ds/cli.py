@@ -103,11 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--describe", action="store_true", help="a table of every key with type, default and help")
     p.set_defaults(func=cmd_config)
+    sub.add_parser("state", help="read or change a running job's SharedState over HTTP (get | set key=value ...)")
     return parser
 
 
 def main(argv=None) -> int:
     _quiet_environment()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["state"]:  # the HTTP client parses its own flags (--url, --token, --help)
+        from verl_ds.client import main as state_main
+
+        return state_main(argv[1:])
     args = build_parser().parse_args(argv)
     from verl_ds.config import ConfigError
     from verl_ds.dist import LaunchError

@@ -76,6 +76,7 @@ class PPOTrainer:
         vdist.barrier()
         self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard=cfg.trainer.tensorboard,
                                      wandb=cfg.trainer.wandb, config=cfg.to_dict())
+        self.server = None
         self.fault_hook = None  # reliability tests inject kills at named points
         self._swap_lock = threading.Lock()
         self._pending_swap = None
@@ -131,6 +132,19 @@ class PPOTrainer:
         self.ppo = PPOModel(actor=policy, critic=value, reward=reward, ref=ref_policy, state=self.state,
                             config=self.ppo_config, registry=self.registry)
         self.registry.register("ppo", self.ppo)
+        if self.is_main and cfg.server.enabled:
+            self._start_server()
+
+    def _start_server(self) -> None:
+        """The /v1 control plane on rank 0 (a daemon thread; it never blocks the training loop)."""
+        from verl_ds.server import ControlServer
+
+        sc = self.cfg.server
+        self.server = ControlServer(self.state, self.registry, host=sc.host, port=sc.port, token=sc.token,
+                                    max_body_bytes=sc.max_body_bytes, run_dir=self.out_dir,
+                                    metrics_fn=self.metrics.snapshot, reward_swapper=self)
+        url = self.server.start()
+        print(f"verl_ds: control server at {url} (GET {url}/v1/models)", flush=True)
 
     def _build_data(self):
         from verl_ds.data import PromptDataset
@@ -504,8 +518,15 @@ class PPOTrainer:
         export_dir = self.export_hf() if cfg.trainer.export_hf else None
         elapsed = time.perf_counter() - t0
         summary = self.summary(elapsed, tokens, export_dir)
-        self.metrics.close()
+        self.close()
         return summary
+
+    def close(self) -> None:
+        """Stop the control server and flush loggers (also safe after a failure)."""
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.metrics.close()
 
     def summary(self, elapsed: float, tokens: float, export_dir: Optional[str]) -> dict:
         """Reward of the first vs last 10% of steps, time, throughput; the reward curve PNG (rank 0)."""
