@@ -33,7 +33,8 @@ def gathered_state_dict(module: torch.nn.Module) -> dict:
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     out = {}
-    for name, param in module.named_parameters():
+    # remove_duplicate=False: a tied LM head (Qwen2.5-0.5B, ...) is its own key in the replica's state dict
+    for name, param in module.named_parameters(remove_duplicate=False):
         with GatheredParameters([param], modifier_rank=None):
             out[name] = param.detach().to("cpu", copy=True)
     persistent = set(module.state_dict().keys())  # rotary caches etc. are non-persistent: not part of a checkpoint
