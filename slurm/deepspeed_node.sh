@@ -5,7 +5,8 @@
 # Runnable without Slurm: SLURM_NODEID=0 HOSTFILE=<file with "localhost slots=2"> MASTER_ADDR=127.0.0.1 \
 #   MASTER_PORT=29533 REPO_DIR=$PWD CONFIG=configs/default.yaml OUTPUT_DIR=runs/x slurm/deepspeed_node.sh
 # Parameters (environment, set by the sbatch script): REPO_DIR, VENV, CONFIG, OUTPUT_DIR, HOSTFILE,
-# MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE; the arguments are config overrides (key.sub=value).
+# MASTER_ADDR, MASTER_PORT, GPUS_PER_NODE, TRAIN_SCRIPT (default launch/train.py); the arguments are config
+# overrides (key.sub=value).
 #
 # Signals: the deepspeed launcher's own processes die on USR1 and answer TERM by terminating the ranks
 # (SIGKILL 30 s later, exit status 1). So USR1 and TERM that reach this script are passed to the rank
@@ -33,7 +34,7 @@ signalled=0
 
 deepspeed --hostfile "$HOSTFILE" --no_ssh --node_rank="$SLURM_NODEID" \
     --num_gpus="$GPUS_PER_NODE" --master_addr="$MASTER_ADDR" --master_port="${MASTER_PORT:?MASTER_PORT}" \
-    launch/train.py --config "${CONFIG:?CONFIG: the job config}" trainer.output_dir="${OUTPUT_DIR:?OUTPUT_DIR}" "$@" &
+    "${TRAIN_SCRIPT:-launch/train.py}" --config "${CONFIG:?CONFIG: the job config}" trainer.output_dir="${OUTPUT_DIR:?OUTPUT_DIR}" "$@" &
 runner=$!
 while :; do
     wait "$runner"; rc=$?

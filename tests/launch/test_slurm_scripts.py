@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from launch_testutil import ROOT, base_env
+from launch_testutil import ROOT, base_env, free_port
 
 SLURM = os.path.join(ROOT, "slurm")
 SCRIPTS = ["train.sbatch", "train_deepspeed.sbatch", "task.sh", "deepspeed_node.sh", "common.sh"]
@@ -145,3 +145,44 @@ def test_run_step_stops_requeueing_after_max_requeues(tmp_path):
     out, err, _, requeued = _run_step(tmp_path, exit_code=75, restarts=3)
     assert out.strip() == "rc=75" and not requeued.exists()
     assert "already requeued 3 times (MAX_REQUEUES=3)" in err
+
+
+# A stand-in rank for the deepspeed launcher: records its rank and the signal, exits 75 like the trainer.
+FAKE_RANK = r'''
+import os, signal, sys, time
+out = os.environ["OUTPUT_DIR_FOR_TEST"]
+def stop(sig, frame):
+    open(os.path.join(out, f"rank{os.environ['RANK']}.signal"), "w").write(str(sig)); sys.exit(75)
+signal.signal(signal.SIGUSR1, stop)
+assert any(a.startswith("--local_rank=") for a in sys.argv), sys.argv
+open(os.path.join(out, f"rank{os.environ['RANK']}.ready"), "w").close()
+time.sleep(60); sys.exit(0)
+'''
+
+
+def test_deepspeed_node_passes_usr1_to_the_ranks_and_75_back(tmp_path):
+    """slurm/deepspeed_node.sh under a real deepspeed launcher (2 slots): USR1 reaches both ranks (and not the
+    launcher's own processes, which USR1 would kill), and the ranks' 75 comes back as the script's status."""
+    script = tmp_path / "fake_rank.py"
+    script.write_text(FAKE_RANK)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    env = base_env(SLURM_NODEID="0", HOSTFILE=str(hostfile), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   REPO_DIR=ROOT, CONFIG="unused.yaml", OUTPUT_DIR=str(tmp_path), OUTPUT_DIR_FOR_TEST=str(tmp_path),
+                   TRAIN_SCRIPT=str(script), PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    proc = subprocess.Popen([os.path.join(SLURM, "deepspeed_node.sh")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while not all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)):
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.time() < deadline, "the ranks never started"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, out[-4000:]
+    for r in (0, 1):
+        assert (tmp_path / f"rank{r}.signal").read_text() == str(int(signal.SIGUSR1))
