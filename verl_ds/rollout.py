@@ -87,11 +87,14 @@ class Rollout:
         else:
             model = self.engine.module
             synced = dist.is_initialized() and dist.get_world_size() > 1
+        # every knob explicit: a checkpoint's generation_config.json (top_k=20, repetition_penalty=1.05, ...)
+        # must not silently truncate sampling, or the rollout distribution differs from the one the
+        # trainer scores (the log-probs are those of the temperature-scaled, untruncated softmax)
         gen_cfg = GenerationConfig(
-            do_sample=not greedy, temperature=float(temperature) if not greedy else None,
-            top_k=int(top_k) if (top_k and not greedy) else None, top_p=float(top_p) if (top_p < 1.0 and not greedy) else None,
-            max_new_tokens=int(max_new_tokens), min_new_tokens=0, pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, use_cache=True)
+            do_sample=not greedy, temperature=1.0 if greedy else float(temperature),
+            top_k=0 if greedy else int(top_k), top_p=1.0 if greedy else float(top_p), repetition_penalty=1.0,
+            no_repeat_ngram_size=0, min_new_tokens=0, max_new_tokens=int(max_new_tokens),
+            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, use_cache=True)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(),
                              generation_config=gen_cfg, synced_gpus=synced)
         responses = out[:, input_ids.shape[1]:]

@@ -206,6 +206,11 @@ class SharedState:
         return dist.get_rank() if dist is not None else 0
 
     @property
+    def lock(self) -> threading.RLock:
+        """The state's re-entrant lock: hold it to make several reads/writes one atomic step boundary."""
+        return self._lock
+
+    @property
     def version(self) -> int:
         """Bumped once for every key whose value actually changes (set, update, apply_staged)."""
         with self._lock:
