@@ -2,7 +2,8 @@
 accelerate launch (DeepSpeed plugin), the Slurm srun body (slurm/task.sh with emulated SLURM_* variables)
 and the Slurm+deepspeed node body (slurm/deepspeed_node.sh, hostfile, --no_ssh). Each must finish with
 the right rank and world size on both ranks, only rank 0 writing the run files, and all must produce the
-same metrics for the same seed. The GPU config runs 1-2 steps on a tiny Qwen2 of the same architecture.
+same metrics for the same seed. The real-model configs run 1-2 steps on a tiny Qwen2 of the same
+architecture (tied embeddings, like Qwen2.5-0.5B).
 
 All jobs start at once (module fixture) and are awaited together: most of each job's time is start-up
 (imports, DeepSpeed's comm set-up, rendezvous), which overlaps well even on 2 cores.
@@ -55,23 +56,31 @@ def _commands(tmp) -> dict:
     return cmds, out
 
 
-def _gpu_config_command(tmp):
+def _gpu_config_commands(tmp) -> dict:
+    """The real-model configs on a tiny Qwen2 of the same architecture, CPU: the 0.5B config in fp32 for
+    2 steps; the ZeRO-2 and ZeRO-3-offload variants as shipped (bf16) for 1 step without validation."""
     model = tiny_qwen_dir(tmp / "tiny-qwen2")
-    out = str(tmp / "gpu_config")
-    argv = [sys.executable, TRAIN, "--config", GPU_CONFIG, f"model.path={model}", "model.dtype=fp32",
-            "trainer.device=cpu", f"trainer.output_dir={out}", "trainer.total_steps=2", "rollout.batch_size=4",
-            "actor.mini_batch_size=4", "actor.micro_batch_size=2", "rollout.max_new_tokens=8",
-            "data.max_prompt_length=48", "trainer.progress_bar=false", "trainer.plot=false"]
-    return argv, out
+    small = ["trainer.device=cpu", f"model.path={model}", "rollout.batch_size=4", "actor.mini_batch_size=4",
+             "actor.micro_batch_size=2", "rollout.max_new_tokens=8", "data.max_prompt_length=48",
+             "trainer.progress_bar=false", "trainer.plot=false"]
+    runs = {}
+    for name, config, extra in [
+            ("gpu_config", GPU_CONFIG, ["model.dtype=fp32", "trainer.total_steps=2"]),
+            ("zero2", os.path.join(ROOT, "configs", "zero2.yaml"), ["trainer.total_steps=1", "data.val_files=null",
+                                                                    "trainer.export_hf=false"]),
+            ("zero3_offload", os.path.join(ROOT, "configs", "zero3_offload.yaml"),
+             ["trainer.total_steps=1", "data.val_files=null", "trainer.export_hf=false"])]:
+        out = str(tmp / name)
+        runs[name] = ([sys.executable, TRAIN, "--config", config, *small, f"trainer.output_dir={out}", *extra], out)
+    return runs
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launchers")
     cmds, outs = _commands(tmp)
-    gpu_argv, gpu_out = _gpu_config_command(tmp)
-    cmds["gpu_config"] = [(gpu_argv, {})]
-    outs["gpu_config"] = gpu_out
+    for name, (argv, out) in _gpu_config_commands(tmp).items():
+        cmds[name], outs[name] = [(argv, {})], out
     procs = {name: [subprocess.Popen(argv, cwd=ROOT, env=base_env(**extra), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
                     for argv, extra in plist] for name, plist in cmds.items()}
@@ -150,3 +159,14 @@ def test_gpu_config_code_path_on_a_tiny_qwen2(runs):
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(res["dir"], "hf_actor"))
     assert type(exported).__name__ == "Qwen2ForCausalLM"
     assert exported.get_output_embeddings().weight.data_ptr() == exported.get_input_embeddings().weight.data_ptr()
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3_offload"])
+def test_zero2_and_offload_configs_run_as_shipped_in_bf16(runs, name):
+    """bf16 and the configs' ZeRO settings as shipped (only model.path and the device changed): ZeRO-2, and
+    ZeRO-3 with optimizer and parameter offload plus the configs/deepspeed overlay."""
+    res = runs[name]
+    _ok(res)
+    steps = [m for m in read_metrics(res["dir"]) if "critic/score/mean" in m]
+    assert [m["step"] for m in steps] == [1]
+    assert all(v == v for v in steps[0].values())  # noqa: PLR0124
