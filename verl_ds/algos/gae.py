@@ -24,6 +24,7 @@ import math
 import torch
 
 from ._checks import as_bool_mask, check_float_tensor, check_same_shape, check_unit_interval
+from ._parallel import run_row_ranges
 
 # Rows per chunk so that the dozen (rows, T) temporaries stay in cache instead of faulting in fresh pages.
 _CHUNK_ELEMS = 1 << 16
@@ -89,10 +90,16 @@ def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, respons
     b, t = token_rewards.shape
     adv = torch.empty(b, t, dtype=torch.float32, device=token_rewards.device)
     ret = torch.empty(b, t, dtype=torch.float32, device=token_rewards.device)
-    rows = max(1, _CHUNK_ELEMS // max(t, 1)) if token_rewards.device.type == "cpu" else max(b, 1)
-    for s in range(0, b if t else 0, rows):
-        _gae_rows(token_rewards[s:s + rows], values[s:s + rows], mask[s:s + rows], float(gamma), float(lam),
-                  adv[s:s + rows], ret[s:s + rows])
+    if t == 0 or b == 0:
+        return adv, ret
+    rows = max(1, _CHUNK_ELEMS // t) if token_rewards.device.type == "cpu" else b
+
+    def work(lo, hi):
+        for s in range(lo, hi, rows):
+            e = min(s + rows, hi)
+            _gae_rows(token_rewards[s:e], values[s:e], mask[s:e], float(gamma), float(lam), adv[s:e], ret[s:e])
+
+    run_row_ranges(b, rows, work, token_rewards.device)
     return adv, ret
 
 

@@ -15,6 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_same_shape
+from ._parallel import run_row_ranges
 from .logprob import rows_per_chunk
 
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "symmetric")
@@ -63,17 +64,20 @@ class _SymmetricKL(torch.autograd.Function):
         e_p = torch.empty(n, dtype=torch.float32, device=dev)
         e_q = torch.empty(n, dtype=torch.float32, device=dev)
         rows = min(rows, max(n, 1))
-        bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(3)]
-        for s in range(0, n, rows):
-            p, q, d = _chunk_stats(logits[s:s + rows], ref_logits[s:s + rows], inv_t, bufs)
-            r = p.shape[0]
-            # E_p[D] and E_q[D] (fp32 chunk-local sums); J = 0.5 (E_p[D] - E_q[D])
-            # nansum: 0 * (-inf) where one side masks an entry the other may not
-            ep = torch.mul(p, d, out=p).nansum(dim=1)
-            eq = torch.mul(q, d, out=q).nansum(dim=1)
-            e_p[s:s + r] = ep
-            e_q[s:s + r] = eq
-            out[s:s + r] = 0.5 * (ep - eq)
+
+        def work(lo, hi):
+            bufs = [torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=dev) for _ in range(3)]
+            for s in range(lo, hi, rows):
+                p, q, d = _chunk_stats(logits[s:min(s + rows, hi)], ref_logits[s:min(s + rows, hi)], inv_t, bufs)
+                r = p.shape[0]
+                # nansum: 0 * (-inf) where one side masks an entry the other may not
+                ep = torch.mul(p, d, out=p).nansum(dim=1)
+                eq = torch.mul(q, d, out=q).nansum(dim=1)
+                e_p[s:s + r] = ep
+                e_q[s:s + r] = eq
+                out[s:s + r] = 0.5 * (ep - eq)
+
+        run_row_ranges(n, rows, work, dev)
         ctx.save_for_backward(logits, ref_logits, e_p, e_q)
         ctx.inv_t, ctx.rows = inv_t, rows
         return out
@@ -88,21 +92,24 @@ class _SymmetricKL(torch.autograd.Function):
         gx = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_x else None
         gy = torch.empty_like(ref_logits, memory_format=torch.contiguous_format) if want_y else None
         scale = (0.5 * inv_t) * g.to(torch.float32)  # chain rule through x = logits / t
-        bufs = [torch.empty(min(rows, max(n, 1)), v, dtype=torch.float32, device=logits.device)
-                for _ in range(4)]
-        for s in range(0, n, rows):
-            p, q, d = _chunk_stats(logits[s:s + rows], ref_logits[s:s + rows], inv_t, bufs)
-            r = p.shape[0]
-            sc = scale[s:s + r, None]
-            tmp = bufs[3][:r]
-            if want_x:
-                # p (D - E_p[D] + 1) - q
-                torch.sub(d, (e_p[s:s + r] - 1.0)[:, None], out=tmp).mul_(p).sub_(q).mul_(sc)
-                gx[s:s + r].copy_(tmp)
-            if want_y:
-                # q (E_q[D] + 1 - D) - p
-                torch.sub((e_q[s:s + r] + 1.0)[:, None], d, out=tmp).mul_(q).sub_(p).mul_(sc)
-                gy[s:s + r].copy_(tmp)
+
+        def work(lo, hi):
+            bufs = [torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=logits.device) for _ in range(4)]
+            for s in range(lo, hi, rows):
+                p, q, d = _chunk_stats(logits[s:min(s + rows, hi)], ref_logits[s:min(s + rows, hi)], inv_t, bufs)
+                r = p.shape[0]
+                sc = scale[s:s + r, None]
+                tmp = bufs[3][:r]
+                if want_x:
+                    # p (D - E_p[D] + 1) - q
+                    torch.sub(d, (e_p[s:s + r] - 1.0)[:, None], out=tmp).mul_(p).sub_(q).mul_(sc)
+                    gx[s:s + r].copy_(tmp)
+                if want_y:
+                    # q (E_q[D] + 1 - D) - p
+                    torch.sub((e_q[s:s + r] + 1.0)[:, None], d, out=tmp).mul_(q).sub_(p).mul_(sc)
+                    gy[s:s + r].copy_(tmp)
+
+        run_row_ranges(n, rows, work, logits.device)
         return gx, gy, None, None
 
 

@@ -17,11 +17,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_tensor
+from ._parallel import run_row_ranges
 
-# 512K fp32 elements (2 MiB) per scratch chunk on CPUs: the two chunks stay in L2/L3, and each op is big
-# enough that its OpenMP fork/join and the Python loop stay a few % of the time (512 chunks for 8192x32000).
-# GPUs (the Triton-less fallback) want big chunks.
-CPU_CHUNK_ELEMS = 1 << 19
+# 256K fp32 elements (1 MiB) per scratch chunk on CPUs: each thread's two chunks stay in its L2/L3 and
+# the Python loop costs a few % (1024 chunks for 8192x32000). GPUs (the Triton-less fallback) want big ones.
+CPU_CHUNK_ELEMS = 1 << 18
 CUDA_CHUNK_ELEMS = 1 << 24
 # exp() of anything below ~-104 is 0 in fp32; clamping shifted logits here keeps 0 * (-inf) (a masked
 # vocabulary entry) from turning the entropy gradient into NaN, and changes nothing else. (The forward
@@ -52,22 +52,26 @@ class _LogProbEntropy(torch.autograd.Function):
         log_s = torch.empty(n, dtype=torch.float32, device=dev)
         ent = torch.empty(n if want_ent else 0, dtype=torch.float32, device=dev)
         rows = min(chunk_rows, max(n, 1))
-        zbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
-        ebuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
-        for s in range(0, n, rows):
-            c = logits[s:s + rows]
-            r = c.shape[0]
-            z, e = zbuf[:r], ebuf[:r]
-            m = c.amax(dim=1, keepdim=True).to(torch.float32).mul_(inv_t)  # (r, 1)
-            torch.add(m.neg(), c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
-            torch.exp(z, out=e)
-            ssum = e.sum(dim=1)
-            ls = ssum.log()
-            m_scaled[s:s + r] = m.squeeze(1)
-            log_s[s:s + r] = ls
-            if want_ent:
-                e.mul_(z)
-                ent[s:s + r] = ls - e.nansum(dim=1) / ssum
+
+        def work(lo, hi):
+            zbuf = torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=dev)
+            ebuf = torch.empty_like(zbuf)
+            for s in range(lo, hi, rows):
+                c = logits[s:min(s + rows, hi)]
+                r = c.shape[0]
+                z, e = zbuf[:r], ebuf[:r]
+                m = c.amax(dim=1, keepdim=True).to(torch.float32).mul_(inv_t)  # (r, 1)
+                torch.add(m.neg(), c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
+                torch.exp(z, out=e)
+                ssum = e.sum(dim=1)
+                ls = ssum.log()
+                m_scaled[s:s + r] = m.squeeze(1)
+                log_s[s:s + r] = ls
+                if want_ent:
+                    e.mul_(z)
+                    ent[s:s + r] = ls - e.nansum(dim=1) / ssum
+
+        run_row_ranges(n, rows, work, dev)
         if labels is not None:
             # O(N) work: float64 keeps z_y/t - M - log s as exact as the fp32 inputs allow.
             zy = logits.gather(1, labels.unsqueeze(1)).squeeze(1).to(torch.float64)
@@ -97,6 +101,7 @@ class _LogProbEntropy(torch.autograd.Function):
             return None, None, None, None, None
         inv_t, rows = ctx.inv_t, ctx.rows
         n, v = logits.shape
+        dev = logits.device
         inv_ts = inv_t / log_s.exp()  # 1 / (t s): p / t = exp(z/t - M) / (t s)
         g_lp32 = g_lp.to(torch.float32) if g_lp is not None else torch.zeros_like(log_s)
         if g_ent is not None:
@@ -105,33 +110,39 @@ class _LogProbEntropy(torch.autograd.Function):
             a = -g_h * inv_ts
             b = -(g_lp32 + g_h * (ent - log_s)) * inv_ts
         else:
+            a = None
             b = -g_lp32 * inv_ts
-        grad = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
+        grad = torch.empty((n, v), dtype=logits.dtype, device=dev)
         exact_out = logits.dtype == torch.float32
-        zbuf = torch.empty(rows, v, dtype=torch.float32, device=logits.device)
-        ebuf = torch.empty(rows, v, dtype=torch.float32, device=logits.device)
-        for s in range(0, n, rows):
-            c = logits[s:s + rows]
-            r = c.shape[0]
-            z, e = zbuf[:r], ebuf[:r]
-            torch.add(m_scaled[s:s + r, None].neg(), c, alpha=inv_t, out=z)
-            torch.exp(z, out=e)
-            if g_ent is not None:
-                z.clamp_(min=_NEG_FLOOR)
-                torch.addcmul(b[s:s + r, None], z, a[s:s + r, None], out=z)
-                coef = z
-            else:
-                coef = b[s:s + r, None]
-            if exact_out:
-                torch.mul(e, coef, out=grad[s:s + r])
-            else:
-                # add the label term in fp32 before the single rounding to bf16/fp16
-                torch.mul(e, coef, out=z)
-                if g_lp is not None:
-                    z[torch.arange(r, device=z.device), labels[s:s + r]] += g_lp32[s:s + r] * inv_t
-                grad[s:s + r].copy_(z)
-        if exact_out and g_lp is not None:
-            grad[torch.arange(n, device=grad.device), labels] += g_lp32 * inv_t
+        label_term = g_lp32 * inv_t if g_lp is not None else None
+
+        def work(lo, hi):
+            zbuf = torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=dev)
+            ebuf = torch.empty_like(zbuf)
+            for s in range(lo, hi, rows):
+                c = logits[s:min(s + rows, hi)]
+                r = c.shape[0]
+                z, e = zbuf[:r], ebuf[:r]
+                torch.add(m_scaled[s:s + r, None].neg(), c, alpha=inv_t, out=z)
+                torch.exp(z, out=e)
+                if a is not None:
+                    z.clamp_(min=_NEG_FLOOR)
+                    torch.addcmul(b[s:s + r, None], z, a[s:s + r, None], out=z)
+                    coef = z
+                else:
+                    coef = b[s:s + r, None]
+                if exact_out:
+                    torch.mul(e, coef, out=grad[s:s + r])
+                else:
+                    # add the label term in fp32 before the single rounding to bf16/fp16
+                    torch.mul(e, coef, out=z)
+                    if label_term is not None:
+                        z[torch.arange(r, device=dev), labels[s:s + r]] += label_term[s:s + r]
+                    grad[s:s + r].copy_(z)
+
+        run_row_ranges(n, rows, work, dev)
+        if exact_out and label_term is not None:
+            grad[torch.arange(n, device=dev), labels] += label_term
         return grad, None, None, None, None
 
 
