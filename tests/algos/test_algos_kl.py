@@ -159,3 +159,15 @@ def test_full_symmetric_kl_errors():
         full_symmetric_kl(a, a, temperature=-1.0)
     with pytest.raises(TypeError, match="ref_logits must be a torch.Tensor, got NoneType"):
         full_symmetric_kl(a, None)
+
+
+def test_full_symmetric_kl_on_sliced_outputs():
+    full, ref = torch.randn(2, 7, 19), torch.randn(2, 7, 19)
+    x = full.clone().requires_grad_()
+    out = full_symmetric_kl(x[:, 1:], ref[:, 1:].contiguous())  # one side flattens, the other does not
+    out.sum().backward()
+    y = full[:, 1:].contiguous().requires_grad_()
+    out_c = full_symmetric_kl(y, ref[:, 1:])
+    out_c.sum().backward()
+    torch.testing.assert_close(out, out_c, atol=0, rtol=0)
+    torch.testing.assert_close(x.grad[:, 1:], y.grad, atol=0, rtol=0)

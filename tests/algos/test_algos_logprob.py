@@ -176,3 +176,23 @@ def test_errors_name_the_argument():
         entropy_from_logits(logits, temperature=float("nan"))
     with pytest.raises(TypeError, match="temperature must be a real number, got str"):
         logprobs_and_entropy(logits, labels, temperature="1")
+
+
+def test_sliced_model_output_is_not_copied():
+    # logits[:, :-1] of a (B, T, V) output cannot be flattened to (N, V) without a copy: it is walked in place
+    full = torch.randn(3, 9, 41)
+    labels = torch.randint(0, 41, (3, 8))
+    x = full.clone().requires_grad_()
+    sliced = x[:, :-1]
+    lp, h = logprobs_and_entropy(sliced, labels, 0.9)
+    saved = lp.grad_fn.next_functions[0][0].saved_tensors[0]
+    assert saved.data_ptr() == x.data_ptr() and saved.shape == (3, 8, 41)
+    w1, w2 = torch.randn(3, 8), torch.randn(3, 8)
+    ((w1 * lp).sum() + (w2 * h).sum()).backward()
+    y = full[:, :-1].contiguous().requires_grad_()
+    lp_c, h_c = logprobs_and_entropy(y, labels, 0.9)
+    ((w1 * lp_c).sum() + (w2 * h_c).sum()).backward()
+    torch.testing.assert_close(lp, lp_c, atol=0, rtol=0)
+    torch.testing.assert_close(h, h_c, atol=0, rtol=0)
+    torch.testing.assert_close(x.grad[:, :-1], y.grad, atol=0, rtol=0)
+    assert torch.equal(x.grad[:, -1], torch.zeros(3, 41))

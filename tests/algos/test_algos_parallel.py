@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from verl_ds.algos import compute_gae, full_symmetric_kl, logprobs_and_entropy
-from verl_ds.algos._parallel import run_row_ranges
+from verl_ds.algos._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
 from verl_ds.algos.logprob import logprobs_and_entropy_torch
 
 
@@ -15,14 +15,23 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-def test_ranges_cover_every_row_once_and_align_to_chunks(two_threads):
+def test_ranges_cover_every_item_once(two_threads):
     seen = []
-    run_row_ranges(23, 4, lambda lo, hi: seen.append((lo, hi)), torch.device("cpu"))
+    run_ranges(23, lambda lo, hi: seen.append((lo, hi)), torch.device("cpu"))
     assert len(seen) == 2
-    rows = sorted(r for lo, hi in seen for r in range(lo, hi))
-    assert rows == list(range(23))
-    assert all(lo % 4 == 0 for lo, _ in seen)
+    assert sorted(r for lo, hi in seen for r in range(lo, hi)) == list(range(23))
     assert torch.get_num_threads() == 2  # restored
+
+
+def test_chunk_plan_over_flat_rows_and_row_blocks():
+    x = torch.zeros(3, 10, 4)[:, 1:8]  # (3, 7, 4) slice: its rows cannot be flattened without a copy
+    blocks = as_row_blocks(x)
+    assert blocks.shape == (3, 7, 4) and blocks.data_ptr() == x.data_ptr()
+    plan = chunk_plan(blocks, 3)
+    assert [c[3] for c in plan] == [0, 3, 6, 7, 10, 13, 14, 17, 20]
+    assert sum(chunk_rows_of(blocks, c).shape[0] for c in plan) == 21
+    flat = as_row_blocks(torch.zeros(3, 7, 4))
+    assert flat.shape == (21, 4) and [c[1:] for c in chunk_plan(flat, 8)] == [(0, 8, 0), (8, 16, 8), (16, 21, 16)]
 
 
 def test_worker_errors_propagate_and_threads_are_restored(two_threads):
@@ -30,7 +39,7 @@ def test_worker_errors_propagate_and_threads_are_restored(two_threads):
         if lo > 0:
             raise RuntimeError(f"boom at {lo}")
     with pytest.raises(RuntimeError, match="boom at"):
-        run_row_ranges(40, 5, work, torch.device("cpu"))
+        run_ranges(8, work, torch.device("cpu"))
     assert torch.get_num_threads() == 2
 
 

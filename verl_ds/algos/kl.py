@@ -15,7 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_same_shape
-from ._parallel import run_row_ranges
+from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
 from .logprob import rows_per_chunk
 
 KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "symmetric")
@@ -58,26 +58,28 @@ class _SymmetricKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ref_logits, inv_t: float, rows: int):
-        n, v = logits.shape
+        v = logits.shape[-1]
+        n = logits.numel() // v
         dev = logits.device
         out = torch.empty(n, dtype=torch.float32, device=dev)
         e_p = torch.empty(n, dtype=torch.float32, device=dev)
         e_q = torch.empty(n, dtype=torch.float32, device=dev)
-        rows = min(rows, max(n, 1))
+        rows = min(rows, max(logits.shape[-2], 1))
+        chunks = chunk_plan(logits, rows)
 
         def work(lo, hi):
-            bufs = [torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=dev) for _ in range(3)]
-            for s in range(lo, hi, rows):
-                p, q, d = _chunk_stats(logits[s:min(s + rows, hi)], ref_logits[s:min(s + rows, hi)], inv_t, bufs)
-                r = p.shape[0]
+            bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(3)]
+            for chunk in chunks[lo:hi]:
+                p, q, d = _chunk_stats(chunk_rows_of(logits, chunk), chunk_rows_of(ref_logits, chunk), inv_t, bufs)
+                r, f0 = p.shape[0], chunk[3]
                 # nansum: 0 * (-inf) where one side masks an entry the other may not
                 ep = torch.mul(p, d, out=p).nansum(dim=1)
                 eq = torch.mul(q, d, out=q).nansum(dim=1)
-                e_p[s:s + r] = ep
-                e_q[s:s + r] = eq
-                out[s:s + r] = 0.5 * (ep - eq)
+                e_p[f0:f0 + r] = ep
+                e_q[f0:f0 + r] = eq
+                out[f0:f0 + r] = 0.5 * (ep - eq)
 
-        run_row_ranges(n, rows, work, dev)
+        run_ranges(len(chunks), work, dev)
         ctx.save_for_backward(logits, ref_logits, e_p, e_q)
         ctx.inv_t, ctx.rows = inv_t, rows
         return out
@@ -88,28 +90,30 @@ class _SymmetricKL(torch.autograd.Function):
         logits, ref_logits, e_p, e_q = ctx.saved_tensors
         inv_t, rows = ctx.inv_t, ctx.rows
         want_x, want_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        n, v = logits.shape
-        gx = torch.empty_like(logits, memory_format=torch.contiguous_format) if want_x else None
-        gy = torch.empty_like(ref_logits, memory_format=torch.contiguous_format) if want_y else None
+        v = logits.shape[-1]
+        dev = logits.device
+        gx = torch.empty(logits.shape, dtype=logits.dtype, device=dev) if want_x else None
+        gy = torch.empty(ref_logits.shape, dtype=ref_logits.dtype, device=dev) if want_y else None
         scale = (0.5 * inv_t) * g.to(torch.float32)  # chain rule through x = logits / t
+        chunks = chunk_plan(logits, rows)
 
         def work(lo, hi):
-            bufs = [torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=logits.device) for _ in range(4)]
-            for s in range(lo, hi, rows):
-                p, q, d = _chunk_stats(logits[s:min(s + rows, hi)], ref_logits[s:min(s + rows, hi)], inv_t, bufs)
-                r = p.shape[0]
-                sc = scale[s:s + r, None]
+            bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(4)]
+            for chunk in chunks[lo:hi]:
+                p, q, d = _chunk_stats(chunk_rows_of(logits, chunk), chunk_rows_of(ref_logits, chunk), inv_t, bufs)
+                r, f0 = p.shape[0], chunk[3]
+                sc = scale[f0:f0 + r, None]
                 tmp = bufs[3][:r]
                 if want_x:
                     # p (D - E_p[D] + 1) - q
-                    torch.sub(d, (e_p[s:s + r] - 1.0)[:, None], out=tmp).mul_(p).sub_(q).mul_(sc)
-                    gx[s:s + r].copy_(tmp)
+                    torch.sub(d, (e_p[f0:f0 + r] - 1.0)[:, None], out=tmp).mul_(p).sub_(q).mul_(sc)
+                    chunk_rows_of(gx, chunk).copy_(tmp)
                 if want_y:
                     # q (E_q[D] + 1 - D) - p
-                    torch.sub((e_q[s:s + r] + 1.0)[:, None], d, out=tmp).mul_(q).sub_(p).mul_(sc)
-                    gy[s:s + r].copy_(tmp)
+                    torch.sub((e_q[f0:f0 + r] + 1.0)[:, None], d, out=tmp).mul_(q).sub_(p).mul_(sc)
+                    chunk_rows_of(gy, chunk).copy_(tmp)
 
-        run_row_ranges(n, rows, work, logits.device)
+        run_ranges(len(chunks), work, dev)
         return gx, gy, None, None
 
 
@@ -132,11 +136,19 @@ def _chunk_stats(c, c_ref, inv_t, bufs):
 
 def full_symmetric_kl_torch(logits2d: torch.Tensor, ref_logits2d: torch.Tensor, temperature: float = 1.0, *,
                             chunk_rows: int | None = None) -> torch.Tensor:
-    """Torch path of :func:`full_symmetric_kl` on (N, V) logits: (N,) float32, differentiable.
-
-    No input checks (the public function does them). The reference the Triton kernel is tested against."""
-    rows = rows_per_chunk(logits2d.shape[1], logits2d.device, chunk_rows)
+    """Torch path of :func:`full_symmetric_kl` on (N, V) logits (or (B, T, V) blocks of one layout):
+    flat (N,) float32, differentiable. No input checks (the public function does them). The reference
+    the Triton kernel is tested against."""
+    rows = rows_per_chunk(logits2d.shape[-1], logits2d.device, chunk_rows)
     return _SymmetricKL.apply(logits2d, ref_logits2d, 1.0 / float(temperature), rows)
+
+
+def _same_row_blocks(logits, ref_logits):
+    x, y = as_row_blocks(logits), as_row_blocks(ref_logits)
+    if x.dim() != y.dim():  # one flattens, the other does not: use (B, T, V) views for both
+        t, v = logits.shape[-2], logits.shape[-1]
+        x, y = x.reshape(-1, t, v), y.reshape(-1, t, v)
+    return x, y
 
 
 def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -153,8 +165,7 @@ def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperatur
     if ref_logits.device != logits.device:
         raise ValueError(f"ref_logits is on {ref_logits.device} but logits is on {logits.device}")
     temperature = check_positive_number(temperature, "temperature")
-    v = logits.shape[-1]
-    x, y = logits.reshape(-1, v), ref_logits.reshape(-1, v)
+    x, y = _same_row_blocks(logits, ref_logits)
     from verl_ds.kernels import dispatch
 
     # the kernel takes fp32/bf16/fp16 and treats ref_logits as a constant; other cases use the torch path
@@ -162,7 +173,8 @@ def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperatur
             and dispatch.backend_for(x) == "triton"):
         from verl_ds.kernels.symkl import full_symmetric_kl as kernel
 
-        out = kernel(x, y, temperature)
+        v = logits.shape[-1]
+        out = kernel(x.reshape(-1, v), y.reshape(-1, v), temperature)  # a copy for (B, T, V) block views
     else:
         out = full_symmetric_kl_torch(x, y, temperature)
     return out.view(logits.shape[:-1])

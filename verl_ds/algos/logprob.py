@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_tensor
-from ._parallel import run_row_ranges
+from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
 
 # 256K fp32 elements (1 MiB) per scratch chunk on CPUs: each thread's two chunks stay in its L2/L3 and
 # the Python loop costs a few % (1024 chunks for 8192x32000). GPUs (the Triton-less fallback) want big ones.
@@ -40,41 +40,43 @@ def rows_per_chunk(n_cols: int, device: torch.device, chunk_rows: int | None = N
 
 
 class _LogProbEntropy(torch.autograd.Function):
-    """(logits (N, V), labels (N,) or None) -> (logprob (N,), entropy (N,)), both float32.
+    """(logits (N, V) or (B, T, V), labels (N,) / (B, T) or None) -> (logprob, entropy), flat (N,) float32.
 
     An output that was not asked for (no labels / want_ent=False) is an empty tensor."""
 
     @staticmethod
     def forward(ctx, logits, labels, inv_t: float, want_ent: bool, chunk_rows: int):
-        n, v = logits.shape
+        v = logits.shape[-1]
+        n = logits.numel() // v
         dev = logits.device
         m_scaled = torch.empty(n, dtype=torch.float32, device=dev)  # M = max(z) / t
         log_s = torch.empty(n, dtype=torch.float32, device=dev)
         ent = torch.empty(n if want_ent else 0, dtype=torch.float32, device=dev)
-        rows = min(chunk_rows, max(n, 1))
+        rows = min(chunk_rows, max(logits.shape[-2], 1))
+        chunks = chunk_plan(logits, rows)
 
         def work(lo, hi):
-            zbuf = torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=dev)
+            zbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
             ebuf = torch.empty_like(zbuf)
-            for s in range(lo, hi, rows):
-                c = logits[s:min(s + rows, hi)]
-                r = c.shape[0]
+            for chunk in chunks[lo:hi]:
+                c = chunk_rows_of(logits, chunk)
+                r, f0 = c.shape[0], chunk[3]
                 z, e = zbuf[:r], ebuf[:r]
                 m = c.amax(dim=1, keepdim=True).to(torch.float32).mul_(inv_t)  # (r, 1)
                 torch.add(m.neg(), c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
                 torch.exp(z, out=e)
                 ssum = e.sum(dim=1)
                 ls = ssum.log()
-                m_scaled[s:s + r] = m.squeeze(1)
-                log_s[s:s + r] = ls
+                m_scaled[f0:f0 + r] = m.squeeze(1)
+                log_s[f0:f0 + r] = ls
                 if want_ent:
                     e.mul_(z)
-                    ent[s:s + r] = ls - e.nansum(dim=1) / ssum
+                    ent[f0:f0 + r] = ls - e.nansum(dim=1) / ssum
 
-        run_row_ranges(n, rows, work, dev)
+        run_ranges(len(chunks), work, dev)
         if labels is not None:
             # O(N) work: float64 keeps z_y/t - M - log s as exact as the fp32 inputs allow.
-            zy = logits.gather(1, labels.unsqueeze(1)).squeeze(1).to(torch.float64)
+            zy = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(torch.float64)
             lp = (zy * inv_t - m_scaled.double() - log_s.double()).to(torch.float32)
         else:
             lp = torch.empty(0, dtype=torch.float32, device=dev)
@@ -100,7 +102,7 @@ class _LogProbEntropy(torch.autograd.Function):
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
         inv_t, rows = ctx.inv_t, ctx.rows
-        n, v = logits.shape
+        v = logits.shape[-1]
         dev = logits.device
         inv_ts = inv_t / log_s.exp()  # 1 / (t s): p / t = exp(z/t - M) / (t s)
         g_lp32 = g_lp.to(torch.float32) if g_lp is not None else torch.zeros_like(log_s)
@@ -112,37 +114,39 @@ class _LogProbEntropy(torch.autograd.Function):
         else:
             a = None
             b = -g_lp32 * inv_ts
-        grad = torch.empty((n, v), dtype=logits.dtype, device=dev)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=dev)
         exact_out = logits.dtype == torch.float32
         label_term = g_lp32 * inv_t if g_lp is not None else None
+        flat_labels = labels.reshape(-1)
+        chunks = chunk_plan(logits, rows)
 
         def work(lo, hi):
-            zbuf = torch.empty(min(rows, hi - lo), v, dtype=torch.float32, device=dev)
+            zbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
             ebuf = torch.empty_like(zbuf)
-            for s in range(lo, hi, rows):
-                c = logits[s:min(s + rows, hi)]
-                r = c.shape[0]
+            for chunk in chunks[lo:hi]:
+                c = chunk_rows_of(logits, chunk)
+                r, f0 = c.shape[0], chunk[3]
                 z, e = zbuf[:r], ebuf[:r]
-                torch.add(m_scaled[s:s + r, None].neg(), c, alpha=inv_t, out=z)
+                torch.add(m_scaled[f0:f0 + r, None].neg(), c, alpha=inv_t, out=z)
                 torch.exp(z, out=e)
                 if a is not None:
                     z.clamp_(min=_NEG_FLOOR)
-                    torch.addcmul(b[s:s + r, None], z, a[s:s + r, None], out=z)
+                    torch.addcmul(b[f0:f0 + r, None], z, a[f0:f0 + r, None], out=z)
                     coef = z
                 else:
-                    coef = b[s:s + r, None]
+                    coef = b[f0:f0 + r, None]
                 if exact_out:
-                    torch.mul(e, coef, out=grad[s:s + r])
+                    torch.mul(e, coef, out=chunk_rows_of(grad, chunk))
                 else:
                     # add the label term in fp32 before the single rounding to bf16/fp16
                     torch.mul(e, coef, out=z)
                     if label_term is not None:
-                        z[torch.arange(r, device=dev), labels[s:s + r]] += label_term[s:s + r]
-                    grad[s:s + r].copy_(z)
+                        z[torch.arange(r, device=dev), flat_labels[f0:f0 + r]] += label_term[f0:f0 + r]
+                    chunk_rows_of(grad, chunk).copy_(z)
 
-        run_row_ranges(n, rows, work, dev)
+        run_ranges(len(chunks), work, dev)
         if exact_out and label_term is not None:
-            grad[torch.arange(n, device=dev), labels] += label_term
+            grad.view(-1, v)[torch.arange(flat_labels.numel(), device=dev), flat_labels] += label_term
         return grad, None, None, None, None
 
 
@@ -150,10 +154,11 @@ def logprobs_and_entropy_torch(logits2d: torch.Tensor, labels: torch.Tensor | No
                                compute_entropy: bool = True, *, chunk_rows: int | None = None):
     """Torch path: log softmax(logits2d / t) at ``labels`` and the entropy, both (N,) float32.
 
-    logits2d: (N, V) float; labels: (N,) int64 in [0, V) or None (then logprob is None);
-    differentiable w.r.t. ``logits2d``. No input checks: the public functions do them. The
-    reference the Triton kernels are tested against."""
-    rows = rows_per_chunk(logits2d.shape[1], logits2d.device, chunk_rows)
+    logits2d: (N, V) float (or (B, T, V), e.g. a slice of a model output that cannot be flattened
+    without a copy; results are then flat (B*T,)); labels: logits2d.shape[:-1] int64 in [0, V) or
+    None (then logprob is None). Differentiable w.r.t. ``logits2d``. No input checks: the public
+    functions do them. The reference the Triton kernels are tested against."""
+    rows = rows_per_chunk(logits2d.shape[-1], logits2d.device, chunk_rows)
     lp, ent = _LogProbEntropy.apply(logits2d, labels, 1.0 / float(temperature), bool(compute_entropy), rows)
     return (lp if labels is not None else None), (ent if compute_entropy else None)
 
@@ -179,8 +184,10 @@ def _check_inputs(logits, labels, temperature):
             if lo < 0 or hi >= v:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"labels must be token ids in [0, V) = [0, {v}), got {bad}")
-        labels = labels.reshape(-1).to(torch.int64)
-    return logits.reshape(-1, v), labels, temperature
+    rows = as_row_blocks(logits)
+    if labels is not None:
+        labels = labels.to(torch.int64).reshape(rows.shape[:-1])
+    return rows, labels, temperature
 
 
 def _dispatch(logits2d, labels, temperature, compute_entropy):
@@ -190,9 +197,11 @@ def _dispatch(logits2d, labels, temperature, compute_entropy):
     if logits2d.dtype != torch.float64 and dispatch.backend_for(logits2d) == "triton":
         from verl_ds.kernels.logprob import logprobs_and_entropy as kernel
 
-        kernel_labels = labels if labels is not None else torch.zeros(
-            logits2d.shape[0], dtype=torch.int64, device=logits2d.device)
-        lp, ent = kernel(logits2d, kernel_labels, temperature, compute_entropy=compute_entropy)
+        # the kernel takes (N, V) with a row stride; a (B, T, V) block view is flattened (a copy) for it
+        flat = logits2d.reshape(-1, logits2d.shape[-1])
+        kernel_labels = labels.reshape(-1) if labels is not None else torch.zeros(
+            flat.shape[0], dtype=torch.int64, device=flat.device)
+        lp, ent = kernel(flat, kernel_labels, temperature, compute_entropy=compute_entropy)
         return (lp if labels is not None else None), ent
     return logprobs_and_entropy_torch(logits2d, labels, temperature, compute_entropy)
 
