@@ -90,6 +90,21 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from verl_ds.plan import plan
+
+    cfg = _load(args)
+    config_path = args.config if args.config is not None else os.path.relpath(DEFAULT_CONFIG)
+    world = args.world_size or args.nodes * (args.gpus_per_node or 1)
+    try:
+        print(plan(cfg, world, nodes=args.nodes, gpus_per_node=args.gpus_per_node, config_path=config_path,
+                   overrides=tuple(args.overrides)))
+    except ValueError as exc:
+        print(f"verl_ds: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-ds", description="PPO for HF causal LMs on DeepSpeed ZeRO-3")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--describe", action="store_true", help="a table of every key with type, default and help")
     p.set_defaults(func=cmd_config)
+    p = sub.add_parser("plan", help="per-rank memory estimate, batch arithmetic and launch commands, before launching")
+    _config_args(p)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=None)
+    p.add_argument("--world-size", type=int, default=None, help="default: nodes x gpus-per-node")
+    p.set_defaults(func=cmd_plan)
     sub.add_parser("state", help="read or change a running job's SharedState over HTTP (get | set key=value ...)")
     return parser
 

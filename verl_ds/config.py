@@ -72,12 +72,12 @@ class RolloutConfig:
 
 @dataclass
 class ActorConfig:
-    lr: float = _f(2e-3, "Initial actor learning rate (hot-updatable).", gt=0.0)
+    lr: float = _f(1e-3, "Initial actor learning rate (hot-updatable).", gt=0.0)
     weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0)
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
     ppo_epochs: int = _f(1, "Passes over each rollout batch.", min=1)
-    mini_batch_size: int = _f(16, "Samples per optimizer step, summed over ranks; divides rollout.batch_size.", min=1)
-    micro_batch_size: int = _f(8, "Samples per forward/backward on one rank (gradient accumulation fills the mini-batch).", min=1)
+    mini_batch_size: int = _f(32, "Samples per optimizer step, summed over ranks; divides rollout.batch_size.", min=1)
+    micro_batch_size: int = _f(16, "Samples per forward/backward on one rank (gradient accumulation fills the mini-batch).", min=1)
     sft_warmup_steps: int = _f(0, "Supervised warm-up steps on the task's reference responses before PPO (built-in task only).", min=0)
 
 
@@ -131,7 +131,7 @@ class DeepSpeedConfig:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = _f(120, "PPO steps to run.", min=1)
+    total_steps: int = _f(150, "PPO steps to run.", min=1)
     output_dir: str = _f("runs/default", "Run directory: metrics, checkpoints, the HF export.")
     resume: str = _f("auto", "auto (latest complete checkpoint in output_dir, if any) | none | a checkpoint directory.")
     seed: int = _f(0, "Seed for data order, sampling and every rank's RNG.")

@@ -102,8 +102,8 @@ def detect_launch(env=None, local_rank_arg: Optional[int] = None) -> LaunchInfo:
             if world > 1:
                 raise LaunchError(f"WORLD_SIZE={world} but MASTER_PORT is not set")
             port = free_port()
-        if env.get("ACCELERATE_DYNAMO_BACKEND") is not None or env.get("ACCELERATE_MIXED_PRECISION") is not None \
-                or any(k.startswith("ACCELERATE_") for k in env):
+        if any(env.get(k) is not None for k in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_MIXED_PRECISION",
+                                                 "ACCELERATE_DYNAMO_BACKEND", "ACCELERATE_USE_CPU")):
             launcher = "accelerate"
         elif local_rank_arg is not None or env.get("DEEPSPEED_LAUNCHER") is not None:
             launcher = "deepspeed"
@@ -137,7 +137,8 @@ def init_distributed(info: LaunchInfo, timeout_s: int, device: str) -> None:
         return
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
-        torch.cuda.set_device(info.local_rank)
+        # with --gpus-per-task=1 / --gpu-bind a task sees only its own GPU(s)
+        torch.cuda.set_device(info.local_rank % max(1, torch.cuda.device_count()))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s),
                                rank=info.rank, world_size=info.world_size, auto_mpi_discovery=False)
 

@@ -40,6 +40,9 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
+    if train and (ds.offload_optimizer or ds.offload_param) and stage > 0:
+        # DeepSpeed insists on its own (JIT-compiled) CPU Adam with offload unless told otherwise
+        out["zero_force_ds_cpu_optimizer"] = False
     if ds.config_file:
         out = merge_user_ds_config(out, ds.config_file)
     return out

@@ -1,0 +1,43 @@
+"""The verl-ds command: config, plan and error exits (no training)."""
+import pytest
+
+from verl_ds.cli import main
+
+
+def test_config_prints_resolved_yaml(capsys):
+    assert main(["config", "trainer.total_steps=7"]) == 0
+    assert "total_steps: 7" in capsys.readouterr().out
+
+
+def test_config_describe_lists_keys(capsys):
+    assert main(["config", "--describe"]) == 0
+    assert "`actor.lr`" in capsys.readouterr().out
+
+
+def test_bad_override_exits_2_naming_the_key(capsys):
+    assert main(["config", "actor.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'actor.lrr'" in err and "did you mean 'lr'" in err
+
+
+def test_plan_prints_memory_batches_and_launch_commands(capsys):
+    assert main(["plan", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("memory per GPU", "batch arithmetic", "torchrun", "deepspeed", "accelerate", "sbatch"):
+        assert needle in out
+
+
+def test_plan_refuses_inconsistent_batch_arithmetic(capsys):
+    assert main(["plan", "--world-size", "3"]) == 2
+    assert "divisible by the world size 3" in capsys.readouterr().err
+
+
+def test_train_refuses_inconsistent_launch_env(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "trainer.total_steps=1"]) == 2
+    assert "inconsistent launch environment" in capsys.readouterr().err
+
+
+def test_state_without_a_server_fails_cleanly(tmp_path, capsys):
+    assert main(["state", "--url", "http://127.0.0.1:9", "get"]) != 0
