@@ -118,6 +118,7 @@ def _empty_like(module: torch.nn.Module) -> torch.nn.Module:
         unset_hf_deepspeed_config()  # never let the replica build enter a ZeRO-3 collective
     except ImportError:
         pass
-    replica = type(module)(config)
+    with torch.random.fork_rng(devices=[]):  # weight init must not move the RNG: resume is exact
+        replica = type(module)(config)
     dtype = next(module.parameters()).dtype
     return replica.to(dtype)
