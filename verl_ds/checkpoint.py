@@ -6,14 +6,17 @@ Layout under ``<output_dir>/checkpoints``::
     global_step_<N>/critic/...         DeepSpeed save_checkpoint
     global_step_<N>/rng_rank<r>.pt     every rank's RNG states (python, numpy, torch, cuda)
     global_step_<N>/trainer_state.json the same trainer state, readable
-    global_step_<N>/COMPLETE           manifest (file -> size), written after every rank finished
+    global_step_<N>/COMPLETE           manifest (file -> size, and a digest of its first and last MiB),
+                                       written after every rank finished
     latest                             the name of the newest complete checkpoint, written last
 
-A directory without a valid manifest (a job killed while saving, a truncated file) is skipped,
-with a message, for the previous complete one.
+A directory without a valid manifest (a job killed while saving), with a missing or truncated file, or
+with a file whose first or last MiB changed (overwritten, a torn write; a torch/zip file keeps its
+index at the end) is skipped, with a message naming it, for the previous complete one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -31,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 MANIFEST = "COMPLETE"
+_EDGE = 1 << 20  # bytes hashed at each end of a file: cheap even for multi-GB shards
 
 
 class CheckpointError(RuntimeError):
@@ -82,6 +86,19 @@ def _manifest(step_dir: str) -> dict:
     return files
 
 
+def edge_digest(path: str) -> str:
+    """sha256 of the size, the first and the last MiB of a file."""
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as fh:
+        h.update(fh.read(_EDGE))
+        if size > _EDGE:
+            fh.seek(max(_EDGE, size - _EDGE))
+            h.update(fh.read(_EDGE))
+    return h.hexdigest()
+
+
 def _fsync_tree(step_dir: str) -> None:
     for root, _, names in os.walk(step_dir):
         for name in names:
@@ -101,12 +118,15 @@ def verify(step_dir: str) -> Optional[str]:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"unreadable COMPLETE manifest ({exc})"
+    digests = manifest.get("digests", {})
     for rel, size in files.items():
         full = os.path.join(step_dir, rel)
         if not os.path.isfile(full):
             return f"missing file {rel}"
         if os.path.getsize(full) != size:
             return f"file {rel} has {os.path.getsize(full)} bytes, the manifest says {size}"
+        if rel in digests and edge_digest(full) != digests[rel]:
+            return f"file {rel} is corrupt (its content differs from the manifest's digest)"
     return None
 
 
@@ -118,7 +138,11 @@ def step_of(step_dir: str) -> int:
 
 
 def find_resumable(ckpt_root: str) -> Optional[str]:
-    """The newest complete checkpoint under ``ckpt_root``: the ``latest`` one when valid, else scan backwards."""
+    """The newest complete checkpoint under ``ckpt_root``: the ``latest`` one when valid, else scan backwards.
+
+    Every directory passed over is named in a warning with the reason, including newer ones than ``latest``
+    (a save killed before it finished, or before it updated ``latest``).
+    """
     if not os.path.isdir(ckpt_root):
         return None
     candidates = []
@@ -130,15 +154,23 @@ def find_resumable(ckpt_root: str) -> Optional[str]:
             candidates.append(name)
     names = sorted((n for n in os.listdir(ckpt_root) if _STEP_DIR.match(n)), key=lambda n: -int(_STEP_DIR.match(n).group(1)))
     candidates += [n for n in names if n not in candidates]
-    for name in candidates:
+    for i, name in enumerate(candidates):
         step_dir = os.path.join(ckpt_root, name)
         if not os.path.isdir(step_dir):
             log.warning("checkpoint %s named by 'latest' does not exist; looking for an older one", step_dir)
             continue
         reason = verify(step_dir)
-        if reason is None:
-            return step_dir
-        log.warning("skipping checkpoint %s: %s; trying the previous one", step_dir, reason)
+        if reason is not None:
+            log.warning("skipping checkpoint %s: %s; trying the previous one", step_dir, reason)
+            continue
+        if i == 0 and _STEP_DIR.match(name):  # 'latest' is valid: say what newer directories are left behind
+            for newer in (n for n in names if int(_STEP_DIR.match(n).group(1)) > step_of(step_dir)):
+                why = verify(os.path.join(ckpt_root, newer))
+                log.warning("skipping checkpoint %s: %s; resuming from %s (named by 'latest')",
+                            os.path.join(ckpt_root, newer),
+                            why or "complete, but 'latest' was not updated to it (a save killed at its very end, "
+                                   "or a run abandoned by resuming from an older checkpoint)", step_dir)
+        return step_dir
     return None
 
 
@@ -169,7 +201,9 @@ def save(ckpt_root: str, step: int, actor_engine, critic_engine, trainer_state: 
                     json.dumps(trainer_state, indent=1, sort_keys=True, default=str).encode())
         _fsync_tree(step_dir)
         hook("before_manifest")
-        manifest = {"step": step, "world_size": vdist.world_size(), "files": _manifest(step_dir)}
+        files = _manifest(step_dir)
+        manifest = {"step": step, "world_size": vdist.world_size(), "files": files,
+                    "digests": {rel: edge_digest(os.path.join(step_dir, rel)) for rel in files}}
         fsync_write(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
         hook("before_latest")
         fsync_write(os.path.join(ckpt_root, "latest"), name.encode())

@@ -27,6 +27,7 @@ import torch
 
 from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
+from verl_ds import reliability
 from verl_ds.config import Config, initial_state, validate
 from verl_ds.engines.build import (build_actor_model, build_critic_model, load_tokenizer, make_engine, set_lr)
 from verl_ds.metrics import MetricsLogger, Timings, mean_of_lists, reduce_across_ranks
@@ -63,6 +64,8 @@ class PPOTrainer:
         self.launch = launch
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device
         self.derived = validate(cfg, launch.world_size)  # fails before any model is built
+        reliability.preflight(cfg)  # paths, tokenizer files, reward functions, run directory
+        self.preemption = reliability.PreemptionHandler().install()  # SIGTERM/SIGUSR1: checkpoint, exit 75
         vdist.init_distributed(launch, cfg.trainer.dist_timeout_s, self.device)
         self.rank, self.world = vdist.rank(), vdist.world_size()
         self.is_main = self.rank == 0
@@ -77,7 +80,8 @@ class PPOTrainer:
         self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard=cfg.trainer.tensorboard,
                                      wandb=cfg.trainer.wandb, config=cfg.to_dict())
         self.server = None
-        self.fault_hook = None  # reliability tests inject kills at named points
+        self.fault_hook = reliability.FaultInjector.from_env(self.rank)  # VERL_DS_FAULT: tests break real runs
+        self.guard = reliability.NonFiniteGuard(cfg.trainer.max_bad_steps, self.out_dir, self.rank, self.world)
         self._swap_lock = threading.Lock()
         self._pending_swap = None
         self._build()
@@ -109,6 +113,8 @@ class PPOTrainer:
                                   weight_decay=cfg.critic.weight_decay, grad_clip=cfg.critic.grad_clip)
         self.ref = make_engine(ref_model, cfg, dz, "ref")
         self.rollout = Rollout(self.actor, tok, gather_params=cfg.rollout.gather_params)
+        if self.fault_hook is not None:
+            self.fault_hook.attach(self.actor.module)
 
         self.state = SharedState(rank=self.rank)
         if self.is_main:
@@ -166,6 +172,7 @@ class PPOTrainer:
             for name, ds in (("train", train), ("val", val)):
                 if ds is not None and sum(ds.report().values()):
                     log.warning("%s prompts: %s", name, ds.summary())
+            reliability.write_data_report(self.out_dir, {"train": train, "val": val})
         return train, val
 
     def build_reward(self, functions: list, model_path: Optional[str], model_weight: Optional[float]):
@@ -304,8 +311,8 @@ class PPOTrainer:
                 norm = self._normalizer(mini)
                 for mic in mini.split(micro, shuffle=False):
                     loss, m = loss_fn(mic, self.ppo_config, normalizer=norm)
-                    engine.backward(loss)
-                    engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+                    # engine.backward + engine.step; the update is skipped on every rank when non-finite
+                    self.guard.backward_and_step(engine, loss, role)
                     for k, v in m.items():
                         metrics[k].append(float(v))
                 grad_norm = engine.get_global_grad_norm()
@@ -331,6 +338,9 @@ class PPOTrainer:
                 st.set("global_step", st.get("global_step") + 1)
             st.sync()
         step = st.get("global_step")
+        self.guard.begin_step()
+        if self.fault_hook is not None:
+            self.fault_hook.step_begin(step)
         set_lr(self.actor, st.get("actor_lr"))
         set_lr(self.critic, st.get("critic_lr"))
 
@@ -362,13 +372,16 @@ class PPOTrainer:
             batch.score = scores
         with t("adv"):
             adv_metrics = self.ppo.compute_advantage(batch, self.ppo_config, whiten_fn=global_masked_whiten)
-        batch.validate(tok.pad_token_id)
-        with t("update_critic"):
-            critic_metrics = self._update(self.critic, batch, self.ppo.compute_value_loss, cfg.critic.ppo_epochs, "critic")
-        with t("update_actor"):
-            actor_metrics = self._update(self.actor, batch, self.ppo.compute_policy_loss, cfg.actor.ppo_epochs, "actor")
-        with t("kl_ctrl"):
-            kl_metrics = self._update_kl_controller(batch)
+        critic_metrics = actor_metrics = kl_metrics = {}
+        updates = self.derived.mini_batches_per_epoch * (cfg.critic.ppo_epochs + cfg.actor.ppo_epochs)
+        if not self.guard.check_batch(batch, planned_updates=updates):  # non-finite on any rank: no update anywhere
+            batch.validate(tok.pad_token_id)
+            with t("update_critic"):
+                critic_metrics = self._update(self.critic, batch, self.ppo.compute_value_loss, cfg.critic.ppo_epochs, "critic")
+            with t("update_actor"):
+                actor_metrics = self._update(self.actor, batch, self.ppo.compute_policy_loss, cfg.actor.ppo_epochs, "actor")
+            with t("kl_ctrl"):
+                kl_metrics = self._update_kl_controller(batch)
 
         n_tokens = float(batch.mask.sum())
         metrics = {**reward_metrics, **adv_metrics, **critic_metrics, **actor_metrics, **kl_metrics,
@@ -384,6 +397,7 @@ class PPOTrainer:
         metrics.update(reduce_across_ranks(t.as_metrics(), op="mean"))
         metrics.update({"timing_s/step": step_time, "perf/total_num_tokens": total_tokens,
                         "perf/throughput": total_tokens / step_time / self.world, "training/global_step": step})
+        metrics.update(self.guard.end_step(step, batch, responses))
         return metrics
 
     def _update_kl_controller(self, batch) -> dict:
@@ -394,7 +408,7 @@ class PPOTrainer:
         mask = batch.response_mask
         s, n = vdist.all_reduce_sum(torch.stack([(kl * mask).sum().double(), mask.sum().double()])).tolist()
         current = s / max(n, 1.0)
-        if self.is_main:
+        if self.is_main and np.isfinite(current):  # a NaN KL would poison kl_coef for good
             self.ppo.update(batch, self.ppo_config, observed_kl=current, n_samples=self.cfg.rollout.batch_size)
         return {"kl_ctrl/observed": current, "kl_ctrl/target": self.state.get("target_kl")}
 
@@ -441,6 +455,7 @@ class PPOTrainer:
     def trainer_state(self) -> dict:
         return {"shared_state": self.state.state_dict(), "kl_controller": self.ppo.kl_controller.state_dict(),
                 "sampler": self.sampler.state_dict(), "global_step": self.state.get("global_step"),
+                "reliability": self.guard.state_dict(),
                 "registry_versions": {name: self.registry.version(name) for name in self.registry.names()}}
 
     def save_checkpoint(self) -> str:
@@ -461,6 +476,7 @@ class PPOTrainer:
         self.state.load_state_dict(state["shared_state"])
         self.ppo.kl_controller.load_state_dict(state["kl_controller"])
         self.sampler.load_state_dict(state["sampler"])
+        self.guard.load_state_dict(state.get("reliability", {}))
         self.metrics.truncate_after(state["global_step"])
         if self.is_main:
             log.info("resumed from %s (step %d)", step_dir, state["global_step"])
@@ -482,6 +498,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ the loop
 
+    @reliability.explains_rank_failures  # a dead or silent rank: RankFailure saying so, not a bare gloo error
     def fit(self) -> dict:
         """Run until ``trainer.total_steps``; returns a summary (reward before/after, time, tokens/s)."""
         from tqdm.auto import tqdm
@@ -497,6 +514,9 @@ class PPOTrainer:
                    desc="ppo", dynamic_ncols=True)
         last_saved = start_step or None  # a resumed run that has nothing left to do re-saves nothing
         while self.state.get("global_step") < cfg.trainer.total_steps:
+            signal_name = self.preemption.stop_requested()  # collective: every rank stops at the same step
+            if signal_name:
+                self._stop_preempted(signal_name, last_saved)
             metrics = self.train_step()
             step = int(metrics["training/global_step"])
             tokens += metrics["perf/total_num_tokens"]
@@ -505,6 +525,7 @@ class PPOTrainer:
             if step == cfg.trainer.total_steps:
                 metrics.update(self.validate())
             self.metrics.log(step, metrics)
+            self.guard.raise_if_exhausted()  # NonFiniteError after trainer.max_bad_steps bad steps in a row
             bar.update(1)
             bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
                             kl=f"{metrics.get('kl_ctrl/observed', 0.0):.3f}")
@@ -521,8 +542,22 @@ class PPOTrainer:
         self.close()
         return summary
 
+    def _stop_preempted(self, signal_name: str, last_saved) -> None:
+        """Checkpoint the finished steps, then exit with PREEMPTED_EXIT_CODE (the sbatch script requeues)."""
+        step = self.state.get("global_step")
+        if step > 0 and last_saved != step:
+            self.save_checkpoint()
+        saved = os.path.join(self.ckpt_root, f"global_step_{step}") if step > 0 else None
+        self.close()
+        exc = reliability.Preempted(signal_name, step, saved)
+        if self.is_main or self.preemption.received:
+            print(f"[rank{self.rank}] {exc.message}", flush=True)
+        vdist.barrier()
+        raise exc
+
     def close(self) -> None:
         """Stop the control server and flush loggers (also safe after a failure)."""
+        self.preemption.uninstall()
         if self.server is not None:
             self.server.stop()
             self.server = None

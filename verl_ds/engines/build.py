@@ -91,6 +91,7 @@ def build_critic_model(cfg: Config, tok, actor_model=None):
             if not os.path.isdir(path):
                 raise ConfigError(f"model.critic_path: {path!r} does not exist or is not a directory")
             critic = CriticLM.from_pretrained(path, torch_dtype=_dtype(cfg))
+    check_vocab(critic.backbone, tok, "critic")  # a critic_path from another model family: a silent index error
     disable_dropout(critic)
     return critic.to(_dtype(cfg))
 
@@ -110,14 +111,26 @@ def check_vocab(model, tok, role: str) -> None:
 
 
 def disable_dropout(model) -> None:
-    """PPO's ratio assumes the rollout and the update see the same function: no dropout anywhere."""
+    """PPO's ratio assumes the rollout and the update see the same function: no dropout anywhere.
+
+    The engines run in train mode, so setting eval() is not enough; HF attention layers also keep their
+    own float (``self.attention_dropout``, read from the config once at construction) besides nn.Dropout.
+    """
     for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if _is_dropout_rate(key, value):
+                setattr(module, key, 0.0)
     config = getattr(model, "config", None)
-    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout"):
-        if config is not None and isinstance(getattr(config, key, None), float):
-            setattr(config, key, 0.0)
+    if config is not None:
+        for key, value in list(vars(config).items()):
+            if _is_dropout_rate(key, value):
+                setattr(config, key, 0.0)
+
+
+def _is_dropout_rate(key: str, value) -> bool:
+    return ("dropout" in key or "pdrop" in key) and isinstance(value, float)
 
 
 def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0, weight_decay: float = 0.0,

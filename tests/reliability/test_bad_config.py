@@ -1,0 +1,135 @@
+"""A corpus of bad configurations, each with the message it must give. Every one fails in the checks the trainer
+runs before building anything (load_config -> validate -> reliability.preflight), naming the key."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from e2e_utils import ROOT, TRAIN, base_env
+from verl_ds.config import ConfigError, load_config, validate
+from verl_ds.reliability import preflight
+
+# (overrides, world size, expected message); {tmp} is a directory holding the fixtures made below
+CORPUS = [
+    # unknown keys, wrong types, out of range
+    (["actor.lrr=1"], 1, r"unknown config key 'actor.lrr'; did you mean 'lr'"),
+    (["trainr.total_steps=1"], 1, r"unknown config key 'trainr'; did you mean 'trainer'"),
+    (["actor.lr=abc"], 1, r"actor.lr: expected a float, got 'abc'"),
+    (["actor.lr=0"], 1, r"actor.lr: must be > 0.0, got 0"),
+    (["trainer.total_steps=2.5"], 1, r"trainer.total_steps: expected an int, got 2.5"),
+    (["trainer.total_steps=0"], 1, r"trainer.total_steps: must be >= 1, got 0"),
+    (["trainer.max_bad_steps=0"], 1, r"trainer.max_bad_steps: must be >= 1, got 0"),
+    (["trainer.dist_timeout_s=0"], 1, r"trainer.dist_timeout_s: must be >= 1, got 0"),
+    (["trainer.progress_bar=1"], 1, r"trainer.progress_bar: expected a bool \(true/false\), got 1"),
+    (["model.dtype=fp16"], 1, r"model.dtype: expected one of 'fp32', 'bf16', got 'fp16'"),
+    (["algo.loss_agg_mode=token_mean"], 1, r"algo.loss_agg_mode: .*did you mean 'token-mean'"),
+    (["deepspeed.zero_stage=4"], 1, r"deepspeed.zero_stage: must be <= 3, got 4"),
+    (["rollout.top_p=1.5"], 1, r"rollout.top_p: must be <= 1.0, got 1.5"),
+    (["rollout.temperature=0"], 1, r"rollout.temperature: must be > 0.0, got 0"),
+    (["data.overlong=cut"], 1, r"data.overlong: expected one of 'truncate', 'skip', got 'cut'"),
+    (["trainer.device=tpu"], 1, r"trainer.device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
+    (["server.port=70000"], 1, r"server.port: must be <= 65535, got 70000"),
+    (["actor=3"], 1, r"actor: expected a mapping of keys, got 3"),
+    (["reward.functions=parity"], 1, r"reward.functions: expected a list, got 'parity'"),
+    (["model.path=3"], 1, r"model.path: expected str or null, got 3 \(int\)"),
+    (["actor.lr=5.0"], 1, r"actor.lr: 5.0 is out of range"),
+    # batch arithmetic and cross-field rules
+    (["rollout.batch_size=30", "actor.mini_batch_size=16"], 1, r"actor.mini_batch_size=16 must divide rollout.batch_size=30"),
+    (["rollout.batch_size=33", "actor.mini_batch_size=11", "actor.micro_batch_size=11"], 2,
+     r"rollout.batch_size=33 must be divisible by the world size 2"),
+    (["rollout.batch_size=12", "actor.mini_batch_size=6", "actor.micro_batch_size=3"], 4,
+     r"actor.mini_batch_size=6 must be divisible by the world size 4"),
+    (["actor.micro_batch_size=3"], 1, r"actor.micro_batch_size=3 must divide the per-rank mini-batch"),
+    (["algo.kl_kind=k4"], 1, r"algo.kl_kind: expected one of"),
+    (["algo.clip_ratio_c=0.5"], 1, r"algo.clip_ratio_c: must be > 1"),
+    (["deepspeed.zero_stage=2", "deepspeed.offload_param=true"], 1, r"deepspeed.offload_param needs deepspeed.zero_stage=3"),
+    (["model.hidden_size=63"], 1, r"model.hidden_size=63 must be divisible by model.num_heads=4"),
+    (["model.num_kv_heads=3"], 1, r"model.num_heads=4 must be divisible by model.num_kv_heads=3"),
+    (["data.max_prompt_length=250"], 1, r"exceeds model.max_position_embeddings=256"),
+    (["reward.functions=[]"], 1, r"configure at least one of reward.functions or reward.model_path"),
+    (["reward.functions=[{weight: 2}]"], 1, r"reward.functions\[0\]: expected a name or \{name, weight, per_token\}"),
+    (["trainer.resume=/no/such/dir"], 1, r"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory"),
+    (["deepspeed.config_file=/no/such.json"], 1, r"deepspeed.config_file: '/no/such.json' does not exist"),
+    # paths, checked by reliability.preflight before anything is built
+    (["model.path={tmp}/missing"], 1, r"model.path: '.*/missing' does not exist"),
+    (["model.path={tmp}/file.txt"], 1, r"model.path: '.*/file.txt' is not a directory"),
+    (["model.path={tmp}/empty"], 1, r"model.path: '.*/empty' has no model files \(looked for config.json\)"),
+    (["model.path={tmp}/model_no_tokenizer"], 1,
+     r"model.path: '.*/model_no_tokenizer' has no tokenizer files .*; point model.tokenizer_path at the tokenizer"),
+    (["model.path={tmp}/model_no_tokenizer", "model.tokenizer_path={tmp}/empty"], 1,
+     r"model.tokenizer_path: '.*/empty' has no tokenizer files"),
+    (["model.critic_path={tmp}/missing"], 1, r"model.critic_path: '.*/missing' does not exist"),
+    (["reward.model_path={tmp}/empty"], 1, r"reward.model_path: '.*/empty' has no model files"),
+    (["data.train_files={tmp}/missing.jsonl"], 1, r"data.train_files: '.*/missing.jsonl' does not exist"),
+    (["data.val_files={tmp}/missing.jsonl"], 1, r"data.val_files: '.*/missing.jsonl' does not exist"),
+    (["reward.functions=[parityy]"], 1, r"reward.functions\[0\]: unknown reward function 'parityy'.*Did you mean 'parity'"),
+    (["reward.functions=['no_such_module_xyz:fn']"], 1,
+     r"reward.functions\[0\]: reward function 'no_such_module_xyz:fn': module 'no_such_module_xyz' not found"),
+    (["reward.functions=['{tmp}/missing.py:fn']"], 1, r"reward.functions\[0\]: .*file '.*/missing.py' does not exist"),
+    (["reward.functions=['{tmp}/rewards.py:nope']"], 1, r"reward.functions\[0\]: .*has no attribute 'nope'"),
+    (["reward.functions=['{tmp}/rewards.py:two_args']"], 1,
+     r"reward.functions\[0\]: reward function '.*two_args' must accept \(prompts, responses, batch\)"),
+    (["reward.functions=[parity, {name: '{tmp}/broken.py:fn'}]"], 1,
+     r"reward.functions\[1\]: .*executing '.*/broken.py' failed: SyntaxError"),
+    (["trainer.output_dir={tmp}/file.txt/run"], 1, r"trainer.output_dir: cannot create '.*/file.txt/run'"),
+]
+
+
+@pytest.fixture(scope="module")
+def fixtures_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("badcfg")
+    (d / "empty").mkdir()
+    (d / "model_no_tokenizer").mkdir()
+    (d / "model_no_tokenizer" / "config.json").write_text('{"model_type": "llama"}')
+    (d / "file.txt").write_text("not a directory")
+    (d / "rewards.py").write_text("def two_args(prompts, responses):\n    return [0.0] * len(prompts)\n")
+    (d / "broken.py").write_text("def fn(prompts, responses, batch)\n    return []\n")
+    return str(d)
+
+
+def check_before_build(overrides, world=1):
+    """What PPOTrainer runs before it initialises torch.distributed or builds any model."""
+    cfg = load_config(None, overrides)
+    validate(cfg, world)
+    preflight(cfg)
+
+
+def test_the_corpus_is_large_enough():
+    assert len(CORPUS) >= 30
+
+
+@pytest.mark.parametrize("overrides, world, message", CORPUS, ids=[" ".join(c[0])[:60] for c in CORPUS])
+def test_bad_config_fails_before_building_and_names_the_key(fixtures_dir, tmp_path, overrides, world, message):
+    overrides = [o.replace("{tmp}", fixtures_dir) for o in overrides]
+    if not any(o.startswith("trainer.output_dir=") for o in overrides):
+        overrides.append(f"trainer.output_dir={tmp_path}/run")
+    with pytest.raises(ConfigError, match=message):
+        check_before_build(overrides, world)
+
+
+def test_a_good_config_passes_the_same_checks(fixtures_dir, tmp_path):
+    check_before_build([f"trainer.output_dir={tmp_path}/run", "reward.functions=[parity, exact_match]"])
+    assert os.path.isdir(tmp_path / "run")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("actor: [1, 2\n", r"is not valid YAML"),
+    ("- 1\n- 2\n", r"expected a mapping at the top level, got list"),
+    ("actor:\n  lr: 0.001\n  epochs: 2\n", r"unknown config key 'actor.epochs'; did you mean 'ppo_epochs'"),
+])
+def test_bad_config_files(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r"config file '.*/nope.yaml' does not exist"):
+        load_config(str(tmp_path / "nope.yaml"))
+
+
+def test_the_command_line_reports_a_missing_model_before_starting_anything(tmp_path):
+    proc = subprocess.run([sys.executable, TRAIN, f"trainer.output_dir={tmp_path}/run", "model.path=/no/such/model"],
+                          cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "verl_ds: error: model.path: '/no/such/model' does not exist" in proc.stderr
+    assert "deepspeed_shm_comm" not in proc.stdout + proc.stderr  # torch.distributed was never initialised
