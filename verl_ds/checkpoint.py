@@ -107,8 +107,9 @@ def _fsync_tree(step_dir: str) -> None:
         fsync_dir(root)
 
 
-def verify(step_dir: str) -> Optional[str]:
-    """None when ``step_dir`` is a complete checkpoint, else the reason it is not."""
+def verify(step_dir: str, digests: bool = True) -> Optional[str]:
+    """None when ``step_dir`` is a complete checkpoint, else the reason it is not (``digests``: also re-hash
+    the ends of every file)."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.isfile(path):
         return "no COMPLETE manifest (the save did not finish)"
@@ -118,14 +119,14 @@ def verify(step_dir: str) -> Optional[str]:
         files = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return f"unreadable COMPLETE manifest ({exc})"
-    digests = manifest.get("digests", {})
+    expected = manifest.get("digests", {}) if digests else {}
     for rel, size in files.items():
         full = os.path.join(step_dir, rel)
         if not os.path.isfile(full):
             return f"missing file {rel}"
         if os.path.getsize(full) != size:
             return f"file {rel} has {os.path.getsize(full)} bytes, the manifest says {size}"
-        if rel in digests and edge_digest(full) != digests[rel]:
+        if rel in expected and edge_digest(full) != expected[rel]:
             return f"file {rel} is corrupt (its content differs from the manifest's digest)"
     return None
 
@@ -214,7 +215,8 @@ def save(ckpt_root: str, step: int, actor_engine, critic_engine, trainer_state: 
 
 def _prune(ckpt_root: str, keep_last: int) -> None:
     complete = sorted((n for n in os.listdir(ckpt_root) if _STEP_DIR.match(n)
-                       and verify(os.path.join(ckpt_root, n)) is None), key=lambda n: int(_STEP_DIR.match(n).group(1)))
+                       and verify(os.path.join(ckpt_root, n), digests=False) is None),
+                      key=lambda n: int(_STEP_DIR.match(n).group(1)))
     for name in complete[:-keep_last]:
         shutil.rmtree(os.path.join(ckpt_root, name), ignore_errors=True)
 

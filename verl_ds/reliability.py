@@ -98,8 +98,7 @@ class PreemptionHandler:
 
     def stop_requested(self) -> Optional[str]:
         """Collective: the signal's name on every rank when any rank got one, else None."""
-        flag = vdist.all_reduce_sum(torch.tensor([1.0 if self.received else 0.0], dtype=torch.float64))
-        if flag.item() == 0:
+        if not _any_rank(self.received is not None):
             return None
         return self.received or "a preemption signal (on another rank)"
 
@@ -155,7 +154,10 @@ def _finite(x) -> bool:
 
 
 def _any_rank(local: bool) -> bool:
-    return vdist.all_reduce_sum(torch.tensor([1.0 if local else 0.0], dtype=torch.float64)).item() > 0
+    """Collective: whether ``local`` is True on any rank (NCCL only reduces CUDA tensors)."""
+    nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+    flag = torch.tensor([1.0 if local else 0.0], device="cuda" if nccl else "cpu")
+    return vdist.all_reduce_sum(flag).item() > 0
 
 
 def _json_float(x: float):

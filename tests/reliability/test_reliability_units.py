@@ -204,6 +204,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_skipped_for_the_previous(tmp_p
     assert ckpt.verify(new) is None and ckpt.find_resumable(root) == new
     _corrupt(new, how)
     assert ckpt.verify(new) is not None
+    if how == "tail overwritten":  # pruning only checks sizes; resuming re-hashes the ends of every file
+        assert ckpt.verify(new, digests=False) is None
     with caplog.at_level(logging.WARNING, logger="verl_ds.checkpoint"):
         assert ckpt.find_resumable(root) == old
     assert any(f"skipping checkpoint {new}: " in r.message and re.search(reason, r.message)
