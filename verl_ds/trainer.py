@@ -234,20 +234,13 @@ class PPOTrainer:
             raise ValueError(f"reward swap: model_path {model_path!r} is not a local directory")
         request = {"functions": clean, "model_path": model_path, "model_weight": spec.get("model_weight"),
                    "client": client}
-        with self._swap_lock:
+        with self.state.lock, self._swap_lock:  # same lock order as the step boundary
             self._pending_swap = request
-        return {"staged": {k: v for k, v in request.items() if k != "client"},
-                "applies_at_step": self.state.get("global_step") + 1}
+            applies_at = self.state.get("global_step") + 1
+        return {"staged": {k: v for k, v in request.items() if k != "client"}, "applies_at_step": applies_at}
 
-    def _apply_reward_swap(self) -> None:
+    def _apply_reward_swap(self, request: dict) -> None:
         """At a step boundary: every rank builds the staged reward and registers it (collective)."""
-        request = None
-        if self.is_main:
-            with self._swap_lock:
-                request, self._pending_swap = self._pending_swap, None
-        request = vdist.broadcast_object(request)
-        if request is None:
-            return
         reward = self.build_reward(functions=request["functions"], model_path=request["model_path"],
                                    model_weight=request["model_weight"])
         self.ppo.swap("reward", reward)  # registers it under "reward" (aliases kept), bumps its version
@@ -256,7 +249,7 @@ class PPOTrainer:
             old = (self.state.get("reward_version"), self.state.get("reward_name"))
             self.state.update({"reward_version": old[0] + 1, "reward_name": name})
             self._audit([{"key": "reward", "old": old[1], "new": name, "client": request["client"],
-                          "spec": {k: v for k, v in request.items() if k != "client"}}])
+                          "spec": {k: v for k, v in request.items() if k != "client"}}], self.state.get("global_step"))
 
     def _sft_warmup(self, model) -> None:
         """Supervised warm start on the built-in task's reference responses (same on every rank: deterministic)."""
@@ -331,11 +324,19 @@ class PPOTrainer:
         t = Timings()
         start = time.perf_counter()
         with t("boundary"):
+            swap = None
             if self.is_main:
-                self._audit(st.apply_staged())
-            self._apply_reward_swap()
-            if self.is_main:
-                st.set("global_step", st.get("global_step") + 1)
+                # one atomic boundary: an update or swap staged concurrently lands wholly before or after it,
+                # so the step announced to its client is the step it is applied at
+                with st.lock:
+                    changes = st.apply_staged()
+                    with self._swap_lock:
+                        swap, self._pending_swap = self._pending_swap, None
+                    st.set("global_step", st.get("global_step") + 1)
+                self._audit(changes, st.get("global_step"))
+            swap = vdist.broadcast_object(swap)
+            if swap is not None:
+                self._apply_reward_swap(swap)
             st.sync()
         step = st.get("global_step")
         self.guard.begin_step()
@@ -412,13 +413,13 @@ class PPOTrainer:
             self.ppo.update(batch, self.ppo_config, observed_kl=current, n_samples=self.cfg.rollout.batch_size)
         return {"kl_ctrl/observed": current, "kl_ctrl/target": self.state.get("target_kl")}
 
-    def _audit(self, changes: list) -> None:
+    def _audit(self, changes: list, step: int) -> None:
+        """Append applied changes to state_changes.jsonl (time, step, key, old, new, client)."""
         if not changes:
             return
         with open(os.path.join(self.out_dir, "state_changes.jsonl"), "a", encoding="utf-8") as fh:
             for change in changes:
-                fh.write(json.dumps({"time": time.time(), "step": self.state.get("global_step") + 1, **change},
-                                    default=str) + "\n")
+                fh.write(json.dumps({"time": time.time(), "step": step, **change}, default=str) + "\n")
 
     # ------------------------------------------------------------------ validation, checkpoints, export
 
