@@ -139,11 +139,17 @@ def main(argv=None) -> int:
     from verl_ds.config import ConfigError
     from verl_ds.dist import LaunchError
 
+    from verl_ds.models.reward import RewardFunctionError
+    from verl_ds.reliability import NonFiniteError, RankFailure
+
     try:
         return args.func(args)
-    except (ConfigError, LaunchError) as exc:
+    except (ConfigError, LaunchError) as exc:  # caught before any model was built
         print(f"verl_ds: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except (RankFailure, NonFiniteError, RewardFunctionError) as exc:  # explained failures: one clear line
+        print(f"verl_ds: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

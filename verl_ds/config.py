@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -292,16 +293,28 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({exc})") from None
-    # YAML reads 1e-4 as a string (no dot); make scientific notation a float as users expect
-    if isinstance(value, str):
-        try:
-            value = float(value) if any(c in value.lower() for c in "e.") and value.strip() else value
-        except ValueError:
-            pass
     return key, value
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` (no dot) as a string; ML configs mean a float."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml_load(text):
+    return yaml.load(text, Loader=_Loader)
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
@@ -312,7 +325,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
             raise ConfigError(f"config file {path!r} does not exist")
         with open(path, encoding="utf-8") as fh:
             try:
-                tree = yaml.safe_load(fh) or {}
+                tree = _yaml_load(fh) or {}
             except yaml.YAMLError as exc:
                 raise ConfigError(f"config file {path!r} is not valid YAML: {exc}") from None
         if not isinstance(tree, dict):

@@ -156,10 +156,19 @@ def barrier() -> None:
         dist.barrier()
 
 
+def comm_device() -> torch.device:
+    """Where collective buffers must live: NCCL only reduces CUDA tensors, gloo CPU ones."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum a tensor over ranks (in place, returned); a no-op at world size 1."""
+    """Sum a tensor over ranks (returned on ``t``'s device); a no-op at world size 1."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        buf = t.to(comm_device())
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+        return buf.to(t.device)
     return t
 
 

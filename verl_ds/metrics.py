@@ -46,9 +46,10 @@ def reduce_across_ranks(metrics: dict, op: str = "mean") -> dict:
     """Average (or sum) scalar metrics over ranks; every rank must pass the same keys."""
     if not (dist.is_initialized() and dist.get_world_size() > 1) or not metrics:
         return dict(metrics)
+    from verl_ds.dist import all_reduce_sum
+
     keys = sorted(metrics)
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    t = all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
     if op == "mean":
         t /= dist.get_world_size()
     return dict(zip(keys, t.tolist()))

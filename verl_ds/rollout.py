@@ -66,7 +66,7 @@ class Rollout:
         module = self.engine.module
         state = gathered_state_dict(module)
         if self._replica is None:
-            self._replica = _empty_like(module)
+            self._replica = empty_like(module, device=self.engine.device)
         self._replica.load_state_dict(state, strict=True)
         self._replica.eval()
         return self._replica
@@ -109,8 +109,8 @@ class Rollout:
         return Generation(responses=responses.long(), response_length=lengths, done=done)
 
 
-def _empty_like(module: torch.nn.Module) -> torch.nn.Module:
-    """A plain (un-partitioned) model of the same architecture, built from its config."""
+def empty_like(module: torch.nn.Module, device=None) -> torch.nn.Module:
+    """A plain (un-partitioned) model of the same architecture, built from its config, on ``device``."""
     config = copy.deepcopy(module.config)
     try:
         from transformers.integrations.deepspeed import unset_hf_deepspeed_config
@@ -121,4 +121,4 @@ def _empty_like(module: torch.nn.Module) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):  # weight init must not move the RNG: resume is exact
         replica = type(module)(config)
     dtype = next(module.parameters()).dtype
-    return replica.to(dtype)
+    return replica.to(dtype=dtype, device=device)

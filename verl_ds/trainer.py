@@ -346,7 +346,7 @@ class PPOTrainer:
         set_lr(self.critic, st.get("critic_lr"))
 
         items = [self.train_set[i] for i in self.sampler.next_batch()]
-        prompts = collate_prompts(items, tok.pad_token_id)
+        prompts = self._to_device(collate_prompts(items, tok.pad_token_id))
         with t("gen"):
             if self.rollout.gather_params:
                 self.rollout.sync_replica()
@@ -401,6 +401,11 @@ class PPOTrainer:
         metrics.update(self.guard.end_step(step, batch, responses))
         return metrics
 
+    def _to_device(self, prompts: dict) -> dict:
+        """Prompt tensors onto the engines' device (a GPU under CUDA launchers)."""
+        device = self.actor.device
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+
     def _update_kl_controller(self, batch) -> dict:
         """Feed the global mean KL (over every rank's response tokens) to the controller on rank 0."""
         from verl_ds.algos import kl_penalty
@@ -439,7 +444,7 @@ class PPOTrainer:
         total, count = 0.0, 0
         bs = self.derived.prompts_per_rank
         for i in range(0, len(idx), bs):
-            prompts = collate_prompts([self.val_set[j] for j in idx[i:i + bs]], tok.pad_token_id)
+            prompts = self._to_device(collate_prompts([self.val_set[j] for j in idx[i:i + bs]], tok.pad_token_id))
             gen = self.rollout.generate(prompts["input_ids"], prompts["attention_mask"], greedy=True,
                                         max_new_tokens=self.state.get("max_new_tokens"))
             batch = RolloutBatch.from_generation(prompts["input_ids"], prompts["attention_mask"], gen.responses,
@@ -485,12 +490,12 @@ class PPOTrainer:
 
     def export_hf(self, directory: Optional[str] = None) -> str:
         """The trained actor in HF format (safetensors), loadable by AutoModelForCausalLM, plus the tokenizer."""
-        from verl_ds.rollout import _empty_like, gathered_state_dict
+        from verl_ds.rollout import empty_like, gathered_state_dict
 
         directory = directory or os.path.join(self.out_dir, "hf_actor")
         state = gathered_state_dict(self.actor.module)  # a collective: every rank takes part
         if self.is_main:
-            model = _empty_like(self.actor.module)
+            model = empty_like(self.actor.module)
             model.load_state_dict(state)
             model.save_pretrained(directory, safe_serialization=True)
             self.tokenizer.save_pretrained(directory)

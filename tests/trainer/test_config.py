@@ -122,3 +122,10 @@ def test_describe_lists_every_key():
         assert f"`{section}." in table
     assert table.count("\n") > 60
     assert isinstance(Config().to_yaml(), str)
+
+
+def test_yaml_file_reads_scientific_notation_as_float(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("actor:\n  lr: 1e-3\ncritic:\n  lr: 5E-4\n")
+    cfg = load_config(str(p))
+    assert cfg.actor.lr == pytest.approx(1e-3) and cfg.critic.lr == pytest.approx(5e-4)
