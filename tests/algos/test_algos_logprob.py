@@ -44,7 +44,8 @@ def test_matches_float64_loop(dtype, temperature):
     assert lp.dtype == torch.float32 and h.dtype == torch.float32 and lp.shape == (3, 5) and h.shape == (3, 5)
     torch.testing.assert_close(lp.double(), lp_ref, atol=TOL[dtype], rtol=1e-6)
     torch.testing.assert_close(h.double(), h_ref, atol=TOL[dtype], rtol=1e-6)
-    torch.testing.assert_close(logprobs_from_logits(logits, labels, temperature), lp, atol=0, rtol=0)
+    # log-probs alone shift by the label's logit, not the max: equal up to fp32 rounding
+    torch.testing.assert_close(logprobs_from_logits(logits, labels, temperature), lp, atol=2e-6, rtol=1e-6)
     torch.testing.assert_close(entropy_from_logits(logits, temperature), h, atol=0, rtol=0)
 
 
@@ -196,3 +197,24 @@ def test_sliced_model_output_is_not_copied():
     torch.testing.assert_close(h, h_c, atol=0, rtol=0)
     torch.testing.assert_close(x.grad[:, :-1], y.grad, atol=0, rtol=0)
     assert torch.equal(x.grad[:, -1], torch.zeros(3, 41))
+
+
+def test_log_prob_of_a_very_unlikely_label_falls_back_to_the_max_shift():
+    # log-probs alone shift each row by its label's logit; a logit 200 above it overflows that shift
+    logits = torch.randn(5, 40)
+    labels = torch.randint(0, 40, (5,))
+    logits[1, (labels[1] + 1) % 40] = 200.0
+    logits[3, labels[3]] = -150.0
+    x = logits.clone().requires_grad_()
+    lp = logprobs_from_logits(x, labels)
+    assert torch.isfinite(lp).all()
+    lp_ref, _ = logprob_entropy_loop(logits, labels)
+    torch.testing.assert_close(lp.double(), lp_ref, atol=2e-5, rtol=1e-6)
+    lp.sum().backward()
+    x64 = logits.double().requires_grad_()
+    naive_logprob_entropy(x64, labels)[0].sum().backward()
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=1e-6, rtol=1e-4)
+    # a label on a masked (-inf) vocabulary entry has log-prob -inf, not NaN
+    masked = logits.clone()
+    masked[0, labels[0]] = -float("inf")
+    assert logprobs_from_logits(masked, labels)[0].item() == -float("inf")

@@ -2,12 +2,12 @@
 
 The torch path walks the rows of the (N, V) logits in chunks sized to stay in cache, so no second
 logits-sized tensor is ever built (no full ``log_softmax``, no full ``logits / temperature`` copy):
-the extra memory is two fp32 scratch chunks plus O(N) per-row statistics. Per row it keeps
-M = max(z)/t, s = sum_v exp(z_v/t - M) and H; log p_y = z_y/t - M - log s and
-H = log s - sum_v exp(z_v/t - M) (z_v/t - M) / s (peers.md 2.1).
+the extra memory is one or two fp32 scratch chunks per thread plus O(N) per-row statistics. Per row
+it keeps a shift M (max(z)/t, or z_y/t for log-probs alone), s = sum_v exp(z_v/t - M) and H;
+log p_y = z_y/t - M - log s and H = log s - sum_v exp(z_v/t - M) (z_v/t - M) / s (peers.md 2.1).
 
 The backward is a custom autograd.Function that recomputes exp(z/t - M) chunk by chunk from the
-saved (M, log s) instead of saving the softmax:
+saved per-row shift M and log s instead of saving the softmax:
     d log p_y / dz_v = (1[v = y] - p_v) / t
     dH / dz_v        = -p_v (log p_v + H) / t
 """
@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_tensor
-from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
+from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, row_of, run_ranges
 
 # 256K fp32 elements (1 MiB) per scratch chunk on CPUs: each thread's two chunks stay in its L2/L3 and
 # the Python loop costs a few % (1024 chunks for 8192x32000). GPUs (the Triton-less fallback) want big ones.
@@ -49,37 +49,63 @@ class _LogProbEntropy(torch.autograd.Function):
         v = logits.shape[-1]
         n = logits.numel() // v
         dev = logits.device
-        m_scaled = torch.empty(n, dtype=torch.float32, device=dev)  # M = max(z) / t
-        log_s = torch.empty(n, dtype=torch.float32, device=dev)
-        ent = torch.empty(n if want_ent else 0, dtype=torch.float32, device=dev)
         rows = min(chunk_rows, max(logits.shape[-2], 1))
         chunks = chunk_plan(logits, rows)
+        f32 = torch.float32
+        if labels is not None and not want_ent:
+            # Log-prob only: shift each row by its label's logit instead of its max. That saves the max
+            # pass (the first, memory-bound read of the row), and log p_y = -log s exactly; the shifted
+            # values are then rounded at |log p|, not at 0, which costs the gradient ~|log p_y| * 6e-8
+            # relative accuracy (the entropy, a difference of two such terms, keeps the max shift). A row
+            # where some logit exceeds the label's by more than ~88 overflows s and is redone with its max.
+            m_scaled = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(f32).mul_(inv_t)
+            neg_shift = m_scaled.neg().unsqueeze(1)  # (N, 1)
+        else:
+            m_scaled = torch.empty(n, dtype=f32, device=dev)
+            neg_shift = None
+        ssum = torch.empty(n, dtype=f32, device=dev)
+        dot = torch.empty(n if want_ent else 0, dtype=f32, device=dev)  # sum_v exp(z_v/t - M) (z_v/t - M)
+
+        def stats(c, f0, z, e, use_max):
+            r = c.shape[0]
+            if use_max:
+                m = c.amax(dim=1, keepdim=True).to(f32).mul_(inv_t)  # (r, 1)
+                m_scaled[f0:f0 + r] = m.squeeze(1)
+                neg = m.neg_()
+            else:
+                neg = neg_shift[f0:f0 + r]
+            torch.add(neg, c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
+            if want_ent:
+                torch.exp(z, out=e)
+                torch.sum(e, dim=1, out=ssum[f0:f0 + r])
+                torch.nansum(e.mul_(z), dim=1, out=dot[f0:f0 + r])
+            else:
+                torch.sum(z.exp_(), dim=1, out=ssum[f0:f0 + r])
 
         def work(lo, hi):
-            zbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
-            ebuf = torch.empty_like(zbuf)
+            zbuf = torch.empty(rows, v, dtype=f32, device=dev)
+            ebuf = torch.empty_like(zbuf) if want_ent else None
             for chunk in chunks[lo:hi]:
-                c = chunk_rows_of(logits, chunk)
-                r, f0 = c.shape[0], chunk[3]
-                z, e = zbuf[:r], ebuf[:r]
-                m = c.amax(dim=1, keepdim=True).to(torch.float32).mul_(inv_t)  # (r, 1)
-                torch.add(m.neg(), c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
-                torch.exp(z, out=e)
-                ssum = e.sum(dim=1)
-                ls = ssum.log()
-                m_scaled[f0:f0 + r] = m.squeeze(1)
-                log_s[f0:f0 + r] = ls
-                if want_ent:
-                    e.mul_(z)
-                    ent[f0:f0 + r] = ls - e.nansum(dim=1) / ssum
+                r = chunk[2] - chunk[1]
+                stats(chunk_rows_of(logits, chunk), chunk[3], zbuf[:r], ebuf[:r] if want_ent else None,
+                      neg_shift is None)
 
         run_ranges(len(chunks), work, dev)
+        if neg_shift is not None:
+            redo = torch.nonzero(~torch.isfinite(ssum)).flatten().tolist()  # rare: one sync
+            if redo:
+                zbuf = torch.empty(1, v, dtype=f32, device=dev)
+                ebuf = torch.empty_like(zbuf)
+                for i in redo:
+                    stats(row_of(logits, i), i, zbuf, ebuf, True)
+        log_s = ssum.log()
+        ent = log_s - dot / ssum if want_ent else dot
         if labels is not None:
-            # O(N) work: float64 keeps z_y/t - M - log s as exact as the fp32 inputs allow.
+            # float64 keeps z_y/t - M - log s as exact as the inputs allow
             zy = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(torch.float64)
-            lp = (zy * inv_t - m_scaled.double() - log_s.double()).to(torch.float32)
+            lp = (zy * inv_t - m_scaled.double() - log_s.double()).to(f32)
         else:
-            lp = torch.empty(0, dtype=torch.float32, device=dev)
+            lp = torch.empty(0, dtype=f32, device=dev)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0, dtype=torch.long),
                               m_scaled, log_s, ent)
