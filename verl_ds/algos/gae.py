@@ -65,20 +65,19 @@ def _scan_compact(delta: torch.Tensor, c: float) -> torch.Tensor:
 def _gae_rows(rewards, values, mask, gamma, lam, adv_out, ret_out):
     b, t = rewards.shape
     f64 = torch.float64
+    mask_i = mask.to(torch.int64)
     # compact slot of position t: that of the next valid token at or after t, T-1 - (valid tokens before t)
-    slot = torch.cumsum(mask, dim=1).neg_().add_(mask).add_(t - 1)  # (b, T) int64
-    dest = torch.where(mask, slot, t)  # masked tokens go to a spare column, so NaNs there never enter
+    slot = torch.cumsum(mask_i, dim=1).sub_(mask_i).neg_().add_(t - 1)  # (b, T) int64
+    dest = slot.masked_fill(~mask, t)  # masked tokens go to a spare column, so NaNs there never enter
     r_c = torch.zeros(b, t + 1, dtype=f64, device=rewards.device).scatter_(1, dest, rewards.to(f64))
-    vals = values.to(f64)
     # v_c column j + 1 holds slot j; column 0 is the value 0 that follows the last valid token
     v_c = torch.zeros(b, t + 2, dtype=f64, device=values.device)
-    v_c[:, 1:].scatter_(1, dest, vals)
+    v_c[:, 1:].scatter_(1, dest, values.to(f64))
     r_c[:, t] = 0.0
     # slot j: delta = r + gamma * V(next valid token, in slot j - 1) - V
     delta = torch.add(r_c[:, :t], v_c[:, :t], alpha=gamma).sub_(v_c[:, 1:t + 1])
-    adv = _scan_compact(delta, gamma * lam).gather(1, slot)
-    adv_out.copy_(adv)
-    ret_out.copy_(adv.add_(vals))
+    torch.gather(_scan_compact(delta, gamma * lam).to(torch.float32), 1, slot, out=adv_out)
+    torch.add(adv_out, values, out=ret_out)
 
 
 def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
