@@ -54,14 +54,6 @@ def chunk_rows_of(x: torch.Tensor, chunk) -> torch.Tensor:
     return x[start:stop] if block is None else x[block, start:stop]
 
 
-def row_of(x: torch.Tensor, flat_row: int) -> torch.Tensor:
-    """Row ``flat_row`` (in the flattened order) of a (N, V) or (B, T, V) tensor, as a (1, V) view."""
-    if x.dim() == 2:
-        return x[flat_row:flat_row + 1]
-    b, t = divmod(flat_row, x.shape[1])
-    return x[b, t:t + 1]
-
-
 def run_ranges(n_items: int, work, device: torch.device) -> None:
     """Call ``work(lo, hi)`` over [0, n_items) split into contiguous ranges.
 

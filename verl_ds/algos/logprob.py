@@ -2,9 +2,10 @@
 
 The torch path walks the rows of the (N, V) logits in chunks sized to stay in cache, so no second
 logits-sized tensor is ever built (no full ``log_softmax``, no full ``logits / temperature`` copy):
-the extra memory is one or two fp32 scratch chunks per thread plus O(N) per-row statistics. Per row
-it keeps a shift M (max(z)/t, or z_y/t for log-probs alone), s = sum_v exp(z_v/t - M) and H;
-log p_y = z_y/t - M - log s and H = log s - sum_v exp(z_v/t - M) (z_v/t - M) / s (peers.md 2.1).
+the extra memory is two fp32 scratch chunks per thread plus O(N) per-row statistics. Per row it keeps
+M = max(z)/t, s = sum_v exp(z_v/t - M) and H: log p_y = z_y/t - M - log s and
+H = log s - sum_v exp(z_v/t - M) (z_v/t - M) / s (peers.md 2.1). Log-probs alone go through torch's
+fused log_softmax kernel chunk by chunk (one exp per logit, fewer passes).
 
 The backward is a custom autograd.Function that recomputes exp(z/t - M) chunk by chunk from the
 saved per-row shift M and log s instead of saving the softmax:
@@ -17,7 +18,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_tensor
-from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, row_of, run_ranges
+from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
 
 # 256K fp32 elements (1 MiB) per scratch chunk on CPUs: each thread's two chunks stay in its L2/L3 and
 # the Python loop costs a few % (1024 chunks for 8192x32000). GPUs (the Triton-less fallback) want big ones.
@@ -52,60 +53,54 @@ class _LogProbEntropy(torch.autograd.Function):
         rows = min(chunk_rows, max(logits.shape[-2], 1))
         chunks = chunk_plan(logits, rows)
         f32 = torch.float32
-        if labels is not None and not want_ent:
-            # Log-prob only: shift each row by its label's logit instead of its max. That saves the max
-            # pass (the first, memory-bound read of the row), and log p_y = -log s exactly; the shifted
-            # values are then rounded at |log p|, not at 0, which costs the gradient ~|log p_y| * 6e-8
-            # relative accuracy (the entropy, a difference of two such terms, keeps the max shift). A row
-            # where some logit exceeds the label's by more than ~88 overflows s and is redone with its max.
-            m_scaled = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(f32).mul_(inv_t)
-            neg_shift = m_scaled.neg().unsqueeze(1)  # (N, 1)
-        else:
-            m_scaled = torch.empty(n, dtype=f32, device=dev)
-            neg_shift = None
-        ssum = torch.empty(n, dtype=f32, device=dev)
-        dot = torch.empty(n if want_ent else 0, dtype=f32, device=dev)  # sum_v exp(z_v/t - M) (z_v/t - M)
+        m_scaled = torch.empty(n, dtype=f32, device=dev)  # M = max(z) / t
+        log_s = torch.empty(n, dtype=f32, device=dev)  # s = sum_v exp(z_v/t - M)
+        ent = torch.empty(n if want_ent else 0, dtype=f32, device=dev)
+        lp = torch.empty(n if labels is not None else 0, dtype=f32, device=dev)
+        flat_labels = labels.reshape(-1, 1) if labels is not None else None
+        scale = torch.full((1, 1), inv_t, dtype=f32, device=dev)
 
-        def stats(c, f0, z, e, use_max):
+        def logprob_only(c, f0, x, out):
+            # torch's fused log_softmax kernel (max, exp-and-sum, write) in the fp32 scratch chunk; its
+            # row maximum is -log s. A (1, 1) fp32 scale promotes bf16/fp16 chunks in the same pass.
             r = c.shape[0]
-            if use_max:
-                m = c.amax(dim=1, keepdim=True).to(f32).mul_(inv_t)  # (r, 1)
-                m_scaled[f0:f0 + r] = m.squeeze(1)
-                neg = m.neg_()
-            else:
-                neg = neg_shift[f0:f0 + r]
-            torch.add(neg, c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
-            if want_ent:
-                torch.exp(z, out=e)
-                torch.sum(e, dim=1, out=ssum[f0:f0 + r])
-                torch.nansum(e.mul_(z), dim=1, out=dot[f0:f0 + r])
-            else:
-                torch.sum(z.exp_(), dim=1, out=ssum[f0:f0 + r])
+            if inv_t != 1.0 or c.dtype != f32:
+                c = torch.mul(c, scale, out=x)
+            torch._log_softmax(c, 1, False, out=out)
+            torch.gather(out, 1, flat_labels[f0:f0 + r], out=lp[f0:f0 + r, None])
+            torch.amax(c, dim=1, out=m_scaled[f0:f0 + r])
+            torch.amax(out, dim=1, out=log_s[f0:f0 + r])
+
+        def with_entropy(c, f0, z, e):
+            r = c.shape[0]
+            m = c.amax(dim=1, keepdim=True).to(f32).mul_(inv_t)  # (r, 1)
+            m_scaled[f0:f0 + r] = m.squeeze(1)
+            torch.add(m.neg_(), c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
+            torch.exp(z, out=e)
+            ssum = e.sum(dim=1)
+            ls = ssum.log()
+            log_s[f0:f0 + r] = ls
+            # nansum: 0 * (-inf) for a masked (-inf) vocabulary entry
+            ent[f0:f0 + r] = ls - torch.nansum(e.mul_(z), dim=1) / ssum
 
         def work(lo, hi):
             zbuf = torch.empty(rows, v, dtype=f32, device=dev)
-            ebuf = torch.empty_like(zbuf) if want_ent else None
+            ebuf = torch.empty_like(zbuf)
             for chunk in chunks[lo:hi]:
                 r = chunk[2] - chunk[1]
-                stats(chunk_rows_of(logits, chunk), chunk[3], zbuf[:r], ebuf[:r] if want_ent else None,
-                      neg_shift is None)
+                c = chunk_rows_of(logits, chunk)
+                if want_ent:
+                    with_entropy(c, chunk[3], zbuf[:r], ebuf[:r])
+                else:
+                    logprob_only(c, chunk[3], zbuf[:r], ebuf[:r])
 
         run_ranges(len(chunks), work, dev)
-        if neg_shift is not None:
-            redo = torch.nonzero(~torch.isfinite(ssum)).flatten().tolist()  # rare: one sync
-            if redo:
-                zbuf = torch.empty(1, v, dtype=f32, device=dev)
-                ebuf = torch.empty_like(zbuf)
-                for i in redo:
-                    stats(row_of(logits, i), i, zbuf, ebuf, True)
-        log_s = ssum.log()
-        ent = log_s - dot / ssum if want_ent else dot
-        if labels is not None:
-            # float64 keeps z_y/t - M - log s as exact as the inputs allow
+        if not want_ent:
+            log_s.neg_()
+        elif labels is not None:
+            # float64 keeps z_y/t - M - log s as exact as the inputs allow (O(N) work)
             zy = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(torch.float64)
             lp = (zy * inv_t - m_scaled.double() - log_s.double()).to(f32)
-        else:
-            lp = torch.empty(0, dtype=f32, device=dev)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0, dtype=torch.long),
                               m_scaled, log_s, ent)
@@ -184,6 +179,8 @@ def logprobs_and_entropy_torch(logits2d: torch.Tensor, labels: torch.Tensor | No
     without a copy; results are then flat (B*T,)); labels: logits2d.shape[:-1] int64 in [0, V) or
     None (then logprob is None). Differentiable w.r.t. ``logits2d``. No input checks: the public
     functions do them. The reference the Triton kernels are tested against."""
+    if labels is None and not compute_entropy:
+        return None, None
     rows = rows_per_chunk(logits2d.shape[-1], logits2d.device, chunk_rows)
     lp, ent = _LogProbEntropy.apply(logits2d, labels, 1.0 / float(temperature), bool(compute_entropy), rows)
     return (lp if labels is not None else None), (ent if compute_entropy else None)
