@@ -61,7 +61,10 @@ def test_chunking_does_not_change_results(chunk_rows):
 def test_v_equals_one_and_t_equals_one():
     lp, h = logprobs_and_entropy(torch.randn(2, 1, 1) * 5, torch.zeros(2, 1, dtype=torch.long))
     assert lp.shape == (2, 1)
-    assert torch.equal(lp, torch.zeros(2, 1)) and torch.equal(h, torch.zeros(2, 1))
+    torch.testing.assert_close(lp, torch.zeros(2, 1), atol=1e-6, rtol=0)  # the fp32 rounding of z/t
+    torch.testing.assert_close(h, torch.zeros(2, 1), atol=1e-6, rtol=0)
+    lp_only = logprobs_from_logits(torch.randn(2, 1) * 5, torch.zeros(2, dtype=torch.long), temperature=0.3)
+    torch.testing.assert_close(lp_only, torch.zeros(2), atol=1e-6, rtol=0)
 
 
 def test_huge_logits_stay_finite_and_exact():
@@ -193,9 +196,10 @@ def test_sliced_model_output_is_not_copied():
     y = full[:, :-1].contiguous().requires_grad_()
     lp_c, h_c = logprobs_and_entropy(y, labels, 0.9)
     ((w1 * lp_c).sum() + (w2 * h_c).sum()).backward()
-    torch.testing.assert_close(lp, lp_c, atol=0, rtol=0)
-    torch.testing.assert_close(h, h_c, atol=0, rtol=0)
-    torch.testing.assert_close(x.grad[:, :-1], y.grad, atol=0, rtol=0)
+    # equal up to the last bit of a vectorised exp2 (its tail lanes fall elsewhere in another layout)
+    torch.testing.assert_close(lp, lp_c, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(h, h_c, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(x.grad[:, :-1], y.grad, atol=1e-8, rtol=1e-6)
     assert torch.equal(x.grad[:, -1], torch.zeros(3, 41))
 
 

@@ -2,17 +2,24 @@
 
 The torch path walks the rows of the (N, V) logits in chunks sized to stay in cache, so no second
 logits-sized tensor is ever built (no full ``log_softmax``, no full ``logits / temperature`` copy):
-the extra memory is two fp32 scratch chunks per thread plus O(N) per-row statistics. Per row it keeps
-M = max(z)/t, s = sum_v exp(z_v/t - M) and H: log p_y = z_y/t - M - log s and
-H = log s - sum_v exp(z_v/t - M) (z_v/t - M) / s (peers.md 2.1). Log-probs alone go through torch's
-fused log_softmax kernel chunk by chunk (one exp per logit, fewer passes).
+the extra memory is one or two fp32 scratch chunks per thread plus O(N) per-row statistics.
 
-The backward is a custom autograd.Function that recomputes exp(z/t - M) chunk by chunk from the
-saved per-row shift M and log s instead of saving the softmax:
+It works in base 2, because torch's exp2 costs ~60% of its exp at the same 1-ulp accuracy: with
+k = log2(e) / t, y_v = k z_v (one fused multiply-add with the shift), a per-row shift S,
+e_v = 2^(y_v - S) and s = sum_v e_v (peers.md 2.1):
+    log p_y = ln2 (y_y - S) - ln s,    H = ln s - ln2 sum_v e_v (y_v - S) / s.
+The shift is the row's max for the entropy. For log-probs alone it is y_y itself: no max pass over
+the row (its first, memory-bound read), log p_y = -ln s to the last bit, and a row where some logit
+exceeds the label's by more than ~88/t overflows s and is redone with its max.
+
+The backward is a custom autograd.Function that recomputes e_v chunk by chunk from the saved S and
+ln s instead of saving the softmax (p_v = e_v / s):
     d log p_y / dz_v = (1[v = y] - p_v) / t
     dH / dz_v        = -p_v (log p_v + H) / t
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -20,13 +27,14 @@ from torch.autograd.function import once_differentiable
 from ._checks import check_float_tensor, check_positive_number, check_tensor
 from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
 
-# 256K fp32 elements (1 MiB) per scratch chunk on CPUs: each thread's two chunks stay in its L2/L3 and
+# 256K fp32 elements (1 MiB) per scratch chunk on CPUs: each thread's chunks stay in its L2/L3 and
 # the Python loop costs a few % (1024 chunks for 8192x32000). GPUs (the Triton-less fallback) want big ones.
 CPU_CHUNK_ELEMS = 1 << 18
 CUDA_CHUNK_ELEMS = 1 << 24
-# exp() of anything below ~-104 is 0 in fp32; clamping shifted logits here keeps 0 * (-inf) (a masked
-# vocabulary entry) from turning the entropy gradient into NaN, and changes nothing else. (The forward
-# uses nansum for the same reason: a NaN logit still shows, through max and log s.)
+_LN2 = math.log(2.0)
+# 2^y underflows to 0 in fp32 far above this; clamping shifted logits here keeps 0 * (-inf) (a masked
+# vocabulary entry) out of the entropy gradient, and changes nothing else. (The forward uses nansum
+# for the same reason: a NaN logit still shows, through the shift and ln s.)
 _NEG_FLOOR = -1.0e4
 
 
@@ -50,60 +58,63 @@ class _LogProbEntropy(torch.autograd.Function):
         v = logits.shape[-1]
         n = logits.numel() // v
         dev = logits.device
+        f32 = torch.float32
+        k = inv_t / _LN2
         rows = min(chunk_rows, max(logits.shape[-2], 1))
         chunks = chunk_plan(logits, rows)
-        f32 = torch.float32
-        m_scaled = torch.empty(n, dtype=f32, device=dev)  # M = max(z) / t
-        log_s = torch.empty(n, dtype=f32, device=dev)  # s = sum_v exp(z_v/t - M)
-        ent = torch.empty(n if want_ent else 0, dtype=f32, device=dev)
-        lp = torch.empty(n if labels is not None else 0, dtype=f32, device=dev)
-        flat_labels = labels.reshape(-1, 1) if labels is not None else None
-        scale = torch.full((1, 1), inv_t, dtype=f32, device=dev)
+        label_shift = labels is not None and not want_ent
+        if label_shift:
+            shift = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(f32).mul_(k)  # S = y_y
+            neg_shift = shift.neg().unsqueeze(1)  # (N, 1)
+        else:
+            shift = torch.empty(n, dtype=f32, device=dev)
+        ssum = torch.empty(n, dtype=f32, device=dev)
+        dot = torch.empty(n if want_ent else 0, dtype=f32, device=dev)  # sum_v e_v (y_v - S)
 
-        def logprob_only(c, f0, x, out):
-            # torch's fused log_softmax kernel (max, exp-and-sum, write) in the fp32 scratch chunk; its
-            # row maximum is -log s. A (1, 1) fp32 scale promotes bf16/fp16 chunks in the same pass.
+        def stats(c, f0, w, e, use_max):
             r = c.shape[0]
-            if inv_t != 1.0 or c.dtype != f32:
-                c = torch.mul(c, scale, out=x)
-            torch._log_softmax(c, 1, False, out=out)
-            torch.gather(out, 1, flat_labels[f0:f0 + r], out=lp[f0:f0 + r, None])
-            torch.amax(c, dim=1, out=m_scaled[f0:f0 + r])
-            torch.amax(out, dim=1, out=log_s[f0:f0 + r])
-
-        def with_entropy(c, f0, z, e):
-            r = c.shape[0]
-            m = c.amax(dim=1, keepdim=True).to(f32).mul_(inv_t)  # (r, 1)
-            m_scaled[f0:f0 + r] = m.squeeze(1)
-            torch.add(m.neg_(), c, alpha=inv_t, out=z)  # z/t - M in one fused multiply-add
-            torch.exp(z, out=e)
-            ssum = e.sum(dim=1)
-            ls = ssum.log()
-            log_s[f0:f0 + r] = ls
-            # nansum: 0 * (-inf) for a masked (-inf) vocabulary entry
-            ent[f0:f0 + r] = ls - torch.nansum(e.mul_(z), dim=1) / ssum
+            if use_max:
+                m = c.amax(dim=1, keepdim=True).to(f32).mul_(k)  # (r, 1)
+                shift[f0:f0 + r] = m.squeeze(1)
+                neg = m.neg_()
+            else:
+                neg = neg_shift[f0:f0 + r]
+            torch.add(neg, c, alpha=k, out=w)  # w = y - S in one fused multiply-add (bf16 promoted)
+            if want_ent:
+                torch.exp2(w, out=e)
+                torch.sum(e, dim=1, out=ssum[f0:f0 + r])
+                torch.nansum(e.mul_(w), dim=1, out=dot[f0:f0 + r])
+            else:
+                torch.sum(w.exp2_(), dim=1, out=ssum[f0:f0 + r])
 
         def work(lo, hi):
-            zbuf = torch.empty(rows, v, dtype=f32, device=dev)
-            ebuf = torch.empty_like(zbuf)
+            wbuf = torch.empty(rows, v, dtype=f32, device=dev)
+            ebuf = torch.empty_like(wbuf) if want_ent else wbuf
             for chunk in chunks[lo:hi]:
                 r = chunk[2] - chunk[1]
-                c = chunk_rows_of(logits, chunk)
-                if want_ent:
-                    with_entropy(c, chunk[3], zbuf[:r], ebuf[:r])
-                else:
-                    logprob_only(c, chunk[3], zbuf[:r], ebuf[:r])
+                stats(chunk_rows_of(logits, chunk), chunk[3], wbuf[:r], ebuf[:r], not label_shift)
 
         run_ranges(len(chunks), work, dev)
-        if not want_ent:
-            log_s.neg_()
-        elif labels is not None:
-            # float64 keeps z_y/t - M - log s as exact as the inputs allow (O(N) work)
-            zy = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(torch.float64)
-            lp = (zy * inv_t - m_scaled.double() - log_s.double()).to(f32)
+        if label_shift:
+            redo = torch.nonzero(~torch.isfinite(ssum)).flatten().tolist()  # rare; one sync
+            if redo:
+                flat = logits.reshape(-1, v)  # a view unless (B, T, V) blocks; only these rows are read
+                wbuf = torch.empty(1, v, dtype=f32, device=dev)
+                for i in redo:
+                    stats(flat[i:i + 1], i, wbuf, wbuf, True)
+        log_s = ssum.log()
+        ent = log_s - _LN2 * dot / ssum if want_ent else dot
+        if labels is not None:
+            # float64 keeps ln2 (y_y - S) - ln s as exact as the inputs allow (O(N) work); k rounded to
+            # fp32 as the fused multiply-adds above used it
+            k32 = float(torch.tensor(k, dtype=f32))
+            yy = logits.gather(-1, labels.unsqueeze(-1)).reshape(-1).to(torch.float64) * k32
+            lp = (_LN2 * (yy - shift.double()) - log_s.double()).to(f32)
+        else:
+            lp = torch.empty(0, dtype=f32, device=dev)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, labels if labels is not None else torch.empty(0, dtype=torch.long),
-                              m_scaled, log_s, ent)
+                              shift, log_s, ent)
         ctx.inv_t, ctx.rows = inv_t, rows
         ctx.has_labels, ctx.want_ent = labels is not None, want_ent
         if labels is None:
@@ -115,7 +126,7 @@ class _LogProbEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp, g_ent):
-        logits, labels, m_scaled, log_s, ent = ctx.saved_tensors
+        logits, labels, shift, log_s, ent = ctx.saved_tensors
         if not ctx.has_labels:
             g_lp = None
         if not ctx.want_ent:
@@ -123,14 +134,15 @@ class _LogProbEntropy(torch.autograd.Function):
         if g_lp is None and g_ent is None:
             return None, None, None, None, None
         inv_t, rows = ctx.inv_t, ctx.rows
+        k = inv_t / _LN2
         v = logits.shape[-1]
         dev = logits.device
-        inv_ts = inv_t / log_s.exp()  # 1 / (t s): p / t = exp(z/t - M) / (t s)
+        inv_ts = inv_t / log_s.exp()  # p_v / t = e_v / (t s)
         g_lp32 = g_lp.to(torch.float32) if g_lp is not None else torch.zeros_like(log_s)
         if g_ent is not None:
-            # -(p/t)(g_lp + g_H (log p + H)) = exp(z/t - M) * (a (z/t - M) + b), log p = (z/t - M) - log s
+            # -(p/t)(g_lp + g_H (log p + H)) = e * (a w + b) with log p = ln2 w - ln s, w = y - S
             g_h = g_ent.to(torch.float32)
-            a = -g_h * inv_ts
+            a = -_LN2 * g_h * inv_ts
             b = -(g_lp32 + g_h * (ent - log_s)) * inv_ts
         else:
             a = None
@@ -142,28 +154,28 @@ class _LogProbEntropy(torch.autograd.Function):
         chunks = chunk_plan(logits, rows)
 
         def work(lo, hi):
-            zbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
-            ebuf = torch.empty_like(zbuf)
+            wbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
+            ebuf = torch.empty_like(wbuf)
             for chunk in chunks[lo:hi]:
                 c = chunk_rows_of(logits, chunk)
                 r, f0 = c.shape[0], chunk[3]
-                z, e = zbuf[:r], ebuf[:r]
-                torch.add(m_scaled[f0:f0 + r, None].neg(), c, alpha=inv_t, out=z)
-                torch.exp(z, out=e)
+                w, e = wbuf[:r], ebuf[:r]
+                torch.add(shift[f0:f0 + r, None].neg(), c, alpha=k, out=w)
+                torch.exp2(w, out=e)
                 if a is not None:
-                    z.clamp_(min=_NEG_FLOOR)
-                    torch.addcmul(b[f0:f0 + r, None], z, a[f0:f0 + r, None], out=z)
-                    coef = z
+                    w.clamp_(min=_NEG_FLOOR)
+                    torch.addcmul(b[f0:f0 + r, None], w, a[f0:f0 + r, None], out=w)
+                    coef = w
                 else:
                     coef = b[f0:f0 + r, None]
                 if exact_out:
                     torch.mul(e, coef, out=chunk_rows_of(grad, chunk))
                 else:
                     # add the label term in fp32 before the single rounding to bf16/fp16
-                    torch.mul(e, coef, out=z)
+                    torch.mul(e, coef, out=w)
                     if label_term is not None:
-                        z[torch.arange(r, device=dev), flat_labels[f0:f0 + r]] += label_term[f0:f0 + r]
-                    chunk_rows_of(grad, chunk).copy_(z)
+                        w[torch.arange(r, device=dev), flat_labels[f0:f0 + r]] += label_term[f0:f0 + r]
+                    chunk_rows_of(grad, chunk).copy_(w)
 
         run_ranges(len(chunks), work, dev)
         if exact_out and label_term is not None:
