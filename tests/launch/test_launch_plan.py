@@ -179,8 +179,9 @@ def test_bad_topology_is_a_clear_error(args, match):
 
 def test_plan_validates_the_config_for_the_world_size():
     cfg = load_config(os.path.join(CONFIGS, "default.yaml"))
+    plan(cfg, 2)  # the default job runs at world size 1 and 2 ...
     with pytest.raises(ConfigError, match=r"actor.micro_batch_size=16 must divide the per-rank mini-batch"):
-        plan(cfg, 2)
+        plan(cfg, 4)  # ... but 32 / 4 ranks = 8 per rank cannot hold a micro-batch of 16
 
 
 def test_missing_or_broken_model_directory_is_named(tmp_path):
