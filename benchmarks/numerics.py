@@ -328,7 +328,8 @@ def main(argv=None) -> int:
     gb, gt = (8, 128) if args.quick else (256, 2048)
 
     print(f"# verl_ds.algos numerics benchmark\n\ntorch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{os.cpu_count()} CPUs, capability {torch.backends.cpu.get_cpu_capability()}; python {sys.version.split()[0]}")
+          f"{os.cpu_count()} CPUs, capability {torch.backends.cpu.get_cpu_capability()}; "
+          f"python {sys.version.split()[0]}")
     peers = _real_peers()
     bench_logprob(b, t_len, vocab, torch.float32, 1.0, repeat, peers, budget, args.backward)
     bench_logprob(b, t_len, vocab, torch.bfloat16, 1.0, repeat, peers, budget, False)

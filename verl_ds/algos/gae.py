@@ -7,9 +7,8 @@ response are bridged. The advantage at t is g after step t; returns = advantages
 
 No Python loop over t. The valid tokens of each row are compacted in reverse order against the right
 end (one scatter): slot T-1-k holds the k-th valid token, the slots left of them are empty. There the
-recursion
-is a forward discounted cumulative sum A_j = delta_j + c A_{j-1} with c = gamma * lam, which in float64
-is A_j = S_j / w_j with w_j = c**(J - j) and S = cumsum(w * delta), J the last slot of the block. The
+recursion is a forward discounted cumulative sum A_j = delta_j + c A_{j-1} with c = gamma * lam, which
+in float64 is A_j = S_j / w_j with w_j = c**(J - j) and S = cumsum(w * delta), J the block's last slot. The
 weights before j are all smaller than w_j, so the cumsum adds small terms first and the division does
 not amplify rounding (error ~ eps * max|delta| / (1 - c)). Blocks keep w >= 1e-200: a single block when
 c**T stays above that (always for gamma * lam near 1, including 1), otherwise blocks of L slots with

@@ -24,7 +24,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Mean of ``x`` over the positions where ``mask`` is true, float32.
 
     x, mask: same shape. dim=None reduces everything to a 0-d tensor, an int or tuple reduces those
-    dims. Where nothing is valid the result is 0 (no NaN, no device sync), as in verl."""
+    dims. Where nothing is valid the result is 0, not NaN, as in verl (and a bool mask costs no sync)."""
     xm, m = _masked_values(x, mask)
     if dim is None:
         dim = tuple(range(x.dim()))
