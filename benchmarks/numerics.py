@@ -21,7 +21,13 @@ import time
 
 import torch
 
-from verl_ds.algos import compute_gae, entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
+from verl_ds.algos import (
+    compute_gae,
+    entropy_from_logits,
+    full_symmetric_kl,
+    logprobs_and_entropy,
+    logprobs_from_logits,
+)
 
 # --- measurement -----------------------------------------------------------------------------------
 
@@ -281,6 +287,29 @@ def bench_entropy_only(b, t_len, vocab, repeat, budget):
             tab.row(name, shape, med, mn, n, n_bytes, peak, other, [_max_abs_diff(out.reshape(-1), ref_ent)])
 
 
+def naive_symmetric_kl(x, y):
+    lp, lq = torch.log_softmax(x, dim=-1), torch.log_softmax(y, dim=-1)
+    return 0.5 * ((lp.exp() - lq.exp()) * (lp - lq)).sum(-1)
+
+
+def bench_symkl(b, t_len, vocab, repeat, budget):
+    torch.manual_seed(0)
+    x = torch.randn(b, t_len, vocab) * 3
+    y = x + torch.randn(b, t_len, vocab) * 0.5
+    n_bytes = 2 * x.numel() * 4
+    ref = torch.cat([naive_symmetric_kl(x.view(-1, vocab)[s:s + 512].double(), y.view(-1, vocab)[s:s + 512].double())
+                     for s in range(0, b * t_len, 512)])
+    shape = f"B{b}xT{t_len}xV{vocab} float32"
+    tab = Table(f"full-vocabulary symmetric KL (two logits tensors read): {shape}", x.numel() * 4,
+                "max abs diff vs fp64")
+    with torch.no_grad():
+        for name, fn in (("naive log_softmax x2", lambda: naive_symmetric_kl(x, y)),
+                         ("verl_ds.full_symmetric_kl", lambda: full_symmetric_kl(x, y))):
+            out, med, mn, n, peak, other = measure(fn, repeat, budget)
+            tab.row(name, shape, med, mn, n, n_bytes, peak, other, [_max_abs_diff(out.reshape(-1), ref)])
+            del out
+
+
 def bench_gae(b, t_len, repeat, peers, budget, gamma=0.99, lam=0.95):
     torch.manual_seed(0)
     rewards, values = torch.randn(b, t_len), torch.randn(b, t_len)
@@ -335,6 +364,7 @@ def main(argv=None) -> int:
     bench_logprob(b, t_len, vocab, torch.bfloat16, 1.0, repeat, peers, budget, False)
     bench_logprob(b, t_len, vocab, torch.float32, 0.7, repeat, peers, budget, False)
     bench_entropy_only(b, t_len, vocab, repeat, budget)
+    bench_symkl(b, t_len, vocab, repeat, budget)
     bench_gae(gb, gt, repeat, peers, budget)
     return 0
 

@@ -19,8 +19,10 @@ def test_benchmark_sections_run_and_agree_with_float64(capsys):
     budget = [0.0]
     bench.bench_logprob(1, 6, 40, torch.float32, 0.7, 1, {}, budget, with_backward=True)
     bench.bench_gae(3, 20, 1, {}, budget)
+    bench.bench_symkl(1, 5, 30, 1, budget)
     out = capsys.readouterr().out
     assert "verl_ds.logprobs_and_entropy" in out and "verl_ds.compute_gae" in out
+    assert "verl_ds.full_symmetric_kl" in out
     # every accuracy column of our rows is small
     for line in out.splitlines():
         if line.startswith("| `verl_ds."):

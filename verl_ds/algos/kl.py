@@ -11,6 +11,8 @@ Per token (peers.md 2.2), with d = logprob - ref_logprob for tokens sampled from
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -22,6 +24,7 @@ KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "symmetric")
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 _CLAMP_D = 20.0  # exp(20) ~ 5e8: large enough to be exact for any real policy, small enough to stay finite
 _CLAMP_K3 = 10.0
+_LN2 = math.log(2.0)
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -72,9 +75,9 @@ class _SymmetricKL(torch.autograd.Function):
             for chunk in chunks[lo:hi]:
                 p, q, d = _chunk_stats(chunk_rows_of(logits, chunk), chunk_rows_of(ref_logits, chunk), inv_t, bufs)
                 r, f0 = p.shape[0], chunk[3]
-                # nansum: 0 * (-inf) where one side masks an entry the other may not
-                ep = torch.mul(p, d, out=p).nansum(dim=1)
-                eq = torch.mul(q, d, out=q).nansum(dim=1)
+                # nansum: 0 * (-inf) where one side masks an entry the other may not; d is in base 2
+                ep = torch.mul(p, d, out=p).nansum(dim=1).mul_(_LN2)
+                eq = torch.mul(q, d, out=q).nansum(dim=1).mul_(_LN2)
                 e_p[f0:f0 + r] = ep
                 e_q[f0:f0 + r] = eq
                 out[f0:f0 + r] = 0.5 * (ep - eq)
@@ -105,12 +108,12 @@ class _SymmetricKL(torch.autograd.Function):
                 sc = scale[f0:f0 + r, None]
                 tmp = bufs[3][:r]
                 if want_x:
-                    # p (D - E_p[D] + 1) - q
-                    torch.sub(d, (e_p[f0:f0 + r] - 1.0)[:, None], out=tmp).mul_(p).sub_(q).mul_(sc)
+                    # p (D - E_p[D] + 1) - q, D = ln2 d
+                    torch.add((1.0 - e_p[f0:f0 + r])[:, None], d, alpha=_LN2, out=tmp).mul_(p).sub_(q).mul_(sc)
                     chunk_rows_of(gx, chunk).copy_(tmp)
                 if want_y:
                     # q (E_q[D] + 1 - D) - p
-                    torch.sub((e_q[f0:f0 + r] + 1.0)[:, None], d, out=tmp).mul_(q).sub_(p).mul_(sc)
+                    torch.add((e_q[f0:f0 + r] + 1.0)[:, None], d, alpha=-_LN2, out=tmp).mul_(q).sub_(p).mul_(sc)
                     chunk_rows_of(gy, chunk).copy_(tmp)
 
         run_ranges(len(chunks), work, dev)
@@ -118,18 +121,19 @@ class _SymmetricKL(torch.autograd.Function):
 
 
 def _chunk_stats(c, c_ref, inv_t, bufs):
-    """softmax(c/t), softmax(c_ref/t) and D = (c - c_ref)/t for one chunk, in the fp32 scratch bufs."""
+    """softmax(c/t), softmax(c_ref/t) and D / ln2 = (c - c_ref)/(t ln2) for one chunk, in the fp32 scratch
+    bufs. Base 2 because torch's exp2 costs ~60% of its exp at the same accuracy."""
     r = c.shape[0]
     p, q, d = bufs[0][:r], bufs[1][:r], bufs[2][:r]
-    # x/t in fp32 (a (1, 1) fp32 scale promotes bf16/fp16 chunks in the same pass)
-    scale = torch.full((1, 1), inv_t, dtype=torch.float32, device=c.device)
+    # x/(t ln2) in fp32 (a (1, 1) fp32 scale promotes bf16/fp16 chunks in the same pass)
+    scale = torch.full((1, 1), inv_t / _LN2, dtype=torch.float32, device=c.device)
     torch.mul(c, scale, out=p)
     torch.mul(c_ref, scale, out=q)
     torch.sub(p, q, out=d)
     # a vocabulary entry masked (-inf) in both gives NaN here; it carries no mass in either, so D = 0
     d.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
     for x in (p, q):
-        x.sub_(x.amax(dim=1, keepdim=True)).exp_()
+        x.sub_(x.amax(dim=1, keepdim=True)).exp2_()
         x.div_(x.sum(dim=1, keepdim=True))
     return p, q, d
 
