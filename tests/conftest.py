@@ -1,7 +1,11 @@
 """Test-wide environment. TRITON_INTERPRET must be set before any module defining @triton.jit
 kernels is imported, so the kernel tests can run the kernels on CPU tensors."""
 import os
+import sys
 
+# launcher tests run `deepspeed`, `accelerate`, `torchrun`: the ones installed next to this interpreter,
+# whether or not the venv was activated (`make test` calls .venv/bin/python directly)
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
