@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from verl_ds.batch import RolloutBatch
+
 
 @dataclass
 class Generation:
@@ -42,14 +44,6 @@ def gathered_state_dict(module: torch.nn.Module) -> dict:
         if name in persistent:
             out[name] = buf.detach().to("cpu", copy=True)
     return out
-
-
-def response_lengths(responses: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Length up to and including the first EOS (or the full width when there is none), and whether EOS was hit."""
-    is_eos = responses == eos_token_id
-    done = is_eos.any(dim=1)
-    first = torch.where(done, is_eos.int().argmax(dim=1), torch.full_like(done, responses.shape[1] - 1, dtype=torch.long))
-    return (first + 1).long(), done
 
 
 class Rollout:
@@ -102,7 +96,8 @@ class Rollout:
         if width < max_new_tokens:
             pad = responses.new_full((responses.shape[0], max_new_tokens - width), tok.pad_token_id)
             responses = torch.cat([responses, pad], dim=1)
-        lengths, done = response_lengths(responses, tok.eos_token_id)
+        lengths = RolloutBatch.response_length_from_eos(responses, tok.eos_token_id)
+        done = (responses == tok.eos_token_id).any(dim=1)
         # positions after the first EOS hold whatever generate padded with; make them the pad id
         cols = torch.arange(max_new_tokens, device=responses.device).unsqueeze(0)
         responses = torch.where(cols < lengths.unsqueeze(1), responses, torch.full_like(responses, tok.pad_token_id))
