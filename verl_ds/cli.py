@@ -67,7 +67,7 @@ def format_summary(s: dict) -> str:
              f"throughput: {s['tokens_per_s']:.0f} tokens/s"]
     if "reward_first10" in s:
         lines.append(f"train reward: first 10% of steps {s['reward_first10']:.3f} -> last 10% {s['reward_last10']:.3f} "
-                     f"(+{s['reward_last10'] - s['reward_first10']:.3f})")
+                     f"({s['reward_last10'] - s['reward_first10']:+.3f})")
     if "val_before" in s:
         lines.append(f"validation reward (greedy): {s['val_before']:.3f} -> {s['val_after']:.3f}")
     lines.append(f"run directory: {s['output_dir']}")

@@ -89,6 +89,45 @@ def resolve_reward_fn(spec: str) -> RewardFn:
     return load_reward_fn(spec) if isinstance(spec, str) and ":" in spec else get_reward_fn(spec)
 
 
+def parse_reward_swap(spec: dict) -> dict:
+    """Validate a reward swap request (the body of ``POST /v1/models/reward``) into
+    ``{"functions": [{name, weight?, per_token?}], "model_path", "model_weight"}``.
+
+    ``spec``: ``{"function": name}``, ``{"functions": [name | {name, weight, per_token}, ...]}`` and/or
+    ``{"model_path": dir, "model_weight": w}``. Function names are resolved now, so a typo is refused
+    at once instead of failing every rank at the next step boundary.
+    """
+    if not isinstance(spec, dict):
+        raise ValueError(f"reward swap: expected a JSON object, got {type(spec).__name__}")
+    unknown = set(spec) - {"function", "functions", "model_path", "model_weight"}
+    if unknown:
+        raise ValueError(f"reward swap: unknown field(s) {sorted(unknown)}; expected function, functions, "
+                         "model_path, model_weight")
+    listed = spec.get("functions") or []
+    if not isinstance(listed, list):
+        raise ValueError(f"reward swap: functions: expected a list, got {type(listed).__name__}")
+    functions = list(listed) + ([spec["function"]] if spec.get("function") else [])
+    model_path = spec.get("model_path")
+    if not functions and not model_path:
+        raise ValueError("reward swap: give 'function', 'functions' or 'model_path'")
+    clean = []
+    for i, f in enumerate(functions):
+        item = {"name": f} if isinstance(f, str) else f
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or set(item) - {"name", "weight", "per_token"}:
+            raise ValueError(f"reward swap: functions[{i}]: expected a name or {{name, weight, per_token}}, got {f!r}")
+        weight = item.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ValueError(f"reward swap: functions[{i}].weight: expected a number, got {weight!r}")
+        resolve_reward_fn(item["name"])  # raises with the valid names and close matches
+        clean.append(item)
+    if model_path is not None and not os.path.isdir(str(model_path)):
+        raise ValueError(f"reward swap: model_path {model_path!r} is not a local directory")
+    weight = spec.get("model_weight")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))):
+        raise ValueError(f"reward swap: model_weight: expected a number, got {weight!r}")
+    return {"functions": clean, "model_path": model_path, "model_weight": weight}
+
+
 def _import_file(path: str, spec: str):
     if not os.path.isfile(path):
         raise ValueError(f"reward function {spec!r}: file {path!r} does not exist")

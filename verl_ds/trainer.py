@@ -31,6 +31,7 @@ from verl_ds import reliability
 from verl_ds.config import Config, initial_state, validate
 from verl_ds.engines.build import (build_actor_model, build_critic_model, load_tokenizer, make_engine, set_lr)
 from verl_ds.metrics import MetricsLogger, Timings, mean_of_lists, reduce_across_ranks
+from verl_ds.report import summarize
 from verl_ds.rollout import Rollout
 
 log = logging.getLogger(__name__)
@@ -203,37 +204,11 @@ class PPOTrainer:
     # ------------------------------------------------------------------ reward hot swap
 
     def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
-        """Validate a reward swap request and queue it for the next step boundary (rank 0, any thread).
+        """Validate a reward swap request (``rewards.parse_reward_swap``) and queue it for the next step
+        boundary (rank 0, any thread); the control server calls this for ``POST /v1/models/reward``."""
+        from verl_ds.rewards import parse_reward_swap
 
-        ``spec``: ``{"function": name}``, ``{"functions": [name | {name, weight, per_token}, ...]}`` and/or
-        ``{"model_path": dir, "model_weight": w}``. Function names are resolved now, so a typo is
-        refused at once instead of failing every rank at the boundary.
-        """
-        from verl_ds.rewards import resolve_reward_fn
-
-        if not isinstance(spec, dict):
-            raise ValueError(f"reward swap: expected a JSON object, got {type(spec).__name__}")
-        unknown = set(spec) - {"function", "functions", "model_path", "model_weight"}
-        if unknown:
-            raise ValueError(f"reward swap: unknown field(s) {sorted(unknown)}; expected function, functions, "
-                             "model_path, model_weight")
-        functions = list(spec.get("functions") or []) + ([spec["function"]] if spec.get("function") else [])
-        model_path = spec.get("model_path")
-        if not functions and not model_path:
-            raise ValueError("reward swap: give 'function', 'functions' or 'model_path'")
-        clean = []
-        for i, f in enumerate(functions):
-            item = {"name": f} if isinstance(f, str) else f
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str) or set(item) - {"name", "weight", "per_token"}:
-                raise ValueError(f"reward swap: functions[{i}]: expected a name or {{name, weight, per_token}}, got {f!r}")
-            if "weight" in item and (isinstance(item["weight"], bool) or not isinstance(item["weight"], (int, float))):
-                raise ValueError(f"reward swap: functions[{i}].weight: expected a number, got {item['weight']!r}")
-            resolve_reward_fn(item["name"])  # raises with the valid names
-            clean.append(item)
-        if model_path is not None and not os.path.isdir(str(model_path)):
-            raise ValueError(f"reward swap: model_path {model_path!r} is not a local directory")
-        request = {"functions": clean, "model_path": model_path, "model_weight": spec.get("model_weight"),
-                   "client": client}
+        request = {**parse_reward_swap(spec), "client": client}
         with self.state.lock, self._swap_lock:  # same lock order as the step boundary
             self._pending_swap = request
             applies_at = self.state.get("global_step") + 1
@@ -544,7 +519,8 @@ class PPOTrainer:
             self.save_checkpoint()
         export_dir = self.export_hf() if cfg.trainer.export_hf else None
         elapsed = time.perf_counter() - t0
-        summary = self.summary(elapsed, tokens, export_dir)
+        summary = summarize(self.metrics.history(), self.state.get("global_step"), elapsed, tokens, self.out_dir,
+                            export_dir, plot=self.cfg.trainer.plot, write=self.is_main)
         self.close()
         return summary
 
@@ -568,49 +544,3 @@ class PPOTrainer:
             self.server.stop()
             self.server = None
         self.metrics.close()
-
-    def summary(self, elapsed: float, tokens: float, export_dir: Optional[str]) -> dict:
-        """Reward of the first vs last 10% of steps, time, throughput; the reward curve PNG (rank 0)."""
-        history = [h for h in self.metrics.history() if "critic/score/mean" in h]
-        out = {"steps": self.state.get("global_step"), "elapsed_s": elapsed,
-               "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0, "export_dir": export_dir,
-               "output_dir": self.out_dir}
-        if history:
-            k = max(1, len(history) // 10)
-            scores = [h["critic/score/mean"] for h in history]
-            out.update({"reward_first10": float(np.mean(scores[:k])), "reward_last10": float(np.mean(scores[-k:]))})
-            vals = [h["val/score/mean"] for h in self.metrics.history() if "val/score/mean" in h]
-            if vals:
-                out.update({"val_before": vals[0], "val_after": vals[-1]})
-            if self.is_main and self.cfg.trainer.plot:
-                out["reward_curve"] = self._plot(history)
-        if self.is_main:
-            with open(os.path.join(self.out_dir, "summary.json"), "w", encoding="utf-8") as fh:
-                json.dump(out, fh, indent=1)
-        return out
-
-    def _plot(self, history: list) -> Optional[str]:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            log.warning("matplotlib is not installed: no reward_curve.png")
-            return None
-        steps = [h["step"] for h in history]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps, [h["critic/score/mean"] for h in history], label="train score (mean)")
-        val = [(h["step"], h["val/score/mean"]) for h in self.metrics.history() if "val/score/mean" in h]
-        if val:
-            ax.plot(*zip(*val), "o-", label="validation (greedy)")
-        ax.set_xlabel("PPO step")
-        ax.set_ylabel("reward")
-        ax.set_ylim(-0.02, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
-        fig.tight_layout()
-        path = os.path.join(self.out_dir, "reward_curve.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        return path
