@@ -129,3 +129,11 @@ def test_yaml_file_reads_scientific_notation_as_float(tmp_path):
     p.write_text("actor:\n  lr: 1e-3\ncritic:\n  lr: 5E-4\n")
     cfg = load_config(str(p))
     assert cfg.actor.lr == pytest.approx(1e-3) and cfg.critic.lr == pytest.approx(5e-4)
+
+
+def test_docs_config_md_is_current():
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "config.md")
+    with open(path, encoding="utf-8") as fh:
+        assert describe() in fh.read(), "docs/config.md is stale: regenerate it with `verl-ds config --describe`"
