@@ -82,7 +82,7 @@ def masked_stats_loop(x, mask):
 
 
 def ppo_token_loss(logprob, old_logprob, adv, low, high, c):
-    """The clipped surrogate with dual clip for one token, from the definition (peers.md 2.6)."""
+    """The clipped surrogate with dual clip for one token, from the definition (Ye et al. 2019, arXiv:1912.09729)."""
     log_ratio = min(max(logprob - old_logprob, -20.0), 20.0)
     ratio = math.exp(log_ratio)
     l1 = -adv * ratio

@@ -125,7 +125,7 @@ def test_errors_name_the_argument():
         compute_gae(r, v, m[:, :1])
     with pytest.raises(ValueError, match=r"response_mask must hold only 0 and 1 .* got a value 0.5"):
         compute_gae(r, v, torch.full((2, 3), 0.5))
-    with pytest.raises(ValueError, match=r"token_rewards must have shape \(B, T\), got shape \(6,\)"):
+    with pytest.raises(ValueError, match=r"token_rewards must have shape \(B, R\), got shape \(6,\)"):
         compute_gae(r.view(6), v.view(6), m.view(6))
     with pytest.raises(ValueError, match=r"gamma must be in \[0, 1\], got 1.5"):
         compute_gae(r, v, m, gamma=1.5)

@@ -79,10 +79,10 @@ def test_kl_penalty_errors():
     with pytest.raises(ValueError, match=r"unknown KL kind 'k4'; valid kinds: k1, kl, abs, k2, mse, k3, "
                                          r"low_var_kl, symmetric"):
         kl_penalty(a, a, "k4")
-    with pytest.raises(ValueError, match=r"shape mismatch: ref_logprob has shape \(2, 2\) but logprob has shape "
+    with pytest.raises(ValueError, match=r"shape mismatch: ref_log_probs has shape \(2, 2\) but log_probs has shape "
                                          r"\(2, 3\)"):
         kl_penalty(a, torch.zeros(2, 2), "k1")
-    with pytest.raises(TypeError, match="ref_logprob must be a floating tensor"):
+    with pytest.raises(TypeError, match="ref_log_probs must be a floating tensor"):
         kl_penalty(a, torch.zeros(2, 3, dtype=torch.long), "k1")
 
 

@@ -74,12 +74,15 @@ def test_factory_kinds_and_tensor_inputs():
 
 
 def test_controller_errors():
-    with pytest.raises(ValueError, match="unknown KL controller kind 'pid'; valid kinds: fixed, adaptive, "
-                                         "multiplicative"):
+    with pytest.raises(ValueError, match=r"unknown KL controller kind 'pid'; valid kinds: fixed, ziegler, band "
+                                         r"\(deprecated aliases: constant, adaptive, proportional, multiplicative, "
+                                         r"bangbang\)"):
         make_kl_controller("pid", 0.1, 0.05)
-    with pytest.raises(ValueError, match="the adaptive KL controller needs target_kl"):
+    with pytest.raises(ValueError, match="the ziegler KL controller needs target_kl"):
         make_kl_controller("adaptive", 0.1)
-    with pytest.raises(TypeError, match="unexpected arguments for the 'adaptive' KL controller: up"):
+    with pytest.raises(ValueError, match="the band KL controller needs target_kl"):
+        make_kl_controller("band", 0.1)
+    with pytest.raises(TypeError, match="unexpected arguments for the 'ziegler' KL controller: up"):
         make_kl_controller("adaptive", 0.1, 0.05, up=2.0)
     with pytest.raises(ValueError, match="target_kl must be > 0, got 0.0"):
         MultiplicativeKLController(0.1, 0.0)
@@ -90,14 +93,16 @@ def test_controller_errors():
     with pytest.raises(ValueError, match=r"init_kl_coef must be in \[min_coef, max_coef\]"):
         MultiplicativeKLController(0.1, 0.05, min_coef=0.2)
     ctrl = AdaptiveKLController(0.1, 0.05)
-    with pytest.raises(ValueError, match="AdaptiveKLController.update needs n_samples"):
+    with pytest.raises(ValueError, match="ZieglerKLController.update needs n_samples"):
         ctrl.update(0.1)
     with pytest.raises(ValueError, match="n_samples must be a positive int .* got 0"):
         ctrl.update(0.1, 0)
     with pytest.raises(ValueError, match="current_kl must be finite, got nan"):
         ctrl.update(math.nan, 8)
     assert ctrl.value == 0.1  # a rejected update changes nothing
-    with pytest.raises(ValueError, match="state is for a 'fixed' KL controller, this one is 'adaptive'"):
+    with pytest.raises(ValueError, match="state is for a 'fixed' KL controller, this one is 'ziegler'"):
         ctrl.load_state_dict(FixedKLController(0.1).state_dict())
+    with pytest.raises(ValueError, match="state is for a 'pid' KL controller, this one is 'ziegler'"):
+        ctrl.load_state_dict({"kind": "pid", "value": 0.3})
     with pytest.raises(ValueError, match="lacks target_kl, horizon"):
         ctrl.load_state_dict({"kind": "adaptive", "value": 0.3})

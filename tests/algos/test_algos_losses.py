@@ -30,10 +30,12 @@ def test_dual_clip_truth_table(adv, ratio, c, loss, clipfrac, lower):
     out, metrics = policy_loss(lp, old, torch.tensor([[adv]]), torch.ones(1, 1, dtype=torch.bool),
                                clip_ratio_c=c)
     assert out.item() == pytest.approx(loss, rel=1e-6, abs=1e-6)
-    assert metrics["pg_clipfrac"] == clipfrac
-    assert metrics["pg_clipfrac_lower"] == lower
-    assert metrics["ppo_kl"] == pytest.approx(-LOG(ratio), abs=1e-6)
-    assert all(isinstance(v, float) for v in metrics.values())
+    assert metrics["pg_clipfrac"].item() == clipfrac
+    assert metrics["pg_clipfrac_lower"].item() == lower
+    assert metrics["ppo_kl"].item() == pytest.approx(-LOG(ratio), abs=1e-6)
+    # metrics are 0-d detached float32 tensors: the trainer syncs them once per step
+    for v in metrics.values():
+        assert isinstance(v, torch.Tensor) and v.shape == () and v.dtype == torch.float32 and not v.requires_grad
 
 
 def test_policy_loss_against_reference_loop_and_asymmetric_clip():
@@ -53,9 +55,9 @@ def test_policy_loss_against_reference_loop_and_asymmetric_clip():
             if mask[i, j]:
                 n, clip, lower = n + 1, clip + cl, lower + lo
     assert out.item() == pytest.approx(agg_loss(per_tok, mask, "seq-mean-token-mean").item(), rel=1e-5)
-    assert metrics["pg_clipfrac"] == pytest.approx(clip / n)
-    assert metrics["pg_clipfrac_lower"] == pytest.approx(lower / n)
-    assert metrics["ppo_kl"] == pytest.approx(((old - lp)[mask]).mean().item(), abs=1e-6)
+    assert metrics["pg_clipfrac"].item() == pytest.approx(clip / n)
+    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(lower / n)
+    assert metrics["ppo_kl"].item() == pytest.approx(((old - lp)[mask]).mean().item(), abs=1e-6)
 
 
 def test_policy_loss_gradient_and_nan_padding():
@@ -69,7 +71,8 @@ def test_policy_loss_gradient_and_nan_padding():
     loss.backward()
     # on-policy (rho = 1, no clipping): d loss / d logprob = -A / N_tok on valid tokens, 0 elsewhere
     torch.testing.assert_close(lp.grad, torch.where(mask, -adv / 8, torch.zeros(())))
-    assert metrics["pg_clipfrac"] == 0.0 and metrics["ppo_kl"] == 0.0
+    assert metrics["pg_clipfrac"].item() == 0.0 and metrics["ppo_kl"].item() == 0.0
+    assert not any(v.requires_grad for v in metrics.values())
 
 
 def test_huge_log_ratio_is_clamped():
@@ -84,7 +87,7 @@ def test_huge_log_ratio_is_clamped():
 def test_policy_loss_errors():
     a = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"shape mismatch: advantages has shape \(2, 1\) but logprob has shape "
+    with pytest.raises(ValueError, match=r"shape mismatch: advantages has shape \(2, 1\) but log_probs has shape "
                                          r"\(2, 3\)"):
         policy_loss(a, a, a[:, :1], m)
     with pytest.raises(ValueError, match=r"response_mask must hold only 0 and 1"):
@@ -97,7 +100,7 @@ def test_policy_loss_errors():
         policy_loss(a, a, a, m, clip_ratio_high=-0.2)
     with pytest.raises(ValueError, match="unknown loss_agg_mode 'mean'"):
         policy_loss(a, a, a, m, loss_agg_mode="mean")
-    with pytest.raises(ValueError, match=r"logprob must have shape \(B, T\), got shape \(6,\)"):
+    with pytest.raises(ValueError, match=r"log_probs must have shape \(B, R\), got shape \(6,\)"):
         policy_loss(a.view(6), a.view(6), a.view(6), m.view(6))
 
 
@@ -111,14 +114,14 @@ def test_value_loss_hand_computed():
     # token 0: v - old = 1 clipped to 0.5: max((1-0)^2, (0.5-0)^2) = 1; token 1: unclipped, (2-3)^2 = 1
     loss, metrics = value_loss(v, old, ret, m, cliprange_value=0.5)
     assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2)
-    assert metrics["vf_clipfrac"] == 0.0
+    assert metrics["vf_clipfrac"].item() == 0.0
     # token 0 with return 2: unclipped (1-2)^2 = 1, clipped (0.5-2)^2 = 2.25 -> the clipped term counts
     loss, metrics = value_loss(v, old, torch.tensor([[2.0, 3.0, 0.0]]), m, cliprange_value=0.5)
     assert loss.item() == pytest.approx(0.5 * (2.25 + 1) / 2)
-    assert metrics["vf_clipfrac"] == 0.5
+    assert metrics["vf_clipfrac"].item() == 0.5
     loss, metrics = value_loss(v, old, torch.tensor([[2.0, 3.0, 0.0]]), m, cliprange_value=None)
-    assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2) and metrics["vf_clipfrac"] == 0.0
-    assert metrics["vpred_mean"] == pytest.approx(1.5)
+    assert loss.item() == pytest.approx(0.5 * (1 + 1) / 2) and metrics["vf_clipfrac"].item() == 0.0
+    assert metrics["vpred_mean"].item() == pytest.approx(1.5)
 
 
 def test_value_loss_against_loop_gradient_and_normalizer():

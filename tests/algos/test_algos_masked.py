@@ -135,9 +135,9 @@ def test_agg_loss_gradient_and_errors():
     with pytest.raises(ValueError, match=r"unknown loss_agg_mode 'seq-mean'; valid modes: token-mean, "
                                          r"seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm"):
         agg_loss(x, m, "seq-mean")
-    with pytest.raises(ValueError, match=r"shape mismatch: mask has shape \(2, 3\) but loss_mat has shape \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"shape mismatch: response_mask has shape \(2, 3\) but loss_mat has shape \(2, 4\)"):
         agg_loss(x, m[:, :3], "token-mean")
-    with pytest.raises(ValueError, match=r"loss_mat must have shape \(B, T\), got shape \(8,\)"):
+    with pytest.raises(ValueError, match=r"loss_mat must have shape \(B, R\), got shape \(8,\)"):
         agg_loss(x.view(8), m.view(8), "token-mean")
     with pytest.raises(ValueError, match="normalizer must be a positive number or a 0-d tensor, got 0"):
         agg_loss(x, m, "token-mean", normalizer=0)

@@ -1,29 +1,52 @@
-"""The PPO numerics: log-probs and entropy, KL estimators, GAE, masked statistics, losses, KL controllers.
+"""The RL numerics: log-probs and entropy, KL estimators, GAE and the critic-free advantage estimators,
+masked statistics, losses, KL controllers, DAPO sampling helpers and pass@k.
 
 Pure functions of tensors and explicit scalars; every tensor result is float32 whatever the input
-dtype. The log-prob, full-vocabulary KL and GAE functions route to the fused Triton kernels of
-``verl_ds.kernels`` for CUDA tensors (``VERL_DS_KERNELS`` overrides) and to chunked torch paths
-otherwise (``*_torch``, the kernels' test references).
+dtype, and losses/metrics are tensors (no host sync). The log-prob, full-vocabulary KL and GAE
+functions route to the fused Triton kernels of ``verl_ds.kernels`` for CUDA tensors
+(``VERL_DS_KERNELS`` overrides) and to chunked torch paths otherwise (``*_torch``, the kernels' test
+references). Swappable parts are registries (``register_*`` / ``get_*``): advantage estimators, KL
+estimators, loss aggregation modes, KL controllers.
 """
+from .advantages import (
+    ADV_ESTIMATOR_NAMES,
+    AdvantageEstimator,
+    compute_grpo_advantage,
+    compute_reinforce_pp_advantage,
+    compute_reinforce_pp_baseline_advantage,
+    compute_remax_advantage,
+    compute_rloo_advantage,
+    get_advantage_estimator,
+    register_advantage_estimator,
+)
 from .gae import compute_gae, compute_gae_torch
-from .kl import KL_KINDS, full_symmetric_kl, full_symmetric_kl_torch, kl_penalty
+from .kl import KL_KINDS, full_symmetric_kl, full_symmetric_kl_torch, kl_penalty, register_kl_estimator
 from .kl_ctrl import (
     KL_CTRL_KINDS,
     AdaptiveKLController,
+    BandKLController,
     FixedKLController,
     MultiplicativeKLController,
+    ZieglerKLController,
     make_kl_controller,
+    observed_kl,
+    register_kl_controller,
 )
 from .logprob import entropy_from_logits, logprobs_and_entropy, logprobs_and_entropy_torch, logprobs_from_logits
 from .losses import policy_loss, value_loss
-from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whiten
+from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whiten, register_loss_agg
+from .sampling import groups_with_signal, mean_at_k, overlong_reward_penalty, pass_at_k
 
 __all__ = [
     "logprobs_from_logits", "entropy_from_logits", "logprobs_and_entropy", "logprobs_and_entropy_torch",
-    "kl_penalty", "KL_KINDS", "full_symmetric_kl", "full_symmetric_kl_torch",
+    "kl_penalty", "KL_KINDS", "register_kl_estimator", "full_symmetric_kl", "full_symmetric_kl_torch",
     "compute_gae", "compute_gae_torch",
-    "masked_mean", "masked_var", "masked_whiten", "agg_loss", "LOSS_AGG_MODES",
+    "compute_grpo_advantage", "compute_rloo_advantage", "compute_reinforce_pp_advantage",
+    "compute_reinforce_pp_baseline_advantage", "compute_remax_advantage",
+    "AdvantageEstimator", "register_advantage_estimator", "get_advantage_estimator", "ADV_ESTIMATOR_NAMES",
+    "masked_mean", "masked_var", "masked_whiten", "agg_loss", "LOSS_AGG_MODES", "register_loss_agg",
     "policy_loss", "value_loss",
-    "MultiplicativeKLController", "AdaptiveKLController", "FixedKLController", "make_kl_controller",
-    "KL_CTRL_KINDS",
+    "FixedKLController", "BandKLController", "ZieglerKLController", "MultiplicativeKLController",
+    "AdaptiveKLController", "make_kl_controller", "register_kl_controller", "KL_CTRL_KINDS", "observed_kl",
+    "overlong_reward_penalty", "groups_with_signal", "pass_at_k", "mean_at_k",
 ]

@@ -1,4 +1,5 @@
-"""Generalised advantage estimation over (B, T) with a response mask, verl semantics (peers.md 2.3).
+"""Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over (B, T) rows (T = R, the
+response width) with a response mask, with the semantics of verl's ``compute_gae_advantage_return``.
 
 Walking t backwards with a carry (next value v, running advantage g), a valid token does
     g <- r_t + gamma * v - V_t + gamma * lam * g ;  v <- V_t
@@ -106,13 +107,13 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask
                 gamma: float = 1.0, lam: float = 1.0):
     """GAE advantages and returns with verl's masked-carry semantics (see the module docstring).
 
-    token_rewards, values: (B, T) float; response_mask: (B, T) bool (or 0/1), True = trainable token.
-    Returns (advantages, returns), both (B, T) float32; masked positions hold the carried advantage
+    token_rewards, values: (B, R) float; response_mask: (B, R) bool (or 0/1), True = trainable token.
+    Returns (advantages, returns), both (B, R) float32; masked positions hold the carried advantage
     (callers mask them). No whitening here: see :func:`masked_whiten`."""
     check_float_tensor(token_rewards, "token_rewards")
     check_float_tensor(values, "values")
     if token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards must have shape (B, T), got shape {tuple(token_rewards.shape)}")
+        raise ValueError(f"token_rewards must have shape (B, R), got shape {tuple(token_rewards.shape)}")
     check_same_shape(token_rewards, "token_rewards", values, "values")
     mask = as_bool_mask(response_mask, "response_mask", token_rewards.shape, "token_rewards")
     gamma = check_unit_interval(gamma, "gamma")

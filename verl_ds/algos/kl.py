@@ -1,6 +1,7 @@
 """KL estimators: per-token from sampled log-probs, and the exact full-vocabulary symmetric KL.
 
-Per token (peers.md 2.2), with d = logprob - ref_logprob for tokens sampled from pi:
+Per token (the estimators of Schulman, "Approximating KL Divergence", 2020, as verl's ``kl_penalty``),
+with d = log_probs - ref_log_probs for tokens sampled from pi:
     k1 ("kl")          d                      unbiased for KL(pi||ref), can be negative
     abs                |d|
     k2 ("mse")         d^2 / 2                its gradient is that of the true reverse KL
@@ -8,6 +9,10 @@ Per token (peers.md 2.2), with d = logprob - ref_logprob for tokens sampled from
                                               and the result to [-10, 10] as verl does
     symmetric          0.5 d (1 - exp(-d))    >= 0, unbiased for 0.5 (KL(pi||ref) + KL(ref||pi)),
                                               since E_pi[exp(-d) (-d)] = KL(ref||pi); d clamped to [-20, 20]
+
+The estimators are a registry: ``@register_kl_estimator("name", aliases=(...))`` on a function
+``fn(log_probs, ref_log_probs) -> (...) float32`` (both float32, same shape) adds one; ``KL_KINDS`` is a
+live view of the registered names. (The fused Triton kernel knows the built-in kinds only.)
 """
 from __future__ import annotations
 
@@ -19,36 +24,57 @@ from torch.autograd.function import once_differentiable
 from ._checks import check_float_tensor, check_positive_number, check_same_shape
 from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
 from .logprob import rows_per_chunk
+from .registry import Registry
 
-KL_KINDS = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "symmetric")
-_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+KL_ESTIMATORS = Registry("KL kind", "kinds")
+KL_KINDS = KL_ESTIMATORS.view()  # names and aliases, e.g. "k1", "kl", ...
 _CLAMP_D = 20.0  # exp(20) ~ 5e8: large enough to be exact for any real policy, small enough to stay finite
 _CLAMP_K3 = 10.0
 _LN2 = math.log(2.0)
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate of the given ``kind`` (see the module docstring), float32, same shape.
+def register_kl_estimator(name: str, *, aliases: tuple = ()):
+    """Decorator adding a per-token KL estimator ``fn(log_probs, ref_log_probs) -> tensor`` under ``name``."""
+    return KL_ESTIMATORS.register(name, aliases=aliases)
 
-    logprob, ref_logprob: (...) float log-probs of the sampled tokens under pi and ref. Differentiable."""
-    check_float_tensor(logprob, "logprob")
-    check_float_tensor(ref_logprob, "ref_logprob")
-    check_same_shape(logprob, "logprob", ref_logprob, "ref_logprob")
-    if not isinstance(kind, str) or kind not in KL_KINDS:
-        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
-    kind = _ALIASES.get(kind, kind)
-    d = logprob.to(torch.float32) - ref_logprob.to(torch.float32)
-    if kind == "k1":
-        return d
-    if kind == "abs":
-        return d.abs()
-    if kind == "k2":
-        return 0.5 * d.square()
-    d = d.clamp(-_CLAMP_D, _CLAMP_D)
-    if kind == "k3":
-        return (torch.exp(-d) - 1.0 + d).clamp(-_CLAMP_K3, _CLAMP_K3)
+
+@register_kl_estimator("k1", aliases=("kl",))
+def _k1(log_probs, ref_log_probs):
+    return log_probs - ref_log_probs
+
+
+@register_kl_estimator("abs")
+def _abs(log_probs, ref_log_probs):
+    return (log_probs - ref_log_probs).abs()
+
+
+@register_kl_estimator("k2", aliases=("mse",))
+def _k2(log_probs, ref_log_probs):
+    return 0.5 * (log_probs - ref_log_probs).square()
+
+
+@register_kl_estimator("k3", aliases=("low_var_kl",))
+def _k3(log_probs, ref_log_probs):
+    d = (log_probs - ref_log_probs).clamp(-_CLAMP_D, _CLAMP_D)
+    return (torch.exp(-d) - 1.0 + d).clamp(-_CLAMP_K3, _CLAMP_K3)
+
+
+@register_kl_estimator("symmetric")
+def _symmetric(log_probs, ref_log_probs):
+    d = (log_probs - ref_log_probs).clamp(-_CLAMP_D, _CLAMP_D)
     # -expm1(-d) = 1 - exp(-d) without cancellation near d = 0
     return 0.5 * d * -torch.expm1(-d)
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate of the given ``kind`` (see the module docstring), float32, same shape.
+
+    log_probs, ref_log_probs: (...) float log-probs of the sampled tokens under pi and ref. Differentiable."""
+    check_float_tensor(log_probs, "log_probs")
+    check_float_tensor(ref_log_probs, "ref_log_probs")
+    check_same_shape(log_probs, "log_probs", ref_log_probs, "ref_log_probs")
+    fn = KL_ESTIMATORS.get(kind)
+    return fn(log_probs.to(torch.float32), ref_log_probs.to(torch.float32)).to(torch.float32)
 
 
 class _SymmetricKL(torch.autograd.Function):

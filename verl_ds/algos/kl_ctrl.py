@@ -1,19 +1,54 @@
-"""KL coefficient controllers (peers.md 2.5), one interface: ``.value``, ``.update(current_kl, n_samples)``,
-``state_dict()``, ``load_state_dict()``.
+"""KL coefficient controllers, one interface: ``.name``, ``.value``, ``.update(current_kl, n_samples)``,
+``state_dict()``, ``load_state_dict()``; built by name through a registry (:func:`make_kl_controller`).
 
-``current_kl`` is the observed KL in the units of ``target_kl`` (verl: per-token nats, the mean over the
-batch of each sequence's masked mean); ``n_samples`` is the global number of samples since the last
-update (summed over data-parallel ranks, or the controller moves dp_size times too slowly).
+    fixed    a constant coefficient
+    band     after each update: KL > 1.5 * target -> coef *= 1.5; KL < 0.5 * target -> coef *= 0.8
+             (factors configurable), clamped to [min_coef, max_coef]
+    ziegler  Ziegler et al. 2019 (arXiv:1909.08593) proportional controller:
+             e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n_samples / horizon
+
+The old names are deprecated aliases (one warning each in the log): ``adaptive`` -> ziegler,
+``multiplicative`` -> band (also ``proportional`` -> ziegler, ``bangbang`` -> band, ``constant`` -> fixed).
+More controllers: ``@register_kl_controller("name")`` on a class built as
+``cls(init_kl_coef, target_kl, horizon, **kwargs)``.
+
+Observed KL. ``current_kl`` is in the units of ``target_kl``: per-token nats of the trainer's KL
+estimator, as the TOKEN MEAN over every rank's response tokens, sum_(i,t) kl m / sum_(i,t) m; each rank
+gives :func:`observed_kl` (sum, count) and the trainer all-reduces both before dividing. (verl feeds the
+batch mean of each sequence's token mean instead; the two differ when responses have different
+lengths, and only the token mean is unchanged by how the batch is split over ranks.) ``n_samples``
+is the global number of samples since the last update (summed over data-parallel ranks, or the
+Ziegler controller moves dp_size times too slowly).
 """
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 
 import torch
 
-KL_CTRL_KINDS = ("fixed", "adaptive", "multiplicative")
-_CTRL_ALIASES = {"ziegler": "adaptive", "proportional": "adaptive", "bangbang": "multiplicative", "constant": "fixed"}
+from ._checks import as_bool_mask, check_float_tensor
+from .registry import Registry
+
+KL_CONTROLLERS = Registry("KL controller kind", "kinds")
+KL_CTRL_KINDS = KL_CONTROLLERS.view()  # fixed, band, ziegler (the deprecated aliases are accepted too)
+
+
+def register_kl_controller(name: str, *, aliases: tuple = (), deprecated_aliases: tuple = ()):
+    """Class decorator adding a KL controller ``cls(init_kl_coef, target_kl, horizon, **kwargs)``."""
+    return KL_CONTROLLERS.register(name, aliases=aliases, deprecated_aliases=deprecated_aliases)
+
+
+def observed_kl(kl: torch.Tensor, response_mask: torch.Tensor):
+    """This rank's share of the observed KL: (sum of ``kl`` over the response tokens, their count),
+    two 0-d float64 tensors; the controller's input is sum / count after an all-reduce of both.
+
+    kl: (B, R) per-token KL (e.g. ``kl_penalty``), response_mask: (B, R). Padding never enters."""
+    check_float_tensor(kl, "kl")
+    m = as_bool_mask(response_mask, "response_mask", kl.shape, "kl")
+    total = torch.where(m, kl.detach().to(torch.float64), torch.zeros((), dtype=torch.float64, device=kl.device))
+    return total.sum(), m.sum().to(torch.float64)
 
 
 def _number(value, name: str, *, positive: bool = False, allow_zero: bool = False) -> float:
@@ -39,7 +74,7 @@ def _n_samples(n_samples) -> int:
 
 
 class _KLController:
-    kind = ""
+    name = ""
     _fields: tuple = ()
 
     def __init__(self, value: float):
@@ -49,18 +84,23 @@ class _KLController:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
-        """Everything needed to resume: the kind, the current coefficient and the settings."""
-        return {"kind": self.kind, "value": self.value, **{f: getattr(self, f) for f in self._fields}}
+        """Everything needed to resume: the kind (the controller's name), the coefficient and the settings."""
+        return {"kind": self.name, "value": self.value, **{f: getattr(self, f) for f in self._fields}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore from :meth:`state_dict`; a state from another controller kind is an error."""
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-        if state.get("kind") != self.kind:
-            raise ValueError(f"state is for a {state.get('kind')!r} KL controller, this one is {self.kind!r}")
+        kind = state.get("kind")
+        try:  # states saved under an old name (adaptive, multiplicative) still load
+            same = isinstance(kind, str) and KL_CONTROLLERS.canonical(kind) == self.name
+        except ValueError:
+            same = False
+        if not same:
+            raise ValueError(f"state is for a {kind!r} KL controller, this one is {self.name!r}")
         missing = [k for k in ("value", *self._fields) if k not in state]
         if missing:
-            raise ValueError(f"state for the {self.kind!r} KL controller lacks {', '.join(missing)}")
+            raise ValueError(f"state for the {self.name!r} KL controller lacks {', '.join(missing)}")
         self.value = _number(state["value"], "value", positive=True, allow_zero=True)
         for f in self._fields:
             setattr(self, f, state[f])
@@ -70,12 +110,13 @@ class _KLController:
         return f"{type(self).__name__}({args})"
 
 
+@register_kl_controller("fixed", deprecated_aliases=("constant",))
 class FixedKLController(_KLController):
     """A constant coefficient; ``update`` checks its input and changes nothing."""
 
-    kind = "fixed"
+    name = "fixed"
 
-    def __init__(self, kl_coef: float):
+    def __init__(self, kl_coef: float, target_kl: float | None = None, horizon: int | None = None):
         super().__init__(_number(kl_coef, "kl_coef", positive=True, allow_zero=True))
 
     def update(self, current_kl, n_samples=None) -> float:
@@ -85,14 +126,17 @@ class FixedKLController(_KLController):
         return self.value
 
 
-class AdaptiveKLController(_KLController):
+@register_kl_controller("ziegler", deprecated_aliases=("adaptive", "proportional"))
+class ZieglerKLController(_KLController):
     """Ziegler et al. 2019 (arXiv:1909.08593) proportional controller, as in verl/OpenRLHF/TRL:
     e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n_samples / horizon."""
 
-    kind = "adaptive"
+    name = "ziegler"
     _fields = ("target_kl", "horizon")
 
-    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int = 10000):
+    def __init__(self, init_kl_coef: float, target_kl: float | None, horizon: int = 10000):
+        if target_kl is None:
+            raise ValueError("the ziegler KL controller needs target_kl")
         super().__init__(_number(init_kl_coef, "init_kl_coef", positive=True, allow_zero=True))
         self.target_kl = _number(target_kl, "target_kl", positive=True)
         if isinstance(horizon, bool) or not isinstance(horizon, numbers.Real) or not horizon > 0:
@@ -102,7 +146,7 @@ class AdaptiveKLController(_KLController):
     def update(self, current_kl, n_samples=None) -> float:
         kl = _number(current_kl, "current_kl")
         if n_samples is None:
-            raise ValueError("AdaptiveKLController.update needs n_samples (the global number of samples "
+            raise ValueError(f"{type(self).__name__}.update needs n_samples (the global number of samples "
                              "since the last update)")
         n = _n_samples(n_samples)
         error = min(max(kl / self.target_kl - 1.0, -0.2), 0.2)
@@ -110,15 +154,18 @@ class AdaptiveKLController(_KLController):
         return self.value
 
 
-class MultiplicativeKLController(_KLController):
-    """The design's rule: after each update, KL > 1.5 * target: coef *= up; KL < 0.5 * target:
-    coef *= down; otherwise unchanged; the result clamped to [min_coef, max_coef]."""
+@register_kl_controller("band", deprecated_aliases=("multiplicative", "bangbang"))
+class BandKLController(_KLController):
+    """Keeps the KL inside a band around the target: after each update, KL > 1.5 * target:
+    coef *= up; KL < 0.5 * target: coef *= down; otherwise unchanged; clamped to [min_coef, max_coef]."""
 
-    kind = "multiplicative"
+    name = "band"
     _fields = ("target_kl", "up", "down", "min_coef", "max_coef")
 
-    def __init__(self, init_kl_coef: float, target_kl: float, up: float = 1.5, down: float = 0.8,
-                 min_coef: float = 0.0, max_coef: float = math.inf):
+    def __init__(self, init_kl_coef: float, target_kl: float | None, horizon: int | None = None, *,
+                 up: float = 1.5, down: float = 0.8, min_coef: float = 0.0, max_coef: float = math.inf):
+        if target_kl is None:
+            raise ValueError("the band KL controller needs target_kl")
         self.target_kl = _number(target_kl, "target_kl", positive=True)
         self.up = _number(up, "up", positive=True)
         self.down = _number(down, "down", positive=True)
@@ -150,23 +197,21 @@ class MultiplicativeKLController(_KLController):
         return self.value
 
 
+# the old class names, kept for callers that import them
+AdaptiveKLController = ZieglerKLController
+MultiplicativeKLController = BandKLController
+
+
 def make_kl_controller(kind: str, init_kl_coef: float, target_kl: float | None = None, horizon: int = 10000,
                        **kwargs) -> _KLController:
-    """Build a controller by name: "fixed", "adaptive" (Ziegler; alias "ziegler") or "multiplicative"
-    (the design's 1.5/0.8 rule; alias "bangbang"). Extra keywords go to the multiplicative controller
-    (up, down, min_coef, max_coef)."""
-    if not isinstance(kind, str) or _CTRL_ALIASES.get(kind, kind) not in KL_CTRL_KINDS:
-        valid = ", ".join(KL_CTRL_KINDS + tuple(_CTRL_ALIASES))
-        raise ValueError(f"unknown KL controller kind {kind!r}; valid kinds: {valid}")
-    kind = _CTRL_ALIASES.get(kind, kind)
-    if kind == "multiplicative":
-        if target_kl is None:
-            raise ValueError("the multiplicative KL controller needs target_kl")
-        return MultiplicativeKLController(init_kl_coef, target_kl, **kwargs)
-    if kwargs:
-        raise TypeError(f"unexpected arguments for the {kind!r} KL controller: {', '.join(sorted(kwargs))}")
-    if kind == "adaptive":
-        if target_kl is None:
-            raise ValueError("the adaptive KL controller needs target_kl")
-        return AdaptiveKLController(init_kl_coef, target_kl, horizon)
-    return FixedKLController(init_kl_coef)
+    """Build a registered controller by name ("fixed", "band", "ziegler"; see the module docstring).
+
+    Extra keywords go to the controller (band: up, down, min_coef, max_coef); ``horizon`` is the
+    Ziegler controller's. An unknown name lists the valid ones."""
+    name = KL_CONTROLLERS.canonical(kind)
+    cls = KL_CONTROLLERS.get(name)
+    accepted = inspect.signature(cls).parameters
+    unexpected = sorted(k for k in kwargs if k not in accepted or k in ("init_kl_coef", "target_kl", "horizon"))
+    if unexpected:
+        raise TypeError(f"unexpected arguments for the {name!r} KL controller: {', '.join(unexpected)}")
+    return cls(init_kl_coef, target_kl, horizon, **kwargs)

@@ -6,7 +6,7 @@ the extra memory is one or two fp32 scratch chunks per thread plus O(N) per-row 
 
 It works in base 2, because torch's exp2 costs ~60% of its exp at the same 1-ulp accuracy: with
 k = log2(e) / t, y_v = k z_v (one fused multiply-add with the shift), a per-row shift S,
-e_v = 2^(y_v - S) and s = sum_v e_v (peers.md 2.1):
+e_v = 2^(y_v - S) and s = sum_v e_v:
     log p_y = ln2 (y_y - S) - ln s,    H = ln s - ln2 sum_v e_v (y_v - S) / s.
 The shift is the row's max for the entropy. For log-probs alone it is y_y itself: no max pass over
 the row (its first, memory-bound read), log p_y = -ln s to the last bit, and a row where some logit

@@ -1,4 +1,6 @@
-"""PPO losses: the clipped surrogate with dual clip (peers.md 2.6) and the clipped value loss (2.7)."""
+"""PPO losses: the clipped surrogate with dual clip and the clipped value loss (verl's ``vanilla`` policy
+loss and ``compute_value_loss``). Both return (loss, metrics): the loss a 0-d float32 tensor with grad,
+the metrics 0-d detached float32 tensors (no host sync here: the trainer syncs once per step)."""
 from __future__ import annotations
 
 import numbers
@@ -14,25 +16,27 @@ _LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: the ratio stays finite for any real po
 def _check_btensors(ref_name, ref, **others):
     check_float_tensor(ref, ref_name)
     if ref.dim() != 2:
-        raise ValueError(f"{ref_name} must have shape (B, T), got shape {tuple(ref.shape)}")
+        raise ValueError(f"{ref_name} must have shape (B, R), got shape {tuple(ref.shape)}")
     for name, t in others.items():
         check_float_tensor(t, name)
         check_same_shape(ref, ref_name, t, name)
 
 
-def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean", normalizer=None):
-    """PPO clipped surrogate with dual clip (Ye et al. 2019, arXiv:1912.09729), as verl's ``vanilla``.
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip (Ye et al. 2019,
+    arXiv:1912.09729), as verl's ``vanilla``.
 
-    logprob, old_logprob, advantages, response_mask: (B, T). With rho = exp(clamp(logprob - old_logprob,
-    -20, 20)): L = max(-A rho, -A clip(rho, 1 - low, 1 + high)), and where A < 0 it is capped at -c A
-    (clip_ratio_c = c > 1; None disables the dual clip). Aggregated with ``loss_agg_mode``/``normalizer``
-    (see :func:`agg_loss`). Returns (loss 0-d float32, metrics) with float metrics pg_clipfrac
-    (share of valid tokens where the clipped term is the larger), pg_clipfrac_lower (share where the
-    dual clip caps a negative-advantage token) and ppo_kl (masked mean of old_logprob - logprob)."""
-    _check_btensors("logprob", logprob, old_logprob=old_logprob, advantages=advantages)
-    m = as_bool_mask(response_mask, "response_mask", logprob.shape, "logprob")
+    log_probs, old_log_probs, advantages, response_mask: (B, R). With
+    rho = exp(clamp(log_probs - old_log_probs, -20, 20)): L = max(-A rho, -A clip(rho, 1 - low, 1 + high)),
+    and where A < 0 it is capped at -c A (clip_ratio_c = c > 1; None disables the dual clip). Aggregated
+    with ``loss_agg_mode``/``normalizer`` (see :func:`agg_loss`). Returns (loss 0-d float32, metrics) with
+    0-d detached float32 metrics pg_clipfrac (share of valid tokens where the clipped term is the
+    larger), pg_clipfrac_lower (share where the dual clip caps a negative-advantage token) and ppo_kl
+    (masked mean of old_log_probs - log_probs)."""
+    _check_btensors("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    m = as_bool_mask(response_mask, "response_mask", log_probs.shape, "log_probs")
     low = check_positive_number(clip_ratio_low, "clip_ratio_low", allow_zero=True)
     high = check_positive_number(clip_ratio_high, "clip_ratio_high", allow_zero=True)
     if low >= 1.0:
@@ -41,9 +45,9 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
         if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, numbers.Real) or not clip_ratio_c > 1.0:
             raise ValueError(f"clip_ratio_c must be a number > 1 (or None to disable the dual clip), "
                              f"got {clip_ratio_c!r}")
-    zero = torch.zeros((), dtype=torch.float32, device=logprob.device)
+    zero = torch.zeros((), dtype=torch.float32, device=log_probs.device)
     # zero out padding first: a NaN there would otherwise reach the gradient through 0 * NaN
-    log_ratio = torch.where(m, logprob.to(torch.float32) - old_logprob.to(torch.float32), zero)
+    log_ratio = torch.where(m, log_probs.to(torch.float32) - old_log_probs.to(torch.float32), zero)
     adv = torch.where(m, advantages.to(torch.float32), zero)
     log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -60,9 +64,9 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
     loss = agg_loss(losses, m, loss_agg_mode, normalizer)
     with torch.no_grad():
         metrics = {
-            "pg_clipfrac": masked_mean((loss2 > loss1).float(), m).item(),
-            "pg_clipfrac_lower": masked_mean(lower.float(), m).item(),
-            "ppo_kl": masked_mean(-log_ratio, m).item(),
+            "pg_clipfrac": masked_mean((loss2 > loss1).float(), m),
+            "pg_clipfrac_lower": masked_mean(lower.float(), m),
+            "ppo_kl": masked_mean(-log_ratio.detach(), m),
         }
     return loss, metrics
 
@@ -70,19 +74,24 @@ def policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: to
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                response_mask: torch.Tensor, cliprange_value: float | None = 0.5,
                loss_agg_mode: str = "token-mean", normalizer=None):
-    """Clipped value loss 0.5 * agg(max((V - R)^2, (V_clip - R)^2)), V_clip = V_old + clip(V - V_old, +-eps).
+    """Clipped value loss 0.5 * agg(max((V - G)^2, (V_clip - G)^2)), V_clip = V_old + clip(V - V_old, +-eps),
+    G the returns (as in verl's ``compute_value_loss``).
 
-    values (new predictions), old_values (rollout-time), returns, response_mask: (B, T).
-    cliprange_value=None disables clipping. Returns (loss 0-d float32, metrics) with float metrics
-    vf_clipfrac (share of valid tokens where the clipped term is the larger) and vpred_mean."""
+    values (new predictions), old_values (rollout-time), returns, response_mask: (B, R).
+    cliprange_value = None or 0 disables clipping: the loss is 0.5 * agg((V - G)^2). (With eps = 0 the
+    clipped form would be max((V - G)^2, (V_old - G)^2), whose gradient is 0 wherever V is closer to G
+    than V_old: the critic could not learn.) Returns (loss 0-d float32, metrics) with 0-d detached
+    float32 metrics vf_clipfrac (share of valid tokens where the clipped term is the larger) and
+    vpred_mean."""
     _check_btensors("values", values, old_values=old_values, returns=returns)
     m = as_bool_mask(response_mask, "response_mask", values.shape, "values")
     zero = torch.zeros((), dtype=torch.float32, device=values.device)
     v = torch.where(m, values.to(torch.float32), zero)
     r = torch.where(m, returns.to(torch.float32), zero)
     err1 = (v - r).square()
-    if cliprange_value is not None:
-        eps = check_positive_number(cliprange_value, "cliprange_value", allow_zero=True)
+    eps = None if cliprange_value is None else check_positive_number(cliprange_value, "cliprange_value",
+                                                                     allow_zero=True)
+    if eps:  # None or 0: no clipping
         v_old = torch.where(m, old_values.to(torch.float32), zero)
         v_clip = v_old + (v - v_old).clamp(-eps, eps)
         err2 = (v_clip - r).square()
@@ -93,7 +102,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     loss = 0.5 * agg_loss(losses, m, loss_agg_mode, normalizer)
     with torch.no_grad():
         metrics = {
-            "vf_clipfrac": masked_mean((err2 > err1).float(), m).item(),
-            "vpred_mean": masked_mean(v, m).item(),
+            "vf_clipfrac": masked_mean((err2 > err1).float(), m),
+            "vpred_mean": masked_mean(v.detach(), m),
         }
     return loss, metrics

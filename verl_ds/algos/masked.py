@@ -1,7 +1,11 @@
-"""Masked reductions and loss aggregation (peers.md 2.8, 2.9).
+"""Masked reductions and loss aggregation (verl's ``masked_mean``/``masked_whiten`` and ``agg_loss`` modes).
 
 Masked-out values are replaced by 0 before anything is multiplied or summed, so a NaN or inf in
 padding never reaches a result or a gradient. Masks are bool, or 0/1 integer/float tensors.
+
+The aggregation modes are a registry: ``@register_loss_agg("name")`` on
+``fn(loss_mat, response_mask, normalizer, max_len) -> 0-d float32`` adds one (``loss_mat`` arrives as
+float32 with zeros outside the mask, ``response_mask`` as bool); ``LOSS_AGG_MODES`` is a live view.
 """
 from __future__ import annotations
 
@@ -10,8 +14,15 @@ import numbers
 import torch
 
 from ._checks import as_bool_mask, check_float_tensor, check_tensor
+from .registry import Registry
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGGREGATIONS = Registry("loss_agg_mode", "modes")
+LOSS_AGG_MODES = LOSS_AGGREGATIONS.view()
+
+
+def register_loss_agg(name: str, *, aliases: tuple = ()):
+    """Decorator adding a loss aggregation ``fn(loss_mat, response_mask, normalizer, max_len) -> 0-d``."""
+    return LOSS_AGGREGATIONS.register(name, aliases=aliases)
 
 
 def _masked_values(x, mask):
@@ -84,41 +95,53 @@ def _check_normalizer(normalizer):
     return float(normalizer)
 
 
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", normalizer=None, *,
-             max_len: int | None = None) -> torch.Tensor:
-    """Aggregate a per-token loss ``loss_mat`` (B, T) over ``mask`` (B, T) into a 0-d float32 loss.
+def _seq_count(m, norm):
+    """N_seq (sequences with a valid token) or the caller's normalizer."""
+    return norm if norm is not None else (m.sum(dim=-1) > 0).sum().clamp(min=1).to(torch.float32)
 
-    Modes (X = loss_mat, m = mask; a sequence counts when it has a valid token):
+
+@register_loss_agg("token-mean")
+def _token_mean(xm, m, norm, max_len):
+    return xm.sum() / (norm if norm is not None else m.sum().clamp(min=1).to(torch.float32))
+
+
+@register_loss_agg("seq-mean-token-sum")
+def _seq_mean_token_sum(xm, m, norm, max_len):
+    return xm.sum() / _seq_count(m, norm)
+
+
+@register_loss_agg("seq-mean-token-mean")
+def _seq_mean_token_mean(xm, m, norm, max_len):
+    seq_means = xm.sum(dim=-1) / m.sum(dim=-1).clamp(min=1).to(torch.float32)  # empty rows give 0
+    return seq_means.sum() / _seq_count(m, norm)
+
+
+@register_loss_agg("seq-mean-token-sum-norm")
+def _seq_mean_token_sum_norm(xm, m, norm, max_len):
+    return xm.sum() / (_seq_count(m, norm) * (max_len if max_len is not None else xm.shape[-1]))
+
+
+def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean", normalizer=None, *,
+             max_len: int | None = None) -> torch.Tensor:
+    """Aggregate a per-token loss ``loss_mat`` (B, R) over ``response_mask`` (B, R) into a 0-d float32 loss.
+
+    Modes (X = loss_mat, m = response_mask; a sequence counts when it has a valid token):
       token-mean               sum(X m) / N_tok
       seq-mean-token-sum       sum_i sum_t X m / N_seq
       seq-mean-token-mean      sum_i (sum_t X m / sum_t m) / N_seq        (GRPO)
-      seq-mean-token-sum-norm  sum(X m) / (N_seq * C), C = max_len or T   (Dr.GRPO)
+      seq-mean-token-sum-norm  sum(X m) / (N_seq * C), C = max_len or R   (Dr.GRPO)
     ``normalizer`` (a positive number or 0-d tensor), when given, replaces the local N_tok (token-mean)
     or N_seq (seq-* modes). The trainer passes the global token (or sequence) count of the mini-batch
     divided by dp_size * grad_accum, so DeepSpeed's averaging over ranks and micro-batches yields the
-    exact global mean. Without it, an all-masked batch gives 0."""
+    exact global mean. Without it, an all-masked batch gives 0. More modes: :func:`register_loss_agg`."""
     check_float_tensor(loss_mat, "loss_mat")
     if loss_mat.dim() != 2:
-        raise ValueError(f"loss_mat must have shape (B, T), got shape {tuple(loss_mat.shape)}")
-    if not isinstance(mode, str) or mode not in LOSS_AGG_MODES:
-        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}")
-    check_tensor(mask, "mask")
-    m = as_bool_mask(mask, "mask", loss_mat.shape, "loss_mat")
+        raise ValueError(f"loss_mat must have shape (B, R), got shape {tuple(loss_mat.shape)}")
+    fn = LOSS_AGGREGATIONS.get(mode)
+    check_tensor(response_mask, "response_mask")
+    m = as_bool_mask(response_mask, "response_mask", loss_mat.shape, "loss_mat")
     norm = _check_normalizer(normalizer)
-    zero = torch.zeros((), dtype=torch.float32, device=loss_mat.device)
-    xm = torch.where(m, loss_mat.to(torch.float32), zero)
-    if mode == "token-mean":
-        denom = norm if norm is not None else m.sum().clamp(min=1).to(torch.float32)
-        return xm.sum() / denom
-    tok_per_seq = m.sum(dim=-1)  # (B,)
-    denom = norm if norm is not None else (tok_per_seq > 0).sum().clamp(min=1).to(torch.float32)
-    if mode == "seq-mean-token-sum":
-        return xm.sum() / denom
-    if mode == "seq-mean-token-mean":
-        seq_means = xm.sum(dim=-1) / tok_per_seq.clamp(min=1).to(torch.float32)  # empty rows give 0
-        return seq_means.sum() / denom
-    if max_len is None:
-        max_len = loss_mat.shape[-1]
-    elif isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
-    return xm.sum() / (denom * max_len)
+    xm = torch.where(m, loss_mat.to(torch.float32), torch.zeros((), dtype=torch.float32, device=loss_mat.device))
+    return fn(xm, m, norm, max_len).to(torch.float32)

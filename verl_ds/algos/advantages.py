@@ -1,0 +1,243 @@
+"""Advantage estimators: GAE (with a critic) and the critic-free ones, behind one registry.
+
+All take token_rewards (B, R) float and response_mask (B, R) bool (or 0/1), and return
+(advantages, returns), both (B, R) float32 and zero outside the response. The score of a response is the
+sum of its token rewards over the response (rewards outside the mask are ignored; verl sums the whole
+row, the same when padding holds zeros). A row with no response token scores 0 and still counts in its
+group. Group statistics are float64 and vectorised over samples (scatter adds over group numbers);
+inputs are never modified. Semantics follow verl's ``verl/trainer/ppo/core_algos.py``.
+
+    gae                           Schulman et al. 2016 (arXiv:1506.02438); needs the critic's values
+    grpo                          Shao et al. 2024, DeepSeekMath (arXiv:2402.03300):
+                                  A_i = (s_i - mean_g) / (std_g + eps), std unbiased; a group of one has
+                                  mean 0 and std 1; returns = advantages
+    dr_grpo                       Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783):
+                                  GRPO without the std division, A_i = s_i - mean_g
+    rloo                          Ahmadian et al. 2024 (arXiv:2402.14740): A_i = s_i - mean of the OTHER
+                                  samples of the group; a group of one has baseline 0 (verl's loop version)
+    reinforce_plus_plus           Hu 2025 (arXiv:2501.03262): G_t = r_t + gamma G_(t+1), restarting after a
+                                  masked token (verl's "reset after EOS"); A = whiten(G) over the valid tokens
+    reinforce_plus_plus_baseline  the same paper: A = whiten(s_i - mean_g) over the valid tokens
+    remax                         Li et al. 2023 (arXiv:2310.10505): G_t = sum_(t'>=t) r_t', A = G_t - b_i
+                                  with b_i the score of the greedy response to the same prompt
+
+DAPO (Yu et al. 2025, arXiv:2503.14476) is GRPO plus clip-higher, token-mean aggregation, dynamic
+sampling and the overlong penalty: see ``verl_ds.algos.sampling``.
+
+Registry. ``get_advantage_estimator(name)`` returns an :class:`AdvantageEstimator`, called the same way
+for every entry::
+
+    est(token_rewards, response_mask, *, values=None, group_index=None, baseline_scores=None,
+        gamma=1.0, lam=1.0, eps=1e-6, whiten_fn=None) -> (advantages, returns)
+
+Each entry takes what it needs and ignores the rest; its flags ``needs_critic``, ``needs_groups`` and
+``needs_baseline`` say what the caller must provide (a missing one is a clear error), so a trainer
+builds a critic only when ``needs_critic``. ``whiten_fn(x, response_mask)`` replaces the local
+whitening of the REINFORCE++ entries (pass a data-parallel-global one). Group estimators need all
+samples of a group in the same call. GAE advantages come back unwhitened.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ._checks import as_bool_mask, check_float_tensor, check_positive_number, check_unit_interval
+from .gae import _scan_compact, compute_gae
+from .groups import group_count_mean_std, group_inverse, group_sums
+from .masked import masked_whiten
+from .registry import Registry
+
+_F64 = torch.float64
+
+
+def _prepare(token_rewards, response_mask):
+    """(rewards float64 with zeros outside the response, bool mask); checks shapes."""
+    check_float_tensor(token_rewards, "token_rewards")
+    if token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards must have shape (B, R), got shape {tuple(token_rewards.shape)}")
+    m = as_bool_mask(response_mask, "response_mask", token_rewards.shape, "token_rewards")
+    r = torch.where(m, token_rewards.to(_F64), torch.zeros((), dtype=_F64, device=token_rewards.device))
+    return r, m
+
+
+def _spread(per_sample: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(B,) float64 -> (B, R) float32, the value on every response token and 0 elsewhere."""
+    return torch.where(m, per_sample[:, None], torch.zeros((), dtype=_F64, device=m.device)).to(torch.float32)
+
+
+def _group_scores(token_rewards, response_mask, group_index):
+    r, m = _prepare(token_rewards, response_mask)
+    inverse, n_groups = group_inverse(group_index, r.shape[0], r.device)
+    return r.sum(dim=-1), m, inverse, n_groups
+
+
+def compute_grpo_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
+                           eps: float = 1e-6, norm_by_std: bool = True):
+    """GRPO outcome advantage (norm_by_std=False: Dr.GRPO), see the module docstring.
+
+    token_rewards, response_mask: (B, R); group_index: B group ids. Returns (advantages, returns), equal."""
+    eps = check_positive_number(eps, "eps")
+    scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
+    _, mean, std = group_count_mean_std(scores, inverse, n_groups)
+    centered = scores - mean
+    adv = _spread(centered / (std + eps) if norm_by_std else centered, m)
+    return adv, adv.clone()
+
+
+def compute_rloo_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index):
+    """RLOO advantage: the score minus the mean score of the other samples of its group (0 for a group
+    of one). token_rewards, response_mask: (B, R); group_index: B ids. Returns (advantages, returns), equal."""
+    scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
+    count = group_sums(torch.ones_like(scores), inverse, n_groups)[inverse]
+    others = group_sums(scores, inverse, n_groups)[inverse] - scores
+    baseline = torch.where(count > 1, others / (count - 1).clamp(min=1), 0.0)
+    adv = _spread(scores - baseline, m)
+    return adv, adv.clone()
+
+
+def _discounted_returns(r: torch.Tensor, m: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma m_(t+1) G_(t+1) on valid tokens, 0 elsewhere; (B, R) float64.
+
+    D = the discounted reverse cumsum over the whole row (one scan, no loop over t); a valid run
+    [t, e) then has G_t = D_t - gamma^(e - t) D_e, e the first masked position after t (or R)."""
+    b, width = r.shape
+    if width == 0:
+        return r.clone()
+    d = _scan_compact(r.flip(1), gamma).flip(1)  # r.flip copies: r is never written
+    d = torch.nn.functional.pad(d, (0, 1))  # D_R = 0
+    pos = torch.arange(width + 1, device=r.device).expand(b, width + 1)
+    masked_at = torch.where(torch.nn.functional.pad(~m, (0, 1), value=True), pos, width)
+    stop = masked_at.flip(1).cummin(dim=1).values.flip(1)[:, :width]  # first masked position >= t
+    decay = torch.pow(torch.full((), gamma, dtype=_F64, device=r.device), (stop - pos[:, :width]).to(_F64))
+    g = d[:, :width] - decay * d.gather(1, stop)
+    return torch.where(m, g, torch.zeros((), dtype=_F64, device=r.device))
+
+
+def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
+                                   *, whiten_fn: Callable | None = None):
+    """REINFORCE++: discounted returns restarting after each masked token, whitened over the valid tokens.
+
+    token_rewards, response_mask: (B, R); gamma in [0, 1]. ``whiten_fn(x, response_mask)`` replaces the
+    local :func:`masked_whiten` (eps 1e-8, as verl). Returns (advantages, returns) float32, 0 off-response."""
+    gamma = check_unit_interval(gamma, "gamma")
+    r, m = _prepare(token_rewards, response_mask)
+    returns = _discounted_returns(r, m, gamma).to(torch.float32)
+    adv = (whiten_fn or masked_whiten)(returns, m)
+    return torch.where(m, adv.to(torch.float32), torch.zeros((), device=adv.device)), returns
+
+
+def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
+                                            eps: float = 1e-6, *, whiten_fn: Callable | None = None):
+    """REINFORCE++ with a group baseline: (score - group mean) on every response token, whitened over the
+    valid tokens with variance epsilon ``eps`` (verl uses 1e-8; a group of one has mean 0).
+
+    token_rewards, response_mask: (B, R); group_index: B ids. ``whiten_fn(x, response_mask)`` replaces the
+    local whitening. Returns (advantages, returns), equal, float32, 0 off-response."""
+    eps = check_positive_number(eps, "eps")
+    scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
+    _, mean, _ = group_count_mean_std(scores, inverse, n_groups)
+    centered = _spread(scores - mean, m)
+    adv = whiten_fn(centered, m) if whiten_fn is not None else masked_whiten(centered, m, eps=eps)
+    adv = torch.where(m, adv.to(torch.float32), torch.zeros((), device=adv.device))
+    return adv, adv.clone()
+
+
+def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor):
+    """ReMax: returns G_t = sum of the response's rewards from t on, advantages G_t - baseline.
+
+    token_rewards, response_mask: (B, R); baseline_scores: (B,) score of the greedy response per sample.
+    Returns (advantages, returns) float32, 0 off-response."""
+    r, m = _prepare(token_rewards, response_mask)
+    check_float_tensor(baseline_scores, "baseline_scores")
+    if tuple(baseline_scores.shape) != (r.shape[0],):
+        raise ValueError(f"baseline_scores must have shape (B,) = ({r.shape[0]},), got shape "
+                         f"{tuple(baseline_scores.shape)}")
+    returns = r.flip(1).cumsum(dim=1).flip(1)
+    zero = torch.zeros((), dtype=_F64, device=r.device)
+    adv = torch.where(m, returns - baseline_scores.to(device=r.device, dtype=_F64)[:, None], zero)
+    return adv.to(torch.float32), torch.where(m, returns, zero).to(torch.float32)
+
+
+# --- registry ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: call it with the uniform signature (module docstring); the flags say
+    which optional inputs it needs."""
+    name: str
+    fn: Callable
+    needs_critic: bool = False
+    needs_groups: bool = False
+    needs_baseline: bool = False
+
+    def __call__(self, token_rewards, response_mask, *, values=None, group_index=None, baseline_scores=None,
+                 gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6, whiten_fn: Callable | None = None):
+        for needed, value, what in ((self.needs_critic, values, "values (the critic's (B, R) predictions)"),
+                                    (self.needs_groups, group_index, "group_index (one group id per sample)"),
+                                    (self.needs_baseline, baseline_scores,
+                                     "baseline_scores (the (B,) greedy-response scores)")):
+            if needed and value is None:
+                raise ValueError(f"advantage estimator {self.name!r} needs {what}")
+        return self.fn(token_rewards, response_mask, values=values, group_index=group_index,
+                       baseline_scores=baseline_scores, gamma=gamma, lam=lam, eps=eps, whiten_fn=whiten_fn)
+
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "names")
+ADV_ESTIMATOR_NAMES = ADVANTAGE_ESTIMATORS.view()
+
+
+def register_advantage_estimator(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
+                                 needs_baseline: bool = False, aliases: tuple = ()):
+    """Decorator registering ``fn(token_rewards, response_mask, *, values, group_index, baseline_scores,
+    gamma, lam, eps, whiten_fn) -> (advantages, returns)`` under ``name``; a taken name raises."""
+    def add(fn):
+        ADVANTAGE_ESTIMATORS.register(name, aliases=aliases)(
+            AdvantageEstimator(name, fn, bool(needs_critic), bool(needs_groups), bool(needs_baseline)))
+        return fn
+    return add
+
+
+def get_advantage_estimator(name: str) -> AdvantageEstimator:
+    """The estimator registered as ``name``; an unknown name lists the known ones and the closest."""
+    return ADVANTAGE_ESTIMATORS.get(name)
+
+
+@register_advantage_estimator("gae", needs_critic=True)
+def _gae(token_rewards, response_mask, *, values, gamma, lam, **_):
+    adv, ret = compute_gae(token_rewards, values, response_mask, gamma, lam)
+    m = as_bool_mask(response_mask, "response_mask", token_rewards.shape, "token_rewards")
+    zero = torch.zeros((), dtype=torch.float32, device=adv.device)
+    return torch.where(m, adv, zero), torch.where(m, ret, zero)
+
+
+@register_advantage_estimator("grpo", needs_groups=True)
+def _grpo(token_rewards, response_mask, *, group_index, eps, **_):
+    return compute_grpo_advantage(token_rewards, response_mask, group_index, eps=eps, norm_by_std=True)
+
+
+@register_advantage_estimator("dr_grpo", needs_groups=True)
+def _dr_grpo(token_rewards, response_mask, *, group_index, eps, **_):
+    return compute_grpo_advantage(token_rewards, response_mask, group_index, eps=eps, norm_by_std=False)
+
+
+@register_advantage_estimator("rloo", needs_groups=True)
+def _rloo(token_rewards, response_mask, *, group_index, **_):
+    return compute_rloo_advantage(token_rewards, response_mask, group_index)
+
+
+@register_advantage_estimator("reinforce_plus_plus")
+def _reinforce_pp(token_rewards, response_mask, *, gamma, whiten_fn, **_):
+    return compute_reinforce_pp_advantage(token_rewards, response_mask, gamma, whiten_fn=whiten_fn)
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline", needs_groups=True)
+def _reinforce_pp_baseline(token_rewards, response_mask, *, group_index, eps, whiten_fn, **_):
+    return compute_reinforce_pp_baseline_advantage(token_rewards, response_mask, group_index, eps,
+                                                   whiten_fn=whiten_fn)
+
+
+@register_advantage_estimator("remax", needs_baseline=True)
+def _remax(token_rewards, response_mask, *, baseline_scores, **_):
+    return compute_remax_advantage(token_rewards, response_mask, baseline_scores)
