@@ -1,0 +1,182 @@
+"""Forward passes over a packed micro-batch (``verl_ds.packing.pack``): the response log-probs (and
+entropy) of a causal LM and the response-aligned values of a critic, as (B, R) like the padded
+``PolicyModel.get_logprob`` / ``ValueModel.get_values``, but computed on the N real tokens only.
+
+The packed row goes in as ``input_ids`` and ``position_ids`` (1, N) with no attention mask and
+``use_cache=False`` (transformers ignores packing when a cache exists), plus ``cu_seq_lens_q/k`` and
+``max_length_q/k`` for flash-attention and ``verl_ds_varlen_sdpa`` (see
+``verl_ds.models.varlen_attention`` for how each attention implementation keeps the sequences apart).
+
+Response column j of row b (token ``observation[b, T - R + j]``) is predicted by the hidden state of
+the previous real token of its row: packed index i - 1 for the token at packed index i (the padded
+path's ``logits[:, -R-1:-1]``). Only those n <= B * R hidden states reach the LM head
+(``logits_to_keep`` as an index tensor). With ``fused_lm_head=True`` the LM head itself returns the
+log-probs and entropies (``verl_ds.algos.fused_lm_head``) inside its own forward call, so under
+ZeRO-3 DeepSpeed's module hooks gather its partitioned weight for the forward and for the backward,
+and reduce its gradient, exactly as for the plain head. Padded response positions come back as 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+
+from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
+from verl_ds.algos.fused_lm_head import fused_linear_logprobs
+from verl_ds.models.base import unwrap_module
+from verl_ds.packing import Packed
+
+__all__ = ["ResponseIndex", "response_index", "packed_logprobs", "packed_values", "lm_head_returns_logprobs"]
+
+# config attributes of models whose forward transforms the LM head's output (then the fused head,
+# which returns log-probs in place of logits, would be transformed too)
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+class ResponseIndex(NamedTuple):
+    """Where the real response tokens are: ``labels`` (n,) their packed indices, ``preds`` (n,) the packed
+    indices whose outputs predict them (labels - 1), ``out`` (n,) their flat index in the (B, R) result."""
+
+    labels: torch.Tensor
+    preds: torch.Tensor
+    out: torch.Tensor
+
+
+def response_index(packed: Packed, response_width: int) -> ResponseIndex:
+    """The real tokens in the last ``response_width`` columns of the padded batch; each must follow a real
+    token of its row (the prompt's last token predicts the first response token)."""
+    B, T = packed.shape
+    R = response_width
+    if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R < T:
+        raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
+    col = packed.indices % T
+    labels = (col >= T - R).nonzero().flatten()
+    first = packed.position_ids[0, labels] == 0
+    if bool(first.any()):
+        rows = sorted(set((packed.indices[labels[first]] // T).tolist()))
+        raise ValueError(f"rows {rows} have no real token before their response (an empty prompt): nothing "
+                         f"predicts the first response token")
+    out = (packed.indices[labels] // T) * R + (col[labels] - (T - R))
+    return ResponseIndex(labels=labels, preds=labels - 1, out=out)
+
+
+def _scatter(values: torch.Tensor, idx: ResponseIndex, shape: tuple[int, int]) -> torch.Tensor:
+    B, R = shape
+    return values.new_zeros(B * R).index_copy(0, idx.out, values).view(B, R)
+
+
+def _accepts(module: Any) -> tuple[set[str], bool]:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError, AttributeError):
+        return set(), True
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return set(params), var_kw
+
+
+def _packed_kwargs(inner: Any, packed: Packed) -> dict:
+    names, var_kw = _accepts(inner)
+    kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+    if "use_cache" in names or var_kw:
+        kwargs["use_cache"] = False
+    if var_kw:  # transformers models take the varlen kwargs through **kwargs
+        kwargs.update(packed.attention_kwargs())
+    return kwargs
+
+
+@contextlib.contextmanager
+def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: float = 1.0, compute_entropy: bool = True,
+                  keep: torch.Tensor | None = None, **chunks):
+    """While active, ``model``'s output-embedding Linear returns, in place of logits (1, n, V), the
+    (1, n, 2) float32 [log-prob of ``labels``, entropy] (or (1, n, 1) without entropy) from
+    ``fused_linear_logprobs``. ``keep``: rows to take when the head is given all N hidden states
+    (a model without ``logits_to_keep``). Not thread-safe for the same model."""
+    inner = unwrap_module(model)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, torch.nn.Module) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"lm_head_returns_logprobs: {type(inner).__name__} has no output-embedding Linear "
+                        f"(get_output_embeddings() returned {type(head).__name__})")
+    cfg = getattr(inner, "config", None)
+    for name in _LOGIT_TRANSFORMS:
+        val = getattr(cfg, name, None)
+        if val not in (None, 1, 1.0):
+            raise ValueError(f"lm_head_returns_logprobs: {type(inner).__name__} transforms its logits ({name}={val!r}); the "
+                             f"fused LM head cannot apply that: use model.fused_lm_head=false for this model")
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        h = hidden.reshape(-1, hidden.shape[-1])
+        if keep is not None and h.shape[0] != labels.shape[0]:
+            h = h[keep]
+        # weight/bias read here, inside the module call: ZeRO-3 has gathered them
+        lp, ent = fused_linear_logprobs(h, head.weight, labels, temperature, getattr(head, "bias", None),
+                                        compute_entropy, **chunks)
+        return (torch.stack([lp, ent], -1) if ent is not None else lp.unsqueeze(-1)).unsqueeze(0)
+
+    head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) still wrap it
+    try:
+        yield head
+    finally:
+        del head.forward
+
+
+def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: float = 1.0, *,
+                    compute_entropy: bool = False, fused_lm_head: bool = False, **chunks):
+    """(log_probs (B, R), entropy (B, R) or None), float32, of the response tokens of a packed batch under
+    the causal LM ``lm`` (a HF model or a DeepSpeed engine around one) at ``temperature``: the padded
+    ``PolicyModel.get_logprob`` on the same batch, 0 at padded response positions. Differentiable.
+    ``fused_lm_head``: never build the (n, V) logits (``chunks``: chunk_rows / vocab_chunk)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+    idx = response_index(packed, response_width)
+    B = packed.shape[0]
+    inner = unwrap_module(lm)
+    kwargs = _packed_kwargs(inner, packed)
+    names, _ = _accepts(inner)
+    keep_arg = "logits_to_keep" in names
+    if keep_arg:
+        kwargs["logits_to_keep"] = idx.preds
+    labels = packed.input_ids[0, idx.labels]
+    if fused_lm_head:
+        ctx = lm_head_returns_logprobs(lm, labels, temperature, compute_entropy,
+                                       keep=None if keep_arg else idx.preds, **chunks)
+    else:
+        ctx = contextlib.nullcontext()
+    with ctx:
+        out = lm(**kwargs)
+    logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[0] != 1:
+        got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"packed_logprobs: the lm must return logits of shape (1, n, V) for the packed row, got {got}")
+    logits = logits[0]
+    if fused_lm_head:
+        lp, ent = logits[:, 0], (logits[:, 1] if compute_entropy else None)
+    else:
+        if logits.shape[0] != idx.preds.numel():
+            logits = logits[idx.preds]
+        if compute_entropy:
+            lp, ent = logprobs_and_entropy(logits, labels, temperature)
+        else:
+            lp, ent = logprobs_from_logits(logits, labels, temperature), None
+    shape = (B, response_width)
+    return _scatter(lp, idx, shape), (_scatter(ent, idx, shape) if ent is not None else None)
+
+
+def packed_values(critic: Any, packed: Packed, response_width: int) -> torch.Tensor:
+    """(B, R) float32 values aligned with the response tokens (the value of the state before each, as
+    ``ValueModel.get_values``) of a packed batch under ``critic`` (a CriticLM, a DeepSpeed engine around
+    one, or a HF token classifier with one label); 0 at padded response positions. Differentiable."""
+    idx = response_index(packed, response_width)
+    out = critic(**_packed_kwargs(unwrap_module(critic), packed))
+    if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
+        out = out.logits
+    if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[-1] == 1:
+        out = out.squeeze(-1)
+    n = packed.num_tokens
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, n):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"packed_values: the critic must return per-token values of shape (1, N) = (1, {n}) for "
+                         f"the packed row, got {got}")
+    return _scatter(out[0, idx.preds].float(), idx, (packed.shape[0], response_width))

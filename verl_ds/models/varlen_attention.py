@@ -1,0 +1,122 @@
+"""Attention over a packed row (``verl_ds.packing``) without the O(N^2) mask: ``verl_ds_varlen_sdpa``.
+
+How transformers 5.24 keeps packed sequences apart (``transformers/masking_utils.py``): with
+``attention_mask=None``, no cache and ``position_ids`` given, ``_preprocess_mask_arguments`` calls
+``find_packed_sequence_indices(position_ids)``, which starts a new sequence wherever a position id
+is not the previous one plus 1; ``create_causal_mask`` then ANDs ``packed_sequence_mask_function``
+into the causal mask (after ``remap_positions_for_packed_sequence``). For ``eager`` and ``sdpa`` that
+builds a dense (1, 1, N, N) block-diagonal bool mask: correct, but attention costs O(N^2) over the
+whole packed row instead of the sum of the squared sequence lengths. ``flash_attention_2/3`` get no
+mask; ``modeling_flash_attention_utils._flash_attention_forward`` runs ``flash_attn_varlen_func`` on
+the ``cu_seq_lens_q/k`` kwargs (or, without them, on bounds from ``prepare_fa_kwargs_from_position_ids``).
+On GPUs with flash-attn installed use ``flash_attention_2`` for packed rows.
+
+Where flash-attn is unavailable (CPUs), ``use_varlen_attention(model)`` switches a model to the
+attention implementation registered here: the same ``sdpa_attention_forward`` transformers uses,
+run on each sequence of a packed row (bounds from the ``cu_seq_lens_q`` kwarg that
+``Packed.attention_kwargs()`` supplies, else from ``position_ids`` by transformers' rule), and its mask
+function skips the dense mask for a packed row. Padded batches (an attention mask given) take the
+plain sdpa path with sdpa's mask, unchanged. Sliding-window layers (Qwen2 ``use_sliding_window``) get
+a per-sequence window mask.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from verl_ds.models.base import unwrap_module
+
+__all__ = ["VARLEN_ATTENTION", "varlen_sdpa_attention", "register_varlen_attention", "use_varlen_attention",
+           "sequence_bounds"]
+
+VARLEN_ATTENTION = "verl_ds_varlen_sdpa"
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None, n: int) -> list[int] | None:
+    """Start offsets of the sequences of a packed row plus its end [0, ..., n], from ``cu_seqlens`` or
+    else from ``position_ids`` (a new sequence wherever a position is not the previous plus 1, as
+    transformers' ``find_packed_sequence_indices``); None when neither is given."""
+    if cu_seqlens is not None:
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        if bounds[0] != 0 or bounds[-1] != n or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+            raise ValueError(f"cu_seq_lens_q must ascend from 0 to the packed length {n}, got {bounds[:8]}...")
+        return bounds
+    if position_ids is None:
+        return None
+    pos = position_ids.reshape(-1)
+    if pos.numel() != n:
+        return None
+    starts = (torch.diff(pos) != 1).nonzero().flatten().add_(1).tolist()
+    return [0, *starts, n]
+
+
+def _window_mask(length: int, window: int, device) -> torch.Tensor:
+    i = torch.arange(length, device=device)
+    d = i[:, None] - i[None, :]
+    return ((d >= 0) & (d < window)).view(1, 1, length, length)  # causal, at most window - 1 back
+
+
+def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                          **kwargs: Any):
+    """transformers attention function: query (1, heads, N, d), key/value (1, kv_heads, N, d) of a packed
+    row -> ((1, N, heads, d), None), sdpa run per sequence; anything else goes to sdpa unchanged."""
+    packed_row = attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1
+    window = kwargs.get("sliding_window")
+    bounds = None
+    if packed_row:  # no position ids either: one sequence (a sliding window still needs its mask here)
+        n = query.shape[2]
+        bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), n) or [0, n]
+    if bounds is None or (len(bounds) == 2 and not window):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        seg_mask = _window_mask(e - s, window, query.device) if window and e - s > window else None
+        out, _ = sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], seg_mask,
+                                        dropout=dropout, scaling=scaling, is_causal=seg_mask is None, **kw)
+        outs.append(out)
+    return torch.cat(outs, dim=1), None
+
+
+def _varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,
+                 **kwargs):
+    """sdpa's mask, except None for one unpadded row without a cache (a packed row): the attention
+    function then splits it into its sequences instead of reading an (N, N) mask."""
+    no_offset = isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == 0 and kv_offset == 0
+    if attention_mask is None and batch_size == 1 and q_length == kv_length and no_offset:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, attention_mask=attention_mask, **kwargs)
+
+
+def register_varlen_attention() -> str:
+    """Register ``verl_ds_varlen_sdpa`` with transformers' attention and mask interfaces (idempotent);
+    returns the name, for ``from_config(..., attn_implementation=name)``."""
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
+    return VARLEN_ATTENTION
+
+
+def use_varlen_attention(model: Any) -> Any:
+    """Switch a HF model (or a CriticLM / DeepSpeed engine around one) to ``verl_ds_varlen_sdpa``; returns
+    ``model``. Padded inputs keep sdpa's numbers; packed rows are attended per sequence."""
+    name = register_varlen_attention()
+    inner = unwrap_module(model)
+    targets = [inner] if hasattr(inner, "set_attn_implementation") else [
+        m for m in inner.children() if hasattr(m, "set_attn_implementation")]
+    if not targets:
+        raise TypeError(f"use_varlen_attention: {type(inner).__name__} is not a transformers model and has no "
+                        f"transformers model as a direct child (e.g. CriticLM.backbone)")
+    for m in targets:
+        m.set_attn_implementation(name)
+        if m.config._attn_implementation != name:
+            raise ValueError(f"use_varlen_attention: {type(m).__name__} kept attention "
+                             f"{m.config._attn_implementation!r}: it does not dispatch through transformers' "
+                             f"AttentionInterface, so packed rows would need a dense mask")
+    return model

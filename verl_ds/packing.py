@@ -1,0 +1,259 @@
+"""Remove padding and split by tokens: pack a padded micro-batch into one row, and partition samples into
+micro-batches by a token budget with the same count on every data-parallel rank.
+
+Packing (``model.remove_padding``). ``pack(input_ids, attention_mask)`` keeps the real tokens of a
+(B, T) batch, row after row, in one (1, N) row whose ``position_ids`` restart at 0 for each sequence;
+``unpack`` puts per-token results back at their (B, T) places with zeros at padding. Left, right and
+any other padding pattern work: the position of a token is the number of real tokens before it in
+its row, the ids ``verl_ds.models.base.position_ids_from_mask`` gives the padded path. How a model
+keeps sequences apart in the packed row is in ``verl_ds.models.varlen_attention``.
+
+Token budget (``actor.max_tokens_per_micro_batch``). Every rank computes its local count with
+``count_micro_batches`` (first-fit decreasing), the ranks agree on the largest
+(``agree_num_micro_batches``: an all-reduce MAX), then each rank splits its samples into exactly that
+many micro-batches with ``token_budget_micro_batches`` (longest first onto the least-loaded
+micro-batch that still fits), so the forward/backward calls, and the ZeRO-3 collectives inside them,
+line up across ranks. A micro-batch exceeds the budget only when it holds one sample that does.
+
+Loss normalisation with variable micro-batches: aggregate each micro-batch with
+``agg_loss(..., "token-mean", normalizer=G)`` where G is the global token count of the mini-batch
+(all micro-batches, all ranks) and sum the micro-batch losses (or their gradients): the sum is the
+exact token mean of the mini-batch. Where DeepSpeed divides each micro-batch loss by its gradient
+accumulation steps k and averages gradients over W ranks, pass ``normalizer=G / (W * k)`` instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["Packed", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
+           "agree_num_micro_batches"]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A padded (B, T) batch with its padding removed.
+
+    input_ids, position_ids: (1, N) int64, N = real tokens; position ids restart at 0 per sequence.
+    cu_seqlens: (B + 1,) int32 offsets of the sequences in the row (flash-attn's varlen layout).
+    indices: (N,) int64 flat index (row * T + column) of each packed token in the padded batch.
+    lengths: (B,) int64 real tokens per row; max_seqlen: their max; shape: (B, T).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    indices: torch.Tensor
+    lengths: torch.Tensor
+    max_seqlen: int
+    shape: tuple[int, int]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.indices.numel())
+
+    def attention_kwargs(self) -> dict:
+        """The varlen kwargs transformers' attention functions read (``FlashAttentionKwargs``): with them
+        flash-attention and ``verl_ds.models.varlen_attention`` skip re-deriving the sequence bounds."""
+        return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+
+
+def _check_batch(input_ids, attention_mask) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"pack: input_ids must be a (B, T) int64 tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"pack: input_ids must be 2-D (B, T) with T >= 1, got shape {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"pack: input_ids must hold int64 token ids, got dtype {input_ids.dtype}")
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"pack: attention_mask must be a (B, T) bool tensor, got {type(attention_mask).__name__}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"pack: attention_mask must have input_ids' shape (B, T) = {tuple(input_ids.shape)}, "
+                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask.device != input_ids.device:
+        raise ValueError(f"pack: attention_mask is on {attention_mask.device} but input_ids is on {input_ids.device}")
+    if attention_mask.dtype != torch.bool:
+        if attention_mask.dtype.is_floating_point or attention_mask.is_complex():
+            raise TypeError(f"pack: attention_mask must be bool (or 0/1 integers), got dtype {attention_mask.dtype}")
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError(f"pack: attention_mask must hold only 0/1, got values "
+                             f"{sorted(set(attention_mask.unique().tolist()) - {0, 1})[:5]}")
+        attention_mask = attention_mask.bool()
+    empty = ~attention_mask.any(-1)
+    if bool(empty.any()):
+        rows = empty.nonzero().flatten().tolist()
+        raise ValueError(f"pack: attention_mask rows {rows} have no real token; every sequence needs at least one")
+    return attention_mask
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+    """Remove the padding of ``input_ids`` (B, T): the real tokens (``attention_mask`` True), row by
+    row in column order, as one (1, N) row with per-sequence position ids (see ``Packed``)."""
+    mask = _check_batch(input_ids, attention_mask)
+    B, T = input_ids.shape
+    lengths = mask.sum(-1)
+    indices = mask.reshape(-1).nonzero().flatten()
+    cu = torch.zeros(B + 1, dtype=torch.int64, device=input_ids.device)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    # a token's position = its index in the row minus where its sequence starts
+    positions = torch.arange(indices.numel(), device=input_ids.device) - cu[:-1].repeat_interleave(lengths)
+    return Packed(input_ids=input_ids.reshape(-1)[indices].long().unsqueeze(0),
+                  position_ids=positions.unsqueeze(0), cu_seqlens=cu.to(torch.int32), indices=indices,
+                  lengths=lengths, max_seqlen=int(lengths.max()), shape=(B, T))
+
+
+def unpack(packed: Packed, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Per-token ``values`` (N, ...) or (1, N, ...) back to (B, T, ...), ``fill`` at padding.
+    Differentiable w.r.t. ``values``."""
+    n = packed.num_tokens
+    if not isinstance(values, torch.Tensor):
+        raise TypeError(f"unpack: values must be a tensor of shape (N, ...) or (1, N, ...), got "
+                        f"{type(values).__name__}")
+    if values.dim() >= 2 and values.shape[0] == 1 and values.shape[1] == n:
+        values = values[0]
+    if values.dim() == 0 or values.shape[0] != n:
+        raise ValueError(f"unpack: values must have shape (N, ...) or (1, N, ...) with N = {n} packed tokens, got "
+                         f"{tuple(values.shape)}")
+    B, T = packed.shape
+    out = values.new_full((B * T, *values.shape[1:]), fill)
+    return out.index_copy(0, packed.indices.to(values.device), values).view(B, T, *values.shape[1:])
+
+
+# ---- token-budget micro-batches ------------------------------------------------------------------------
+
+def _check_lengths(lengths, max_tokens) -> list[int]:
+    if isinstance(lengths, torch.Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise ValueError(f"lengths must be a 1-D integer tensor or a list of ints, got a {lengths.dtype} tensor "
+                             f"of shape {tuple(lengths.shape)}")
+        lengths = lengths.tolist()
+    lengths = list(lengths)
+    if not lengths:
+        raise ValueError("lengths is empty: there are no samples to split into micro-batches")
+    for i, n in enumerate(lengths):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"lengths[{i}] must be a positive int (the sample's token count), got {n!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens (actor.max_tokens_per_micro_batch) must be a positive int, got {max_tokens!r}")
+    return lengths
+
+
+def _order(lengths: Sequence[int]) -> list[int]:
+    return sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))  # longest first, ties by index
+
+
+def _first_fit_decreasing(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in _order(lengths):
+        n = lengths[i]
+        for b, load in enumerate(loads):
+            if load + n <= max_tokens:
+                bins[b].append(i)
+                loads[b] += n
+                break
+        else:  # a sample over the budget opens a bin no other sample fits in
+            bins.append([i])
+            loads.append(n)
+    return bins
+
+
+def count_micro_batches(lengths, max_tokens: int) -> int:
+    """The number of micro-batches this rank needs for ``lengths`` (tokens per sample) under
+    ``max_tokens`` per micro-batch (first-fit decreasing; a sample over the budget gets its own)."""
+    return len(_first_fit_decreasing(_check_lengths(lengths, max_tokens), max_tokens))
+
+
+def agree_num_micro_batches(local_count: int, group=None) -> int:
+    """The largest ``local_count`` over the ranks of ``group`` (an all-reduce MAX when torch.distributed
+    is initialised, else ``local_count``): the micro-batch count every rank then uses."""
+    if isinstance(local_count, bool) or not isinstance(local_count, int) or local_count < 1:
+        raise ValueError(f"local_count must be a positive int, got {local_count!r}")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return local_count
+    backend = dist.get_backend(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([local_count], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def _least_loaded_fit(lengths, k, max_tokens):
+    """Longest first onto the least-loaded of k micro-batches it fits in (an over-budget sample onto an
+    empty one); None when some sample fits nowhere."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in _order(lengths):
+        n = lengths[i]
+        if n <= max_tokens:
+            fits = [b for b in range(k) if loads[b] + n <= max_tokens]
+        else:
+            fits = [b for b in range(k) if not bins[b]]
+        if not fits:
+            return None
+        b = min(fits, key=lambda j: (loads[j], j))
+        bins[b].append(i)
+        loads[b] += n
+    return bins
+
+
+def _rebalance(bins, lengths, max_tokens):
+    """From a feasible packing (first-fit decreasing leaves the last bins light): fill empty bins, then
+    move single samples from the heaviest bin to the lightest while that lowers the heavier of the two
+    and keeps the budget (each move strictly lowers the sum of squared loads)."""
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    for e in [b for b in range(len(bins)) if not bins[b]]:
+        donor = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: (loads[b], -b))
+        i = min(bins[donor], key=lambda j: (lengths[j], j))
+        bins[donor].remove(i)
+        bins[e].append(i)
+        loads[donor] -= lengths[i]
+        loads[e] += lengths[i]
+    for _ in range(10 * len(lengths)):  # a bound on the moves; in practice a handful
+        hi = max(range(len(bins)), key=lambda b: (loads[b], -b))
+        lo = min(range(len(bins)), key=lambda b: (loads[b], b))
+        gap = loads[hi] - loads[lo]
+        movable = [i for i in bins[hi] if len(bins[hi]) > 1 and lengths[i] < gap
+                   and loads[lo] + lengths[i] <= max_tokens]
+        if not movable:
+            return bins
+        i = max(movable, key=lambda j: (min(lengths[j], gap - lengths[j]), -j))  # closest to half the gap
+        bins[hi].remove(i)
+        bins[lo].append(i)
+        loads[hi] -= lengths[i]
+        loads[lo] += lengths[i]
+    return bins
+
+
+def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
+    """Partition sample indices into micro-batches of at most ``max_tokens`` tokens each.
+
+    lengths: tokens per sample (list of ints or a 1-D integer tensor). num_micro_batches: the count
+    agreed by all ranks (``agree_num_micro_batches(count_micro_batches(...))``); None uses this rank's
+    own count. Every index appears exactly once; a micro-batch exceeds ``max_tokens`` only when it is a
+    single sample that does. The loads are balanced (longest first onto the least-loaded micro-batch,
+    a first-fit-decreasing packing rebalanced when that does not fit). Deterministic: indices within a
+    micro-batch ascend, micro-batches are ordered by their first index."""
+    lengths = _check_lengths(lengths, max_tokens)
+    needed = count_micro_batches(lengths, max_tokens)
+    k = needed if num_micro_batches is None else num_micro_batches
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_micro_batches must be a positive int, got {num_micro_batches!r}")
+    if k < needed:
+        raise ValueError(f"num_micro_batches={k} is too few: these {len(lengths)} samples ({sum(lengths)} tokens) "
+                         f"need {needed} micro-batches of at most {max_tokens} tokens; agree on the MAX of every "
+                         f"rank's count_micro_batches")
+    if k > len(lengths):
+        raise ValueError(f"num_micro_batches={k} exceeds the {len(lengths)} samples on this rank: a micro-batch would "
+                         f"be empty (give every rank the same number of samples, at least the agreed count)")
+    bins = _least_loaded_fit(lengths, k, max_tokens)
+    if bins is None:
+        bins = _first_fit_decreasing(lengths, max_tokens)
+        bins += [[] for _ in range(k - len(bins))]
+    bins = _rebalance(bins, lengths, max_tokens)
+    return sorted((sorted(b) for b in bins), key=lambda b: b[0])
