@@ -91,3 +91,92 @@ def ppo_token_loss(logprob, old_logprob, adv, low, high, c):
     if c is not None and adv < 0:
         return min(clipped, -c * adv), l2 > l1, clipped > -c * adv
     return clipped, l2 > l1, False
+
+
+# --- critic-free advantage estimators: one sample at a time, Python floats (float64) ----------------
+
+def _scores_and_groups(rewards, mask, ids):
+    """Per sample: the sum of its rewards over the response; per id: the list of sample indices."""
+    scores = [sum(float(r) for r, m in zip(row, mrow) if m) for row, mrow in zip(rewards.tolist(), mask.tolist())]
+    groups = {}
+    for i, g in enumerate(ids):
+        groups.setdefault(g, []).append(i)
+    return scores, groups
+
+
+def _broadcast(values, mask):
+    """values[i] on every response token of row i, 0 elsewhere (float64 tensor)."""
+    return torch.tensor([[v if m else 0.0 for m in mrow] for v, mrow in zip(values, mask.tolist())],
+                        dtype=torch.float64).view(mask.shape)
+
+
+def grpo_loop(rewards, mask, ids, eps=1e-6, norm_by_std=True):
+    """GRPO/Dr.GRPO from the definition: statistics.mean/stdev per group; a group of one: mean 0, std 1."""
+    import statistics
+    scores, groups = _scores_and_groups(rewards, mask, ids)
+    adv = [0.0] * len(scores)
+    for members in groups.values():
+        vals = [scores[i] for i in members]
+        mean, std = (0.0, 1.0) if len(vals) == 1 else (statistics.mean(vals), statistics.stdev(vals))
+        for i in members:
+            adv[i] = (scores[i] - mean) / (std + eps) if norm_by_std else scores[i] - mean
+    return _broadcast(adv, mask)
+
+
+def rloo_loop(rewards, mask, ids):
+    """Score minus the mean of the other samples of the group (0 baseline for a group of one)."""
+    scores, groups = _scores_and_groups(rewards, mask, ids)
+    adv = [0.0] * len(scores)
+    for members in groups.values():
+        for i in members:
+            others = [scores[j] for j in members if j != i]
+            adv[i] = scores[i] - (sum(others) / len(others) if others else 0.0)
+    return _broadcast(adv, mask)
+
+
+def _whiten_loop(x, mask, eps):
+    vals = [v for row, mrow in zip(x.tolist(), mask.tolist()) for v, m in zip(row, mrow) if m]
+    n = len(vals)
+    mean = sum(vals) / n
+    var = sum((v - mean) ** 2 for v in vals) / (n - 1)
+    return torch.tensor([[(v - mean) / math.sqrt(var + eps) if m else 0.0 for v, m in zip(row, mrow)]
+                         for row, mrow in zip(x.tolist(), mask.tolist())], dtype=torch.float64).view(x.shape)
+
+
+def reinforce_pp_loop(rewards, mask, gamma):
+    """verl's REINFORCE++ one token at a time: G_t = r_t + gamma * G_(t+1), the running return reset to
+    0 at a masked token; advantages whitened (eps 1e-8) over the valid tokens. Returns (adv, returns)."""
+    rows = []
+    for row, mrow in zip(rewards.tolist(), mask.tolist()):
+        out, running = [0.0] * len(row), 0.0
+        for t in reversed(range(len(row))):
+            if mrow[t]:
+                running = row[t] + gamma * running
+                out[t] = running
+            else:
+                running = 0.0
+        rows.append(out)
+    returns = torch.tensor(rows, dtype=torch.float64).view(rewards.shape)
+    return _whiten_loop(returns, mask, 1e-8), returns
+
+
+def reinforce_pp_baseline_loop(rewards, mask, ids, eps=1e-6):
+    """Score minus group mean (0 for a group of one) on each response token, whitened over the tokens."""
+    scores, groups = _scores_and_groups(rewards, mask, ids)
+    centered = [0.0] * len(scores)
+    for members in groups.values():
+        mean = 0.0 if len(members) == 1 else sum(scores[i] for i in members) / len(members)
+        for i in members:
+            centered[i] = scores[i] - mean
+    return _whiten_loop(_broadcast(centered, mask), mask, eps)
+
+
+def remax_loop(rewards, mask, baselines):
+    """G_t = sum of the valid rewards at t' >= t; advantages G_t - b on valid tokens. Returns (adv, returns)."""
+    adv, ret = [], []
+    for row, mrow, b in zip(rewards.tolist(), mask.tolist(), baselines.tolist()):
+        g = [sum(row[s] for s in range(t, len(row)) if mrow[s]) for t in range(len(row))]
+        ret.append([gt if m else 0.0 for gt, m in zip(g, mrow)])
+        adv.append([gt - b if m else 0.0 for gt, m in zip(g, mrow)])
+    return (torch.tensor(adv, dtype=torch.float64).view(rewards.shape),
+            torch.tensor(ret, dtype=torch.float64).view(rewards.shape))

@@ -6,9 +6,12 @@ import torch
 
 from verl_ds.algos import (
     AdaptiveKLController,
+    BandKLController,
     FixedKLController,
     MultiplicativeKLController,
+    ZieglerKLController,
     make_kl_controller,
+    observed_kl,
 )
 
 
@@ -55,7 +58,7 @@ def test_fixed_controller_never_moves():
 
 
 @pytest.mark.parametrize("kind,kwargs", [("multiplicative", {}), ("adaptive", {}), ("fixed", {}),
-                                         ("bangbang", {"up": 1.2}), ("ziegler", {})])
+                                         ("bangbang", {"up": 1.2}), ("ziegler", {}), ("band", {"down": 0.5})])
 def test_state_dict_round_trip_resumes_exactly(kind, kwargs):
     a = make_kl_controller(kind, 0.1, 0.05, horizon=500, **kwargs)
     _run(a, [0.2, 0.01, 0.08], 64)
@@ -106,3 +109,38 @@ def test_controller_errors():
         ctrl.load_state_dict({"kind": "pid", "value": 0.3})
     with pytest.raises(ValueError, match="lacks target_kl, horizon"):
         ctrl.load_state_dict({"kind": "adaptive", "value": 0.3})
+
+
+def test_band_by_name_is_the_documented_rule():
+    ctrl = make_kl_controller("band", 1.0, 0.1)
+    assert isinstance(ctrl, BandKLController) and ctrl.name == "band"
+    # > 1.5 * target: x1.5; < 0.5 * target: x0.8; in between (bounds included): unchanged
+    assert _run(ctrl, [0.16, 0.15, 0.05, 0.049, 0.1]) == pytest.approx([1.5, 1.5, 1.5, 1.2, 1.2], rel=1e-12)
+    assert isinstance(make_kl_controller("ziegler", 0.1, 0.05), ZieglerKLController)
+    assert AdaptiveKLController is ZieglerKLController and MultiplicativeKLController is BandKLController
+
+
+def test_state_saved_under_an_old_name_loads():
+    old_state = {"kind": "adaptive", "value": 0.3, "target_kl": 0.05, "horizon": 500}  # a pre-rename checkpoint
+    ctrl = make_kl_controller("ziegler", 0.1, 0.05)
+    ctrl.load_state_dict(old_state)
+    assert ctrl.value == 0.3 and ctrl.horizon == 500 and ctrl.state_dict()["kind"] == "ziegler"
+    band = make_kl_controller("band", 0.1, 0.05)
+    band.load_state_dict({"kind": "multiplicative", "value": 0.2, "target_kl": 0.05, "up": 1.5, "down": 0.8,
+                          "min_coef": 0.0, "max_coef": math.inf})
+    assert band.value == 0.2
+
+
+def test_observed_kl_is_the_token_mean_not_the_mean_of_sequence_means():
+    kl = torch.tensor([[1.0, 1.0, 1.0, 1.0], [3.0, float("nan"), 9.0, 9.0]])
+    mask = torch.tensor([[True, True, True, True], [True, False, False, False]])
+    total, count = observed_kl(kl, mask)
+    assert total.dtype == count.dtype == torch.float64 and total.shape == count.shape == ()
+    assert (total.item(), count.item()) == (7.0, 5.0)
+    # token mean 7 / 5 = 1.4; verl's mean of per-sequence means would be (1 + 3) / 2 = 2.0
+    assert total.item() / count.item() == pytest.approx(1.4)
+    # the token mean does not depend on how the batch is split over ranks: sum the (sum, count) pairs
+    parts = [observed_kl(kl[i:i + 1], mask[i:i + 1]) for i in range(2)]
+    assert sum(p[0].item() for p in parts) / sum(p[1].item() for p in parts) == pytest.approx(1.4)
+    with pytest.raises(ValueError, match=r"shape mismatch: response_mask has shape \(2, 3\) but kl has shape"):
+        observed_kl(kl, mask[:, :3])

@@ -124,6 +124,18 @@ def test_value_loss_hand_computed():
     assert metrics["vpred_mean"].item() == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("cliprange", [0, 0.0, None])
+def test_value_loss_zero_or_none_cliprange_means_no_clipping(cliprange):
+    # V = 0.5 is closer to R = 1 than V_old = 0: max((V-R)^2, (V_old-R)^2) would have a zero gradient
+    v = torch.tensor([[0.5]], requires_grad=True)
+    loss, metrics = value_loss(v, torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), cliprange)
+    loss.backward()
+    assert loss.item() == pytest.approx(0.5 * 0.25)
+    assert v.grad.item() == pytest.approx(-0.5)  # d/dV 0.5 (V - R)^2 = V - R, the unclipped loss's gradient
+    assert metrics["vf_clipfrac"].item() == 0.0 and metrics["vpred_mean"].item() == 0.5
+    assert all(isinstance(x, torch.Tensor) and not x.requires_grad for x in metrics.values())
+
+
 def test_value_loss_against_loop_gradient_and_normalizer():
     v = torch.randn(3, 7, requires_grad=True)
     old, ret = torch.randn(3, 7), torch.randn(3, 7)
