@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from verl_ds.tasks.gsm8k import exact_match_reward
 from verl_ds.tasks.parity import parity_reward
+from verl_ds.verifiable import format_reward, math_answer_reward
 
 RewardFn = Callable[[list, list, Any], list]
 
@@ -33,6 +34,8 @@ class RewardBatch:
 REWARD_FNS: dict[str, RewardFn] = {
     "parity": parity_reward,
     "exact_match": exact_match_reward,
+    "math_verify": math_answer_reward,  # needs pip install 'verl_ds[math]'
+    "format": format_reward,  # <think>...</think> then an answer with \boxed{...}
 }
 
 
