@@ -1,4 +1,5 @@
-"""The ``verl-ds`` command: ``train``, ``config`` (print the resolved config or the key reference)."""
+"""The ``verl-ds`` command: ``train``, ``config`` (print the resolved config or the key reference), ``plan``,
+``state``. A bad config exits with status 2 and one line naming the culprit, before anything is built."""
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,18 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    import torch
-
+    from verl_ds.config import check_startup
     from verl_ds.dist import detect_launch
-    from verl_ds.trainer import PPOTrainer
 
     cfg = _load(args)
     launch = detect_launch(local_rank_arg=args.local_rank)
+    check_startup(cfg, launch.world_size)  # refuse a bad job before torch.distributed or any model starts
+
+    import torch
+
+    from verl_ds.testing.faults import install_from_env
+    from verl_ds.trainer import Trainer
+
     level = logging.INFO if launch.rank == 0 else logging.WARNING
     logging.basicConfig(level=level, format=f"[rank{launch.rank}] %(levelname)s %(name)s: %(message)s")
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
@@ -55,7 +61,8 @@ def cmd_train(args) -> int:
     if launch.rank == 0:
         print(f"verl_ds: launcher={launch.launcher} world_size={launch.world_size} "
               f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---", flush=True)
-    trainer = PPOTrainer(cfg, launch)
+    trainer = Trainer(cfg, launch)
+    install_from_env(trainer)  # VERL_DS_FAULT: tests break real runs at chosen points
     summary = trainer.fit()
     if launch.rank == 0:
         print(format_summary(summary), flush=True)
@@ -79,14 +86,14 @@ def format_summary(s: dict) -> str:
 
 
 def cmd_config(args) -> int:
-    from verl_ds.config import describe, validate
+    from verl_ds.config import check_startup, describe, validate
 
     if args.describe:
         print(describe())
         return 0
     cfg = _load(args)
-    validate(cfg, args.world_size)
-    print(cfg.to_yaml() if not args.json else json.dumps(cfg.to_dict(), indent=1))
+    (check_startup if args.check else validate)(cfg, args.world_size)
+    print(cfg.to_yaml() if not args.json else json.dumps(cfg.to_dict(), indent=1))  # server.token redacted
     return 0
 
 
@@ -117,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--json", action="store_true")
     p.add_argument("--describe", action="store_true", help="a table of every key with type, default and help")
+    p.add_argument("--check", action="store_true",
+                   help="also run the start-up checks (paths, reward functions, checkpoint, device, server)")
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("plan", help="per-rank memory estimate, batch arithmetic and launch commands, before launching")
     _config_args(p)
@@ -145,11 +154,16 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except (ConfigError, LaunchError) as exc:  # caught before any model was built
-        print(f"verl_ds: error: {exc}", file=sys.stderr, flush=True)
+        print(f"verl_ds: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 2
     except (RankFailure, NonFiniteError, RewardFunctionError) as exc:  # explained failures: one clear line
-        print(f"verl_ds: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(f"verl_ds: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message on one line (a YAML or JSON parser's may span several), so logs keep one line per failure."""
+    return " ".join(str(exc).split())
 
 
 if __name__ == "__main__":

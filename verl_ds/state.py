@@ -1,9 +1,17 @@
 """SharedState: the cross-model hyper-parameters of a PPO run, owned by rank 0.
 
 Every key is declared (:class:`StateKey`: name, type, default, allowed range or choices, hot-updatable
-or not, one-line description). Rank 0 is the only writer; at every step boundary the trainer calls
-``apply_staged()`` (rank 0 applies the hot updates queued by the HTTP thread) and then ``sync()``,
-which broadcasts rank 0's values to every rank, so all ranks train with identical hyper-parameters.
+or not, one-line description). The 17 hot-updatable keys are DERIVED from the config fields that declare
+``hot=<key>`` (``verl_ds.config.schema``): same default (``initial_state(Config())``), same range, choices
+and help, so ``/v1/state`` publishes exactly what a run with the default config uses. The read-only keys
+(global_step, epoch, actor_version, reward_version, best_reward, reward_name) are written by the trainer
+only and declared here. Per-run limits (``verl_ds.config.run_limits(cfg)``: the response length that fits
+the model's context, the KL estimators the KL placement allows) are passed as ``limits=`` and checked on
+every write.
+
+Rank 0 is the only writer; at every step boundary the trainer calls ``apply_staged()`` (rank 0 applies the
+hot updates queued by the HTTP thread) and then ``sync()``, which broadcasts rank 0's values to every rank,
+so all ranks train with identical hyper-parameters.
 
 Typical step boundary (all ranks)::
 
@@ -15,17 +23,18 @@ str, or None for nullable keys), so ``snapshot()`` and ``save()`` are JSON as th
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
-import math
 import os
 import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
-from verl_ds.algos import KL_KINDS
+from verl_ds.config import Config, RunLimits, Spec, check_value, hot_fields, initial_state
+from verl_ds.config.fields import base_type, choices_of, nullable
 
 __all__ = ["StateKey", "SharedState", "StateValidationError", "UnknownStateKeyError", "STATE_KEYS", "HOT_KEYS"]
 
@@ -35,65 +44,44 @@ _FORMAT = 1  # version of the state_dict / JSON layout
 
 @dataclass(frozen=True)
 class StateKey:
-    """Declaration of one SharedState key.
-
-    range: (low, high) bounds for int/float keys, either may be None (unbounded); both inclusive
-    unless ``low_open`` (then low < value) or ``high_open`` (value < high). choices: the allowed values of a str key.
-    hot: True when it may be changed while training runs (through ``stage``); read-only keys are
-    only written by the trainer (``set``). nullable: None is an allowed value (e.g. best_reward
-    before any evaluation).
-    """
+    """Declaration of one SharedState key: its annotation (``float``, ``Optional[float]``, ...), default and
+    Spec (range, choices, help); ``hot``: may be changed while training runs (through ``stage``); read-only
+    keys are only written by the trainer (``set``). ``config_key``: the config field it comes from."""
 
     name: str
-    type: type
+    annotation: Any
     default: Any
-    range: tuple[float | None, float | None] | None = None
-    choices: tuple[Any, ...] | None = None
+    spec: Spec
     hot: bool = False
-    description: str = ""
-    low_open: bool = False
-    nullable: bool = False
-    high_open: bool = False
+    config_key: Optional[str] = None
+
+    @property
+    def type(self) -> type:
+        return base_type(self.annotation)
+
+    @property
+    def nullable(self) -> bool:
+        return nullable(self.annotation)
+
+    @property
+    def range(self) -> tuple | None:
+        """(low, high), either may be None (unbounded); None for keys without bounds."""
+        return None if self.spec.range_text() is None else (self.spec.lo, self.spec.hi)
+
+    @property
+    def choices(self) -> tuple | None:
+        return choices_of(self.annotation, self.spec)
+
+    @property
+    def description(self) -> str:
+        return self.spec.help
 
     def range_text(self) -> str | None:
-        if self.range is None:
-            return None
-        lo, hi = self.range
-        left = "(" if (self.low_open or lo is None) else "["
-        right = ")" if (self.high_open or hi is None) else "]"
-        return f"{left}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{right}"
+        return self.spec.range_text()
 
     def check(self, value: Any) -> tuple[Any, str | None]:
         """Return (normalised value, None) or (None, reason why the value is refused)."""
-        if value is None:
-            return (None, None) if self.nullable else (None, f"expected {_TYPE_NAMES[self.type]}, got None")
-        got = type(value).__name__
-        if self.type is bool:
-            if not isinstance(value, bool):
-                return None, f"expected bool (true/false), got {got} {value!r}"
-        elif self.type is int:
-            # bool is an int subclass in python; True as a top_k is a bug, not a 1
-            if isinstance(value, bool) or not isinstance(value, int):
-                return None, f"expected int, got {got} {value!r}"
-            value = int(value)
-        elif self.type is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                return None, f"expected float, got {got} {value!r}"
-            value = float(value)
-            if not math.isfinite(value):
-                return None, f"expected a finite float, got {value!r}"
-        elif self.type is str:
-            if not isinstance(value, str):
-                return None, f"expected str, got {got} {value!r}"
-        if self.choices is not None and value not in self.choices:
-            return None, f"{value!r} is not one of {list(self.choices)}"
-        if self.range is not None:
-            lo, hi = self.range
-            below = lo is not None and (value <= lo if self.low_open else value < lo)
-            above = hi is not None and (value >= hi if self.high_open else value > hi)
-            if below or above:
-                return None, f"{value!r} is out of range {self.range_text()}"
-        return value, None
+        return check_value(self.annotation, value, self.spec, key=self.name)
 
     def schema(self) -> dict:
         return {
@@ -105,50 +93,32 @@ class StateKey:
             "hot": self.hot,
             "nullable": self.nullable,
             "description": self.description,
+            "config_key": self.config_key,
         }
 
 
-def _k(name, typ, default, description, *, range=None, choices=None, hot=False, low_open=False, nullable=False,
-       high_open=False):
-    return StateKey(name, typ, default, range, choices, hot, description, low_open, nullable, high_open)
+def _hot_keys() -> list[StateKey]:
+    defaults = initial_state(Config())
+    out = []
+    for key, dotted, annotation, spec in hot_fields():
+        allowed = choices_of(annotation, spec)
+        if allowed is not None:  # concrete names only: the config resolves its 'auto' before the run
+            spec = dataclasses.replace(spec, choices=tuple(allowed), config_only=())
+        out.append(StateKey(key, annotation, defaults[key], spec, hot=True, config_key=dotted))
+    return out
 
 
-# Defaults follow verl's PPO config where it has one (kl_coef 0.001, target_kl 0.1, clip 0.2,
-# cliprange_value 0.5, gamma 1.0) and TRL's otherwise (lam 0.95). Sampling defaults are the
-# unbiased ones (top_k=0, top_p=1.0): truncation makes the rollout distribution differ from the one
-# the trainer scores (peers.md §3, TRL #6789). The trainer `set`s all of them from its config at start.
-STATE_KEYS: dict[str, StateKey] = {k.name: k for k in [
-    # --- hot-updatable (17) ---
-    _k("actor_lr", float, 1e-6, "actor optimizer learning rate", range=(0.0, 1.0), hot=True),
-    _k("critic_lr", float, 1e-5, "critic optimizer learning rate", range=(0.0, 1.0), hot=True),
-    _k("kl_coef", float, 0.001, "KL penalty coefficient beta (the KL controller writes it after each update)",
-       range=(0.0, 1e3), hot=True),
-    _k("target_kl", float, 0.1, "KL target of the adaptive/multiplicative controllers, nats per token",
-       range=(0.0, 1e3), low_open=True, hot=True),
-    _k("kl_ctrl_type", str, "fixed", "KL controller: fixed, adaptive (Ziegler et al.) or multiplicative (x1.5/x0.8)",
-       choices=("fixed", "adaptive", "multiplicative"), hot=True),
-    _k("use_kl_penalty", bool, True, "apply the KL penalty (in the reward or in the loss, per PPOConfig.kl_in_reward)",
-       hot=True),
-    _k("kl_kind", str, "k1", "per-token KL estimator", choices=tuple(KL_KINDS), hot=True),
-    _k("clip_ratio_low", float, 0.2, "PPO ratio clip below 1 (epsilon_low)", range=(0.0, 1.0), high_open=True,
-       hot=True),
-    _k("clip_ratio_high", float, 0.2, "PPO ratio clip above 1 (epsilon_high)", range=(0.0, 10.0), hot=True),
-    _k("cliprange_value", float, 0.5, "value-loss clip range around the old values", range=(0.0, 1e6), hot=True),
-    _k("entropy_coef", float, 0.0, "entropy bonus coefficient", range=(0.0, 1.0), hot=True),
-    _k("gamma", float, 1.0, "GAE discount", range=(0.0, 1.0), hot=True),
-    _k("lam", float, 0.95, "GAE lambda", range=(0.0, 1.0), hot=True),
-    _k("temperature", float, 1.0, "sampling temperature (also used to score log-probs)", range=(0.0, 100.0),
-       low_open=True, hot=True),
-    _k("top_k", int, 0, "top-k sampling; 0 disables", range=(0, None), hot=True),
-    _k("top_p", float, 1.0, "nucleus sampling; 1.0 disables", range=(0.0, 1.0), low_open=True, hot=True),
-    _k("max_new_tokens", int, 128, "maximum response length in tokens", range=(1, 1 << 20), hot=True),
-    # --- read-only at run time (written by the trainer only) ---
-    _k("global_step", int, 0, "optimizer steps completed", range=(0, None)),
-    _k("epoch", int, 0, "passes over the prompt data completed", range=(0, None)),
-    _k("actor_version", int, 0, "bumped whenever the actor weights change", range=(0, None)),
-    _k("reward_version", int, 0, "bumped whenever the reward model/functions are swapped", range=(0, None)),
-    _k("best_reward", float, None, "best mean reward seen so far (None before the first)", nullable=True),
-    _k("reward_name", str, "", "name of the active reward (model or function set)"),
+def _read_only(name: str, annotation, default, help: str, **bounds) -> StateKey:
+    return StateKey(name, annotation, default, Spec(help, **bounds))
+
+
+STATE_KEYS: dict[str, StateKey] = {k.name: k for k in _hot_keys() + [
+    _read_only("global_step", int, 0, "optimizer steps completed", lo=0),
+    _read_only("epoch", int, 0, "passes over the prompt data completed", lo=0),
+    _read_only("actor_version", int, 0, "actor optimizer steps taken (bumped whenever the actor weights change)", lo=0),
+    _read_only("reward_version", int, 0, "bumped whenever the reward model/functions are swapped", lo=0),
+    _read_only("best_reward", Optional[float], None, "best mean reward seen so far (None before the first)"),
+    _read_only("reward_name", str, "", "name of the active reward (model or function set)"),
 ]}
 HOT_KEYS: tuple[str, ...] = tuple(k for k, d in STATE_KEYS.items() if d.hot)
 assert len(HOT_KEYS) == 17, HOT_KEYS
@@ -187,15 +157,31 @@ class SharedState:
 
     rank: this process's rank; None reads ``torch.distributed.get_rank()`` at every call when the
     process group is initialised (so a state built before ``init_process_group`` is still right),
-    else 0. Only rank 0 may ``set``/``update``/``stage``/``apply_staged``.
+    else 0. Only rank 0 may ``set``/``update``/``stage``/``apply_staged``. limits: this run's limits
+    (``verl_ds.config.run_limits(cfg)``), checked on every write besides each key's static range.
     """
 
-    def __init__(self, rank: int | None = None):
+    def __init__(self, rank: int | None = None, limits: RunLimits | None = None):
+        if limits is not None and not isinstance(limits, RunLimits):
+            raise TypeError(f"limits must be a RunLimits (from verl_ds.config.run_limits(cfg)), got "
+                            f"{type(limits).__name__}")
         self._rank = rank
+        self._limits = limits
         self._lock = threading.RLock()
         self._values: dict[str, Any] = {k: d.default for k, d in STATE_KEYS.items()}
         self._version = 0
         self._staged: list[dict] = []
+
+    @classmethod
+    def from_config(cls, cfg: Config, rank: int | None = None) -> "SharedState":
+        """A state for the run ``cfg`` describes: its limits (``run_limits(cfg)``) and its step-0 values
+        (``initial_state(cfg)``), the same on every rank without a collective."""
+        from verl_ds.config import run_limits
+
+        state = cls(rank, limits=run_limits(cfg))
+        with state._lock:
+            state._apply(state._validate(initial_state(cfg), allow_read_only=False))
+        return state
 
     # ---- identity -------------------------------------------------------------------------------
     @property
@@ -209,6 +195,10 @@ class SharedState:
     def lock(self) -> threading.RLock:
         """The state's re-entrant lock: hold it to make several reads/writes one atomic step boundary."""
         return self._lock
+
+    @property
+    def limits(self) -> RunLimits | None:
+        return self._limits
 
     @property
     def version(self) -> int:
@@ -245,7 +235,7 @@ class SharedState:
 
     @staticmethod
     def schema() -> dict[str, dict]:
-        """key -> {type, default, range, range_text, choices, hot, nullable, description}."""
+        """key -> {type, default, range, range_text, choices, hot, nullable, description, config_key}."""
         return {k: d.schema() for k, d in STATE_KEYS.items()}
 
     def staged(self) -> list[dict]:
@@ -254,8 +244,9 @@ class SharedState:
             return [dict(s) for s in self._staged]
 
     # ---- validation -----------------------------------------------------------------------------
-    @staticmethod
-    def _validate(updates: dict, *, allow_read_only: bool) -> dict[str, Any]:
+    def _validate(self, updates: dict, *, allow_read_only: bool, base: dict | None = None) -> dict[str, Any]:
+        """Check ``updates`` key by key, then against this run's limits as applied on top of ``base``
+        (default: the current values). Raises StateValidationError naming every offending key."""
         if not isinstance(updates, dict):
             raise TypeError(f"updates must be a dict of key -> value, got {type(updates).__name__}")
         errors: dict[str, str] = {}
@@ -274,6 +265,10 @@ class SharedState:
                 errors[key] = why
             else:
                 clean[key] = norm
+        if self._limits is not None and clean:
+            with self._lock:
+                after = {**(self._values if base is None else base), **clean}
+            errors.update(self._limits.check(after, clean))
         if errors:
             raise StateValidationError(errors)
         return clean
@@ -296,9 +291,8 @@ class SharedState:
     def update(self, updates: dict[str, Any]) -> None:
         """``set`` for several keys at once: all are validated before any is applied."""
         self._require_rank0("set/update")
-        clean = self._validate(updates, allow_read_only=True)
         with self._lock:
-            self._apply(clean)
+            self._apply(self._validate(updates, allow_read_only=True))
 
     def stage(self, updates: dict[str, Any], client: str = "") -> dict:
         """Validate hot updates and queue them for the next step boundary (any thread, rank 0).
@@ -308,9 +302,10 @@ class SharedState:
         ``{"staged": {key: normalised value}, "applies_at_step": global_step + 1}``.
         """
         self._require_rank0("stage")
-        clean = self._validate(updates, allow_read_only=False)
-        now = time.time()
-        with self._lock:
+        with self._lock:  # limits apply to the values as they will be once the queue is applied
+            pending = {**self._values, **{item["key"]: item["value"] for item in self._staged}}
+            clean = self._validate(updates, allow_read_only=False, base=pending)
+            now = time.time()
             for key, value in clean.items():
                 self._staged.append({"key": key, "value": value, "client": str(client), "staged_at": now})
             return {"staged": clean, "applies_at_step": self._values["global_step"] + 1}
@@ -362,13 +357,13 @@ class SharedState:
         if not isinstance(sd, dict) or "values" not in sd:
             raise ValueError(f"SharedState.load_state_dict expects a dict with 'values' (from state_dict()); "
                              f"got {type(sd).__name__} with keys {list(sd) if isinstance(sd, dict) else None}")
-        clean = self._validate(dict(sd["values"]), allow_read_only=True)
+        defaults = {k: d.default for k, d in STATE_KEYS.items()}
+        clean = self._validate(dict(sd["values"]), allow_read_only=True, base=defaults)
         version = sd.get("version", 0)
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValueError(f"SharedState.load_state_dict: 'version' must be an int >= 0, got {version!r}")
         with self._lock:
-            self._values = {k: d.default for k, d in STATE_KEYS.items()}
-            self._values.update(clean)
+            self._values = {**defaults, **clean}
             self._version = version
 
     def save(self, path: str | os.PathLike) -> None:

@@ -19,9 +19,9 @@ def test_declared_keys_and_schema():
         assert not STATE_KEYS[ro].hot
     s = SharedState(rank=0)
     schema = s.schema()
-    assert schema["kl_ctrl_type"]["choices"] == ["fixed", "adaptive", "multiplicative"]
+    assert schema["kl_ctrl_type"]["choices"] == ["fixed", "band", "ziegler"]
     assert schema["kl_kind"]["choices"] == list(KL_KINDS)
-    assert schema["temperature"]["range_text"] == "(0.0, 100.0]"
+    assert schema["temperature"]["range_text"] == "[0.01, 100.0]"  # logits / temperature stays finite
     assert schema["clip_ratio_low"]["range_text"] == "[0.0, 1.0)"  # 1 - low must stay > 0
     assert schema["top_k"]["range_text"] == "[0, inf)"
     assert schema["top_k"] == {**schema["top_k"], "type": "int", "hot": True, "range": [0, None]}
@@ -77,8 +77,8 @@ def test_stage_reports_every_bad_key_and_applies_nothing():
     assert errors["global_step"].startswith("read-only at run time")
     assert errors["top_k"] == "expected int, got float 2.5"
     assert errors["use_kl_penalty"] == "expected bool (true/false), got int 1"
-    assert errors["temperature"] == "0.0 is out of range (0.0, 100.0]"
-    assert errors["kl_ctrl_type"] == "'pid' is not one of ['fixed', 'adaptive', 'multiplicative']"
+    assert errors["temperature"] == "0.0 is out of range [0.01, 100.0]"
+    assert errors["kl_ctrl_type"] == "'pid' is not one of ['fixed', 'band', 'ziegler']"
     assert errors["top_p"] == "expected a finite float, got nan"
     assert isinstance(info.value, ValueError)
     assert s.staged() == [] and s.snapshot() == before
@@ -89,12 +89,12 @@ def test_stage_then_apply_at_boundary():
     s.set("global_step", 7)
     out = s.stage({"kl_coef": 0.2, "top_k": 40}, client="alice")
     assert out == {"staged": {"kl_coef": 0.2, "top_k": 40}, "applies_at_step": 8}
-    assert s["kl_coef"] == 0.001  # not yet applied
+    assert s["kl_coef"] == 0.01  # not yet applied (the config's default)
     s.stage({"kl_coef": 0.3}, client="bob")
     v = s.version
     records = s.apply_staged()
     assert [(r["key"], r["old"], r["new"], r["client"]) for r in records] == [
-        ("kl_coef", 0.001, 0.2, "alice"), ("top_k", 0, 40, "alice"), ("kl_coef", 0.2, 0.3, "bob")]
+        ("kl_coef", 0.01, 0.2, "alice"), ("top_k", 0, 40, "alice"), ("kl_coef", 0.2, 0.3, "bob")]
     assert all(isinstance(r["staged_at"], float) for r in records)
     assert s["kl_coef"] == 0.3 and s.version == v + 3
     assert s.apply_staged() == []

@@ -1,5 +1,6 @@
-"""A corpus of bad configurations, each with the message it must give. Every one fails in the checks the trainer
-runs before building anything (load_config -> validate -> reliability.preflight), naming the key."""
+"""A corpus of bad configurations, each with the message it must give. Every one fails in the checks run before
+anything is built (load_config -> config.check_startup: validate, then paths, reward code, run directory, ...),
+naming the key."""
 import os
 import subprocess
 import sys
@@ -7,32 +8,31 @@ import sys
 import pytest
 
 from e2e_utils import ROOT, TRAIN, base_env
-from verl_ds.config import ConfigError, load_config, validate
-from verl_ds.reliability import preflight
+from verl_ds.config import ConfigError, check_startup, load_config
 
 # (overrides, world size, expected message); {tmp} is a directory holding the fixtures made below
 CORPUS = [
     # unknown keys, wrong types, out of range
     (["actor.lrr=1"], 1, r"unknown config key 'actor.lrr'; did you mean 'lr'"),
     (["trainr.total_steps=1"], 1, r"unknown config key 'trainr'; did you mean 'trainer'"),
-    (["actor.lr=abc"], 1, r"actor.lr: expected a float, got 'abc'"),
-    (["actor.lr=0"], 1, r"actor.lr: must be > 0.0, got 0"),
-    (["trainer.total_steps=2.5"], 1, r"trainer.total_steps: expected an int, got 2.5"),
-    (["trainer.total_steps=0"], 1, r"trainer.total_steps: must be >= 1, got 0"),
-    (["trainer.max_bad_steps=0"], 1, r"trainer.max_bad_steps: must be >= 1, got 0"),
-    (["trainer.dist_timeout_s=0"], 1, r"trainer.dist_timeout_s: must be >= 1, got 0"),
-    (["trainer.progress_bar=1"], 1, r"trainer.progress_bar: expected a bool \(true/false\), got 1"),
-    (["model.dtype=fp16"], 1, r"model.dtype: expected one of 'fp32', 'bf16', got 'fp16'"),
+    (["actor.lr=abc"], 1, r"actor.lr: expected float, got str 'abc'"),
+    (["actor.lr=0"], 1, r"actor.lr: 0.0 is out of range \(0.0, 1.0\]"),
+    (["trainer.total_steps=2.5"], 1, r"trainer.total_steps: expected int, got float 2.5"),
+    (["trainer.total_steps=0"], 1, r"trainer.total_steps: 0 is out of range \[1, inf\)"),
+    (["trainer.max_bad_steps=0"], 1, r"trainer.max_bad_steps: 0 is out of range \[1, inf\)"),
+    (["trainer.dist_timeout_s=0"], 1, r"trainer.dist_timeout_s: 0 is out of range \[1, inf\)"),
+    (["trainer.progress_bar=1"], 1, r"trainer.progress_bar: expected bool \(true/false\), got int 1"),
+    (["model.dtype=fp16"], 1, r"model.dtype: 'fp16' is not one of \['fp32', 'bf16'\]"),
     (["algo.loss_agg_mode=token_mean"], 1, r"algo.loss_agg_mode: .*did you mean 'token-mean'"),
-    (["deepspeed.zero_stage=4"], 1, r"deepspeed.zero_stage: must be <= 3, got 4"),
-    (["rollout.top_p=1.5"], 1, r"rollout.top_p: must be <= 1.0, got 1.5"),
-    (["rollout.temperature=0"], 1, r"rollout.temperature: must be > 0.0, got 0"),
-    (["data.overlong=cut"], 1, r"data.overlong: expected one of 'truncate', 'skip', got 'cut'"),
-    (["trainer.device=tpu"], 1, r"trainer.device: expected one of 'auto', 'cpu', 'cuda', got 'tpu'"),
-    (["server.port=70000"], 1, r"server.port: must be <= 65535, got 70000"),
+    (["deepspeed.zero_stage=4"], 1, r"deepspeed.zero_stage: 4 is out of range \[0, 3\]"),
+    (["rollout.top_p=1.5"], 1, r"rollout.top_p: 1.5 is out of range \(0.0, 1.0\]"),
+    (["rollout.temperature=0"], 1, r"rollout.temperature: 0.0 is out of range \[0.01, 100.0\]"),
+    (["data.overlong=cut"], 1, r"data.overlong: 'cut' is not one of \['truncate', 'skip'\]"),
+    (["trainer.device=tpu"], 1, r"trainer.device: 'tpu' is not one of \['auto', 'cpu', 'cuda'\]"),
+    (["server.port=70000"], 1, r"server.port: 70000 is out of range \[0, 65535\]"),
     (["actor=3"], 1, r"actor: expected a mapping of keys, got 3"),
-    (["reward.functions=parity"], 1, r"reward.functions: expected a list, got 'parity'"),
-    (["model.path=3"], 1, r"model.path: expected str or null, got 3 \(int\)"),
+    (["reward.functions=parity"], 1, r"reward.functions: expected list, got str 'parity'"),
+    (["model.path=3"], 1, r"model.path: expected str or null, got int 3"),
     (["actor.lr=5.0"], 1, r"actor.lr: 5.0 is out of range"),
     # batch arithmetic and cross-field rules
     (["rollout.batch_size=30", "actor.mini_batch_size=16"], 1, r"actor.mini_batch_size=16 must divide rollout.batch_size=30"),
@@ -41,17 +41,20 @@ CORPUS = [
     (["rollout.batch_size=12", "actor.mini_batch_size=6", "actor.micro_batch_size=3"], 4,
      r"actor.mini_batch_size=6 must be divisible by the world size 4"),
     (["actor.micro_batch_size=3"], 1, r"actor.micro_batch_size=3 must divide the per-rank mini-batch"),
-    (["algo.kl_kind=k4"], 1, r"algo.kl_kind: expected one of"),
-    (["algo.clip_ratio_c=0.5"], 1, r"algo.clip_ratio_c: must be > 1"),
+    (["algo.kl_kind=k4"], 1, r"algo.kl_kind: 'k4' is not one of \['auto', 'k1'"),
+    (["algo.clip_ratio_c=0.5"], 1, r"algo.clip_ratio_c: 0.5 is out of range \(1.0, inf\)"),
     (["deepspeed.zero_stage=2", "deepspeed.offload_param=true"], 1, r"deepspeed.offload_param needs deepspeed.zero_stage=3"),
     (["model.hidden_size=63"], 1, r"model.hidden_size=63 must be divisible by model.num_heads=4"),
     (["model.num_kv_heads=3"], 1, r"model.num_heads=4 must be divisible by model.num_kv_heads=3"),
-    (["data.max_prompt_length=250"], 1, r"exceeds model.max_position_embeddings=256"),
+    (["data.max_prompt_length=250"], 1, r"rollout.max_new_tokens: 8 exceeds this run's limit 6 \(model.max_position_embeddings=256 - data.max_prompt_length=250"),
     (["reward.functions=[]"], 1, r"configure at least one of reward.functions or reward.model_path"),
     (["reward.functions=[{weight: 2}]"], 1, r"reward.functions\[0\]: expected a name or \{name, weight, per_token\}"),
     (["trainer.resume=/no/such/dir"], 1, r"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory"),
     (["deepspeed.config_file=/no/such.json"], 1, r"deepspeed.config_file: '/no/such.json' does not exist"),
-    # paths, checked by reliability.preflight before anything is built
+    (["deepspeed.config_file={tmp}/not_json.json"], 1, r"deepspeed.config_file: '.*/not_json.json' is not valid JSON: Expecting"),
+    (["deepspeed.config_file={tmp}/list.json"], 1, r"deepspeed.config_file: '.*/list.json' must hold a JSON object, got a JSON list"),
+    (["deepspeed.config_file={tmp}"], 1, r"deepspeed.config_file: '.*' is a directory; expected a file"),
+    # paths, checked by config.check_startup before anything is built
     (["model.path={tmp}/missing"], 1, r"model.path: '.*/missing' does not exist"),
     (["model.path={tmp}/file.txt"], 1, r"model.path: '.*/file.txt' is not a directory"),
     (["model.path={tmp}/empty"], 1, r"model.path: '.*/empty' has no model files \(looked for config.json\)"),
@@ -85,14 +88,14 @@ def fixtures_dir(tmp_path_factory):
     (d / "file.txt").write_text("not a directory")
     (d / "rewards.py").write_text("def two_args(prompts, responses):\n    return [0.0] * len(prompts)\n")
     (d / "broken.py").write_text("def fn(prompts, responses, batch)\n    return []\n")
+    (d / "not_json.json").write_text("{zero_optimization: 3}")
+    (d / "list.json").write_text("[1, 2]")
     return str(d)
 
 
 def check_before_build(overrides, world=1):
-    """What PPOTrainer runs before it initialises torch.distributed or builds any model."""
-    cfg = load_config(None, overrides)
-    validate(cfg, world)
-    preflight(cfg)
+    """What `verl-ds train` runs before it initialises torch.distributed or builds any model."""
+    check_startup(load_config(None, overrides), world)
 
 
 def test_the_corpus_is_large_enough():

@@ -1,4 +1,6 @@
 """The verl-ds command: config, plan and error exits (no training)."""
+import os
+
 import pytest
 
 from verl_ds.cli import main
@@ -18,6 +20,24 @@ def test_bad_override_exits_2_naming_the_key(capsys):
     assert main(["config", "actor.lrr=1"]) == 2
     err = capsys.readouterr().err
     assert "unknown config key 'actor.lrr'" in err and "did you mean 'lr'" in err
+
+
+def test_config_check_runs_the_start_up_checks(tmp_path, capsys):
+    assert main(["config", "--check", f"trainer.output_dir={tmp_path}/run"]) == 0
+    assert os.path.isdir(tmp_path / "run")  # the run directory is created (and known writable)
+    capsys.readouterr()
+    assert main(["config", "model.path=/no/such/model"]) == 0  # without --check: no machine checks
+    capsys.readouterr()
+    assert main(["config", "--check", "model.path=/no/such/model"]) == 2
+    assert capsys.readouterr().err.strip() == "verl_ds: error: model.path: '/no/such/model' does not exist"
+
+
+def test_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  lr: [1,\n")  # PyYAML's own message spans several lines
+    assert main(["config", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"verl_ds: error: config file '{bad}' is not valid YAML")
 
 
 def test_plan_prints_memory_batches_and_launch_commands(capsys):

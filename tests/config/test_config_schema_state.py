@@ -1,0 +1,194 @@
+"""One schema: SharedState's hot keys come from the config fields (same defaults, ranges, choices, help), hot
+updates obey the same per-run limits as the config, and the KL estimator/placement rule holds on both paths."""
+import json
+import logging
+
+import pytest
+
+from verl_ds.config import Config, ConfigError, initial_state, load_config, run_limits, validate
+from verl_ds.config.schema import iter_fields
+from verl_ds.state import HOT_KEYS, STATE_KEYS, SharedState, StateValidationError
+
+# written out by hand from the task's defaults, not read from the code under test
+EXPECTED_DEFAULTS = {
+    "actor_lr": 1e-3, "critic_lr": 5e-3, "kl_coef": 0.01, "target_kl": 0.1, "kl_ctrl_type": "band",
+    "use_kl_penalty": True, "kl_kind": "k1", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "cliprange_value": 0.5,
+    "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+    "max_new_tokens": 8,
+}
+EXPECTED_RANGES = {
+    "actor_lr": "(0.0, 1.0]", "critic_lr": "(0.0, 1.0]", "kl_coef": "[0.0, 1000.0]", "target_kl": "(0.0, 1000.0]",
+    "clip_ratio_low": "[0.0, 1.0)", "clip_ratio_high": "[0.0, 10.0]", "cliprange_value": "[0.0, 1000000.0]",
+    "entropy_coef": "[0.0, 1.0]", "gamma": "[0.0, 1.0]", "lam": "[0.0, 1.0]", "temperature": "[0.01, 100.0]",
+    "top_k": "[0, inf)", "top_p": "(0.0, 1.0]", "max_new_tokens": "[1, 1048576]",
+}
+
+
+def _config_fields():
+    return {dotted: (spec, f) for dotted, _, spec, f in iter_fields()}
+
+
+def test_state_schema_matches_the_config_defaults_ranges_and_help():
+    schema, cfg, fields = SharedState.schema(), Config(), _config_fields()
+    assert set(HOT_KEYS) == set(EXPECTED_DEFAULTS) and len(HOT_KEYS) == 17
+    for key in HOT_KEYS:
+        entry = schema[key]
+        assert entry["default"] == EXPECTED_DEFAULTS[key], key
+        assert entry["range_text"] == EXPECTED_RANGES.get(key), key
+        dotted = entry["config_key"]
+        spec, _ = fields[dotted]
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if key != "kl_kind":  # the config's 'auto' is resolved before SharedState holds it
+            assert entry["default"] == value and type(entry["default"]) is type(value), key
+        assert entry["description"] == spec.help and entry["hot"], key
+        assert entry["range"] == (None if spec.range_text() is None else [spec.lo, spec.hi]), key
+    assert cfg.algo.kl_kind == "auto" and schema["kl_kind"]["default"] == "k1"
+    assert schema["kl_ctrl_type"]["choices"] == ["fixed", "band", "ziegler"]
+    assert "auto" not in schema["kl_kind"]["choices"] and {"k1", "low_var_kl", "k2", "k3"} <= set(schema["kl_kind"]["choices"])
+    assert SharedState(rank=0).snapshot() == {**{k: d.default for k, d in STATE_KEYS.items()}, **initial_state(cfg)}
+    json.dumps(schema)
+
+
+@pytest.mark.parametrize("key", sorted(EXPECTED_RANGES))
+def test_config_and_state_accept_and_refuse_the_same_values(key):
+    """At and just beyond each bound, a config load and a hot update agree."""
+    d = STATE_KEYS[key]
+    dotted = d.schema()["config_key"]
+    lo, hi = d.range
+    probes = [v for b in (lo, hi) if b is not None for v in ((b - 1, b, b + 1) if d.type is int else
+                                                             (b * (1 - 1e-9) - 1e-12, b, b * (1 + 1e-9) + 1e-12))]
+    outcomes = set()
+    for value in probes:
+        try:
+            load_config(None, [f"{dotted}={value!r}"])
+            config_ok = True
+        except ConfigError:
+            config_ok = False
+        try:
+            SharedState(rank=0).stage({key: value})
+            state_ok = True
+        except StateValidationError:
+            state_ok = False
+        assert config_ok == state_ok, (key, value, config_ok, state_ok)
+        outcomes.add(config_ok)
+    assert outcomes == {True, False}, (key, probes)  # the probes straddle a bound
+
+
+def test_temperatures_that_would_overflow_are_refused_on_both_paths():
+    for tiny in (5e-324, 1e-38, 0.0099):
+        with pytest.raises(ConfigError, match=rf"rollout.temperature: {tiny!r} is out of range \[0.01, 100.0\]"):
+            load_config(None, [f"rollout.temperature={tiny!r}"])
+        with pytest.raises(StateValidationError, match=rf"temperature: {tiny!r} is out of range \[0.01, 100.0\]"):
+            SharedState(rank=0).stage({"temperature": tiny})
+    assert SharedState(rank=0).stage({"temperature": 0.01})["staged"] == {"temperature": 0.01}
+    assert "fp32/bf16" in STATE_KEYS["temperature"].description
+
+
+def test_max_new_tokens_is_limited_by_the_built_in_models_context():
+    cfg = load_config()  # 256 positions, prompts of up to 32 tokens: 224 tokens of room
+    state = SharedState.from_config(cfg, rank=0)
+    assert state.stage({"max_new_tokens": 224})["staged"] == {"max_new_tokens": 224}
+    with pytest.raises(StateValidationError) as info:
+        state.stage({"max_new_tokens": 1048576})
+    assert info.value.errors["max_new_tokens"] == (
+        "1048576 exceeds this run's limit 224 (model.max_position_embeddings=256 - data.max_prompt_length=32: "
+        "prompt and response must fit the model's context)")
+    with pytest.raises(StateValidationError, match="225 exceeds this run's limit 224"):
+        state.update({"max_new_tokens": 225})  # the trainer's own writes too
+    with pytest.raises(StateValidationError, match="300 exceeds this run's limit 224"):
+        state.load_state_dict({"values": {"max_new_tokens": 300}, "version": 1})
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: 225 exceeds this run's limit 224"):
+        validate(load_config(None, ["rollout.max_new_tokens=225"]))
+    assert SharedState(rank=0).stage({"max_new_tokens": 1048576})  # without limits only the static range applies
+
+
+def test_max_new_tokens_is_limited_by_a_local_models_config_json(tmp_path):
+    actor, critic = tmp_path / "actor", tmp_path / "critic"
+    actor.mkdir()
+    critic.mkdir()
+    (actor / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": 48}))
+    (critic / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 40}))
+    cfg = load_config(None, [f"model.path={actor}", "data.max_prompt_length=32"])
+    assert run_limits(cfg).upper["max_new_tokens"].max == 16  # 48 - 32
+    with pytest.raises(ConfigError, match=rf"rollout.max_new_tokens: 17 exceeds this run's limit 16 "
+                                          rf"\(max_position_embeddings of model.path '{actor}'=48"):
+        validate(load_config(None, [f"model.path={actor}", "data.max_prompt_length=32", "rollout.max_new_tokens=17"]))
+    state = SharedState.from_config(cfg, rank=0)
+    with pytest.raises(StateValidationError, match=r"17 exceeds this run's limit 16"):
+        state.stage({"max_new_tokens": 17})
+    both = load_config(None, [f"model.path={actor}", f"model.critic_path={critic}", "data.max_prompt_length=32"])
+    limit = run_limits(both).upper["max_new_tokens"]
+    assert limit.max == 8 and f"n_positions of model.critic_path '{critic}'=40" in limit.why  # the smaller context
+
+
+def test_kl_kind_auto_resolves_for_the_placement():
+    in_reward, in_loss = load_config(), load_config(None, ["algo.kl_placement=loss"])
+    assert validate(in_reward).kl_kind == "k1" and validate(in_loss).kl_kind == "low_var_kl"
+    assert initial_state(in_loss)["kl_kind"] == "low_var_kl"
+    assert SharedState.from_config(in_loss, rank=0)["kl_kind"] == "low_var_kl"
+    assert validate(load_config(None, ["algo.kl_placement=loss", "algo.kl_kind=k2"])).kl_kind == "k2"
+
+
+@pytest.mark.parametrize("kind", ["k1", "kl"])
+def test_a_zero_gradient_estimator_in_the_loss_is_refused_in_config_and_hot_path(kind):
+    with pytest.raises(ConfigError, match=rf"algo.kl_kind: '{kind}' in the loss .*regularises nothing.*low_var_kl"):
+        validate(load_config(None, ["algo.kl_placement=loss", f"algo.kl_kind={kind}"]))
+    state = SharedState.from_config(load_config(None, ["algo.kl_placement=loss"]), rank=0)
+    with pytest.raises(StateValidationError) as info:
+        state.stage({"kl_kind": kind})
+    assert "regularises nothing" in info.value.errors["kl_kind"] and state.staged() == []
+    assert state.stage({"kl_kind": "k2"})["staged"] == {"kl_kind": "k2"}
+    reward_state = SharedState.from_config(load_config(), rank=0)
+    assert reward_state.stage({"kl_kind": kind})["staged"] == {"kl_kind": kind}  # fine in the reward
+
+
+def test_kl_controller_names_and_their_deprecated_aliases(caplog):
+    assert load_config().algo.kl_ctrl == "band"
+    with caplog.at_level(logging.WARNING, logger="verl_ds.config"):
+        assert load_config(None, ["algo.kl_ctrl=adaptive"]).algo.kl_ctrl == "ziegler"
+        assert load_config(None, ["algo.kl_ctrl=multiplicative"]).algo.kl_ctrl == "band"
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["algo.kl_ctrl: 'adaptive' is a deprecated name; use 'ziegler' (the same thing)",
+                     "algo.kl_ctrl: 'multiplicative' is a deprecated name; use 'band' (the same thing)"]
+    assert SharedState(rank=0).stage({"kl_ctrl_type": "adaptive"})["staged"] == {"kl_ctrl_type": "ziegler"}
+    with pytest.raises(ConfigError, match=r"algo.kl_ctrl: 'pid' is not one of \['fixed', 'band', 'ziegler'\]"):
+        load_config(None, ["algo.kl_ctrl=pid"])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([], True), (["algo.kl_coef=0", "algo.kl_ctrl=fixed"], False), (["algo.kl_coef=0"], True),
+    (["algo.use_kl_penalty=false"], False),
+])
+def test_use_kl_penalty_is_the_effective_switch(overrides, expected):
+    assert initial_state(load_config(None, overrides))["use_kl_penalty"] is expected
+
+
+def test_zero_value_clip_range_means_no_clipping_everywhere():
+    assert "0 means no value clipping" in STATE_KEYS["cliprange_value"].description
+    assert SharedState(rank=0).stage({"cliprange_value": 0.0})["staged"] == {"cliprange_value": 0.0}
+    assert load_config(None, ["critic.cliprange_value=0"]).critic.cliprange_value == 0.0
+
+
+def test_batch_arithmetic_with_groups_and_a_critic_micro_batch():
+    cfg = load_config(None, ["rollout.batch_size=8", "rollout.n=4", "actor.mini_batch_size=16",
+                             "actor.micro_batch_size=4", "critic.micro_batch_size=16"])
+    d = validate(cfg, world_size=2)
+    # 8 prompts x 4 = 32 samples; 2 optimizer steps of 16; 8 samples per rank per step
+    assert (d.prompts_per_rank, d.samples_per_rank, d.mini_batches_per_epoch, d.mini_batch_per_rank) == (4, 16, 2, 8)
+    assert (d.grad_accum, d.critic_micro_batch, d.critic_grad_accum) == (2, 8, 1)  # 16 capped at the 8 per rank
+    d1 = validate(load_config(None, ["critic.micro_batch_size=8"]), world_size=1)
+    assert (d1.critic_micro_batch, d1.critic_grad_accum) == (8, 4)  # 32 per rank / 8
+
+
+def test_new_keys_and_their_defaults():
+    cfg = Config()
+    assert (cfg.algo.adv_estimator, cfg.rollout.n, cfg.critic.micro_batch_size, cfg.reward.micro_batch_size) == (
+        "gae", 1, 16, 64)
+    assert (cfg.trainer.verify_checkpoint, cfg.server.swappable_rewards, cfg.server.allow_reward_code,
+            cfg.server.reward_model_dir) == ("edges", [], False, None)
+
+
+def test_state_limits_must_be_run_limits():
+    with pytest.raises(TypeError, match=r"limits must be a RunLimits .* got dict"):
+        SharedState(rank=0, limits={"max_new_tokens": 5})

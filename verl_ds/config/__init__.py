@@ -1,0 +1,26 @@
+"""The job configuration: a tree of dataclasses loaded from YAML plus ``section.key=value`` overrides.
+
+- ``schema``: the fields, each with type, default, range, help, and the SharedState key when hot-updatable
+  (``verl_ds.state`` derives its schema from them).
+- ``loader``: strict YAML (no duplicate keys, bounded nesting) and per-key checks (``load_config``).
+- ``validate``: cross-field rules and the Derived per-rank sizes for a world size.
+- ``limits``: this run's limits on hot keys (context length, KL estimator vs placement), shared with SharedState.
+- ``startup``: ``check_startup``, the gate that refuses a job before anything is built.
+"""
+from .describe import describe
+from .fields import ConfigError, Spec, check_value
+from .limits import Bound, RunLimits, kl_placement_rule, resolve_kl_kind, run_limits
+from .loader import load_config, parse_override
+from .schema import (REDACTED, TOKEN_ENV, ActorConfig, AlgoConfig, Config, CriticConfig, DataConfig,
+                     DeepSpeedConfig, ModelConfig, RewardConfig, RolloutConfig, ServerConfig, TrainerConfig,
+                     hot_fields, iter_fields, write_run_config)
+from .startup import DATA_EXTENSIONS, check_startup, is_loopback
+from .validate import STATE_FROM_CONFIG, Derived, initial_state, validate
+
+__all__ = [
+    "Config", "ConfigError", "Derived", "load_config", "parse_override", "validate", "check_startup", "describe",
+    "initial_state", "STATE_FROM_CONFIG", "run_limits", "RunLimits", "Bound", "kl_placement_rule",
+    "resolve_kl_kind", "write_run_config", "REDACTED", "TOKEN_ENV", "DATA_EXTENSIONS", "is_loopback", "Spec",
+    "check_value", "hot_fields", "iter_fields", "ModelConfig", "DataConfig", "RolloutConfig", "ActorConfig",
+    "CriticConfig", "AlgoConfig", "RewardConfig", "DeepSpeedConfig", "TrainerConfig", "ServerConfig",
+]

@@ -1,0 +1,32 @@
+"""The key reference: a markdown table generated from the fields (docs/config.md is its output)."""
+from __future__ import annotations
+
+import json
+
+from .fields import choices_of, type_name
+from .schema import default_of, iter_fields
+
+
+def _allowed(tp, spec) -> str:
+    choices = choices_of(tp, spec)
+    if choices is not None:
+        shown = tuple(spec.config_only) + tuple(choices)
+        text = ", ".join(f"`{c}`" for c in shown)
+        if spec.aliases:
+            text += " (deprecated: " + ", ".join(f"`{old}`=`{new}`" for old, new in spec.aliases) + ")"
+        return text
+    text = spec.range_text()
+    return f"`{text}`" if text else ""
+
+
+def describe() -> str:
+    """Markdown table of every key: type, default, allowed values, SharedState name when hot-updatable, help."""
+    lines = ["| key | type | default | allowed | hot | help |", "|---|---|---|---|---|---|"]
+    for dotted, tp, spec, f in iter_fields():
+        default = default_of(f)
+        hot = f"`{spec.hot}`" if spec.hot else ""
+        name = "str" if choices_of(tp, spec) is not None else type_name(tp)
+        if spec.items is not None:
+            name = f"list of {type_name(spec.items)}"
+        lines.append(f"| `{dotted}` | {name} | `{json.dumps(default)}` | {_allowed(tp, spec)} | {hot} | {spec.help} |")
+    return "\n".join(lines)

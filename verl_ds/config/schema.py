@@ -1,0 +1,232 @@
+"""The job configuration: a tree of dataclasses, one field per key, each with its type, default, range and help.
+
+A field with ``hot="<name>"`` is also the SharedState key ``<name>`` (``verl_ds.state`` derives its schema from
+these fields: same default, range, choices and help), so it can be changed over HTTP while the run trains.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Iterator, Literal, Optional
+
+import yaml
+
+from .fields import Spec, _f, spec_of
+
+REDACTED = "<redacted>"
+TOKEN_ENV = "VERL_DS_SERVER_TOKEN"
+# logits / temperature must stay finite in fp32 and bf16 (both top out at 3.4e38): at 1e-38 a logit of 4
+# already overflows to inf and the softmax gives NaN, and 5e-324 is 0 in fp32 (a division by zero). At 1e-2
+# logits are scaled by 100, far from overflow, and sampling is already close to greedy.
+MIN_TEMPERATURE = 1e-2
+
+
+def _kl_kinds() -> tuple:
+    from verl_ds.algos import KL_KINDS  # local: the numerics import torch; only needed to check this key
+
+    return tuple(KL_KINDS)
+
+
+def _loss_agg_modes() -> tuple:
+    from verl_ds.algos import LOSS_AGG_MODES
+
+    return tuple(LOSS_AGG_MODES)
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = _f(None, "Local HF causal LM directory for the actor (and ref/critic backbone). None: build a tiny model from the fields below.", nonempty=True)
+    critic_path: Optional[str] = _f(None, "Local HF directory for the critic backbone; None: same as `path` (or the tiny config).", nonempty=True)
+    tokenizer_path: Optional[str] = _f(None, "Local tokenizer directory; None: the model path's tokenizer, or the built-in word-level tokenizer.", nonempty=True)
+    arch: Literal["llama", "qwen2"] = _f("llama", "Architecture of the model built from config when `path` is None.")
+    hidden_size: int = _f(64, "Hidden size of the model built from config.", min=1)
+    intermediate_size: int = _f(128, "MLP size of the model built from config.", min=1)
+    num_layers: int = _f(2, "Layers of the model built from config.", min=1)
+    num_heads: int = _f(4, "Attention heads of the model built from config.", min=1)
+    num_kv_heads: int = _f(2, "Key/value heads of the model built from config.", min=1)
+    max_position_embeddings: int = _f(256, "Context length of the model built from config (prompt + response must fit).", min=8)
+    pad_is_eos: bool = _f(False, "Built-in tokenizer only: make pad == eos (a common real-world setup) to exercise that path.")
+    dtype: Literal["fp32", "bf16"] = _f("fp32", "Parameter / compute dtype of actor, critic and reference engines.")
+    gradient_checkpointing: bool = _f(False, "Activation checkpointing in actor and critic (HF gradient_checkpointing_enable).")
+    init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).")
+
+
+@dataclass
+class DataConfig:
+    train_files: Optional[str] = _f(None, "Prompt file (.jsonl, .ndjson, .json, .parquet, or a datasets save_to_disk dir). None: the built-in parity task, generated.", nonempty=True)
+    val_files: Optional[str] = _f(None, "Held-out prompt file for validation; None with the built-in task: a generated held-out set.", nonempty=True)
+    prompt_key: str = _f("prompt", "Field holding the prompt text.", nonempty=True)
+    passthrough_keys: list = _f([], "Extra fields passed to reward functions in batch.extras (e.g. ['answer']).", items=str, nonempty=True)
+    max_prompt_length: int = _f(32, "Prompt token limit.", min=1)
+    overlong: Literal["truncate", "skip"] = _f("truncate", "What to do with prompts longer than max_prompt_length (counted either way).")
+    apply_chat_template: bool = _f(False, "Wrap each prompt as a user message with the tokenizer's chat template.")
+    num_train_prompts: int = _f(4096, "Built-in task only: number of generated training prompts.", min=1)
+    num_val_prompts: int = _f(64, "Built-in task only: number of generated held-out prompts.", min=1)
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = _f(32, "Prompts per PPO step, summed over data-parallel ranks.", min=1)
+    n: int = _f(1, "Responses sampled per prompt (a group, kept on one rank): each step has batch_size * n samples.", min=1)
+    max_new_tokens: int = _f(8, "Response token limit; also at most the model's context minus data.max_prompt_length.", min=1, max=1 << 20, hot="max_new_tokens")
+    temperature: float = _f(1.0, f"Sampling temperature, also used to score log-probs; >= {MIN_TEMPERATURE} so logits / temperature stays finite in fp32/bf16.", min=MIN_TEMPERATURE, max=100.0, hot="temperature")
+    top_k: int = _f(0, "Top-k sampling (0 disables).", min=0, hot="top_k")
+    top_p: float = _f(1.0, "Nucleus sampling (1.0 disables).", gt=0.0, max=1.0, hot="top_p")
+    log_prob_micro_batch_size: int = _f(64, "Samples per rank in one no-grad forward (old/ref log-probs, values, validation).", min=1)
+    gather_params: bool = _f(True, "Gather the actor's ZeRO-3 parameters once per generate call into a replica (fast); False: per-token gathering under synced_gpus.")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = _f(1e-3, "Actor learning rate.", gt=0.0, max=1.0, hot="actor_lr")
+    weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0)
+    grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
+    ppo_epochs: int = _f(1, "Passes over each rollout batch.", min=1)
+    mini_batch_size: int = _f(32, "Samples per optimizer step, summed over ranks; divides rollout.batch_size * rollout.n.", min=1)
+    micro_batch_size: int = _f(16, "Samples per forward/backward on one rank (gradient accumulation fills the mini-batch).", min=1)
+    sft_warmup_steps: int = _f(0, "Supervised warm-up steps on the task's reference responses before PPO (built-in task only).", min=0)
+
+
+@dataclass
+class CriticConfig:
+    lr: float = _f(5e-3, "Critic learning rate.", gt=0.0, max=1.0, hot="critic_lr")
+    weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0)
+    grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
+    ppo_epochs: int = _f(1, "Critic passes over each rollout batch.", min=1)
+    micro_batch_size: int = _f(16, "Samples per critic forward/backward on one rank (values and updates); capped at the per-rank mini-batch, which it must divide.", min=1)
+    cliprange_value: float = _f(0.5, "Value-loss clip range around the old values; 0 means no value clipping (the plain squared error).", min=0.0, max=1e6, hot="cliprange_value")
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: str = _f("gae", "Advantage estimator (a name in the estimator registry of verl_ds.algos, e.g. gae, grpo, rloo).", nonempty=True)
+    gamma: float = _f(1.0, "Discount.", min=0.0, max=1.0, hot="gamma")
+    lam: float = _f(0.95, "GAE lambda.", min=0.0, max=1.0, hot="lam")
+    kl_placement: Literal["reward", "loss"] = _f("reward", "Where the KL penalty goes: subtracted from the token rewards, or added to the actor loss.")
+    use_kl_penalty: bool = _f(True, "Apply the KL penalty at all (it is off when kl_coef is 0 with the fixed controller).", hot="use_kl_penalty")
+    kl_kind: str = _f("auto", "KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, symmetric; auto = k1 in the reward, low_var_kl in the loss (k1 in the loss has a zero-mean gradient and is refused).", choices=_kl_kinds, config_only=("auto",), hot="kl_kind")
+    kl_coef: float = _f(0.01, "KL coefficient beta (the KL controller rewrites it after each update).", min=0.0, max=1e3, hot="kl_coef")
+    kl_ctrl: Literal["fixed", "band", "ziegler"] = _f("band", "KL controller: fixed; band (coef x1.5 when KL > 1.5 target, x0.8 when KL < 0.5 target); ziegler (Ziegler et al. 2019, proportional). Old names adaptive=ziegler, multiplicative=band.", aliases={"adaptive": "ziegler", "multiplicative": "band"}, hot="kl_ctrl_type")
+    target_kl: float = _f(0.1, "Target per-token KL (nats) of the band and ziegler controllers.", gt=0.0, max=1e3, hot="target_kl")
+    kl_horizon: int = _f(10000, "Horizon of the ziegler controller.", min=1)
+    clip_ratio_low: float = _f(0.2, "PPO ratio clip below 1 (epsilon_low; 1 - epsilon_low must stay > 0).", min=0.0, lt=1.0, hot="clip_ratio_low")
+    clip_ratio_high: float = _f(0.2, "PPO ratio clip above 1 (epsilon_high).", min=0.0, max=10.0, hot="clip_ratio_high")
+    clip_ratio_c: Optional[float] = _f(3.0, "Dual-clip constant for negative advantages (> 1; null disables).", gt=1.0)
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient.", min=0.0, max=1.0, hot="entropy_coef")
+    loss_agg_mode: str = _f("token-mean", "How per-token losses are aggregated (exact across ranks and accumulation).", choices=_loss_agg_modes)
+    whiten_advantages: bool = _f(True, "Whiten advantages with statistics global across data-parallel ranks.")
+
+
+@dataclass
+class RewardConfig:
+    functions: list = _f(["parity"], "Reward functions: shipped names (parity, exact_match, ...) or 'module:fn' / 'file.py:fn'; entries may be {name, weight, per_token}.")
+    model_path: Optional[str] = _f(None, "Local HF sequence-classification reward model (1 label), scored at the last real token.", nonempty=True)
+    model_weight: float = _f(1.0, "Weight of the neural reward in the sum.")
+    micro_batch_size: int = _f(64, "Samples per rank in one forward of the neural reward model.", min=1)
+    num_workers: int = _f(1, "Threads scoring chunks of the batch with the reward functions (rule rewards can be slow; functions must be thread-safe).", min=1)
+    eos_reward: Literal["zero", "keep"] = _f("zero", "Per-token rewards at the EOS position: zeroed or kept.")
+
+
+@dataclass
+class DeepSpeedConfig:
+    zero_stage: int = _f(3, "ZeRO stage of actor and critic (0-3); the reference is always an inference engine.", min=0, max=3)
+    offload_optimizer: bool = _f(False, "Offload optimizer state to CPU.")
+    offload_param: bool = _f(False, "Offload parameters to CPU (ZeRO-3 only).")
+    stage3_max_live_parameters: int = _f(1_000_000_000, "ZeRO-3 max_live_parameters.", min=0)
+    stage3_max_reuse_distance: int = _f(1_000_000_000, "ZeRO-3 max_reuse_distance (0 forces re-gathering; used by the no-hang test).", min=0)
+    stage3_prefetch_bucket_size: int = _f(50_000_000, "ZeRO-3 prefetch bucket size.", min=0)
+    stage3_param_persistence_threshold: int = _f(100_000, "ZeRO-3 parameter persistence threshold.", min=0)
+    config_file: Optional[str] = _f(None, "A DeepSpeed JSON object whose entries override the generated ones (batch sizes stay derived).", nonempty=True)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = _f(150, "PPO steps to run.", min=1)
+    output_dir: str = _f("runs/default", "Run directory: metrics, checkpoints, the HF export.", nonempty=True)
+    resume: str = _f("auto", "auto (latest complete checkpoint in output_dir, if any) | none | a checkpoint directory (global_step_<N>).", nonempty=True)
+    seed: int = _f(0, "Seed for data order, sampling and every rank's RNG.")
+    save_every: int = _f(0, "Checkpoint every N steps (0: only at the end).", min=0)
+    keep_last: int = _f(2, "Checkpoints kept (older ones are deleted).", min=1)
+    verify_checkpoint: Literal["edges", "full"] = _f("edges", "Checkpoint check on resume: digests of each file's first and last MiB (edges), or of whole files (full).")
+    val_every: int = _f(0, "Greedy validation on the held-out prompts every N steps (0: start and end only).", min=0)
+    val_n: int = _f(1, "Validation samples per prompt: >1 adds sampled val/mean@n, val/pass@1 and val/pass@n (unbiased, Chen et al. 2021) to the greedy score.", min=1)
+    val_pass_threshold: float = _f(1.0, "A validation sample counts as correct for pass@k when its score is at least this.")
+    export_hf: bool = _f(True, "Export the trained actor with save_pretrained (safetensors) at the end.")
+    progress_bar: bool = _f(True, "Show a tqdm progress bar on rank 0.")
+    plot: bool = _f(True, "Write reward_curve.png at the end (needs matplotlib).")
+    tensorboard: bool = _f(False, "Also log to TensorBoard (if installed).")
+    wandb: bool = _f(False, "Also log to Weights & Biases (if installed).")
+    dist_timeout_s: int = _f(300, "Collective timeout: a dead rank makes the others fail after this long.", min=1)
+    max_bad_steps: int = _f(3, "Stop after this many consecutive steps with a non-finite loss or gradient.", min=1)
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device for the engines (auto: cuda when available; cuda without CUDA is refused).")
+
+
+@dataclass
+class ServerConfig:
+    enabled: bool = _f(False, "Start the /v1 control-plane HTTP server on rank 0.")
+    host: str = _f("127.0.0.1", "Bind address; a non-loopback address needs a token.", nonempty=True)
+    port: int = _f(0, "Port (0: any free port; the URL is written to the run directory).", min=0, max=65535)
+    token: Optional[str] = _f(None, f"Bearer token for mutating routes; prefer the {TOKEN_ENV} environment variable (never printed or saved).", secret=True)
+    max_body_bytes: int = _f(65536, "Largest accepted request body.", min=1)
+    swappable_rewards: list = _f([], "Reward function specs ('module:fn', 'file.py:fn') that POST /v1/models/reward may swap in, besides the shipped names.", items=str, nonempty=True)
+    allow_reward_code: bool = _f(False, "Let POST /v1/models/reward import any reward function code (logged loudly); off: shipped names and swappable_rewards only.")
+    reward_model_dir: Optional[str] = _f(None, "Directory under which POST /v1/models/reward may load reward models; null: model paths are refused over HTTP.", nonempty=True)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def to_dict(self, redact: bool = True) -> dict:
+        """The config as plain data; secrets (server.token) read ``"<redacted>"`` unless ``redact=False``
+        (internal use only: never print, log or save that form)."""
+        out = dataclasses.asdict(self)
+        if redact:
+            for dotted, _, spec, _ in iter_fields():
+                section, name = dotted.split(".")
+                if spec.secret and out[section][name] is not None:
+                    out[section][name] = REDACTED
+        return out
+
+    def to_yaml(self, redact: bool = True) -> str:
+        return yaml.safe_dump(self.to_dict(redact=redact), sort_keys=False)
+
+
+def iter_fields(cls=Config) -> Iterator[tuple[str, object, Spec, dataclasses.Field]]:
+    """``(dotted key, annotation, spec, field)`` for every leaf key, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    for sec in fields(cls):
+        sub = hints[sec.name]
+        assert is_dataclass(sub), sec.name
+        sub_hints = typing.get_type_hints(sub)
+        for f in fields(sub):
+            yield f"{sec.name}.{f.name}", sub_hints[f.name], spec_of(f), f
+
+
+def default_of(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def hot_fields() -> list[tuple[str, str, object, Spec]]:
+    """``(state key, dotted config key, annotation, spec)`` of every hot-updatable field."""
+    return [(spec.hot, dotted, tp, spec) for dotted, tp, spec, _ in iter_fields() if spec.hot]
+
+
+def write_run_config(cfg: Config, path: str) -> str:
+    """Write the redacted config as YAML to ``path``, readable by its owner only (mode 0600); returns ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an existing file keeps its old mode through O_CREAT
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(cfg.to_yaml())
+    return path

@@ -1,0 +1,162 @@
+"""The start-up gate: every check that can refuse a job before torch.distributed is initialised or any model is
+built. ``check_startup(cfg, world_size)`` runs ``validate`` and then looks at the machine: model, tokenizer, data
+and reward paths, reward functions, the run directory, the checkpoint to resume, the device, and the control
+server's exposure. Each problem is one ConfigError naming the key, what was expected and what was found."""
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Optional
+
+from .fields import ConfigError
+from .schema import TOKEN_ENV, Config
+from .validate import Derived, validate
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model", "sentencepiece.bpe.model")
+# what verl_ds.data.PromptDataset.from_file reads; a directory must be a datasets save_to_disk folder
+DATA_EXTENSIONS = (".jsonl", ".ndjson", ".json", ".parquet")
+_SAVED_DATASET_FILES = (("state.json", "dataset_info.json"), ("dataset_dict.json",))  # a Dataset, a DatasetDict
+
+
+def _check_dir(key: str, path: Optional[str], need: tuple, what: str) -> None:
+    if path is None:
+        return
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}: {path!r} does not exist")
+    if not os.path.isdir(path):
+        raise ConfigError(f"{key}: {path!r} is not a directory (expected a local HF {what} directory)")
+    if need and not any(os.path.isfile(os.path.join(path, n)) for n in need):
+        raise ConfigError(f"{key}: {path!r} has no {what} files (looked for {', '.join(need)})"
+                          + ("; point model.tokenizer_path at the tokenizer" if what == "tokenizer" else ""))
+
+
+def _check_models(cfg: Config) -> None:
+    m = cfg.model
+    _check_dir("model.path", m.path, ("config.json",), "model")
+    _check_dir("model.critic_path", m.critic_path, ("config.json",), "model")
+    if m.tokenizer_path is not None:
+        _check_dir("model.tokenizer_path", m.tokenizer_path, _TOKENIZER_FILES, "tokenizer")
+    elif m.path is not None:
+        _check_dir("model.path", m.path, _TOKENIZER_FILES, "tokenizer")
+    _check_dir("reward.model_path", cfg.reward.model_path, ("config.json",), "model")
+
+
+def _check_data_file(key: str, path: Optional[str]) -> None:
+    if path is None:
+        return
+    if not os.path.exists(path):
+        raise ConfigError(f"{key}: {path!r} does not exist")
+    if os.path.isdir(path):
+        if not any(all(os.path.isfile(os.path.join(path, n)) for n in names) for names in _SAVED_DATASET_FILES):
+            raise ConfigError(f"{key}: {path!r} is a directory but not a data set saved with datasets' save_to_disk "
+                              f"(no state.json + dataset_info.json, nor dataset_dict.json); give a "
+                              f"{', '.join(DATA_EXTENSIONS)} file or such a directory")
+        return
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in DATA_EXTENSIONS:
+        raise ConfigError(f"{key}: {path!r} has the unsupported extension {ext or '(none)'!r}; supported: "
+                          f"{', '.join(DATA_EXTENSIONS)} files, or a datasets save_to_disk directory")
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        raise ConfigError(f"{key}: {path!r} cannot be read: {exc.strerror or exc}") from None
+
+
+def _check_reward_code(cfg: Config) -> None:
+    from verl_ds.rewards import resolve_reward_fn
+
+    specs = [(f"reward.functions[{i}]", s if isinstance(s, str) else s.get("name"))
+             for i, s in enumerate(cfg.reward.functions)]
+    specs += [(f"server.swappable_rewards[{i}]", s) for i, s in enumerate(cfg.server.swappable_rewards)]
+    for where, name in specs:
+        try:
+            resolve_reward_fn(name)
+        except (ValueError, TypeError, ImportError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
+def _check_output_dir(out: str) -> None:
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"trainer.output_dir: cannot create {out!r} ({exc.strerror})") from None
+    if not os.path.isdir(out) or not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"trainer.output_dir: {out!r} is not a writable directory")
+
+
+def _check_resume(cfg: Config) -> None:
+    resume = cfg.trainer.resume
+    if resume in ("auto", "none"):
+        return
+    from verl_ds import checkpoint
+
+    hint = (f"expected a checkpoint directory global_step_<N> (under {os.path.join(cfg.trainer.output_dir, 'checkpoints')!r}"
+            f" for this run), or 'auto' / 'none'")
+    try:
+        checkpoint.step_of(resume)
+    except checkpoint.CheckpointError:
+        raise ConfigError(f"trainer.resume: {resume!r} is not a checkpoint directory; {hint}") from None
+    why = checkpoint.verify(resume, digests=False)  # sizes only here; the load re-hashes
+    if why is not None:
+        raise ConfigError(f"trainer.resume: {resume!r} is not a complete checkpoint ({why}); {hint}")
+
+
+def _check_device(cfg: Config) -> None:
+    if cfg.trainer.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        built = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ConfigError(f"trainer.device: 'cuda' but CUDA is not available ({built}, torch {torch.__version__}); "
+                          "use trainer.device=auto or cpu")
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only reaches this machine (127.0.0.0/8, ::1, or a name resolving only there);
+    '', '0.0.0.0' and '::' mean every interface."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if host == "localhost":
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _check_server(cfg: Config) -> None:
+    s = cfg.server
+    if not s.enabled:
+        return
+    token = (s.token or os.environ.get(TOKEN_ENV) or "").strip()
+    if not token and not is_loopback(s.host):
+        raise ConfigError(f"server.host: {s.host!r} is reachable from other machines and no token is set, so anyone "
+                          f"could change the run; set {TOKEN_ENV}=<secret> (or server.token), or bind "
+                          "server.host=127.0.0.1")
+    if s.reward_model_dir is not None and not os.path.isdir(s.reward_model_dir):
+        raise ConfigError(f"server.reward_model_dir: {s.reward_model_dir!r} is not an existing directory")
+
+
+def check_startup(cfg: Config, world_size: int = 1) -> Derived:
+    """Everything that can refuse the job before anything is built: ``validate(cfg, world_size)``, then paths,
+    reward functions, the run directory (created), the checkpoint to resume, the device and the server.
+    Returns the Derived sizes; raises ConfigError naming the key."""
+    derived = validate(cfg, world_size)
+    _check_device(cfg)
+    _check_models(cfg)
+    _check_data_file("data.train_files", cfg.data.train_files)
+    _check_data_file("data.val_files", cfg.data.val_files)
+    _check_reward_code(cfg)
+    _check_server(cfg)
+    _check_resume(cfg)
+    _check_output_dir(cfg.trainer.output_dir)
+    return derived

@@ -1,0 +1,136 @@
+"""Cross-field rules and derived sizes: what a config means for a given world size, without touching any file
+except the small ones it names (a DeepSpeed JSON, a model's config.json for its context length)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+from .fields import ConfigError
+from .limits import kl_placement_rule, resolve_kl_kind, run_limits
+from .loader import read_text_file
+from .schema import Config, hot_fields
+
+# SharedState key -> the config key that sets its value at step 0
+STATE_FROM_CONFIG: dict[str, str] = {key: dotted for key, dotted, _, _ in hot_fields()}
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Sizes that follow from the config and the world size (never written back into the config).
+
+    Samples are prompts x rollout.n; the n responses of a prompt stay on one rank (a group)."""
+    world_size: int
+    prompts_per_rank: int
+    mini_batches_per_epoch: int
+    mini_batch_per_rank: int  # samples per rank per optimizer step
+    grad_accum: int  # actor micro-batches per optimizer step
+    samples_per_rank: int = 0
+    critic_micro_batch: int = 0  # critic.micro_batch_size capped at the per-rank mini-batch
+    critic_grad_accum: int = 0
+    kl_kind: str = "k1"  # algo.kl_kind with 'auto' resolved for algo.kl_placement
+
+
+def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
+    r, a = cfg.rollout, cfg.actor
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be an int >= 1, got {world_size!r}")
+    samples = r.batch_size * r.n
+    per_step = f"rollout.batch_size * rollout.n = {r.batch_size} * {r.n} = {samples}" if r.n > 1 \
+        else f"rollout.batch_size={r.batch_size}"
+    if r.batch_size % world_size:
+        raise ConfigError(f"rollout.batch_size={r.batch_size} must be divisible by the world size {world_size}")
+    if samples % a.mini_batch_size:
+        raise ConfigError(f"actor.mini_batch_size={a.mini_batch_size} must divide {per_step}")
+    if a.mini_batch_size % world_size:
+        raise ConfigError(f"actor.mini_batch_size={a.mini_batch_size} must be divisible by the world size {world_size}")
+    per_rank = a.mini_batch_size // world_size
+    if per_rank % a.micro_batch_size:
+        raise ConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the per-rank mini-batch "
+                          f"actor.mini_batch_size/world_size = {a.mini_batch_size}/{world_size} = {per_rank}")
+    critic_micro = min(cfg.critic.micro_batch_size, per_rank)
+    if per_rank % critic_micro:
+        raise ConfigError(f"critic.micro_batch_size={cfg.critic.micro_batch_size} must divide the per-rank mini-batch "
+                          f"actor.mini_batch_size/world_size = {a.mini_batch_size}/{world_size} = {per_rank}")
+    return Derived(world_size=world_size, prompts_per_rank=r.batch_size // world_size,
+                   mini_batches_per_epoch=samples // a.mini_batch_size, mini_batch_per_rank=per_rank,
+                   grad_accum=per_rank // a.micro_batch_size, samples_per_rank=samples // world_size,
+                   critic_micro_batch=critic_micro, critic_grad_accum=per_rank // critic_micro,
+                   kl_kind=resolve_kl_kind(cfg.algo.kl_kind, cfg.algo.kl_placement))
+
+
+def _check_reward_functions(cfg: Config) -> None:
+    if not cfg.reward.functions and cfg.reward.model_path is None:
+        raise ConfigError("reward: configure at least one of reward.functions or reward.model_path")
+    for i, spec in enumerate(cfg.reward.functions):
+        where = f"reward.functions[{i}]"
+        if isinstance(spec, dict):
+            unknown = set(spec) - {"name", "weight", "per_token"}
+            if "name" not in spec or unknown:
+                raise ConfigError(f"{where}: expected a name or {{name, weight, per_token}}, got {spec!r}")
+            name, weight, per_token = spec["name"], spec.get("weight", 1.0), spec.get("per_token", False)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(float(weight)):
+                raise ConfigError(f"{where}.weight: expected a finite number, got {weight!r}")
+            if not isinstance(per_token, bool):
+                raise ConfigError(f"{where}.per_token: expected a bool (true/false), got {per_token!r}")
+        else:
+            name = spec
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {spec!r}")
+
+
+def _check_deepspeed_file(path) -> None:
+    if path is None:
+        return
+    text = read_text_file(path, "deepspeed.config_file:")
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"deepspeed.config_file: {path!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"deepspeed.config_file: {path!r} must hold a JSON object, got a JSON {type(data).__name__}")
+
+
+def initial_state(cfg: Config) -> dict:
+    """SharedState's hot values at step 0, from the config (kl_kind resolved, use_kl_penalty effective)."""
+    out = {}
+    for key, dotted in STATE_FROM_CONFIG.items():
+        section, name = dotted.split(".")
+        out[key] = getattr(getattr(cfg, section), name)
+    out["kl_kind"] = resolve_kl_kind(cfg.algo.kl_kind, cfg.algo.kl_placement)
+    out["use_kl_penalty"] = cfg.algo.use_kl_penalty and (cfg.algo.kl_coef > 0 or cfg.algo.kl_ctrl != "fixed")
+    return out
+
+
+def validate(cfg: Config, world_size: int = 1) -> Derived:
+    """Check cross-field rules (batch arithmetic, model shape, KL estimator and placement, this run's limits on
+    hot keys, reward entries, the DeepSpeed JSON) and derive per-rank sizes; ConfigError naming the key."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"validate expects a Config (from load_config), got {type(cfg).__name__}")
+    derived = _batch_arithmetic(cfg, world_size)
+    if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
+        raise ConfigError(f"deepspeed.offload_param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}")
+    m = cfg.model
+    if m.path is None:
+        if m.hidden_size % m.num_heads:
+            raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}")
+        if m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
+    why = kl_placement_rule(cfg.algo.kl_placement, cfg.algo.kl_kind)
+    if why is not None:
+        raise ConfigError(f"algo.kl_kind: {why}")
+    limits = run_limits(cfg)
+    room = limits.upper.get("max_new_tokens")
+    if room is not None and room.max < 1:
+        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} leaves no room for a response "
+                          f"({room.why})")
+    state = initial_state(cfg)
+    for key, reason in limits.check(state, state).items():
+        raise ConfigError(f"{STATE_FROM_CONFIG[key]}: {reason}")
+    _check_reward_functions(cfg)
+    if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
+        raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "
+                          f"got {cfg.trainer.resume!r}")
+    _check_deepspeed_file(cfg.deepspeed.config_file)
+    return derived
