@@ -195,15 +195,14 @@ def test_kl_controller_names_and_deprecated_aliases(caplog):
 
 def test_register_a_custom_kl_controller():
     @register_kl_controller("test_halving")
-    class Halving(FixedKLController):
-        name = "test_halving"
-
+    class Halving(FixedKLController):  # its name comes from the registration, not from FixedKLController
         def update(self, current_kl, n_samples=None):
             self.value *= 0.5
             return self.value
 
     try:
         ctrl = make_kl_controller("test_halving", 0.4)
+        assert ctrl.name == "test_halving" and FixedKLController.name == "fixed"
         assert ctrl.update(1.0, 8) == 0.2 and ctrl.state_dict() == {"kind": "test_halving", "value": 0.2}
         with pytest.raises(TypeError, match="unexpected arguments for the 'test_halving' KL controller: up"):
             make_kl_controller("test_halving", 0.4, up=2.0)

@@ -50,7 +50,8 @@ def test_overlong_penalty_errors():
         overlong_reward_penalty(ok, 8, 2.5)
     with pytest.raises(ValueError, match="response_length must be >= 0, got -3.0"):
         overlong_reward_penalty(torch.tensor([1, -3]), 8, 2)
-    with pytest.raises(ValueError, match=r"response_length must be a \(B,\) integer or float tensor, .* shape \(1, 2\)"):
+    with pytest.raises(ValueError, match=r"response_length must be a \(B,\) integer or float tensor, .* "
+                                         r"shape \(1, 2\)"):
         overlong_reward_penalty(ok[None], 8, 2)
     with pytest.raises(ValueError, match="penalty_factor must be a finite number >= 0, got -1.0"):
         overlong_reward_penalty(ok, 8, 2, -1.0)

@@ -36,8 +36,13 @@ KL_CTRL_KINDS = KL_CONTROLLERS.view()  # fixed, band, ziegler (the deprecated al
 
 
 def register_kl_controller(name: str, *, aliases: tuple = (), deprecated_aliases: tuple = ()):
-    """Class decorator adding a KL controller ``cls(init_kl_coef, target_kl, horizon, **kwargs)``."""
-    return KL_CONTROLLERS.register(name, aliases=aliases, deprecated_aliases=deprecated_aliases)
+    """Class decorator adding a KL controller ``cls(init_kl_coef, target_kl, horizon, **kwargs)``; sets
+    ``cls.name`` to ``name`` (the kind its state_dict records)."""
+    def add(cls):
+        KL_CONTROLLERS.register(name, aliases=aliases, deprecated_aliases=deprecated_aliases)(cls)
+        cls.name = name
+        return cls
+    return add
 
 
 def observed_kl(kl: torch.Tensor, response_mask: torch.Tensor):

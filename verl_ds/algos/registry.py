@@ -69,7 +69,8 @@ class Registry:
         """Remove the entry ``name`` (canonical) and its aliases (plugins that reload, tests)."""
         with self._lock:
             if name not in self._entries:
-                raise ValueError(f"{self.what} {name!r} is not registered (canonical names: {', '.join(self._entries)})")
+                raise ValueError(f"{self.what} {name!r} is not registered "
+                                 f"(canonical names: {', '.join(self._entries)})")
             del self._entries[name]
             for table in (self._alias, self._deprecated):
                 for alias in [a for a, target in table.items() if target == name]:
