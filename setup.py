@@ -26,8 +26,10 @@ setup(
     package_data={"verl_ds.tasks": ["data/*.jsonl"]},
     install_requires=install_requires,
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "matplotlib>=3.7", "pyarrow>=14", "datasets>=2.18"],
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "matplotlib>=3.7", "pyarrow>=14", "datasets>=2.18",
+                "math-verify>=0.9"],
         "plot": ["matplotlib>=3.7"],
+        "math": ["math-verify>=0.9"],  # the math_verify reward
     },
     entry_points={"console_scripts": ["verl-ds=verl_ds.cli:main"]},
 )
