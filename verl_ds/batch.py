@@ -15,14 +15,23 @@ response_length    (B,)      int64    real response tokens per row (1..R)
 done               (B,)      bool     the response ended with EOS (not truncated)
 next_observation   (B, T)    int64    observation shifted left by one token, pad appended: column t
                                       holds the token after column t (the state after action t)
-logprob            (B, R)    float32  log-prob of each response token under the rollout ("old") actor
-ref_logprob        (B, R)    float32  same under the frozen reference
-value, old_value   (B, R)    float32  critic values aligned with response tokens (fresh pass / the
-                                      values the value loss clips around)
-score              (B, R)    float32  token-level task scores from RewardModel.compute_rewards
-reward             (B, R)    float32  token rewards fed to GAE (score - kl_coef * KL when in-reward)
-advantage, return  (B, R)    float32  GAE advantages and returns (``batch.returns`` aliases ``return``)
+group_index        (B,)      int64    the prompt each sample answers (n samples per prompt share it)
+rollout_log_probs  (B, R)    float32  log-probs the sampler reported for the tokens it drew
+old_log_probs      (B, R)    float32  log-prob of each response token under the rollout ("old") actor,
+                                      recomputed by the trainer's forward
+ref_log_probs      (B, R)    float32  same under the frozen reference
+values             (B, R)    float32  critic values aligned with response tokens (the values the
+                                      value loss clips around)
+scores             (B, R)    float32  token-level task scores from RewardModel.compute_rewards
+token_rewards      (B, R)    float32  rewards fed to the advantage estimator (scores - kl_coef * KL
+                                      when the KL is in the reward)
+advantages         (B, R)    float32  advantages (zero outside the response)
+returns            (B, R)    float32  returns (the critic's targets)
 =================  ========  =======  ==========================================================
+
+The design article's names are accepted as aliases: ``logprob`` (old_log_probs), ``ref_logprob``,
+``value`` and ``old_value`` (values), ``score`` (scores), ``reward`` (token_rewards), ``advantage``,
+``return``. A plain mapping of these fields becomes a RolloutBatch with ``RolloutBatch.coerce``.
 
 ``extras`` holds per-sample non-tensor data (prompt texts, ground-truth answers): every value is a
 sequence of length B and is sliced by ``select``/``split`` and joined by ``cat`` like the tensors.
@@ -30,20 +39,22 @@ sequence of length B and is sliced by ``select``/``split`` and joined by ``cat``
 from __future__ import annotations
 
 import difflib
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["RolloutBatch", "FIELDS", "DESIGN_FIELDS", "PPO_FIELDS", "REQUIRED_FOR_LOSS", "ROLLOUT_FIELDS"]
+__all__ = ["RolloutBatch", "FIELDS", "DESIGN_FIELDS", "EXTRA_FIELDS", "REQUIRED_FOR_LOSS", "ROLLOUT_FIELDS",
+           "BatchValidationError"]
 
-DESIGN_FIELDS = ("observation", "action", "logprob", "value", "reward", "next_observation", "done",
-                 "advantage", "return", "mask", "prompt_length", "response_length")
-PPO_FIELDS = ("ref_logprob", "old_value", "response_mask", "score")
-FIELDS = DESIGN_FIELDS + PPO_FIELDS
+# The design's 12 fields (under our names) plus what critic-free RL and the trainer add.
+DESIGN_FIELDS = ("observation", "action", "old_log_probs", "values", "token_rewards", "next_observation", "done",
+                 "advantages", "returns", "mask", "prompt_length", "response_length")
+EXTRA_FIELDS = ("ref_log_probs", "response_mask", "scores", "rollout_log_probs", "group_index")
+FIELDS = DESIGN_FIELDS + EXTRA_FIELDS
 # What generation alone produces (RolloutBatch.from_generation fills these).
 ROLLOUT_FIELDS = ("observation", "action", "mask", "response_mask", "prompt_length", "response_length", "done",
                   "next_observation")
-# The design's "every field present before any loss".
+# Every field a loss reads, for PPO with a critic (critic-free runs drop "values" and "returns").
 REQUIRED_FOR_LOSS = DESIGN_FIELDS + ("response_mask",)
 
 # field -> (dims, dtype); dims use the layout letters above
@@ -56,11 +67,14 @@ _SPEC: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
     "prompt_length": (("B",), torch.int64),
     "response_length": (("B",), torch.int64),
     "done": (("B",), torch.bool),
+    "group_index": (("B",), torch.int64),
     **{f: (("B", "R"), torch.float32) for f in
-       ("logprob", "ref_logprob", "value", "old_value", "score", "reward", "advantage", "return")},
+       ("rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "scores", "token_rewards", "advantages",
+        "returns")},
 }
 _FLOAT_FIELDS = tuple(f for f, (_, dt) in _SPEC.items() if dt == torch.float32)
-_ALIASES = {"returns": "return"}
+_ALIASES = {"logprob": "old_log_probs", "ref_logprob": "ref_log_probs", "value": "values", "old_value": "values",
+            "score": "scores", "reward": "token_rewards", "advantage": "advantages", "return": "returns"}
 
 
 class BatchValidationError(ValueError):
@@ -94,7 +108,7 @@ class RolloutBatch:
     """Dict-like container of the fields above with attribute access (see module docstring).
 
     ``RolloutBatch(observation=..., action=..., returns=..., extras={"prompts": [...]})``; a field not
-    given is None. ``batch.x``, ``batch["x"]`` and ``getattr(batch, "return")`` all work.
+    given is None. ``batch.x``, ``batch["x"]`` and ``"x" in batch`` work, with the aliases above.
     """
 
     __slots__ = ("_data", "extras")
@@ -130,6 +144,33 @@ class RolloutBatch:
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"RolloutBatch.{name} must be a torch.Tensor or None, got {type(value).__name__}")
         self._data[name] = value
+
+    def __contains__(self, name: object) -> bool:
+        """Whether ``name`` is a field (or alias) that is set."""
+        name = _ALIASES.get(name, name) if isinstance(name, str) else name
+        return name in FIELDS and self._data[name] is not None
+
+    @classmethod
+    def coerce(cls, batch: Any, who: str = "batch") -> "RolloutBatch":
+        """A RolloutBatch as it is, or one built from a mapping of field name -> tensor (``extras`` allowed);
+        anything else is a TypeError naming what was expected."""
+        if isinstance(batch, cls):
+            return batch
+        if isinstance(batch, Mapping):
+            fields = {str(k): v for k, v in batch.items() if k != "extras"}
+            unknown = [k for k in fields if _ALIASES.get(k, k) not in FIELDS]
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], FIELDS + tuple(_ALIASES), n=3, cutoff=0.6)
+                hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+                raise BatchValidationError(unknown[0], f"{who} has unknown field(s) {unknown}{hint} "
+                                                       f"Fields: {list(FIELDS)}")
+            for k, v in fields.items():
+                if v is not None and not isinstance(v, torch.Tensor):
+                    raise BatchValidationError(_ALIASES.get(k, k), f"{who}[{k!r}] must be a torch.Tensor, got "
+                                                                   f"{type(v).__name__}")
+            return cls(extras=dict(batch.get("extras") or {}), **fields)
+        raise TypeError(f"{who} must be a RolloutBatch or a mapping of field name -> tensor (e.g. "
+                        f"{{'observation': ..., 'mask': ...}}), got {type(batch).__name__}")
 
     def present(self) -> list[str]:
         """Names of the fields that are set (not None), in FIELDS order."""

@@ -175,16 +175,17 @@ def find_resumable(ckpt_root: str) -> Optional[str]:
     return None
 
 
-def save(ckpt_root: str, step: int, actor_engine, critic_engine, trainer_state: dict, keep_last: int,
-         fault_hook=None) -> str:
+def save(ckpt_root: str, step: int, engines: dict, trainer_state: dict, keep_last: int, on_event=None) -> str:
     """Save a complete checkpoint (all ranks call this); returns its directory.
 
-    ``fault_hook(point)`` is called at named points ("after_actor", "before_manifest", ...): the
-    reliability tests use it to kill the job in the middle of a save.
+    ``engines``: role -> DeepSpeed engine ("actor" first; "critic" when there is one). ``on_event(point)`` is
+    called at named points ("after_actor", "after_critic", "before_manifest", "before_latest"): listeners
+    such as the fault-injection tests see the save's progress.
     """
     name = f"global_step_{step}"
     step_dir = os.path.join(ckpt_root, name)
-    hook = fault_hook or (lambda point: None)
+    hook = on_event or (lambda point: None)
+    actor_engine, critic_engine = engines["actor"], engines.get("critic")
     if vdist.rank() == 0:
         if os.path.isdir(step_dir):  # an incomplete leftover from a killed run: never mix files of two saves
             shutil.rmtree(step_dir)
@@ -193,8 +194,9 @@ def save(ckpt_root: str, step: int, actor_engine, critic_engine, trainer_state: 
     actor_engine.save_checkpoint(os.path.join(step_dir, "actor"), tag="state", client_state={"verl_ds": trainer_state},
                                  save_latest=False)
     hook("after_actor")
-    critic_engine.save_checkpoint(os.path.join(step_dir, "critic"), tag="state", save_latest=False)
-    hook("after_critic")
+    if critic_engine is not None:
+        critic_engine.save_checkpoint(os.path.join(step_dir, "critic"), tag="state", save_latest=False)
+        hook("after_critic")
     torch.save(rng_state(), os.path.join(step_dir, f"rng_rank{vdist.rank()}.pt"))
     vdist.barrier()
     if vdist.rank() == 0:
@@ -221,9 +223,10 @@ def _prune(ckpt_root: str, keep_last: int) -> None:
         shutil.rmtree(os.path.join(ckpt_root, name), ignore_errors=True)
 
 
-def load(step_dir: str, actor_engine, critic_engine) -> dict:
-    """Restore engines (weights, optimizer) and this rank's RNG; returns the trainer state."""
-    reason = verify(step_dir)
+def load(step_dir: str, engines: dict, verify: str = "edges") -> dict:
+    """Restore the engines (weights, optimizer; role -> engine as in ``save``) and this rank's RNG; returns the
+    trainer state."""
+    reason = _verify(step_dir)
     if reason is not None:
         raise CheckpointError(f"cannot resume from {step_dir}: {reason}")
     with open(os.path.join(step_dir, MANIFEST), encoding="utf-8") as fh:
@@ -231,16 +234,21 @@ def load(step_dir: str, actor_engine, critic_engine) -> dict:
     if saved_world is not None and saved_world != vdist.world_size():
         raise CheckpointError(f"{step_dir} was saved with {saved_world} ranks but this job has {vdist.world_size()}; "
                               "ZeRO checkpoints resume at the same world size")
+    actor_engine, critic_engine = engines["actor"], engines.get("critic")
     path, client_state = actor_engine.load_checkpoint(os.path.join(step_dir, "actor"), tag="state",
                                                       load_optimizer_states=True, load_lr_scheduler_states=True)
     if path is None:
         raise CheckpointError(f"DeepSpeed could not load the actor checkpoint in {step_dir}/actor")
-    path, _ = critic_engine.load_checkpoint(os.path.join(step_dir, "critic"), tag="state",
-                                            load_optimizer_states=True, load_lr_scheduler_states=True)
-    if path is None:
-        raise CheckpointError(f"DeepSpeed could not load the critic checkpoint in {step_dir}/critic")
+    if critic_engine is not None:
+        path, _ = critic_engine.load_checkpoint(os.path.join(step_dir, "critic"), tag="state",
+                                                load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the critic checkpoint in {step_dir}/critic")
     rng_file = os.path.join(step_dir, f"rng_rank{vdist.rank()}.pt")
     set_rng_state(torch.load(rng_file, weights_only=False))
     if "verl_ds" not in (client_state or {}):
         raise CheckpointError(f"{step_dir}/actor holds no verl_ds trainer state (not a verl_ds checkpoint?)")
     return client_state["verl_ds"]
+
+
+_verify = verify  # load() takes a `verify` mode argument

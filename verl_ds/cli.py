@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     from verl_ds.dist import LaunchError
 
     from verl_ds.models.reward import RewardFunctionError
-    from verl_ds.reliability import NonFiniteError, RankFailure
+    from verl_ds.runtime import NonFiniteError, RankFailure
 
     try:
         return args.func(args)

@@ -397,3 +397,13 @@ def collate_prompts(items: list[dict], pad_token_id: int) -> dict:
         "prompts": [item["prompt"] for item in items],
         "extras": {k: [item.get(k) for item in items] for k in keys},
     }
+
+
+def write_data_report(run_dir: str, datasets: dict) -> str:
+    """``<run>/data_report.json``: rows read, kept, and skipped/truncated counts by reason, per data set."""
+    report = {name: {"source": ds.source, "rows": ds.n_rows, "kept": len(ds), "problems": ds.report(),
+                     "summary": ds.summary()} for name, ds in datasets.items() if ds is not None}
+    path = os.path.join(run_dir, "data_report.json")
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1)
+    return path

@@ -172,6 +172,21 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def any_rank(local: bool) -> bool:
+    """Collective: whether ``local`` is True on any rank."""
+    flag = torch.tensor([1.0 if local else 0.0])
+    return all_reduce_sum(flag).item() > 0
+
+
+def gather_object(obj) -> list:
+    """Collective: every rank's ``obj``, in rank order, on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return obj

@@ -37,21 +37,19 @@ class Timings:
         return {f"timing_s/{k}": v for k, v in self.seconds.items()}
 
 
-def mean_of_lists(values: dict) -> dict:
-    """{key: [floats]} -> {key: mean}."""
-    return {k: float(sum(v) / len(v)) for k, v in values.items() if len(v)}
-
-
-def reduce_across_ranks(metrics: dict, op: str = "mean") -> dict:
-    """Average (or sum) scalar metrics over ranks; every rank must pass the same keys."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1) or not metrics:
-        return dict(metrics)
+def reduce_metrics(metrics: dict, op: str = "mean") -> dict:
+    """Average (or sum) scalar metrics over ranks in one collective and one host sync; values may be python numbers
+    or 0-d tensors (on any device). Every rank must pass the same keys. Returns python floats."""
+    if not metrics:
+        return {}
     from verl_ds.dist import all_reduce_sum
 
     keys = sorted(metrics)
-    t = all_reduce_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
-    if op == "mean":
-        t /= dist.get_world_size()
+    t = torch.stack([torch.as_tensor(metrics[k]).detach().to("cpu", torch.float64).reshape(()) for k in keys])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = all_reduce_sum(t)
+        if op == "mean":
+            t /= dist.get_world_size()
     return dict(zip(keys, t.tolist()))
 
 

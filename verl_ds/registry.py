@@ -161,6 +161,25 @@ class ModelRegistry:
         with self._lock:
             return self._entries[self._resolve(name)].version
 
+    def versions(self) -> dict[str, int]:
+        """{name: version} of every registered name (saved in checkpoints)."""
+        with self._lock:
+            return {n: e.version for n, e in self._entries.items()}
+
+    def restore_versions(self, versions: dict[str, int]) -> None:
+        """Set the versions of registered names to the saved ones (a resumed run reports what the saved run did);
+        a saved name that is not registered is an error naming it."""
+        with self._lock:
+            missing = sorted(set(versions) - set(self._entries))
+            if missing:
+                raise KeyError(f"restore_versions: {missing} not registered here; registered: {sorted(self._entries)}")
+            for name, version in versions.items():
+                if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                    raise ValueError(f"restore_versions: version of {name!r} must be an int >= 1, got {version!r}")
+                entry = self._entries[name]
+                self._entries[name] = _Entry(entry.model, version, entry.registered_at)
+                self._last_version[name] = max(self._last_version.get(name, 0), version)
+
     def snapshot(self) -> list[dict]:
         """One dict per name: {name, aliases, class, version, registered_at, trainable, num_parameters}.
 

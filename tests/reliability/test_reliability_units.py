@@ -1,4 +1,4 @@
-"""verl_ds.reliability and verl_ds.checkpoint in-process: the fault grammar, the signal flag, the non-finite guard's
+"""verl_ds.runtime, verl_ds.testing.faults and verl_ds.checkpoint in-process: the fault grammar, the signal flag, the non-finite guard's
 batch check and forensic record, checkpoint verification and the choice of the checkpoint to resume from."""
 import json
 import logging
@@ -11,8 +11,10 @@ import torch
 
 from verl_ds import checkpoint as ckpt
 from verl_ds.batch import RolloutBatch
-from verl_ds.reliability import (FAULT_ENV, PREEMPTED_EXIT_CODE, FaultInjector, NonFiniteError, NonFiniteGuard,
-                                 Preempted, PreemptionHandler, is_peer_failure, parse_faults, scan_batch)
+from verl_ds.runtime import (PREEMPTED_EXIT_CODE, NonFiniteError, NonFiniteGuard, Preempted, PreemptionHandler,
+                             is_peer_failure)
+from verl_ds.runtime.nonfinite import scan_batch
+from verl_ds.testing.faults import FAULT_ENV, FaultInjector, parse_faults
 
 
 # --------------------------------------------------------------------------- fault grammar
@@ -49,12 +51,14 @@ def test_injector_only_fires_on_its_step_and_rank():
     inj = FaultInjector(parse_faults("signal_at=step_begin:sig=USR1:step=2:rank=1"), rank=0)
     handler = PreemptionHandler().install()
     try:
-        inj.step_begin(2)  # rank 0: not for us
+        inj.on_event("step_begin", 2)  # rank 0: not for us
         assert handler.received is None
         inj.rank = 1
-        inj.step_begin(1)
+        inj.on_event("step_begin", 1)
         assert handler.received is None
-        inj.step_begin(2)
+        inj.on_event("after_actor", 2)  # another point
+        assert handler.received is None
+        inj.on_event("step_begin", 2)
         assert handler.received == "SIGUSR1"
     finally:
         handler.uninstall()
@@ -102,31 +106,31 @@ def _batch(B=3, R=4):
     b = RolloutBatch.from_generation(prompt_ids, torch.ones(B, 3, dtype=torch.bool), responses, lengths,
                                      torch.tensor([False, True, True])[:B], pad_token_id=0,
                                      extras={"prompt": [f"p{i}" for i in range(B)]})
-    for f in ("logprob", "ref_logprob", "value", "reward", "advantage", "return", "score"):
+    for f in ("old_log_probs", "ref_log_probs", "values", "token_rewards", "advantages", "returns", "scores"):
         b[f] = torch.zeros(B, R)
-    b.score[:, 0] = torch.tensor([0.5, 1.0, 0.0])[:B]
+    b.scores[:, 0] = torch.tensor([0.5, 1.0, 0.0])[:B]
     return b
 
 
 def test_scan_batch_names_samples_positions_and_rewards():
     b = _batch()
     assert scan_batch(b) == []
-    b.logprob[1, 1] = float("nan")
-    b.advantage[1, :] = float("inf")
-    b.value[2, 3] = float("-inf")
+    b.old_log_probs[1, 1] = float("nan")
+    b.advantages[1, :] = float("inf")
+    b.values[2, 3] = float("-inf")
     found = scan_batch(b, responses=["a", "b", "c"], rank=3)
     assert [(s["rank"], s["index"]) for s in found] == [(3, 1), (3, 2)]
-    assert found[0]["nonfinite"] == {"logprob": [1], "advantage": [0, 1, 2, 3]}
+    assert found[0]["nonfinite"] == {"old_log_probs": [1], "advantages": [0, 1, 2, 3]}
     assert found[0]["score"] == 1.0 and found[0]["prompt"] == "p1" and found[0]["response"] == "b"
     assert found[0]["response_length"] == 2 and found[0]["ended_with_eos"] is True
-    assert found[1]["nonfinite"] == {"value": [3]}
+    assert found[1]["nonfinite"] == {"values": [3]}
 
 
 def test_guard_counts_writes_records_and_stops_after_max_bad_steps(tmp_path):
     guard = NonFiniteGuard(max_bad_steps=2, run_dir=str(tmp_path))
     good, bad = _batch(), _batch()
-    bad.ref_logprob[0, 2] = float("nan")
-    bad.reward[0, 2] = float("nan")
+    bad.ref_log_probs[0, 2] = float("nan")
+    bad.token_rewards[0, 2] = float("nan")
     for step, batch, expect in ((1, good, False), (2, bad, True), (3, good, False), (4, bad, True), (5, bad, True)):
         guard.begin_step()
         assert guard.check_batch(batch, planned_updates=4) is expect
@@ -139,9 +143,10 @@ def test_guard_counts_writes_records_and_stops_after_max_bad_steps(tmp_path):
                                              r".*Last forensic record: .*nonfinite/step_5.json") as info:
         guard.raise_if_exhausted()
     record = json.load(open(info.value.record))
-    assert record["step"] == 5 and record["kind"] == "batch" and record["origin"] == "ref_logprob"
-    assert record["fields"] == {"ref_logprob": {"samples": 1, "tokens": 1}, "reward": {"samples": 1, "tokens": 1}}
-    assert record["samples"][0]["nonfinite"] == {"ref_logprob": [2], "reward": [2]}
+    assert record["step"] == 5 and record["kind"] == "batch" and record["origin"] == "ref_log_probs"
+    assert record["fields"] == {"ref_log_probs": {"samples": 1, "tokens": 1},
+                                "token_rewards": {"samples": 1, "tokens": 1}}
+    assert record["samples"][0]["nonfinite"] == {"ref_log_probs": [2], "token_rewards": [2]}
     assert record["samples"][0]["token_reward_sum"] == "nan" and record["samples"][0]["score"] == 0.5
     assert "reference model" in record["hint"]
     assert sorted(os.listdir(tmp_path / "nonfinite")) == ["step_2.json", "step_4.json", "step_5.json"]
@@ -211,7 +216,7 @@ def test_a_damaged_newest_checkpoint_is_named_and_skipped_for_the_previous(tmp_p
     assert any(f"skipping checkpoint {new}: " in r.message and re.search(reason, r.message)
                for r in caplog.records), [r.message for r in caplog.records]
     with pytest.raises(ckpt.CheckpointError, match=f"cannot resume from {new}: "):
-        ckpt.load(new, None, None)
+        ckpt.load(new, {"actor": None})
 
 
 def test_newer_directories_than_latest_are_reported(tmp_path, caplog):

@@ -1,13 +1,15 @@
 """The Models module: components with explicit contracts that the trainer schedules.
 
-BaseModel (the contract), PolicyModel (actor / reference), ValueModel + CriticLM (critic),
-RewardModel (neural scorer and reward functions), PPOModel + PPOConfig (the PPO calls).
+Role contracts (``verl_ds.models.base``): ActionRole, LogProbRole, ValueRole, RewardRole, TrainableRole.
+Components: PolicyModel (the actor), ReferenceModel (the frozen reference), ValueModel + CriticLM (the
+critic), RewardModel (neural scorer and reward functions), PPOModel (the algorithm over them).
 """
-from verl_ds.models.base import BaseModel, MissingModuleError
-from verl_ds.models.policy import PolicyModel
-from verl_ds.models.ppo import PPOConfig, PPOModel
+from verl_ds.models.base import (ActionRole, BaseModel, LogProbRole, MissingModuleError, RewardRole, TrainableRole,
+                                 ValueRole)
+from verl_ds.models.policy import PolicyModel, ReferenceModel
+from verl_ds.models.ppo import PPOModel
 from verl_ds.models.reward import RewardFunctionError, RewardModel
 from verl_ds.models.value import CriticLM, ValueModel
 
-__all__ = ["BaseModel", "MissingModuleError", "PolicyModel", "ValueModel", "CriticLM", "RewardModel",
-           "RewardFunctionError", "PPOModel", "PPOConfig"]
+__all__ = ["BaseModel", "MissingModuleError", "ActionRole", "LogProbRole", "ValueRole", "RewardRole", "TrainableRole",
+           "PolicyModel", "ReferenceModel", "ValueModel", "CriticLM", "RewardModel", "RewardFunctionError", "PPOModel"]

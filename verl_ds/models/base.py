@@ -1,17 +1,18 @@
-"""BaseModel: the contract every model component of verl_ds follows.
+"""BaseModel and the role contracts every model component of verl_ds follows.
 
-Six abstract methods (``get_action``, ``get_value``, ``get_logprob``, ``get_reward``, ``update``,
-``state_dict``); a method that makes no sense for a component (a reward model has no action) raises
-NotImplementedError with a message saying which component to use instead.
+The design fixes six methods: ``get_action``, ``get_value``, ``get_logprob``, ``get_reward``, ``update``,
+``state_dict``. A component carries only the ones its role can honour, through the role ABCs below:
+the actor is a ``PolicyModel`` (acts, scores log-probs, trains), the frozen reference a ``ReferenceModel``
+(scores log-probs), the critic a ``ValueModel`` (values, trains), the reward a ``RewardModel`` (rewards);
+``PPOModel`` schedules them. Every component has ``state_dict()``: its public attributes.
 
-Construction checks ``required_modules`` at once: a missing one raises MissingModuleError whose
-message starts with exactly ``Missing required module: <name>`` and lists what was given; one of the
-wrong kind (``module_types``) raises TypeError naming the kind expected. Concrete subclasses are
-recorded in the registry's class table (``verl_ds.registry.model_classes()``).
+Construction checks ``required_modules`` at once: a missing one raises MissingModuleError whose message
+starts with exactly ``Missing required module: <name>`` and lists what was given; one of the wrong kind
+(``module_types``) raises TypeError naming the kind expected. Concrete subclasses are recorded in the
+registry's class table (``verl_ds.registry.model_classes()``).
 
-Hot hyper-parameters live in ``self._state`` (a :class:`verl_ds.state.SharedState`), never in
-attributes: the trainer and the HTTP control plane change them there and every model reads them at
-call time.
+Hot hyper-parameters live in ``self._state`` (a :class:`verl_ds.state.SharedState`), never in attributes:
+the trainer and the HTTP control plane change them there and every model reads them at call time.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ import torch.nn as nn
 from verl_ds.registry import register_model_class
 from verl_ds.state import SharedState
 
-__all__ = ["BaseModel", "MissingModuleError", "check_observation", "check_mask", "position_ids_from_mask",
-           "unwrap_module"]
+__all__ = ["BaseModel", "MissingModuleError", "ActionRole", "LogProbRole", "ValueRole", "RewardRole", "TrainableRole",
+           "check_observation", "check_mask", "position_ids_from_mask", "unwrap_module", "optimizer_step"]
 
 
 class MissingModuleError(ValueError):
@@ -146,53 +147,35 @@ class BaseModel(ABC):
         """The SharedState this model reads its hot hyper-parameters from."""
         return self._state
 
-    # ---- the contract ---------------------------------------------------------------------------
-    @abstractmethod
-    def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
-                   top_k: int = 50, top_p: float = 0.95):
-        """(action, logprob, entropy) for the next step; no_grad and thread-safe."""
-
-    @abstractmethod
-    def get_value(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) value of each observation."""
-
-    @abstractmethod
-    def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None):
-        """Log-probs of ``action`` given ``observation``."""
-
-    @abstractmethod
-    def get_reward(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) reward of each observation."""
-
-    @abstractmethod
-    def update(self, batch: Any, config: Any) -> None:
-        """In-place update from a batch; hot state is read from and written to ``self._state``."""
-
-    @abstractmethod
+    # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Public, non-weight state (see ``public_state``); weights are checkpointed by their engines."""
+        """The public, non-weight state (see ``public_state``); weights are checkpointed by their engines."""
         return self.public_state()
 
-    # ---- helpers for subclasses -----------------------------------------------------------------
     def public_state(self) -> dict:
-        """The attributes not starting with ``_``, minus modules and callables (the design's rule).
+        """Every attribute not starting with ``_`` (the design's rule: what must survive a checkpoint is public).
 
-        The module slots given to ``__init__`` are skipped even when None.
-
-        Objects with a ``state_dict()`` (KL controllers) contribute that; dataclasses their fields;
-        plain data a deep copy. nn.Modules and nested BaseModels are skipped: their weights belong to
-        the DeepSpeed engine checkpoints.
+        Tensors are saved as detached copies, objects with a ``state_dict()`` (KL controllers) by it,
+        dataclasses by their fields, plain data by a deep copy. Module slots given to ``__init__``,
+        nn.Modules and nested BaseModels are skipped: their weights belong to the engine checkpoints. Any
+        other public attribute is an error naming it: make it private (``_name``) or give it a state_dict.
         """
         out = {}
         for key, value in vars(self).items():
             if key.startswith("_") or key in self._module_names or isinstance(value, (nn.Module, BaseModel)):
                 continue
-            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            if isinstance(value, torch.Tensor):
+                out[key] = value.detach().clone()
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
                 out[key] = dataclasses.asdict(value)
             elif hasattr(value, "state_dict") and callable(value.state_dict):
                 out[key] = value.state_dict()
             elif isinstance(value, (bool, int, float, str, list, tuple, dict, type(None))):
                 out[key] = copy.deepcopy(value)
+            else:
+                raise TypeError(f"{type(self).__name__}.state_dict: public attribute {key!r} holds a "
+                                f"{type(value).__name__}, which cannot be saved in a checkpoint; make it private "
+                                f"(self._{key}) or give it state_dict()/load_state_dict()")
         return out
 
     def load_public_state(self, sd: dict) -> None:
@@ -204,7 +187,9 @@ class BaseModel(ABC):
                 raise KeyError(f"{type(self).__name__}.load_state_dict: unknown key {key!r}; "
                                f"known: {sorted(self.public_state())}")
             current = getattr(self, key)
-            if dataclasses.is_dataclass(current) and not isinstance(current, type):
+            if isinstance(current, torch.Tensor):
+                setattr(self, key, torch.as_tensor(value).to(device=current.device, dtype=current.dtype).clone())
+            elif dataclasses.is_dataclass(current) and not isinstance(current, type):
                 setattr(self, key, type(current)(**value))
             elif hasattr(current, "load_state_dict") and not isinstance(current, nn.Module):
                 current.load_state_dict(value)
@@ -226,15 +211,65 @@ class BaseModel(ABC):
                 out.extend(value.torch_modules())
         return out
 
-    def _not_supported(self, method: str, use: str) -> NotImplementedError:
-        return NotImplementedError(f"{type(self).__name__} does not implement {method}(); {use}")
+
+
+# ---- the role contracts (the design's methods, each on the roles that can honour it) ---------------------
+
+
+class ActionRole(BaseModel):
+    """Samples actions (an LM policy: response tokens) with their log-probs and entropies."""
+
+    @abstractmethod
+    def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
+                   top_k: int = 50, top_p: float = 0.95, **kwargs):
+        """(action, log_probs, entropy); no_grad and thread-safe."""
+
+
+class LogProbRole(BaseModel):
+    """Scores the log-probs of given actions."""
+
+    @abstractmethod
+    def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None,
+                    temperature: float = 1.0, return_entropy: bool = False):
+        """Log-probs (B, R) of ``action`` given ``observation``."""
+
+
+class ValueRole(BaseModel):
+    """Estimates values."""
+
+    @abstractmethod
+    def get_value(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) value of each observation."""
+
+
+class RewardRole(BaseModel):
+    """Scores observations."""
+
+    @abstractmethod
+    def get_reward(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) reward of each observation."""
+
+
+class TrainableRole(BaseModel):
+    """Updated in place from a batch; hot state is read from and written to ``self._state``."""
+
+    @abstractmethod
+    def update(self, batch: Any, config: Any):
+        """One in-place update from ``batch``."""
 
 
 def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: torch.Tensor, lr: float | None,
-                   who: str) -> None:
-    """backward + step for a DeepSpeed engine (``module.backward``/``module.step``) or a plain module
-    with a torch optimizer. ``lr`` is written to the param groups first (hot learning rate) unless the
-    engine owns an LR scheduler."""
+                   who: str, skip: bool = False) -> dict | None:
+    """backward + step for a DeepSpeed engine (``module.backward``/``module.step``) or a plain module with a
+    torch optimizer; returns ``{"grad_norm", "skipped"}`` when an optimizer step was due (a DeepSpeed
+    accumulation boundary, or always for a plain optimizer), else None.
+
+    ``lr`` is written to the param groups first (hot learning rate) unless the engine owns an LR scheduler.
+    ``skip`` drops this step on every rank that passes it: under ZeRO the loss is back-propagated as NaN, so
+    every gradient is NaN and DeepSpeed's overflow check (a non-finite global norm) drops the step, clears
+    the gradients and keeps its counters consistent (a NaN loss alone can leave the gradients finite at
+    masked positions); without ZeRO nothing checks, so the gradients are dropped instead.
+    """
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
         raise ValueError(f"{who}.update: config['loss'] must be a scalar tensor that requires grad, got "
                          f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
@@ -244,12 +279,26 @@ def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: t
         for group in opt.param_groups:
             group["lr"] = lr
     if engine_like:
-        module.backward(loss)
+        boundary = module.is_gradient_accumulation_boundary()
+        zero = module.zero_optimization_stage() > 0
+        module.backward(loss * float("nan") if skip and zero else loss)
+        if skip and not zero:
+            for p in module.module.parameters():
+                p.grad = None
+        skipped_before = module.skipped_steps
         module.step()
-    elif optimizer is not None:
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    else:
+        if not boundary:
+            return None
+        return {"grad_norm": module.get_global_grad_norm(),
+                "skipped": module.skipped_steps > skipped_before or (skip and not zero),
+                "zero_stage": module.zero_optimization_stage()}
+    if optimizer is None:
         raise ValueError(f"{who}.update got a loss but has no optimizer: pass optimizer= at construction or "
                          f"wrap the model in a DeepSpeed engine")
+    loss.backward()
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().norm() for p in params])) if params else None
+    if not skip:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": norm, "skipped": skip, "zero_stage": 0}

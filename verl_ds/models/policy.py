@@ -1,4 +1,7 @@
-"""PolicyModel: a causal LM (HF model or a DeepSpeed engine wrapping one) behind the BaseModel contract."""
+"""The actor and the frozen reference: a causal LM (a HF model or a DeepSpeed engine wrapping one).
+
+``ReferenceModel`` scores log-probs (``get_logprob``). ``PolicyModel`` also samples responses
+(``get_action``, through its rollout engine: HF generate by default) and trains (``update``).""" 
 from __future__ import annotations
 
 import inspect
@@ -7,11 +10,11 @@ from typing import Any
 import torch
 
 from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
-from verl_ds.models.base import (BaseModel, check_mask, check_observation, optimizer_step, position_ids_from_mask,
-                                 unwrap_module)
+from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_mask, check_observation, optimizer_step,
+                                 position_ids_from_mask, unwrap_module)
 from verl_ds.state import SharedState
 
-__all__ = ["PolicyModel", "filter_logits"]
+__all__ = ["PolicyModel", "ReferenceModel", "filter_logits"]
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float, who: str) -> None:
@@ -44,26 +47,19 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
     return x
 
 
-class PolicyModel(BaseModel):
-    """The actor (or the frozen reference): ``lm`` is anything whose
-    ``__call__(input_ids=, attention_mask=, position_ids=)`` returns an object with ``.logits`` (B, T, V):
-    a HF causal LM or a DeepSpeed engine around one.
-
-    Position ids are computed from the attention mask (cumsum - 1), so left-padded prompts get the
-    same positions as unpadded ones. ``optimizer`` is only used by ``update`` when ``lm`` is not a
-    DeepSpeed engine. ``lr_key`` is the SharedState key of this model's learning rate.
-    """
+class ReferenceModel(LogProbRole):
+    """Log-probs of responses under a causal LM: ``lm`` is anything whose
+    ``__call__(input_ids=, attention_mask=, position_ids=)`` returns an object with ``.logits`` (B, T, V): a HF
+    causal LM or a DeepSpeed engine around one. Position ids are computed from the attention mask
+    (cumsum - 1), so left-padded prompts get the same positions as unpadded ones."""
 
     required_modules = ("lm",)
 
-    def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 lr_key: str = "actor_lr"):
+    def __init__(self, lm: Any, state: SharedState | None = None):
         super().__init__(state=state, lm=lm)
         if not callable(lm):
-            raise TypeError(f"PolicyModel: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
+            raise TypeError(f"{type(self).__name__}: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
                             f"{type(lm).__name__}")
-        self._optimizer = optimizer
-        self.lr_key = lr_key
         # Decided once here: which optional HF kwargs the wrapped model's forward accepts.
         params = _forward_params(unwrap_module(lm))
         self._extra_kwargs = {"use_cache": False} if "use_cache" in params else {}
@@ -80,36 +76,10 @@ class PolicyModel(BaseModel):
         logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:1] != observation.shape[:1]:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            raise ValueError(f"PolicyModel: the lm must return logits of shape (B, T, V); got {got}")
+            raise ValueError(f"{type(self).__name__}: the lm must return logits of shape (B, T, V); got {got}")
         if logits.shape[1] < keep:
-            raise ValueError(f"PolicyModel: the lm returned logits for {logits.shape[1]} positions, need {keep}")
+            raise ValueError(f"{type(self).__name__}: the lm returned logits for {logits.shape[1]} positions, need {keep}")
         return logits[:, -keep:]
-
-    # ---- contract ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
-                   top_k: int = 50, top_p: float = 0.95, generator: torch.Generator | None = None):
-        """Sample the next token for each row: returns (action (B,) int64, logprob (B,), entropy (B,)).
-
-        observation (B, T) must end with a real token in every row (prompts left-padded).
-        Temperature, top-k and top-p act on the logits in that order (vLLM). The returned logprob and
-        entropy are those of softmax(logits / temperature) before truncation: the distribution the
-        trainer recomputes with ``get_logprob`` (truncation would bias the PPO ratio). Thread-safe:
-        nothing is cached on self; pass a per-thread ``generator`` for reproducible draws.
-        """
-        who = "PolicyModel.get_action"
-        observation = check_observation(observation, who)
-        mask = check_mask(mask, observation, who)
-        _check_sampling(temperature, top_k, top_p, who)
-        if not bool(mask[:, -1].all()):
-            rows = (~mask[:, -1]).nonzero().flatten().tolist()
-            raise ValueError(f"{who}: the last column must be a real token in every row (left-pad the prompts); "
-                             f"rows {rows} end with padding")
-        logits = self._logits(observation, mask, 1)[:, -1].float()  # (B, V)
-        probs = torch.softmax(filter_logits(logits, temperature, top_k, top_p), dim=-1)
-        action = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        logprob, entropy = logprobs_and_entropy(logits, action, temperature)
-        return action, logprob, entropy
 
     def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None,
                     temperature: float = 1.0, return_entropy: bool = False):
@@ -120,7 +90,7 @@ class PolicyModel(BaseModel):
         With return_entropy, also the entropy (B, R) of each position's distribution. Values at
         padded response positions are meaningless; mask them with the response mask.
         """
-        who = "PolicyModel.get_logprob"
+        who = f"{type(self).__name__}.get_logprob"
         observation = check_observation(observation, who)
         mask = check_mask(mask, observation, who)
         if not isinstance(action, torch.Tensor) or action.dim() != 2 or action.shape[0] != observation.shape[0]:
@@ -141,26 +111,77 @@ class PolicyModel(BaseModel):
             return logprobs_and_entropy(logits, labels, temperature)
         return logprobs_from_logits(logits, labels, temperature)
 
-    def get_value(self, observation, mask=None):
-        raise self._not_supported("get_value", "a policy has no value head; use ValueModel (the critic)")
 
-    def get_reward(self, observation, mask=None):
-        raise self._not_supported("get_reward", "use RewardModel for rewards")
 
-    def update(self, batch: Any, config: Any) -> None:
-        """The actor step hook. With ``config["loss"]`` (a scalar tensor from compute_policy_loss): backward
-        and optimizer step (DeepSpeed engine: ``engine.backward``/``engine.step``; else the optimizer
-        given at construction), at the learning rate ``state[lr_key]`` read now. Without a loss: a
-        no-op (the trainer steps the engines itself)."""
+class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
+    """The actor: scores log-probs like a ReferenceModel, samples responses through ``rollout_engine`` (an
+    object with ``generate(input_ids, attention_mask, *, max_new_tokens, temperature, top_k, top_p, greedy)
+    -> Generation`` and ``refresh()``: ``verl_ds.generation.HFRolloutEngine`` by default, on ``lm`` itself),
+    and trains with ``update``. ``optimizer`` is only used when ``lm`` is not a DeepSpeed engine;
+    ``lr_key`` is the SharedState key of its learning rate."""
+
+    def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None):
+        super().__init__(lm, state=state)
+        self._optimizer = optimizer
+        self.lr_key = lr_key
+        self._rollout_engine = rollout_engine
+        self._tokenizer = tokenizer
+
+    @property
+    def rollout_engine(self):
+        """The sampler behind ``get_action`` (built on first use: HF generate on ``lm``)."""
+        if self._rollout_engine is None:
+            from verl_ds.generation import HFRolloutEngine
+
+            ids = self._tokenizer if self._tokenizer is not None else unwrap_module(self.lm).config
+            pad, eos = getattr(ids, "pad_token_id", None), getattr(ids, "eos_token_id", None)
+            if pad is None or eos is None:
+                raise ValueError("PolicyModel.get_action: the model config has no pad_token_id/eos_token_id; pass "
+                                 "tokenizer= (or a rollout_engine) so responses can end and be padded")
+            self._rollout_engine = HFRolloutEngine(self.lm, pad_token_id=pad, eos_token_id=eos,
+                                                   bos_token_id=getattr(ids, "bos_token_id", None),
+                                                   gather_params=False)
+        return self._rollout_engine
+
+    @torch.no_grad()
+    def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
+                   top_k: int = 50, top_p: float = 0.95, *, max_new_tokens: int = 1, greedy: bool = False):
+        """Sample a response of up to ``max_new_tokens`` tokens for each left-padded prompt row.
+
+        Returns (action (B, R) int64 right-padded with the pad id after each response's end (EOS included),
+        log_probs (B, R) float32, entropy (B, R) float32), R = max_new_tokens; log-probs and entropies are those
+        of softmax(logits / temperature) before top-k/top-p truncation (the distribution the trainer recomputes
+        with ``get_logprob``: truncation would bias the PPO ratio), zero past a response's end. Temperature,
+        top-k and top-p act on the logits in that order (vLLM). ``greedy`` ignores the sampling knobs.
+        """
+        who = "PolicyModel.get_action"
+        observation = check_observation(observation, who)
+        mask = check_mask(mask, observation, who)
+        _check_sampling(temperature, top_k, top_p, who)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"{who}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not bool(mask[:, -1].all()):
+            rows = (~mask[:, -1]).nonzero().flatten().tolist()
+            raise ValueError(f"{who}: the last column must be a real token in every row (left-pad the prompts); "
+                             f"rows {rows} end with padding")
+        gen = self.rollout_engine.generate(observation, mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                                           top_k=top_k, top_p=top_p, greedy=greedy)
+        return gen.responses, gen.log_probs, gen.entropy
+
+    def update(self, batch: Any, config: Any):
+        """One backward + optimizer step from ``config["loss"]`` (a scalar tensor from compute_policy_loss on
+        ``batch``), at the learning rate ``state[lr_key]`` read now; ``config["skip"]`` drops the step (the
+        non-finite guard's answer). DeepSpeed engine: ``engine.backward``/``engine.step`` (a step happens at
+        the accumulation boundary); else the optimizer given at construction. Returns ``{"grad_norm",
+        "skipped"}`` when an optimizer step was due, else None."""
         loss = (config or {}).get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
         if loss is None:
-            return None
-        optimizer_step(self.lm, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__)
-        return None
-
-    def state_dict(self) -> dict:
-        """{"lr_key": ...}: the weights are the engine's (DeepSpeed checkpoint)."""
-        return super().state_dict()
+            raise ValueError("PolicyModel.update: config must hold 'loss', the scalar loss tensor of this batch "
+                             "(from PPOModel.compute_policy_loss)")
+        skip = bool(config.get("skip", False)) if isinstance(config, dict) else False
+        return optimizer_step(self.lm, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
+                              skip=skip)
 
 
 def _forward_params(module: Any) -> set[str]:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import (BaseModel, check_mask, check_observation, last_token_index, optimizer_step,
-                                 position_ids_from_mask, unwrap_module)
+from verl_ds.models.base import (RewardRole, check_mask, check_observation, last_token_index, position_ids_from_mask,
+                                 unwrap_module)
 from verl_ds.state import SharedState
 
 __all__ = ["RewardModel", "RewardFunctionError", "EOS_REWARD_MODES"]
@@ -54,7 +54,7 @@ def _check_weight(weight: Any, who: str) -> float:
     return float(weight)
 
 
-class RewardModel(BaseModel):
+class RewardModel(RewardRole):
     """Scores rollouts. ``model``: optional neural scorer, a HF ``AutoModelForSequenceClassification``
     with one label (or a DeepSpeed engine around one, or any nn.Module returning per-token (B, T)
     or pooled (B,) scores), scored at the last real token of each row (from the attention mask, so
@@ -63,14 +63,16 @@ class RewardModel(BaseModel):
 
     model_weight/model_name: the scorer's weight in the sum and its metric name. eos_reward: for
     per-token functions, "zero" zeroes the EOS position, "keep" keeps it. ``tokenizer`` is kept for
-    callers that decode responses (not used here).
+    callers that decode responses (not used here). ``micro_batch_size``: rows per scorer forward.
+    ``num_workers``: reward functions run on this many chunks of the batch in a thread pool (rule rewards
+    can be slow); 1 calls each function once on the whole batch.
     """
 
     required_modules = ()
 
     def __init__(self, model: nn.Module | None = None, tokenizer: Any = None, state: SharedState | None = None,
                  eos_reward: str = "zero", model_weight: float = 1.0, model_name: str = "reward_model",
-                 optimizer: torch.optim.Optimizer | None = None):
+                 micro_batch_size: int = 64, num_workers: int = 1):
         super().__init__(state=state, model=model)
         if model is not None and not callable(model):
             raise TypeError(f"RewardModel: model must be a sequence-classification nn.Module (or a DeepSpeed engine "
@@ -81,7 +83,10 @@ class RewardModel(BaseModel):
         self.model_weight = _check_weight(model_weight, "RewardModel")
         self.model_name = str(model_name)
         self._tokenizer = tokenizer
-        self._optimizer = optimizer
+        for key, value in (("micro_batch_size", micro_batch_size), ("num_workers", num_workers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RewardModel: {key} must be an int >= 1, got {value!r}")
+        self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
         self._lock = threading.RLock()
         self._fns: tuple[_RewardFn, ...] = ()  # replaced, never mutated: compute_rewards reads one snapshot
         # The HF classifier pools with `input_ids != pad_token_id`, which drops a final EOS when pad == eos.
@@ -147,13 +152,19 @@ class RewardModel(BaseModel):
     # ---- neural scorer -------------------------------------------------------------------------------
     @torch.no_grad()
     def get_reward(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) float32 scores of the neural scorer at the last real token of each row."""
+        """(B,) float32 scores of the neural scorer at the last real token of each row, ``micro_batch_size``
+        rows per forward."""
         who = "RewardModel.get_reward"
         if self.model is None:
             raise ValueError(f"{who}: this RewardModel has no neural scorer (only reward functions: "
                              f"{[f.name for f in self._fns]}); use compute_rewards")
         observation = check_observation(observation, who)
         mask = check_mask(mask, observation, who)
+        mb = self.micro_batch_size
+        return torch.cat([self._score(observation[i:i + mb], mask[i:i + mb], who)
+                          for i in range(0, observation.shape[0], mb)])
+
+    def _score(self, observation: torch.Tensor, mask: torch.Tensor, who: str) -> torch.Tensor:
         B, T = observation.shape
         self._capture.active, self._capture.per_token = True, None
         try:
@@ -205,7 +216,7 @@ class RewardModel(BaseModel):
         rows = torch.arange(B, device=device)
         valid = torch.arange(R, device=device).unsqueeze(0) < rl.unsqueeze(1)  # (B, R)
         total = torch.zeros(B, R, dtype=torch.float32, device=device)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, torch.Tensor] = {}
 
         def place(seq_scores: torch.Tensor) -> torch.Tensor:
             mat = torch.zeros(B, R, dtype=torch.float32, device=device)
@@ -215,9 +226,9 @@ class RewardModel(BaseModel):
         if self.model is not None:
             mat = place(self.get_reward(batch.observation, batch.mask))
             total += self.model_weight * mat
-            metrics[f"reward/{self.model_name}/mean"] = float(mat.sum(-1).mean())
+            metrics[f"reward/{self.model_name}/mean"] = mat.sum(-1).mean()
         for entry in fns:
-            raw = self._call(entry, list(prompts), list(responses), batch)
+            raw = self._call_chunked(entry, list(prompts), list(responses), batch)
             if entry.per_token:
                 mat = _to_token_scores(raw, entry.name, B, R, rl).to(device) * valid
                 if self.eos_reward == "zero":
@@ -228,11 +239,36 @@ class RewardModel(BaseModel):
             else:
                 mat = place(_to_seq_scores(raw, entry.name, B))
             total += entry.weight * mat
-            metrics[f"reward/{entry.name}/mean"] = float(mat.sum(-1).mean())
+            metrics[f"reward/{entry.name}/mean"] = mat.sum(-1).mean()
         return total, metrics
 
+    def _call_chunked(self, entry: _RewardFn, prompts: list, responses: list, batch: Any) -> Any:
+        """``entry.fn`` on the whole batch, or on ``num_workers`` contiguous chunks in a thread pool (the results
+        joined in order: B floats, or B per-token rows)."""
+        B = len(prompts)
+        workers = min(self.num_workers, B)
+        if workers <= 1 or not hasattr(batch, "select"):
+            return self._call(entry, prompts, responses, batch)
+        from concurrent.futures import ThreadPoolExecutor
+
+        bounds = [(B * k // workers, B * (k + 1) // workers) for k in range(workers)]
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward") as pool:
+            parts = list(pool.map(lambda lh: self._call(entry, prompts[lh[0]:lh[1]], responses[lh[0]:lh[1]],
+                                                        batch.select(slice(lh[0], lh[1])), offset=lh[0]), bounds))
+        out = []
+        for (lo, hi), part in zip(bounds, parts):
+            if isinstance(part, torch.Tensor):
+                part = list(part.unbind(0)) if part.dim() > 0 else [part]
+            part = list(part) if not isinstance(part, (str, bytes)) and hasattr(part, "__iter__") else part
+            if not isinstance(part, list) or len(part) != hi - lo:
+                got = len(part) if isinstance(part, list) else type(part).__name__
+                raise RewardFunctionError(entry.name, f"returned {got} value(s) for a chunk of {hi - lo} samples "
+                                                      f"(rows {lo}..{hi - 1}); expected one per sample")
+            out.extend(part)
+        return out
+
     @staticmethod
-    def _call(entry: _RewardFn, prompts: list, responses: list, batch: Any) -> Any:
+    def _call(entry: _RewardFn, prompts: list, responses: list, batch: Any, offset: int = 0) -> Any:
         try:
             return entry.fn(prompts, responses, batch)
         except Exception as e:  # locate the failing sample so the user can reproduce it
@@ -245,28 +281,10 @@ class RewardModel(BaseModel):
                         index = i
                         break
             hint = "" if index is not None else " (not reproducible on any single sample)"
-            raise RewardFunctionError(entry.name, f"raised {type(e).__name__}: {e}{hint}", index) from e
+            raise RewardFunctionError(entry.name, f"raised {type(e).__name__}: {e}{hint}",
+                                      None if index is None else index + offset) from e
 
-    # ---- the rest of the contract --------------------------------------------------------------------
-    def get_action(self, observation, mask=None, temperature=1.0, top_k=50, top_p=0.95):
-        raise self._not_supported("get_action", "a reward model does not act; use PolicyModel")
-
-    def get_value(self, observation, mask=None):
-        raise self._not_supported("get_value", "use ValueModel (the critic) for values")
-
-    def get_logprob(self, observation, action, mask=None):
-        raise self._not_supported("get_logprob", "use PolicyModel for log-probs")
-
-    def update(self, batch: Any, config: Any) -> None:
-        """Reward-model training hook: with ``config["loss"]`` backward + step of the scorer; else a no-op."""
-        loss = (config or {}).get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
-        if loss is None:
-            return None
-        if self.model is None:
-            raise ValueError("RewardModel.update: there is no neural scorer to train")
-        optimizer_step(self.model, self._optimizer, loss, None, type(self).__name__)
-        return None
-
+    # ---- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """eos_reward, model_weight, model_name and the registered functions' names/weights (not the
         functions themselves: they are code, re-registered from the config on resume)."""

@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import (BaseModel, check_mask, check_observation, last_token_index, optimizer_step,
+from verl_ds.models.base import (TrainableRole, ValueRole, check_mask, check_observation, last_token_index,
+                                 optimizer_step,
                                  position_ids_from_mask)
 from verl_ds.state import SharedState
 
@@ -83,8 +84,8 @@ class CriticLM(nn.Module):
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()  # (B, T)
 
 
-class ValueModel(BaseModel):
-    """The critic behind the BaseModel contract.
+class ValueModel(ValueRole, TrainableRole):
+    """The critic: values (``get_value``, per-token ``get_values``) and training (``update``).
 
     ``net`` is a CriticLM, a DeepSpeed engine wrapping one, any nn.Module called as
     ``net(input_ids=, attention_mask=, position_ids=)`` that returns (B, T) values (or an output
@@ -115,8 +116,12 @@ class ValueModel(BaseModel):
                     out = out.squeeze(-1)  # token classifier with one label
             where = "the value network"
         else:
-            out = self.net(observation)
             where = f"the value function {getattr(self.net, '__name__', type(self.net).__name__)!r}"
+            try:
+                out = self.net(observation)
+            except Exception as exc:  # a user callable: say which model and what it was given
+                raise type(exc)(f"ValueModel: {where} failed on observation of shape {tuple(observation.shape)} and "
+                                f"dtype {observation.dtype} (token ids): {exc}") from exc
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"ValueModel: {where} must return a Tensor, got {type(out).__name__}")
         if not out.dtype.is_floating_point:
@@ -159,25 +164,18 @@ class ValueModel(BaseModel):
                              f"{tuple(values.shape)} (a sequence value cannot be aligned with response tokens)")
         return values[:, -response_length - 1:-1]
 
-    def get_action(self, observation, mask=None, temperature=1.0, top_k=50, top_p=0.95):
-        raise self._not_supported("get_action", "a critic does not act; use PolicyModel")
-
-    def get_logprob(self, observation, action, mask=None):
-        raise self._not_supported("get_logprob", "a critic has no policy; use PolicyModel")
-
-    def get_reward(self, observation, mask=None):
-        raise self._not_supported("get_reward", "use RewardModel for rewards")
-
-    def update(self, batch: Any, config: Any) -> None:
-        """The critic step hook: with ``config["loss"]`` backward + step at ``state[lr_key]`` (see
-        PolicyModel.update); without a loss a no-op. A callable value function cannot be trained."""
+    def update(self, batch: Any, config: Any):
+        """One backward + step from ``config["loss"]`` at ``state[lr_key]``, ``config["skip"]`` dropping it (see
+        PolicyModel.update). A callable value function has no parameters to train."""
         loss = (config or {}).get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
         if loss is None:
-            return None
+            raise ValueError("ValueModel.update: config must hold 'loss', the scalar loss tensor of this batch "
+                             "(from PPOModel.compute_value_loss)")
         if not self._is_network:
             raise ValueError("ValueModel.update: a plain value function has no parameters to train")
-        optimizer_step(self.net, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__)
-        return None
+        skip = bool(config.get("skip", False)) if isinstance(config, dict) else False
+        return optimizer_step(self.net, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
+                              skip=skip)
 
     def state_dict(self) -> dict:
         """{"lr_key": ...}: the weights are the engine's (DeepSpeed checkpoint)."""

@@ -1,0 +1,155 @@
+"""Construction: the config in, one plain object with every component of a run out (``build``).
+
+Only what the algorithm needs is built: the critic when the advantage estimator needs one (GAE), the frozen
+reference when a KL term needs one (``algo.kl_coef > 0`` or an adaptive KL controller). Every engine is a
+DeepSpeed engine; the models around them (``verl_ds.models``) are registered in a ModelRegistry under their
+roles, with the aliases the control plane shows.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from verl_ds import algos
+from verl_ds.config import Config, ConfigError, Derived, initial_state, run_limits
+from verl_ds.engines.build import build_actor_model, build_critic_model, load_tokenizer, make_engine
+
+log = logging.getLogger(__name__)
+
+ALIASES = {"actor": ("ppo_actor", "policy"), "critic": ("value", "ppo_critic"), "ref": ("reference",),
+           "reward": ("reward_model",)}
+
+
+@dataclass
+class Components:
+    """Everything a run is made of; the trainer schedules it."""
+    tokenizer: Any
+    train_set: Any
+    val_set: Any
+    sampler: Any
+    engines: dict  # role -> DeepSpeed engine: "actor", and "critic" / "ref" when built
+    state: Any  # SharedState
+    registry: Any  # ModelRegistry: actor, reward, critic?, ref?, ppo
+    ppo: Any  # PPOModel
+    extra: dict = field(default_factory=dict)
+
+
+def kl_needs_reference(cfg: Config) -> bool:
+    """Whether any KL term can be non-zero in this run (then a frozen reference is built)."""
+    from verl_ds.algos.kl_ctrl import KL_CONTROLLERS
+
+    return cfg.algo.kl_coef > 0 or KL_CONTROLLERS.canonical(cfg.algo.kl_ctrl) != "fixed"
+
+
+def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) -> Components:
+    """Tokenizer, data, engines, SharedState, models and registry, on every rank (collective)."""
+    from verl_ds.data import DistributedPromptSampler
+    from verl_ds.generation import HFRolloutEngine
+    from verl_ds.models import PolicyModel, PPOModel, ReferenceModel, ValueModel
+    from verl_ds.registry import ModelRegistry
+    from verl_ds.state import SharedState
+
+    tok = load_tokenizer(cfg)
+    train_set, val_set = build_datasets(cfg, tok, write_report=rank == 0, out_dir=out_dir)
+    sampler = DistributedPromptSampler(len(train_set), derived.prompts_per_rank, rank, world, seed=cfg.trainer.seed)
+
+    actor_model = build_actor_model(cfg, tok)
+    if cfg.actor.sft_warmup_steps:
+        if cfg.data.train_files is not None:
+            raise ConfigError("actor.sft_warmup_steps needs the built-in task (data.train_files is set)")
+        from verl_ds.tasks import parity
+
+        parity.sft_warmup(actor_model, tok, cfg.actor.sft_warmup_steps, cfg.actor.lr, seed=cfg.trainer.seed + 7)
+    engines = {}
+    if kl_needs_reference(cfg):
+        ref_model = build_actor_model(cfg, tok)
+        ref_model.load_state_dict(actor_model.state_dict())  # the reference is the (warmed-up) initial policy
+        engines["ref"] = make_engine(ref_model, cfg, derived, "ref")
+    if algos.get_advantage_estimator(cfg.algo.adv_estimator).needs_critic:
+        critic_model = build_critic_model(cfg, tok, actor_model=actor_model)
+        engines["critic"] = make_engine(critic_model, cfg, derived, "critic", lr=cfg.critic.lr,
+                                        weight_decay=cfg.critic.weight_decay, grad_clip=cfg.critic.grad_clip)
+    engines["actor"] = make_engine(actor_model, cfg, derived, "actor", lr=cfg.actor.lr,
+                                   weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip)
+
+    state = SharedState(rank=rank, limits=run_limits(cfg))
+    if rank == 0:
+        state.update(initial_state(cfg))
+    state.sync()
+
+    rollout_engine = HFRolloutEngine(engines["actor"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                     bos_token_id=tok.bos_token_id, gather_params=cfg.rollout.gather_params)
+    models = {"actor": PolicyModel(engines["actor"], state=state, rollout_engine=rollout_engine, tokenizer=tok),
+              "reward": build_reward(cfg, tok, derived, state=state)}
+    if "critic" in engines:
+        models["critic"] = ValueModel(engines["critic"], state=state)
+    if "ref" in engines:
+        models["ref"] = ReferenceModel(engines["ref"], state=state)
+    registry = ModelRegistry()
+    for role, model in models.items():
+        registry.register(role, model, aliases=ALIASES[role])
+    ppo = PPOModel(state=state, algo=cfg.algo, registry=registry, **models)
+    registry.register("ppo", ppo)
+    if rank == 0:
+        state.set("reward_name", reward_name(cfg.reward.functions, cfg.reward.model_path))
+    return Components(tokenizer=tok, train_set=train_set, val_set=val_set, sampler=sampler, engines=engines,
+                      state=state, registry=registry, ppo=ppo)
+
+
+def build_datasets(cfg: Config, tok, write_report: bool, out_dir: str):
+    """(train, val) PromptDatasets: the configured files, or the generated built-in task."""
+    from verl_ds.data import PromptDataset, write_data_report
+    from verl_ds.tasks import parity
+
+    common = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+                  overlong=cfg.data.overlong, apply_chat_template=cfg.data.apply_chat_template,
+                  passthrough_keys=list(cfg.data.passthrough_keys) or None)
+    if cfg.data.train_files is None:
+        train = PromptDataset.from_records(parity.generate_prompts(cfg.data.num_train_prompts, seed=cfg.trainer.seed),
+                                           tok, **common)
+        val = PromptDataset.from_records(parity.generate_prompts(cfg.data.num_val_prompts,
+                                                                 seed=10_000 + cfg.trainer.seed), tok, **common)
+    else:
+        train = PromptDataset.from_file(cfg.data.train_files, tok, **common)
+        val = PromptDataset.from_file(cfg.data.val_files, tok, **common) if cfg.data.val_files else None
+    if write_report:
+        for name, ds in (("train", train), ("val", val)):
+            if ds is not None and sum(ds.report().values()):
+                log.warning("%s prompts: %s", name, ds.summary())
+        write_data_report(out_dir, {"train": train, "val": val})
+    return train, val
+
+
+def reward_name(functions: list, model_path: Optional[str]) -> str:
+    return "+".join(str(f if isinstance(f, str) else f["name"]) for f in functions) + (" +model" if model_path else "")
+
+
+def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] = None, model_path: Optional[str] = None,
+                 model_weight: Optional[float] = None, state=None):
+    """A RewardModel from reward function specs (shipped names or 'module:fn') and an optional neural scorer
+    (a DeepSpeed inference engine: building one is a collective). Defaults: the config's ``reward`` section."""
+    from verl_ds.models import RewardModel
+    from verl_ds.rewards import resolve_reward_fn
+
+    rc = cfg.reward
+    if functions is None:
+        functions, model_path, model_weight = rc.functions, rc.model_path, rc.model_weight
+    scorer = None
+    if model_path is not None:
+        from transformers import AutoModelForSequenceClassification
+
+        if not os.path.isdir(model_path):
+            raise ConfigError(f"reward model path {model_path!r} does not exist or is not a directory")
+        scorer = make_engine(AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1), cfg,
+                             derived, "ref")
+    reward = RewardModel(model=scorer, tokenizer=tok, state=state, eos_reward=rc.eos_reward,
+                         model_weight=rc.model_weight if model_weight is None else model_weight,
+                         micro_batch_size=rc.micro_batch_size, num_workers=rc.num_workers)
+    for spec in functions:
+        spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+        name = spec["name"]
+        reward.register_reward_fn(resolve_reward_fn(name), name=name.split(":")[-1],
+                                  weight=float(spec.get("weight", 1.0)), per_token=bool(spec.get("per_token", False)))
+    return reward

@@ -1,0 +1,54 @@
+"""Evaluation on the held-out prompts: greedy score, and with ``trainer.val_n`` > 1 sampled mean@n and pass@k.
+
+pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code",
+eq. 1): with n samples of a prompt of which c are correct, 1 - C(n - c, k) / C(n, k), averaged over prompts. A
+sample is correct when its score reaches ``trainer.val_pass_threshold``.
+"""
+from __future__ import annotations
+
+import torch
+
+from verl_ds import dist as vdist
+from verl_ds.rollout import rollout_and_score
+
+
+@torch.no_grad()
+def evaluate(trainer) -> dict:
+    """``val/score/mean`` (greedy) and, with ``trainer.val_n`` > 1, ``val/mean@n``, ``val/pass@1`` and
+    ``val/pass@n``, over every rank's share of the held-out prompts (the same number of prompts per rank:
+    generation may be a collective)."""
+    from verl_ds.algos import pass_at_k
+    from verl_ds.data import collate_prompts
+
+    val_set = trainer.c.val_set
+    if val_set is None:
+        return {}
+    cfg, tok, world = trainer.cfg, trainer.tokenizer, trainer.world
+    hot = trainer.state.snapshot()
+    idx = list(range(trainer.rank, (len(val_set) // world) * world, world))
+    per_call = trainer.derived.prompts_per_rank
+    actor, reward = trainer.registry.get("actor"), trainer.registry.get("reward")
+    n = cfg.trainer.val_n
+    sums = torch.zeros(5, dtype=torch.float64)  # greedy score sum, prompts, sampled score sum, pass@1, pass@n
+    for i in range(0, len(idx), per_call):
+        items = [val_set[j] for j in idx[i:i + per_call]]
+        prompts = collate_prompts(items, tok.pad_token_id)
+        prompts = {k: v.to(trainer.actor_engine.device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+        greedy = rollout_and_score(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"], greedy=True)
+        sums[0] += greedy.batch.scores.sum().item()
+        sums[1] += len(items)
+        if n > 1:
+            sampled = rollout_and_score(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"],
+                                        temperature=hot["temperature"], top_k=hot["top_k"], top_p=hot["top_p"], n=n)
+            scores = sampled.batch.scores.sum(-1).view(len(items), n).double().cpu()
+            correct = (scores >= cfg.trainer.val_pass_threshold).sum(-1).tolist()
+            sums[2] += scores.sum()
+            sums[3] += sum(pass_at_k(n, c, 1) for c in correct)
+            sums[4] += sum(pass_at_k(n, c, n) for c in correct)
+    total = vdist.all_reduce_sum(sums).tolist()
+    prompts_seen = max(total[1], 1.0)
+    out = {"val/score/mean": total[0] / prompts_seen}
+    if n > 1:
+        out.update({f"val/mean@{n}": total[2] / (prompts_seen * n), "val/pass@1": total[3] / prompts_seen,
+                    f"val/pass@{n}": total[4] / prompts_seen})
+    return out

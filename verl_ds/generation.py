@@ -1,0 +1,159 @@
+"""Sampling responses from the actor with HF ``generate``: the HF rollout engine behind ``PolicyModel.get_action``.
+
+Two ways to generate from a ZeRO-3 actor:
+- ``gather_params=True`` (default): once per step the actor's sharded parameters are gathered into a resident
+  replica (``refresh``), and ``generate`` runs on it with no collectives per token (``benchmarks/e2e.py``
+  measures both modes). It costs one copy of the actor per rank: use it when the model fits.
+- ``gather_params=False``: ``generate`` runs on the engine's module, gathering each layer's parameters at
+  every token; ``synced_gpus=True`` keeps ranks that finish early stepping, so a rank with shorter responses
+  does not leave the others waiting forever in a collective.
+
+Every sampling knob is passed explicitly (a complete ``GenerationConfig``), so a checkpoint's
+``generation_config.json`` can never change how we sample: in transformers 4.50-4.57 ``generate`` replaced
+arguments equal to HF's global defaults with the checkpoint's values, and the rollout distribution then differs
+from the one the trainer scores. The log-prob and entropy of each sampled token under softmax(logits /
+temperature), before top-k/top-p truncation (the distribution the trainer recomputes), come back with the
+tokens: a logits processor sees the raw float32 logits, since HF applies custom processors before the
+temperature/top-k/top-p warpers (``GenerationMixin._get_logits_processor``).
+
+The response mask comes from real lengths (up to and including the first EOS), never from ``token != pad``:
+pad == eos is common.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_ds.batch import RolloutBatch
+
+
+@dataclass
+class Generation:
+    """Responses of one ``generate`` call; every tensor is (B, R) or (B,) with R = max_new_tokens."""
+    responses: torch.Tensor  # (B, R) int64, right-padded with pad_token_id after each response's end
+    response_length: torch.Tensor  # (B,) int64, EOS included
+    done: torch.Tensor  # (B,) bool: ended with EOS
+    log_probs: Optional[torch.Tensor] = None  # (B, R) float32 log p(token) under softmax(logits / T); 0 past the end
+    entropy: Optional[torch.Tensor] = None  # (B, R) float32 entropy of that distribution; 0 past the end
+
+
+class SampledTokenStats:
+    """A logits processor recording, per step, the log-prob of the token drawn and the distribution's entropy
+    under softmax(raw logits / temperature). It returns the scores unchanged."""
+
+    def __init__(self, temperature: float):
+        self.inv_t = 1.0 / float(temperature)
+        self._prev: Optional[torch.Tensor] = None  # (B, V) log-softmax of the last step
+        self.log_probs: list[torch.Tensor] = []
+        self.entropy: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._prev is not None:  # the token drawn from the previous step's distribution is now the last id
+            self.log_probs.append(self._prev.gather(1, input_ids[:, -1:]).squeeze(1))
+        logp = torch.log_softmax(scores.float() * self.inv_t, dim=-1)
+        self.entropy.append(-(logp.exp() * logp).sum(-1))
+        self._prev = logp
+        return scores
+
+    def finish(self, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log_probs, entropy), each (B, R), for the R response columns ``generate`` returned."""
+        R, k = responses.shape[1], len(self.log_probs)
+        if self._prev is not None and k < len(self.entropy) and k < R:  # the last step's token
+            self.log_probs.append(self._prev.gather(1, responses[:, k:k + 1]).squeeze(1))
+        B = responses.shape[0]
+        lp = torch.stack(self.log_probs[:R], dim=1) if self.log_probs else responses.new_zeros((B, 0), dtype=torch.float32)
+        ent = torch.stack(self.entropy[:R], dim=1) if self.entropy else lp
+        return lp, ent
+
+
+class HFRolloutEngine:
+    """HF ``generate`` on a causal LM or a DeepSpeed engine around one (see the module docstring)."""
+
+    def __init__(self, lm, *, pad_token_id: int, eos_token_id: int, bos_token_id: Optional[int] = None,
+                 gather_params: bool = True):
+        self.lm = lm
+        self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_token_id, eos_token_id, bos_token_id
+        self.gather_params = gather_params
+        self._replica = None
+
+    @property
+    def module(self):
+        """The HF model under the engine wrapper."""
+        return getattr(self.lm, "module", self.lm)
+
+    @property
+    def device(self):
+        return getattr(self.lm, "device", None) or next(self.module.parameters()).device
+
+    def refresh(self) -> None:
+        """Bring the replica up to date with the actor's current weights (collective under ZeRO-3); call it
+        after every actor update, before the next ``generate``. A no-op with ``gather_params=False``."""
+        if not self.gather_params:
+            return
+        if self._replica is None:
+            self._replica = _Replica(self.module, device=self.device)
+        self._replica.refresh()
+
+    @property
+    def replica(self):
+        return None if self._replica is None else self._replica.module
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> Generation:
+        """Sample up to ``max_new_tokens`` per left-padded prompt; the result is always (B, max_new_tokens) wide."""
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        if self.gather_params:
+            if self._replica is None:
+                self.refresh()
+            model, synced = self._replica.module, False
+        else:
+            model = self.module
+            synced = dist.is_initialized() and dist.get_world_size() > 1
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy, temperature=1.0 if greedy else float(temperature),
+            top_k=0 if greedy else int(top_k), top_p=1.0 if greedy else float(top_p), min_p=None, typical_p=1.0,
+            epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
+            max_new_tokens=int(max_new_tokens), num_beams=1, pad_token_id=self.pad_token_id,
+            eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id, use_cache=True)
+        stats = SampledTokenStats(1.0 if greedy else temperature)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(), generation_config=gen_cfg,
+                             logits_processor=LogitsProcessorList([stats]), synced_gpus=synced)
+        responses = out[:, input_ids.shape[1]:]
+        log_probs, entropy = stats.finish(responses)
+        width = responses.shape[1]
+        if width < max_new_tokens:  # every row stopped early: pad to the fixed width
+            extra = max_new_tokens - width
+            responses = torch.cat([responses, responses.new_full((responses.shape[0], extra), self.pad_token_id)], 1)
+            log_probs = torch.cat([log_probs, log_probs.new_zeros((log_probs.shape[0], extra))], 1)
+            entropy = torch.cat([entropy, entropy.new_zeros((entropy.shape[0], extra))], 1)
+        lengths = RolloutBatch.response_length_from_eos(responses, self.eos_token_id)
+        done = (responses == self.eos_token_id).any(dim=1)
+        # positions after the first EOS hold whatever generate padded with; make them the pad id
+        valid = torch.arange(max_new_tokens, device=responses.device).unsqueeze(0) < lengths.unsqueeze(1)
+        responses = torch.where(valid, responses, torch.full_like(responses, self.pad_token_id))
+        zero = torch.zeros((), dtype=torch.float32, device=responses.device)
+        return Generation(responses=responses.long(), response_length=lengths, done=done,
+                          log_probs=torch.where(valid, log_probs.to(responses.device), zero),
+                          entropy=torch.where(valid, entropy.to(responses.device), zero))
+
+
+class _Replica:
+    """A plain (un-partitioned) copy of a ZeRO-3 module for fast generation, refreshed from the shards."""
+
+    def __init__(self, source: torch.nn.Module, device=None):
+        self.source, self.device = source, device
+        self.module = None
+
+    def refresh(self) -> None:
+        from verl_ds.rollout_replica import empty_like, gathered_state_dict
+
+        state = gathered_state_dict(self.source)
+        if self.module is None:
+            self.module = empty_like(self.source, device=self.device)
+        self.module.load_state_dict(state, strict=True)
+        self.module.eval()

@@ -1,0 +1,1 @@
+"""Test support that ships with the package: fault injection into real runs (``VERL_DS_FAULT``)."""
