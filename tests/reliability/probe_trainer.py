@@ -1,4 +1,4 @@
-"""Build a real PPOTrainer (world size 1, DeepSpeed ZeRO-3 engines) and look inside it; run by
+"""Build a real Trainer (world size 1, DeepSpeed ZeRO-3 engines) and look inside it; run by
 test_startup_checks.py in a subprocess (DeepSpeed initialises torch.distributed once per process).
 
     python probe_trainer.py <result.json> <bad_rewards.py> key.sub=value ...
@@ -14,21 +14,23 @@ import torch
 
 def main(result_path: str, rewards_file: str, overrides: list) -> None:
     from verl_ds.batch import RolloutBatch
+    from verl_ds.builder import build_reward
     from verl_ds.config import load_config
     from verl_ds.data import collate_prompts
     from verl_ds.dist import detect_launch
-    from verl_ds.trainer import PPOTrainer
+    from verl_ds.trainer import Trainer
 
     out = {}
-    trainer = PPOTrainer(load_config(None, overrides), detect_launch())
+    trainer = Trainer(load_config(None, overrides), detect_launch())
     tok = trainer.tokenizer
     out["pad_is_eos"] = tok.pad_token_id == tok.eos_token_id
 
     # pad == eos: the trainer's own rollout and batch; the EOS a response ends with is inside its mask
-    prompts = collate_prompts([trainer.train_set[i] for i in range(8)], tok.pad_token_id)
+    prompts = collate_prompts([trainer.c.train_set[i] for i in range(8)], tok.pad_token_id)
     rows = []
     for _ in range(6):
-        gen = trainer.rollout.generate(prompts["input_ids"], prompts["attention_mask"], max_new_tokens=12, temperature=1.0)
+        gen = trainer.registry.get("actor").rollout_engine.generate(prompts["input_ids"], prompts["attention_mask"],
+                                                                    max_new_tokens=12, temperature=1.0)
         batch = RolloutBatch.from_generation(prompts["input_ids"], prompts["attention_mask"], gen.responses,
                                              gen.response_length, gen.done, pad_token_id=tok.pad_token_id)
         batch.validate(tok.pad_token_id, required=())
@@ -45,7 +47,8 @@ def main(result_path: str, rewards_file: str, overrides: list) -> None:
     # dropout: the engines run in train mode; two passes must give the same numbers
     obs, act, mask = batch.observation, batch.action, batch.mask
     actor, critic, ref = trainer.registry.get("actor"), trainer.registry.get("critic"), trainer.registry.get("ref")
-    out["engines_training"] = {"actor": trainer.actor.module.training, "critic": trainer.critic.module.training}
+    engines = trainer.c.engines
+    out["engines_training"] = {"actor": engines["actor"].module.training, "critic": engines["critic"].module.training}
     with torch.no_grad():
         out["dropout_repeatable"] = {
             "actor": torch.equal(actor.get_logprob(obs, act, mask=mask), actor.get_logprob(obs, act, mask=mask)),
@@ -55,7 +58,7 @@ def main(result_path: str, rewards_file: str, overrides: list) -> None:
     with torch.enable_grad():  # the PPO update's forward, with grad
         out["dropout_repeatable"]["actor_update"] = torch.equal(
             actor.get_logprob(obs, act, mask=mask).detach(), actor.get_logprob(obs, act, mask=mask).detach())
-    out["dropout_rates"] = sorted({f"{type(m).__name__}.{k}={v}" for e in (trainer.actor, trainer.critic, trainer.ref)
+    out["dropout_rates"] = sorted({f"{type(m).__name__}.{k}={v}" for e in engines.values()
                                    for m in e.module.modules() for k, v in vars(m).items()
                                    if "dropout" in k and isinstance(v, float)})
 
@@ -65,7 +68,7 @@ def main(result_path: str, rewards_file: str, overrides: list) -> None:
                                            "response_length/mean")}
     out["reward_errors"] = {}
     for name in ("raises", "wrong_shape", "nan_reward"):
-        trainer.ppo.swap("reward", trainer.build_reward([f"{rewards_file}:{name}"], None, None))
+        trainer.ppo.swap("reward", build_reward(trainer.cfg, tok, trainer.derived, [f"{rewards_file}:{name}"], None, None))
         try:
             trainer.train_step()
             out["reward_errors"][name] = None
