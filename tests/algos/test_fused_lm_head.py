@@ -12,6 +12,15 @@ from verl_ds.algos import logprobs_and_entropy
 from verl_ds.algos.fused_lm_head import fused_linear_logprobs
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # small tensors: one intra-op thread (OpenMP spin-waits slow two threads down on a loaded machine)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _inputs(n, h, v, dtype=torch.float32, bias=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
