@@ -115,8 +115,10 @@ class HFRolloutEngine:
             model = self.module
             synced = dist.is_initialized() and dist.get_world_size() > 1
         gen_cfg = GenerationConfig(
+            # top_k <= 0 disables it (our convention, as vLLM's -1); HF's TopKLogitsWarper refuses a negative k
             do_sample=not greedy, temperature=1.0 if greedy else float(temperature),
-            top_k=0 if greedy else int(top_k), top_p=1.0 if greedy else float(top_p), min_p=None, typical_p=1.0,
+            top_k=0 if greedy or top_k <= 0 else int(top_k), top_p=1.0 if greedy else float(top_p), min_p=None,
+            typical_p=1.0,
             epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
             max_new_tokens=int(max_new_tokens), num_beams=1, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id, use_cache=True)
