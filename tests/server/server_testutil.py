@@ -1,42 +1,42 @@
-"""Helpers for the control-server tests: a real reward swapper, a real HTTP client, a small registry."""
+"""Helpers for the control-server tests: a real reward swapper, real HTTP clients (http.client and raw
+sockets that always read an answer to its end), a small registry, a tiny reward-model checkpoint."""
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import shutil
+import socket
 from urllib.parse import urlsplit
 
 import torch.nn as nn
 
 from verl_ds.registry import ModelRegistry
-from verl_ds.rewards import resolve_reward_fn
-from verl_ds.state import SharedState
+from verl_ds.rewards import parse_reward_swap
+from verl_ds.state import STATE_KEYS, SharedState
 
 TOKEN = "s3cret-token"
 
 
+def default(key: str):
+    """A SharedState key's default (the state module owns the defaults; these tests check the server)."""
+    return STATE_KEYS[key].default
+
+
+def range_text(key: str) -> str:
+    return STATE_KEYS[key].schema()["range_text"]
+
+
 class RecordingRewardSwapper:
-    """A small real reward swapper: validates like the trainer (shipped names / 'module:fn' through
-    resolve_reward_fn, local directories for model_path) and records what it staged."""
+    """A small real reward swapper that does what the trainer does: re-checks the (already validated)
+    request with ``rewards.parse_reward_swap`` (no user code runs) and records what it staged."""
 
     def __init__(self, state: SharedState):
         self.state = state
         self.staged: list[dict] = []
 
-    def stage_reward_swap(self, spec: dict, client: str) -> dict:
-        unknown = set(spec) - {"function", "functions", "model_path"}
-        if unknown:
-            raise ValueError(f"reward swap: unknown field(s) {sorted(unknown)}; expected function, functions, model_path")
-        functions = list(spec.get("functions") or []) + ([{"name": spec["function"]}] if "function" in spec else [])
-        if not functions and "model_path" not in spec:
-            raise ValueError("reward swap: give 'function', 'functions' or 'model_path'")
-        for i, f in enumerate(functions):
-            if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-                raise ValueError(f"reward swap: functions[{i}]: expected {{name, weight}}, got {f!r}")
-            resolve_reward_fn(f["name"])
-        if "model_path" in spec and not os.path.isdir(str(spec["model_path"])):
-            raise ValueError(f"reward swap: model_path {spec['model_path']!r} is not a local directory")
-        request = {"functions": functions, "model_path": spec.get("model_path")}
+    def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
+        request = parse_reward_swap(spec)
         self.staged.append({**request, "client": client})
         return {"staged": request, "applies_at_step": self.state.get("global_step") + 1}
 
@@ -44,23 +44,25 @@ class RecordingRewardSwapper:
 class Answer:
     """Status, headers and body of one HTTP answer (``json`` decoded when the body is JSON)."""
 
-    def __init__(self, resp: http.client.HTTPResponse):
-        self.status = resp.status
-        self.headers = {k.lower(): v for k, v in resp.getheaders()}
-        self.raw = resp.read()
-        self.text = self.raw.decode("utf-8")
-        is_json = self.headers.get("content-type", "").startswith("application/json") and self.raw
+    def __init__(self, status: int, headers: dict, raw: bytes):
+        self.status, self.headers, self.raw = status, headers, raw
+        self.text = raw.decode("utf-8")
+        is_json = headers.get("content-type", "").startswith("application/json") and raw
         self.json = json.loads(self.text) if is_json else None
+
+    @classmethod
+    def of(cls, resp: http.client.HTTPResponse) -> "Answer":
+        return cls(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
 
     def __repr__(self):
         return f"Answer({self.status}, {self.text[:300]!r})"
 
 
 def call(url: str, method: str, path: str, body=None, token: str | None = None, headers: dict | None = None,
-         raw: bytes | None = None) -> Answer:
+         raw: bytes | None = None, timeout: float = 10.0) -> Answer:
     """One request on a fresh connection; ``body`` is sent as JSON, ``raw`` as given."""
     parts = urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
         hdrs = dict(headers or {})
         data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -69,11 +71,87 @@ def call(url: str, method: str, path: str, body=None, token: str | None = None, 
         if token is not None:
             hdrs["Authorization"] = f"Bearer {token}"
         conn.request(method, path, body=data, headers=hdrs)
-        return Answer(conn.getresponse())
+        return Answer.of(conn.getresponse())
     finally:
         conn.close()
 
 
+# ---- raw sockets: every read goes to the end of an answer (Content-Length, chunked, or close) --------------
+class RawReader:
+    """Reads HTTP answers from a socket, keeping what it read past the current one."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+
+    def _more(self, what: str) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"connection closed while reading {what}; got {self.buf[:200]!r}")
+        self.buf += chunk
+
+    def head(self) -> tuple[int, dict]:
+        """The next status line and headers (a ``100 Continue`` counts as one answer)."""
+        while b"\r\n\r\n" not in self.buf:
+            self._more("an answer's head")
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+        return int(lines[0].split(" ", 2)[1]), headers
+
+    def answer(self) -> Answer:
+        """The next final answer, body read to its end."""
+        status, headers = self.head()
+        while 100 <= status < 200:
+            status, headers = self.head()
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            while len(self.buf) < n:
+                self._more(f"a {n}-byte body")
+            body, self.buf = self.buf[:n], self.buf[n:]
+        elif "chunked" in headers.get("transfer-encoding", ""):
+            body = b""
+            while True:
+                while b"\r\n" not in self.buf:
+                    self._more("a chunk size")
+                size_line, _, self.buf = self.buf.partition(b"\r\n")
+                size = int(size_line.split(b";")[0], 16)
+                while len(self.buf) < size + 2:
+                    self._more("a chunk")
+                body, self.buf = body + self.buf[:size], self.buf[size + 2:]
+                if size == 0:
+                    break
+        else:
+            body = self.rest()
+        return Answer(status, headers, body)
+
+    def rest(self) -> bytes:
+        """Everything until the server closes the connection."""
+        while chunk := self.sock.recv(65536):
+            self.buf += chunk
+        out, self.buf = self.buf, b""
+        return out
+
+
+def raw_exchange(port: int, data: bytes, timeout: float = 30.0) -> Answer:
+    """Send raw bytes, half-close, and read the answer to its end."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        return RawReader(s).answer()
+
+
+def dropped(sock: socket.socket) -> bool:
+    """True when the server closed ``sock`` without answering (EOF or reset); waits up to the socket timeout."""
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+# ---- models --------------------------------------------------------------------------------------------------
 class Box:
     """A registry entry that is not a torch module (like a function reward)."""
 
@@ -87,3 +165,28 @@ def make_registry() -> ModelRegistry:
     reg.register("ref", frozen, aliases=("reference",))
     reg.register("reward", Box(), aliases=("reward_model",))
     return reg
+
+
+def save_tiny_reward_model(path: str, vocab_size: int = 64) -> str:
+    """A real 1-label LlamaForSequenceClassification checkpoint (save_pretrained) in ``path``."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    LlamaForSequenceClassification(cfg).save_pretrained(path)
+    return path
+
+
+def variant(src: str, dst: str, *, drop: tuple = (), weights: bool = True, **config_changes) -> str:
+    """A copy of checkpoint ``src`` in ``dst`` with config.json keys changed (None deletes) or dropped."""
+    os.makedirs(dst)
+    with open(os.path.join(src, "config.json")) as fh:
+        config = json.load(fh)
+    for k in drop:
+        config.pop(k, None)
+    config.update(config_changes)
+    with open(os.path.join(dst, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    if weights:
+        shutil.copy(os.path.join(src, "model.safetensors"), dst)
+    return dst

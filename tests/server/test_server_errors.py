@@ -3,31 +3,12 @@ import json
 import logging
 import socket
 import threading
-import time
 
 import pytest
-from server_testutil import TOKEN, call, make_registry
+from server_testutil import TOKEN, RawReader, call, default, dropped, make_registry, range_text, raw_exchange
 
 from verl_ds.server import TOKEN_ENV, ControlServer, is_loopback
 from verl_ds.state import SharedState
-
-
-def raw_exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
-    """Send raw bytes, half-close, and read everything the server answers."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
-        chunks = []
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-
-
-def status_and_json(answer: bytes) -> tuple[int, dict]:
-    head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
 # ---- authentication -------------------------------------------------------------------------------------------
@@ -146,9 +127,10 @@ def test_body_over_limit_is_413_before_reading(server, parts):
     # Content-Length announces 10 MB that are never sent: the answer must come without reading them
     head = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
             "Content-Length: 10000000\r\n\r\n").encode()
-    status, body = status_and_json(raw_exchange(server.port, head))
-    assert status == 413 and body["error"] == ("request body of 10000000 bytes is over the limit of 1024 bytes "
-                                               "(server.max_body_bytes)")
+    a = raw_exchange(server.port, head)
+    assert a.status == 413 and a.json["error"] == ("request body of 10000000 bytes is over the limit of 1024 bytes "
+                                                   "(server.max_body_bytes)")
+    assert a.headers["connection"] == "close"
     just_over = call(server.url, "PATCH", "/v1/state", raw=b'{"lam": 0.9' + b" " * 1020 + b"}", token=TOKEN)
     assert just_over.status == 413 and just_over.headers["connection"] == "close"
     assert parts["state"].staged() == []
@@ -157,38 +139,36 @@ def test_body_over_limit_is_413_before_reading(server, parts):
 def test_expect_100_continue(server, parts):
     head = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
             "Expect: 100-continue\r\nContent-Length: 5000\r\n\r\n").encode()
-    status, body = status_and_json(raw_exchange(server.port, head))  # refused before the body is sent
-    assert status == 413 and body["error"].startswith("request body of 5000 bytes is over the limit")
+    a = raw_exchange(server.port, head)  # refused before the body is sent: no '100 Continue' first
+    assert a.status == 413 and a.json["error"].startswith("request body of 5000 bytes is over the limit")
     payload = b'{"lam": 0.5}'
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
         s.sendall((f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n"
                    f"Expect: 100-continue\r\nContent-Length: {len(payload)}\r\n\r\n").encode())
-        assert s.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+        reader = RawReader(s)
+        assert reader.head()[0] == 100  # the server invites the body only once it wants it
         s.sendall(payload)
-        answer = b""
-        while chunk := s.recv(65536):
-            answer += chunk
-    status, body = status_and_json(answer)
-    assert status == 202 and body["staged"] == {"lam": 0.5}
+        answer = reader.answer()
+    assert answer.status == 202 and answer.json["staged"] == {"lam": 0.5}
 
 
 def test_chunked_body_over_limit_is_413_and_small_chunked_body_works(server, parts):
     auth = f"Authorization: Bearer {TOKEN}\r\n"
     big = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n"
            + "".join("200\r\n" + " " * 0x200 + "\r\n" for _ in range(3)) + "0\r\n\r\n").encode()
-    status, body = status_and_json(raw_exchange(server.port, big))
-    assert status == 413 and "chunked request body is over the limit of 1024 bytes" in body["error"]
+    a = raw_exchange(server.port, big)
+    assert a.status == 413 and "chunked request body is over the limit of 1024 bytes" in a.json["error"]
     payload = b'{"top_p": 0.9}'
     small = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n"
              "Connection: close\r\n\r\n").encode() + b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
-    status, body = status_and_json(raw_exchange(server.port, small))
-    assert status == 202 and body["staged"] == {"top_p": 0.9}
+    a = raw_exchange(server.port, small)
+    assert a.status == 202 and a.json["staged"] == {"top_p": 0.9}
 
 
 def test_body_without_length_is_411(server):
     head = f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
-    status, body = status_and_json(raw_exchange(server.port, head))
-    assert status == 411 and body["error"].startswith("Content-Length header required")
+    a = raw_exchange(server.port, head)
+    assert a.status == 411 and a.json["error"].startswith("Content-Length header required")
 
 
 @pytest.mark.parametrize("raw,message", [
@@ -208,10 +188,14 @@ def test_malformed_bodies_are_400(server, parts, raw, message):
     assert parts["state"].staged() == []
 
 
-def test_invalid_content_length_is_400(server):
-    head = f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: -5\r\n\r\n"
-    status, body = status_and_json(raw_exchange(server.port, head.encode()))
-    assert status == 400 and body["error"] == "invalid Content-Length '-5'"
+@pytest.mark.parametrize("length,reason", [("-5", "bad Content-Length"), ("12abc", "bad Content-Length"),
+                                           ("0x10", "bad Content-Length"), ("1, 2", "conflicting Content-Length headers")])
+def test_invalid_content_length_is_400(server, parts, length, reason):
+    # h11 parses the framing: its reason, as JSON, and the connection is closed
+    head = f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: {length}\r\n\r\n"
+    a = raw_exchange(server.port, head.encode())
+    assert a.status == 400 and a.json == {"error": f"malformed HTTP/1.1 request: {reason}", "status": 400}
+    assert a.headers["connection"] == "close" and parts["state"].staged() == []
 
 
 def test_rejected_update_names_every_bad_key_and_stages_nothing(server, parts):
@@ -223,11 +207,11 @@ def test_rejected_update_names_every_bad_key_and_stages_nothing(server, parts):
     assert "did you mean 'kl_coef'" in errors["kl_coeff"]
     assert errors["global_step"].startswith("read-only at run time")
     assert errors["top_k"] == "expected int, got str '3'"
-    assert errors["temperature"] == "0.0 is out of range (0.0, 100.0]"
-    assert errors["top_p"] == "1.5 is out of range (0.0, 1.0]"
+    assert errors["temperature"] == f"0.0 is out of range {range_text('temperature')}"
+    assert errors["top_p"] == f"1.5 is out of range {range_text('top_p')}"
     assert a.json["error"].startswith("SharedState refused 5 key(s)")
     assert parts["state"].staged() == [] and parts["state"].apply_staged() == []
-    assert parts["state"].get("kl_coef") == 0.001
+    assert parts["state"].get("kl_coef") == default("kl_coef")
 
 
 def test_unauthorised_request_with_a_body_closes_the_connection(server):
@@ -262,9 +246,16 @@ def test_wrong_method_is_405_with_allow(server, method, path, allow):
     assert a.json["error"] == f"method {method} not allowed on {path}; allowed: {allow}"
 
 
-def test_bad_request_line_is_json_400(server):
-    status, body = status_and_json(raw_exchange(server.port, b"GARBAGE\r\n\r\n"))
-    assert status == 400 and body["error"].startswith("Bad request syntax")
+@pytest.mark.parametrize("raw,reason", [
+    (b"GARBAGE\r\n\r\n", "illegal request line"),
+    (b"GET /healthz\r\n\r\n", "illegal request line"),  # HTTP/0.9: no version
+    (b"GET /healthz HTTP/1.1\r\n\r\n", "Missing mandatory Host: header"),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n", "illegal header line"),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n", "illegal header line"),
+])
+def test_malformed_request_is_json_400(server, raw, reason):
+    a = raw_exchange(server.port, raw)
+    assert a.status == 400 and a.json == {"error": f"malformed HTTP/1.1 request: {reason}", "status": 400}
 
 
 def test_reward_swap_without_swapper_is_501(parts):
@@ -294,40 +285,69 @@ def test_handler_exception_is_500_logged_and_server_keeps_serving(parts, caplog)
 # ---- slow and greedy clients -------------------------------------------------------------------------------------
 def test_slow_client_does_not_block_others_and_is_dropped(parts):
     with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, request_timeout=0.5) as srv:
-        stalled_head = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        stalled_head = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
         stalled_head.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # half a request, then nothing
-        stalled_body = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        stalled_body = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
         stalled_body.sendall(f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
                              "Content-Length: 40\r\n\r\n{\"lam\":".encode())
         try:
             for _ in range(20):
                 assert call(srv.url, "GET", "/healthz").status == 200
             assert call(srv.url, "PATCH", "/v1/state", {"gamma": 0.99}, token=TOKEN).status == 202
-            # after the socket timeout the server gives up on both: EOF for the first, 408 for the second
-            assert stalled_head.recv(1024) == b""
-            status, body = status_and_json(stalled_body.recv(65536))
-            assert status == 408 and body["error"] == "timed out after 0.5 s waiting for the request body"
+            # past the deadlines the server gives up on both: a close for the first, 408 for the second
+            assert dropped(stalled_head)
+            answer = RawReader(stalled_body).answer()
+            assert answer.status == 408 and answer.json["error"] == "timed out after 0.5 s waiting for the request body"
+            assert answer.headers["connection"] == "close"
         finally:
             stalled_head.close()
             stalled_body.close()
         assert [s["key"] for s in parts["state"].staged()] == ["gamma"]
 
 
-def test_connection_cap_answers_503_and_frees_the_slot(parts):
+def test_requests_in_progress_cap_answers_503_and_frees_the_slot(parts):
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_metrics():  # holds the only request slot until released
+        entered.set()
+        assert release.wait(30)
+        return {"step": 1}
+
     with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, max_connections=1,
-                       request_timeout=5.0) as srv:
-        hog = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+                       metrics_fn=slow_metrics) as srv:
+        held = {}
+        hog = threading.Thread(target=lambda: held.setdefault("answer", call(srv.url, "GET", "/metrics", timeout=60)))
+        hog.start()
         try:
-            hog.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")  # keep-alive: it holds the only slot
-            assert hog.recv(65536).startswith(b"HTTP/1.1 200")
+            assert entered.wait(30)
             a = call(srv.url, "GET", "/healthz")
-            assert a.status == 503 and a.json["error"] == "too many open connections; retry later"
+            assert a.status == 503 and a.headers["retry-after"] == "1" and a.headers["connection"] == "close"
+            assert a.json == {"error": "too many requests in progress (at most 1); retry later", "status": 503}
         finally:
-            hog.close()
-        deadline = time.monotonic() + 10
-        while call(srv.url, "GET", "/healthz").status != 200:  # the slot frees once the hog's thread sees EOF
-            assert time.monotonic() < deadline, "slot never freed"
-            time.sleep(0.02)
+            release.set()
+            hog.join(60)
+        assert held["answer"].status == 200 and "verl_ds_step 1" in held["answer"].text
+        # the slot is released before the answer is sent, so it is free now
+        assert call(srv.url, "GET", "/healthz").status == 200
+
+
+def test_open_connection_cap_answers_503_and_frees_the_slot(parts):
+    with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, max_open_connections=2) as srv:
+        hogs = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(2)]
+        try:
+            for h in hogs:  # a keep-alive request each: both connections are open and counted
+                h.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert RawReader(h).answer().status == 200
+            a = call(srv.url, "GET", "/healthz")
+            assert a.status == 503 and a.json == {"error": "too many open connections; retry later", "status": 503}
+            # one hog ends its connection; once it has seen the server close, the slot is free
+            hogs[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            reader = RawReader(hogs[0])
+            assert reader.answer().status == 200 and reader.rest() == b""
+            assert call(srv.url, "GET", "/healthz").status == 200
+        finally:
+            for h in hogs:
+                h.close()
 
 
 def test_stop_does_not_wait_for_a_stalled_client(parts):

@@ -4,6 +4,7 @@ import math
 import torch
 
 from verl_ds.server import prometheus_text
+from verl_ds.state import STATE_KEYS
 
 
 def samples(text: str) -> dict:
@@ -42,4 +43,5 @@ def test_state_gauges_info_labels_and_version():
     assert got["verl_ds_state_use_kl_penalty"] == "1" and "verl_ds_state_best_reward" not in got
     assert got["verl_ds_shared_state_version"] == "7"
     assert got['verl_ds_state_info{kl_kind="k1",reward_name="say \\"hi\\"\\\\n"}'] == "1"
-    assert "# HELP verl_ds_state_kl_coef SharedState kl_coef: KL penalty coefficient beta" in text
+    help_text = STATE_KEYS["kl_coef"].description
+    assert help_text and f"# HELP verl_ds_state_kl_coef SharedState kl_coef: {help_text}\n" in text

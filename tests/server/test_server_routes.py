@@ -2,7 +2,7 @@
 import json
 import os
 
-from server_testutil import TOKEN, call
+from server_testutil import TOKEN, call, default, range_text
 
 from verl_ds.server import URL_FILE
 from verl_ds.state import HOT_KEYS, STATE_KEYS
@@ -90,8 +90,8 @@ def test_state_get_has_values_schema_version(server, parts):
 
 def test_state_key_get_and_unknown_key(server):
     a = call(server.url, "GET", "/v1/state/temperature")
-    assert a.status == 200 and a.json["key"] == "temperature" and a.json["value"] == 1.0
-    assert a.json["schema"]["range_text"] == "(0.0, 100.0]"
+    assert a.status == 200 and a.json["key"] == "temperature" and a.json["value"] == default("temperature")
+    assert a.json["schema"]["range_text"] == range_text("temperature")
     b = call(server.url, "GET", "/v1/state/temprature")
     assert b.status == 404 and b.json["suggestions"] == ["temperature"]
     assert "unknown SharedState key 'temprature'; did you mean 'temperature'?" in b.json["error"]
@@ -104,13 +104,14 @@ def test_patch_stages_then_applies_at_announced_step(server, parts):
     assert a.status == 202, a
     assert a.json == {"staged": {"kl_coef": 0.05, "temperature": 0.7, "top_k": 5}, "applies_at_step": 5,
                       "status": "staged"}
-    assert st.get("kl_coef") == 0.001  # staged, not yet applied
+    assert st.get("kl_coef") == default("kl_coef")  # staged, not yet applied
     pending = call(server.url, "GET", "/v1/state").json["pending"]
     assert [(p["key"], p["value"], p["client"]) for p in pending] == [
         ("kl_coef", 0.05, "127.0.0.1"), ("temperature", 0.7, "127.0.0.1"), ("top_k", 5, "127.0.0.1")]
     records = st.apply_staged()  # what the trainer does at the step boundary
     assert [(r["key"], r["old"], r["new"], r["client"]) for r in records] == [
-        ("kl_coef", 0.001, 0.05, "127.0.0.1"), ("temperature", 1.0, 0.7, "127.0.0.1"), ("top_k", 0, 5, "127.0.0.1")]
+        ("kl_coef", default("kl_coef"), 0.05, "127.0.0.1"), ("temperature", default("temperature"), 0.7, "127.0.0.1"),
+        ("top_k", default("top_k"), 5, "127.0.0.1")]
     values = call(server.url, "GET", "/v1/state").json["values"]
     assert values["kl_coef"] == 0.05 and values["temperature"] == 0.7 and values["top_k"] == 5
 
@@ -120,27 +121,35 @@ def test_patch_int_for_float_is_normalised(server, parts):
     assert a.status == 202 and a.json["staged"] == {"gamma": 1.0} and isinstance(a.json["staged"]["gamma"], float)
 
 
-def test_reward_swap_stages_through_the_swapper(server, parts):
+def test_reward_swap_stages_through_the_swapper(server, parts, rm_in_dir):
     parts["state"].set("global_step", 9)
     a = call(server.url, "POST", "/v1/models/reward", {"function": "exact_match"}, token=TOKEN)
     assert a.status == 202, a
-    assert a.json["applies_at_step"] == 10 and a.json["status"] == "staged"
-    assert a.json["staged"]["functions"] == [{"name": "exact_match"}]
+    assert a.json == {"staged": {"functions": [{"name": "exact_match", "weight": 1.0, "per_token": False}],
+                                 "model_path": None, "model_weight": None}, "applies_at_step": 10, "status": "staged"}
     b = call(server.url, "POST", "/v1/models/reward",
              {"functions": [{"name": "parity", "weight": 0.5}, {"name": "exact_match", "weight": 0.5}]}, token=TOKEN)
     assert b.status == 202
-    c = call(server.url, "POST", "/v1/models/reward", {"model_path": str(parts["run_dir"])}, token=TOKEN)
-    assert c.status == 202
+    assert b.json["staged"]["functions"] == [{"name": "parity", "weight": 0.5, "per_token": False},
+                                             {"name": "exact_match", "weight": 0.5, "per_token": False}]
+    c = call(server.url, "POST", "/v1/models/reward", {"model_path": rm_in_dir, "model_weight": 2}, token=TOKEN)
+    assert c.status == 202, c
+    assert c.json["staged"] == {"functions": [], "model_path": os.path.realpath(rm_in_dir), "model_weight": 2.0}
     swaps = parts["swapper"].staged
-    assert len(swaps) == 3 and swaps[0]["client"] == "127.0.0.1" and swaps[2]["model_path"] == str(parts["run_dir"])
+    assert len(swaps) == 3 and swaps[0]["client"] == "127.0.0.1"
+    assert swaps[2]["model_path"] == os.path.realpath(rm_in_dir)
 
 
 def test_reward_swap_bad_request_is_400_with_message(server, parts):
     a = call(server.url, "POST", "/v1/models/reward", {"function": "exact_mach"}, token=TOKEN)
     assert a.status == 400
     assert "unknown reward function 'exact_mach'" in a.json["error"] and "exact_match" in a.json["error"]
-    b = call(server.url, "POST", "/v1/models/reward", {"model_path": "/no/such/dir"}, token=TOKEN)
-    assert b.status == 400 and b.json["error"] == "reward swap: model_path '/no/such/dir' is not a local directory"
+    missing = os.path.join(parts["rm_dir"], "no_such_model")
+    b = call(server.url, "POST", "/v1/models/reward", {"model_path": missing}, token=TOKEN)
+    assert b.status == 400 and b.json["error"] == f"reward swap: model_path {missing!r} is not a local directory"
+    c = call(server.url, "POST", "/v1/models/reward", {"model_path": "/no/such/dir"}, token=TOKEN)
+    assert c.status == 400 and c.json["error"].startswith("reward swap: model_path '/no/such/dir' resolves to "
+                                                          "'/no/such/dir', outside the reward model directory")
     assert parts["swapper"].staged == []
 
 
@@ -159,7 +168,7 @@ def test_metrics_prometheus_text(server, parts):
     assert "verl_ds_state_best_reward" not in samples  # None before the first evaluation
     assert not any("note" in k for k in samples)
     info = next(k for k in samples if k.startswith("verl_ds_state_info{"))
-    assert 'kl_kind="k3"' in info and 'kl_ctrl_type="fixed"' in info
+    assert 'kl_kind="k3"' in info and f'kl_ctrl_type="{default("kl_ctrl_type")}"' in info
     assert "# TYPE verl_ds_actor_pg_loss gauge" in a.text
 
 

@@ -1,0 +1,230 @@
+"""The control server's connection handling: uvicorn's h11 protocol with the limits it lacks.
+
+uvicorn (https://www.uvicorn.org/settings/#timeouts) only times out idle keep-alive connections and resets
+that timer on every byte received, so a client trickling one header byte at a time holds a connection
+forever; its ``limit_concurrency`` counts such connections too, so 64 trickling sockets would lock out
+everyone else. ``ControlProtocol`` adds:
+
+- a whole-head deadline: the request head must be complete ``request_timeout`` seconds after the
+  connection opened (or after the previous answer on a keep-alive connection), however the bytes trickle;
+  the body has its own deadline in the app (``verl_ds.server.app``);
+- a cap on open connections: past it a connection is answered 503 at once and closed, so sockets
+  (file descriptors the training process needs) cannot be exhausted;
+- JSON answers for protocol errors (h11's reason, without echoing header values that may hold a token);
+- a lingering close: after an answer that ends the connection, the write side is shut and unread input is
+  discarded for a short while instead of closing with unread data (which makes the kernel send RST, and a
+  client still uploading would then lose the 413 it was sent);
+- half-closed clients (``shutdown(SHUT_WR)`` after the request) still get their answer.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import re
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Callable
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+__all__ = ["ControlProtocol", "ConnectionLimits", "BODY_TRUNCATED", "describe_protocol_error", "raw_json_response",
+           "MAX_HEADER_BYTES", "HEAD_TOO_LARGE"]
+
+log = logging.getLogger("verl_ds.server")
+
+MAX_HEADER_BYTES = 16384  # request line + headers; more is answered 431
+# scope key set when the client closed its side before the request body was complete
+BODY_TRUNCATED = "verl_ds.body_truncated"
+# h11 quotes the offending bytes ("illegal header line: b'...'", "bytearray(b'...')"): cut from there on
+HEAD_TOO_LARGE = f"request line and headers are over {MAX_HEADER_BYTES} bytes (the control server's limit)"
+_VALUE_REPR = re.compile(r"(\s*:)?\s*(bytearray\(|\bb['\"]).*$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    request_timeout: float  # seconds for a request head (from connect / the previous answer)
+    max_open_connections: int  # more are answered 503 at once
+    linger_s: float  # how long unread input is drained after a closing answer
+
+
+def describe_protocol_error(exc: BaseException | None) -> str:
+    """h11's reason for refusing a request, without the offending bytes (a header value may be a token)."""
+    text = str(exc) if exc is not None else ""
+    text = _VALUE_REPR.sub("", text).strip() or "unparseable request"
+    return f"malformed HTTP/1.1 request: {text}"
+
+
+def raw_json_response(status: int, message: str, extra_headers: tuple = ()) -> bytes:
+    """A complete ``Connection: close`` answer as bytes, for answers given outside a request cycle."""
+    body = (json.dumps({"error": message, "status": status}, indent=1) + "\n").encode()
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Error"
+    headers = [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+               ("Cache-Control", "no-store"), ("Connection", "close"), *extra_headers]
+    head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "\r\n"
+    return head.encode("latin-1") + body
+
+
+class _LingeringTransport:
+    """Wraps the connection's transport so that ``close()`` shuts the write side (after the answer is
+    flushed) and the rest of the client's input is read and dropped for ``linger_s``, then closes."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, linger_s: float,
+                 on_closing: Callable[[], None]):
+        self._t, self._loop, self._linger_s, self._on_closing = transport, loop, linger_s, on_closing
+        self.lingering = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def close(self) -> None:
+        if self.lingering or self._t.is_closing():
+            return
+        self.lingering = True
+        self._on_closing()  # before the FIN: a client that saw EOF finds its slot already free
+        try:
+            if not self._t.can_write_eof():
+                self._t.close()
+                return
+            self._t.write_eof()
+            if not self._t.is_reading():
+                self._t.resume_reading()
+        except (OSError, RuntimeError):
+            self._t.abort()
+            return
+        self._timer = self._loop.call_later(self._linger_s, self._t.close)
+
+    def hard_close(self) -> None:
+        """Close now (a dropped slow client, or server shutdown): nothing more is sent or read."""
+        self.lingering = True
+        self._on_closing()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._t.abort()
+
+    def finished(self) -> None:
+        """The client closed its side too (or the connection is gone): no need to linger any longer."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._t.is_closing():
+            self._t.close()
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._t.is_closing()
+
+    def __getattr__(self, name: str):
+        return getattr(self._t, name)
+
+
+class ControlProtocol(H11Protocol):
+    """uvicorn's H11Protocol plus the limits in the module docstring (one instance per connection)."""
+
+    def __init__(self, *args, limits: ConnectionLimits, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logger = log  # protocol warnings under our logger, never uvicorn's
+        self.access_log = False  # per-request lines would flood the training log
+        self.limits = limits
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refused = False
+        self._protocol_error: BaseException | None = None
+        next_event = self.conn.next_event
+
+        def remember_error():  # uvicorn drops h11's exception before answering 400; keep it for the message
+            try:
+                return next_event()
+            except h11.RemoteProtocolError as e:
+                self._protocol_error = e
+                raise
+
+        self.conn.next_event = remember_error
+
+    # ---- connection lifecycle --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        wrapped = _LingeringTransport(transport, self.loop, self.limits.linger_s,
+                                      functools.partial(self.connections.discard, self))
+        if len(self.connections) >= self.limits.max_open_connections:
+            self._refused = True
+            self.transport = wrapped  # type: ignore[assignment]
+            log.warning("control server: %d connections open, refusing another", len(self.connections))
+            transport.write(raw_json_response(503, "too many open connections; retry later", (("Retry-After", "1"),)))
+            wrapped.close()
+            return
+        super().connection_made(wrapped)  # type: ignore[arg-type]
+        self._arm_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_deadline()
+        if isinstance(self.transport, _LingeringTransport):
+            self.transport.finished()
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused or self.transport.is_closing():
+            return  # lingering: the answer is sent, the rest of the input is dropped
+        super().data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self._refused or self.transport.is_closing():
+            self.transport.finished()
+            return None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # a half-closed client still waits for its answer; a body cut short can never complete
+            cycle.keep_alive = False
+            if cycle.more_body:
+                cycle.scope[BODY_TRUNCATED] = True  # type: ignore[literal-required]
+                cycle.more_body = False
+                cycle.message_event.set()
+            return True
+        return None  # idle, or in the middle of a head that can never complete: close
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_deadline()  # the next request on this keep-alive connection gets a fresh deadline
+
+    def shutdown(self) -> None:
+        """Server shutdown: drop the connection at once, even mid-request (stop() must not wait)."""
+        self._disarm_deadline()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        self.transport.hard_close()
+
+    # ---- deadlines ---------------------------------------------------------------------------------------
+    def _arm_deadline(self) -> None:
+        self._disarm_deadline()
+        self._deadline = self.loop.call_later(self.limits.request_timeout, self._deadline_passed)
+
+    def _disarm_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return  # a request head arrived: the app bounds the body and the answer
+        if not self.transport.is_closing():
+            log.debug("control server: dropping %s: no complete request within %g s", self.client,
+                      self.limits.request_timeout)
+            self.transport.hard_close()
+
+    # ---- protocol errors -------------------------------------------------------------------------------
+    def send_400_response(self, msg: str) -> None:
+        error = self._protocol_error
+        status = getattr(error, "error_status_hint", 400)
+        status = status if isinstance(status, int) and 400 <= status < 600 else 400
+        if status == 431:
+            message = HEAD_TOO_LARGE
+        else:
+            message = describe_protocol_error(error)
+        out = raw_json_response(status, message)
+        self.transport.write(out)
+        self.transport.close()
