@@ -182,10 +182,12 @@ class BaseModel(ABC):
         """Inverse of ``public_state`` for the keys present in ``sd``."""
         if not isinstance(sd, dict):
             raise TypeError(f"{type(self).__name__}.load_state_dict expects a dict, got {type(sd).__name__}")
+        known = self.public_state()
         for key, value in sd.items():
-            if key.startswith("_") or not hasattr(self, key):
+            # only what public_state saves: never a method, a property or a module slot (setattr would replace it)
+            if key not in known:
                 raise KeyError(f"{type(self).__name__}.load_state_dict: unknown key {key!r}; "
-                               f"known: {sorted(self.public_state())}")
+                               f"known: {sorted(known)}")
             current = getattr(self, key)
             if isinstance(current, torch.Tensor):
                 setattr(self, key, torch.as_tensor(value).to(device=current.device, dtype=current.dtype).clone())
