@@ -106,10 +106,28 @@ def test_a_field_may_allow_non_finite_values_explicitly():
     ("rollout.n=0", r"rollout.n: 0 is out of range \[1, inf\)"),
     ("critic.micro_batch_size=0", r"critic.micro_batch_size: 0 is out of range \[1, inf\)"),
     ("reward.micro_batch_size=0", r"reward.micro_batch_size: 0 is out of range \[1, inf\)"),
-    ("algo.adv_estimator=''", r"algo.adv_estimator: must not be empty"),
+    ("algo.adv_estimator=grop", r"algo.adv_estimator: 'grop' is not one of \['gae', 'grpo', .*\]; did you mean 'grpo'"),
     ("server.allow_reward_code=yes please", r"server.allow_reward_code: expected bool \(true/false\), got str"),
     ("actor.lr..x=1", r"override key 'actor.lr..x': expected section.key"),
 ])
 def test_strings_lists_and_new_keys_are_checked(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("section, key, message", [
+    ("data", "passthrough_keys", r"^data.passthrough_keys\[0\]: expected str, got list \['lol', 'lol', .*, \.\.\.\]$"),
+    ("reward", "functions", r"^reward.functions\[0\]: expected a reward function name \(a non-empty string\) or a "
+                            r"mapping, got \['lol', .*\.\.\.\]$"),
+    ("trainer", "seed", r"^trainer.seed: expected int, got list \[\['lol', .*\.\.\.$"),
+])
+def test_a_billion_laughs_is_refused_without_expanding_it(tmp_path, section, key, message):
+    """YAML aliases nest 9 lists of 9 nine levels deep: 9^9 = 387M strings if anything walked or printed them."""
+    rows = ["&x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    rows += [f"&x{i} [" + ", ".join([f"*x{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    path = _write(tmp_path, f"{section}:\n  {key}: [{', '.join(rows)}]\n")
+    with pytest.raises(ConfigError, match=message) as info:
+        from verl_ds.config import validate
+
+        validate(load_config(path))
+    assert len(str(info.value)) < 400

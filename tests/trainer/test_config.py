@@ -23,6 +23,12 @@ def test_overrides_are_typed(tmp_path):
     assert cfg.algo.clip_ratio_c is None and cfg.data.passthrough_keys == ["answer"]
 
 
+def test_group_estimators_validate_with_groups():
+    d = validate(load_config(None, ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=8"]), world_size=2)
+    assert d.samples_per_rank == 16 and d.mini_batches_per_epoch == 1  # 8 x 4 = 32 samples, one step of 32
+    validate(load_config(None, ["algo.adv_estimator=reinforce_plus_plus"]))  # no groups needed
+
+
 def test_parse_override():
     assert parse_override("a.b=1e-3") == ("a.b", 1e-3)
     assert parse_override("a.b=true") == ("a.b", True)
@@ -68,6 +74,8 @@ def test_bad_keys_and_values_name_the_key(override, message):
      r"actor.mini_batch_size=16 must divide rollout.batch_size \* rollout.n = 8 \* 3 = 24"),
     (["critic.micro_batch_size=3"], 1, r"critic.micro_batch_size=3 must divide the per-rank mini-batch .* = 32/1 = 32"),
     (["algo.kl_placement=loss", "algo.kl_kind=k1"], 1, r"algo.kl_kind: 'k1' in the loss .* regularises nothing"),
+    (["algo.adv_estimator=grpo"], 1, r"rollout.n=1: algo.adv_estimator=grpo compares the responses .* Set rollout.n >= 2"),
+    (["algo.adv_estimator=rloo", "rollout.n=1"], 1, r"rollout.n=1: algo.adv_estimator=rloo"),
     (["algo.clip_ratio_low=1.0"], 1, r"algo.clip_ratio_low: 1.0 is out of range \[0.0, 1.0\)"),
     (["algo.entropy_coef=2.0"], 1, r"algo.entropy_coef: 2.0 is out of range"),
     (["actor.lr=5.0"], 1, r"actor.lr: 5.0 is out of range"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import logging
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,18 @@ log = logging.getLogger("verl_ds.config")
 
 class ConfigError(ValueError):
     """An invalid configuration: the message names the key, what was expected and what was found."""
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 6, 6, 120, 120, 60
+_SHOW_CHARS = 200
+
+
+def show(value) -> str:
+    """``repr`` bounded in size and depth: a hostile value (YAML aliases can nest a list 10^9 items wide)
+    must not make its own error message explode."""
+    text = _REPR.repr(value)
+    return text if len(text) <= _SHOW_CHARS else text[:_SHOW_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,7 @@ def _type_error(tp, value) -> str:
     want = type_name(base_type(tp)) + (" or null" if nullable(tp) else "")
     if base_type(tp) is bool:
         want = "bool (true/false)" + (" or null" if nullable(tp) else "")
-    return f"expected {want}, got {type(value).__name__} {value!r}"
+    return f"expected {want}, got {type(value).__name__} {show(value)}"
 
 
 def check_value(tp, value: Any, spec: Spec, key: str = "") -> tuple[Any, Optional[str]]:
@@ -164,7 +177,7 @@ def check_value(tp, value: Any, spec: Spec, key: str = "") -> tuple[Any, Optiona
         if not isinstance(value, str):
             return None, _type_error(tp, value)
         if spec.nonempty and not value.strip():
-            return None, f"must not be empty, got {value!r}"
+            return None, f"must not be empty, got {show(value)}"
     elif base is list:
         if not isinstance(value, list):
             return None, _type_error(tp, value)
@@ -183,7 +196,7 @@ def check_value(tp, value: Any, spec: Spec, key: str = "") -> tuple[Any, Optiona
         if allowed is not None:
             allowed = tuple(spec.config_only) + tuple(allowed)
             if value not in allowed:
-                return None, f"{value!r} is not one of {list(allowed)}{suggest(value, allowed)}"
+                return None, f"{show(value)} is not one of {list(allowed)}{suggest(value, allowed)}"
     elif spec.out_of_range(value):
-        return None, f"{value!r} is out of range {spec.range_text()}"
+        return None, f"{show(value)} is out of range {spec.range_text()}"
     return value, None

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import yaml
 
-from .fields import ConfigError, check_value, spec_of, suggest
+from .fields import ConfigError, check_value, show, spec_of, suggest
 from .schema import Config
 
 MAX_DEPTH = 64  # a config is 3 levels deep; 64 leaves room for data in lists and refuses hostile nesting
@@ -112,13 +112,13 @@ def read_text_file(path: str, what: str) -> str:
 
 def _build(cls, data, prefix: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {show(data)}")
     hints = typing.get_type_hints(cls)
     by_name = {f.name: f for f in fields(cls)}
     kwargs = {}
     for key, value in data.items():
         if key not in by_name:
-            raise ConfigError(f"unknown config key {prefix + str(key)!r}{suggest(str(key), by_name)} "
+            raise ConfigError(f"unknown config key {show(prefix + str(key))}{suggest(str(key), by_name)} "
                               f"(valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(by_name)})")
         tp = hints[key]
         if is_dataclass(tp):

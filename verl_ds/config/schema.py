@@ -29,6 +29,12 @@ def _kl_kinds() -> tuple:
     return tuple(KL_KINDS)
 
 
+def _adv_estimators() -> tuple:
+    from verl_ds.algos import ADV_ESTIMATOR_NAMES
+
+    return tuple(ADV_ESTIMATOR_NAMES)
+
+
 def _loss_agg_modes() -> tuple:
     from verl_ds.algos import LOSS_AGG_MODES
 
@@ -101,7 +107,7 @@ class CriticConfig:
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = _f("gae", "Advantage estimator (a name in the estimator registry of verl_ds.algos, e.g. gae, grpo, rloo).", nonempty=True)
+    adv_estimator: str = _f("gae", "Advantage estimator from the registry in verl_ds.algos (gae needs the critic; the others are critic-free).", choices=_adv_estimators)
     gamma: float = _f(1.0, "Discount.", min=0.0, max=1.0, hot="gamma")
     lam: float = _f(0.95, "GAE lambda.", min=0.0, max=1.0, hot="lam")
     kl_placement: Literal["reward", "loss"] = _f("reward", "Where the KL penalty goes: subtracted from the token rewards, or added to the actor loss.")
@@ -117,6 +123,10 @@ class AlgoConfig:
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.", min=0.0, max=1.0, hot="entropy_coef")
     loss_agg_mode: str = _f("token-mean", "How per-token losses are aggregated (exact across ranks and accumulation).", choices=_loss_agg_modes)
     whiten_advantages: bool = _f(True, "Whiten advantages with statistics global across data-parallel ranks.")
+    dynamic_sampling: bool = _f(False, "DAPO dynamic sampling (Yu et al. 2025): drop groups whose rewards are all equal and draw more prompts until the batch is full (paper: on).")
+    max_sampling_rounds: int = _f(3, "Dynamic sampling: most rounds of prompts drawn per step; a rank still short then fills up with dropped groups.", min=1)
+    overlong_buffer: int = _f(0, "DAPO soft overlong punishment: the last N tokens before rollout.max_new_tokens ramp the penalty from 0 to -overlong_penalty_factor (0: off; paper: 4096 of 20480).", min=0)
+    overlong_penalty_factor: float = _f(1.0, "DAPO soft overlong punishment: the penalty at rollout.max_new_tokens (paper: 1.0).", min=0.0)
 
 
 @dataclass

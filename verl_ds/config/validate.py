@@ -7,7 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from .fields import ConfigError
+from .fields import ConfigError, show
 from .limits import kl_placement_rule, resolve_kl_kind, run_limits
 from .loader import read_text_file
 from .schema import Config, hot_fields
@@ -60,6 +60,15 @@ def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
                    kl_kind=resolve_kl_kind(cfg.algo.kl_kind, cfg.algo.kl_placement))
 
 
+def _check_estimator(cfg: Config) -> None:
+    from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
+
+    if get_advantage_estimator(cfg.algo.adv_estimator).needs_groups and cfg.rollout.n < 2:
+        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator} compares the "
+                          "responses sampled for the same prompt; with one per prompt every advantage is 0. "
+                          "Set rollout.n >= 2")
+
+
 def _check_reward_functions(cfg: Config) -> None:
     if not cfg.reward.functions and cfg.reward.model_path is None:
         raise ConfigError("reward: configure at least one of reward.functions or reward.model_path")
@@ -68,16 +77,16 @@ def _check_reward_functions(cfg: Config) -> None:
         if isinstance(spec, dict):
             unknown = set(spec) - {"name", "weight", "per_token"}
             if "name" not in spec or unknown:
-                raise ConfigError(f"{where}: expected a name or {{name, weight, per_token}}, got {spec!r}")
+                raise ConfigError(f"{where}: expected a name or {{name, weight, per_token}}, got {show(spec)}")
             name, weight, per_token = spec["name"], spec.get("weight", 1.0), spec.get("per_token", False)
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(float(weight)):
-                raise ConfigError(f"{where}.weight: expected a finite number, got {weight!r}")
+                raise ConfigError(f"{where}.weight: expected a finite number, got {show(weight)}")
             if not isinstance(per_token, bool):
-                raise ConfigError(f"{where}.per_token: expected a bool (true/false), got {per_token!r}")
+                raise ConfigError(f"{where}.per_token: expected a bool (true/false), got {show(per_token)}")
         else:
             name = spec
         if not isinstance(name, str) or not name.strip():
-            raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {spec!r}")
+            raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {show(spec)}")
 
 
 def _check_deepspeed_file(path) -> None:
@@ -117,6 +126,7 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
             raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}")
         if m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
+    _check_estimator(cfg)
     why = kl_placement_rule(cfg.algo.kl_placement, cfg.algo.kl_kind)
     if why is not None:
         raise ConfigError(f"algo.kl_kind: {why}")
