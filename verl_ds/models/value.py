@@ -120,8 +120,13 @@ class ValueModel(ValueRole, TrainableRole):
             try:
                 out = self.net(observation)
             except Exception as exc:  # a user callable: say which model and what it was given
-                raise type(exc)(f"ValueModel: {where} failed on observation of shape {tuple(observation.shape)} and "
-                                f"dtype {observation.dtype} (token ids): {exc}") from exc
+                message = (f"ValueModel: {where} failed on observation of shape {tuple(observation.shape)} and "
+                           f"dtype {observation.dtype} (token ids): {type(exc).__name__}: {exc}")
+                try:  # keep the exception's type when it can be built from one message
+                    err = type(exc)(message)
+                except Exception:
+                    err = RuntimeError(message)
+                raise err from exc
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"ValueModel: {where} must return a Tensor, got {type(out).__name__}")
         if not out.dtype.is_floating_point:
