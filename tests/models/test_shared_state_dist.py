@@ -1,5 +1,5 @@
 """Two processes (gloo, started by hand as torchrun would: RANK/WORLD_SIZE/MASTER_* env): sync() gives every
-rank rank 0's values; a write on rank 1 is refused."""
+rank rank 0's values; a write on rank 1 is refused; SharedState.from_config agrees on every rank."""
 import os
 import socket
 import sys
@@ -25,6 +25,16 @@ else:
     except RuntimeError as e:
         out["write_error"] = str(e)
 s.sync()
+# a state built from the config holds the same step-0 values and limits on every rank, without a collective
+from verl_ds.config import load_config
+from verl_ds.state import StateValidationError
+t = SharedState.from_config(load_config(None, ["algo.kl_placement=loss", "data.max_prompt_length=200"]))
+out["from_config"] = [t.snapshot(), t.version]
+if rank == 0:
+    try:
+        t.stage({"max_new_tokens": 57})
+    except StateValidationError as e:
+        out["limit_error"] = e.errors["max_new_tokens"]
 out["values"] = s.snapshot()
 out["version"] = s.version
 dist.barrier()
@@ -71,4 +81,7 @@ def test_sync_two_ranks():
     assert r1["values"] == r0["values"]
     assert r1["values"]["kl_coef"] == 0.25 and r1["values"]["top_k"] == 17 and r1["values"]["global_step"] == 3
     assert r1["version"] == r0["version"] > 0
+    assert r1["from_config"] == r0["from_config"] and r0["from_config"][0]["kl_kind"] == "low_var_kl"
+    assert r0["limit_error"].startswith("57 exceeds this run's limit 56 (model.max_position_embeddings=256 - "
+                                        "data.max_prompt_length=200")
 
