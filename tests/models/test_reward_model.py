@@ -1,11 +1,12 @@
-"""RewardModel: neural scorer at the last real token, reward functions, composition, boundary checks."""
+"""RewardModel: neural scorer at the last real token (hand-built scorer and a real HF classifier), micro-batches,
+reward functions (thread pool over chunks), composition, boundary checks naming function and sample."""
 import numpy as np
 import pytest
 import torch
 
 from verl_ds.models import RewardFunctionError, RewardModel
 
-from models_testutil import EOS, PAD
+from models_testutil import EOS, PAD, TokenScorer
 
 
 def texts(batch):
@@ -71,8 +72,8 @@ def test_batch_mode_scores_on_last_response_token_and_weighted_sum(make_rollout)
     last = b.response_length - 1
     want[torch.arange(4), last] = torch.tensor([0.5 + 10.0, 1.0, 1.5, 2.0])
     torch.testing.assert_close(scores, want)
-    assert metrics == {"reward/a/mean": 2.5, "reward/b/mean": 2.5}
-    assert all(isinstance(v, float) for v in metrics.values())
+    assert {k: float(v) for k, v in metrics.items()} == {"reward/a/mean": 2.5, "reward/b/mean": 2.5}
+    assert all(isinstance(v, torch.Tensor) and v.dim() == 0 for v in metrics.values())  # no host sync here
 
 
 def test_scorer_and_functions_compose(tiny_scorer, make_rollout):
@@ -83,7 +84,7 @@ def test_scorer_and_functions_compose(tiny_scorer, make_rollout):
     neural = rm.get_reward(b.observation, b.mask)
     torch.testing.assert_close(scores.sum(-1), 2.0 * neural + 1.0)
     assert set(metrics) == {"reward/rm/mean", "reward/bonus/mean"}
-    assert metrics["reward/rm/mean"] == pytest.approx(float(neural.mean()), abs=1e-6)
+    assert float(metrics["reward/rm/mean"]) == pytest.approx(float(neural.mean()), abs=1e-6)
 
 
 def test_per_token_padding_zeroed_and_eos_modes(make_rollout):
@@ -104,7 +105,7 @@ def test_per_token_padding_zeroed_and_eos_modes(make_rollout):
                               per_token=True)
     s, m = ragged.compute_rewards(b, *texts(b))
     torch.testing.assert_close(s, 0.5 * b.response_mask.float())
-    assert m["reward/rag/mean"] == pytest.approx(0.5 * 15 / 4)
+    assert float(m["reward/rag/mean"]) == pytest.approx(0.5 * 15 / 4)
     with pytest.raises(ValueError, match="eos_reward must be one of"):
         RewardModel(eos_reward="drop")
 
@@ -184,20 +185,21 @@ def test_registration_rules_and_hot_replace(make_rollout):
         rm.unregister_reward_fn("lambda_0")
 
 
-def test_state_dict_and_unsupported(make_rollout):
-    rm = RewardModel(eos_reward="keep", model_weight=0.5)
+def test_state_dict_and_roles(make_rollout):
+    rm = RewardModel(eos_reward="keep", model_weight=0.5, micro_batch_size=8, num_workers=3)
     rm.register_reward_fn(lambda p, r, x: [0.0], name="f", weight=3.0)
     sd = rm.state_dict()
-    assert sd == {"eos_reward": "keep", "model_weight": 0.5, "model_name": "reward_model",
-                  "reward_fns": [{"name": "f", "weight": 3.0, "per_token": False}]}
+    assert sd == {"eos_reward": "keep", "model_weight": 0.5, "model_name": "reward_model", "micro_batch_size": 8,
+                  "num_workers": 3, "reward_fns": [{"name": "f", "weight": 3.0, "per_token": False}]}
     other = RewardModel()
     other.register_reward_fn(lambda p, r, x: [0.0], name="f")
     other.load_state_dict(sd)
     assert other.eos_reward == "keep" and other.reward_fns()[0]["weight"] == 3.0
+    assert other.micro_batch_size == 8 and other.num_workers == 3
     with pytest.raises(ValueError, match="has no neural scorer"):
         rm.get_reward(torch.ones(1, 2, dtype=torch.long))
-    with pytest.raises(NotImplementedError, match="use ValueModel"):
-        rm.get_value(torch.ones(1, 2, dtype=torch.long))
+    for name in ("get_value", "get_action", "get_logprob", "update"):  # scores only; no optimizer any more
+        assert not hasattr(rm, name), name
 
 
 def test_more_reward_messages(make_rollout, tiny_scorer):
@@ -227,8 +229,73 @@ def test_more_reward_messages(make_rollout, tiny_scorer):
     rm.register_reward_fn(lambda p, r, x: [[1.0] * 4] * 3, name="pt", per_token=True)
     with pytest.raises(RewardFunctionError, match=r"per-token reward returned 3 rows; expected B=4 rows"):
         rm.compute_rewards(b, *texts(b))
-    with pytest.raises(ValueError, match="there is no neural scorer to train"):
-        rm.update(b, {"loss": torch.ones((), requires_grad=True)})
     with pytest.raises(ValueError, match="eos_reward must be one of"):
         rm.load_state_dict({"eos_reward": "sometimes"})
-    rm.update(b, {})  # no loss: a no-op
+    too_long = b.clone()
+    too_long.response_length[1] = 5
+    with pytest.raises(ValueError, match=r"batch.response_length\[1\] = 5 is outside \[1, R=4\]"):
+        rm.compute_rewards(too_long, *texts(b))
+    for key, value in (("micro_batch_size", 0), ("num_workers", True), ("num_workers", 1.5)):
+        with pytest.raises(ValueError, match=f"RewardModel: {key} must be an int >= 1, got {value!r}"):
+            RewardModel(**{key: value})
+
+
+# ---- a hand-built scorer: micro-batches ------------------------------------------------------------------------
+
+def test_hand_scorer_at_last_real_token_in_micro_batches():
+    scorer = TokenScorer({3: 0.5, 4: -1.0, 5: 2.0, 6: 4.0, EOS: 8.0})
+    rm = RewardModel(model=scorer, micro_batch_size=2)
+    obs = torch.tensor([[PAD, 3, 4, EOS], [3, 4, 5, PAD], [PAD, PAD, 6, 6], [3, 3, 3, 3], [PAD, 5, 4, PAD]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 0]]).bool()
+    assert rm.get_reward(obs, mask).tolist() == [8.0, 2.0, 4.0, 0.5, -1.0]
+    assert scorer.batch_sizes == [2, 2, 1]
+    scorer.batch_sizes.clear()
+    assert RewardModel(model=scorer).get_reward(obs, mask).tolist() == [8.0, 2.0, 4.0, 0.5, -1.0]
+    assert scorer.batch_sizes == [5]
+
+
+# ---- reward functions on a thread pool ----------------------------------------------------------------------------
+
+def test_num_workers_chunks_joined_in_order(make_rollout):
+    b = make_rollout(B=5)
+    seen = []
+
+    def by_text(prompts, responses, batch):
+        seen.append((list(responses), len(batch)))
+        return [float(r[1:]) * 10 for r in responses]  # "r3" -> 30.0
+
+    rm = RewardModel(num_workers=2)
+    rm.register_reward_fn(by_text)
+    scores, metrics = rm.compute_rewards(b, *texts(b))
+    assert scores.sum(-1).tolist() == [0.0, 10.0, 20.0, 30.0, 40.0]
+    assert sorted(seen) == [(["r0", "r1"], 2), (["r2", "r3", "r4"], 3)]  # contiguous chunks, batch sliced with them
+    assert float(metrics["reward/by_text/mean"]) == 20.0
+    per_token = RewardModel(num_workers=3, eos_reward="keep")
+    per_token.register_reward_fn(lambda p, r, batch: torch.full((len(r), 4), float(len(r))), name="n", per_token=True)
+    tok, _ = per_token.compute_rewards(b, *texts(b))
+    # chunks of 1, 2, 2 rows (5 * k // 3), each row scored with its chunk's size, zero past its length
+    want = torch.tensor([1.0, 2.0, 2.0, 2.0, 2.0])[:, None] * b.response_mask.float()
+    torch.testing.assert_close(tok, want)
+
+
+def test_num_workers_errors_name_the_global_sample(make_rollout):
+    b = make_rollout(B=6)
+
+    def picky(prompts, responses, batch):
+        return [1.0 / (0 if r == "r4" else 1) for r in responses]
+
+    rm = RewardModel(num_workers=3)
+    rm.register_reward_fn(picky)
+    with pytest.raises(RewardFunctionError, match=r"reward function 'picky' \(sample 4\): raised ZeroDivisionError"):
+        rm.compute_rewards(b, *texts(b))
+
+    def nan_at_5(prompts, responses, batch):
+        return [float("nan") if r == "r5" else 0.0 for r in responses]
+
+    rm.register_reward_fn(nan_at_5, name="picky")
+    with pytest.raises(RewardFunctionError, match=r"'picky' \(sample 5\): returned a non-finite reward \(nan\)"):
+        rm.compute_rewards(b, *texts(b))
+    rm.register_reward_fn(lambda p, r, batch: [0.0], name="picky")
+    with pytest.raises(RewardFunctionError, match=r"'picky': returned 1 value\(s\) for a chunk of 2 samples "
+                                                  r"\(rows 0\.\.1\); expected one per sample"):
+        rm.compute_rewards(b, *texts(b))
