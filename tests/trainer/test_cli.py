@@ -1,7 +1,6 @@
 """The verl-ds command: config, plan and error exits (no training)."""
 import os
 
-
 from verl_ds.cli import main
 
 
