@@ -1,8 +1,8 @@
-"""RolloutBatch: layout, validation messages, split/select/cat/to."""
+"""RolloutBatch: layout, field names and the design's aliases, coerce, validation messages, split/select/cat/to."""
 import pytest
 import torch
 
-from verl_ds.batch import DESIGN_FIELDS, REQUIRED_FOR_LOSS, BatchValidationError, RolloutBatch
+from verl_ds.batch import DESIGN_FIELDS, FIELDS, REQUIRED_FOR_LOSS, BatchValidationError, RolloutBatch
 
 PAD, EOS = 0, 2
 
@@ -17,8 +17,10 @@ def make_batch(B=4, P=3, R=4, full=True, seed=0):
     b = RolloutBatch.from_generation(prompt_ids, prompt_mask, responses, pad_token_id=PAD, eos_token_id=EOS,
                                      extras={"prompt": [f"p{i}" for i in range(B)], "answer": list(range(B))})
     if full:
-        for f in ("logprob", "ref_logprob", "value", "old_value", "reward", "score", "advantage", "return"):
+        for f in ("old_log_probs", "ref_log_probs", "values", "token_rewards", "scores", "advantages", "returns",
+                  "rollout_log_probs"):
             b[f] = torch.randn(B, R, generator=g) * b.response_mask
+        b.group_index = torch.arange(B) // 2
     return b
 
 
@@ -53,27 +55,84 @@ def test_response_length_from_eos():
     assert RolloutBatch.response_length_from_eos(ids, 2).tolist() == [2, 3, 1]
 
 
-def test_returns_alias_and_attribute_errors():
+ALIASES = {"logprob": "old_log_probs", "ref_logprob": "ref_log_probs", "value": "values", "old_value": "values",
+           "score": "scores", "reward": "token_rewards", "advantage": "advantages", "return": "returns"}
+
+
+def test_design_names_are_aliases():
     b = make_batch()
-    assert b.returns is b["return"] is getattr(b, "return")
-    with pytest.raises(AttributeError, match=r"no field 'logprobs'.*did you mean 'logprob'"):
+    for alias, field in ALIASES.items():
+        assert b[alias] is b[field] is getattr(b, alias) is getattr(b, field), alias
+        assert alias in b and field in b
+    new = torch.zeros(4, 4)
+    b.reward = new  # writing through an alias writes the field
+    assert b.token_rewards is new and b["reward"] is new
+    b["old_value"] = None
+    assert "values" not in b and "value" not in b and b.values is None
+    assert set(b.present()) <= set(FIELDS) and "values" not in b.present()
+
+
+def test_contains_means_set():
+    b = make_batch(full=False)
+    assert "observation" in b and "done" in b
+    assert "old_log_probs" not in b and "logprob" not in b  # a field not set yet
+    assert "bogus" not in b and 3 not in b  # not a field at all: no error, just absent
+
+
+def test_attribute_errors_suggest():
+    b = make_batch()
+    with pytest.raises(AttributeError, match=r"no field 'logprobs'; did you mean 'logprob'.*'old_log_probs'"):
         b.logprobs
-    with pytest.raises(TypeError, match=r"RolloutBatch.value must be a torch.Tensor or None, got list"):
+    with pytest.raises(TypeError, match=r"RolloutBatch.values must be a torch.Tensor or None, got list"):
         b.value = [1.0]
+
+
+def test_coerce_from_a_mapping():
+    b = make_batch()
+    same = RolloutBatch.coerce(b)
+    assert same is b
+    plain = {"observation": b.observation, "action": b.action, "mask": b.mask, "logprob": b.old_log_probs,
+             "advantages": b.advantages, "values": None, "extras": {"prompt": b.extras["prompt"]}}
+    c = RolloutBatch.coerce(plain)
+    assert isinstance(c, RolloutBatch) and c.old_log_probs is b.old_log_probs and c.extras["prompt"] == b.extras["prompt"]
+    assert "values" not in c and len(c) == 4
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.advantagez: batch has unknown field\(s\) "
+                                                   r"\['advantagez'\]; did you mean .*'advantages'"):
+        RolloutBatch.coerce({"observation": b.observation, "advantagez": b.advantages})
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.old_log_probs: batch\['logprob'\] must be a "
+                                                   r"torch.Tensor, got list"):
+        RolloutBatch.coerce({"logprob": [0.0]})
+    with pytest.raises(TypeError, match=r"ppo batch must be a RolloutBatch or a mapping of field name -> tensor "
+                                        r"\(e.g. \{'observation': ..., 'mask': ...\}\), got list"):
+        RolloutBatch.coerce([b.observation], who="ppo batch")
 
 
 def test_missing_required_field_is_named():
     b = make_batch(full=False)
-    with pytest.raises(BatchValidationError, match=r"RolloutBatch.logprob: missing: expected a \(B, R\) float32 "
-                                                   r"tensor, found None"):
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.old_log_probs: missing: expected a \(B, R\) "
+                                                   r"float32 tensor, found None"):
         b.validate(PAD)
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.advantages: missing"):
+        b.validate(PAD, required=("observation", "advantage"))  # aliases name the field
     assert set(DESIGN_FIELDS) <= set(REQUIRED_FOR_LOSS)
 
 
 def test_float64_logprob_rejected():
     b = make_batch()
     b.logprob = b.logprob.double()
-    with pytest.raises(BatchValidationError, match=r"RolloutBatch.logprob: expected dtype float32, found float64"):
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.old_log_probs: expected dtype float32, found "
+                                                   r"float64"):
+        b.validate(PAD)
+
+
+def test_group_index_checked():
+    b = make_batch()
+    b.validate(PAD)
+    b.group_index = torch.zeros(4)
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.group_index: expected dtype int64, found float32"):
+        b.validate(PAD)
+    b.group_index = torch.zeros(3, dtype=torch.long)
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.group_index: expected B = 4"):
         b.validate(PAD)
 
 
@@ -88,7 +147,7 @@ def test_int_mask_rejected():
 def test_shape_mismatch_named():
     b = make_batch()
     b.value = torch.zeros(4, 5)
-    with pytest.raises(BatchValidationError, match=r"RolloutBatch.value: expected R = 4 \(from action\), found "
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.values: expected R = 4 \(from action\), found "
                                                    r"shape \(4, 5\)"):
         b.validate(PAD)
     b = make_batch()
@@ -97,14 +156,15 @@ def test_shape_mismatch_named():
         b.validate(PAD)
     b = make_batch()
     b.value = torch.zeros(4)
-    with pytest.raises(BatchValidationError, match=r"RolloutBatch.value: expected 2-D \(B, R\), found shape \(4,\)"):
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.values: expected 2-D \(B, R\), found shape "
+                                                   r"\(4,\)"):
         b.validate(PAD)
 
 
 def test_non_finite_named_with_index():
     b = make_batch()
     b.advantage[2, 1] = float("nan")
-    with pytest.raises(BatchValidationError, match=r"RolloutBatch.advantage: expected finite float32 values, found "
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.advantages: expected finite float32 values, found "
                                                    r"nan at index \(2, 1\)"):
         b.validate(PAD)
 
@@ -192,7 +252,7 @@ def test_cat_roundtrip_and_errors():
         RolloutBatch.cat([parts[0], other])
     missing = parts[1].select([0, 1])
     missing.value = None
-    with pytest.raises(ValueError, match=r"batch 1 sets fields .* \(differ in \['value'\]\)"):
+    with pytest.raises(ValueError, match=r"batch 1 sets fields .* \(differ in \['values'\]\)"):
         RolloutBatch.cat([parts[0], missing])
     with pytest.raises(ValueError, match="empty list"):
         RolloutBatch.cat([])
