@@ -7,17 +7,18 @@ PREEMPT_EXIT_CODE=${PREEMPT_EXIT_CODE:-75}
 
 vds_log() { echo "[verl_ds slurm $(date +%H:%M:%S)] $*" >&2; }
 
-# Host names of the job, one per line: `scontrol show hostnames` where Slurm is installed, else the same
-# expansion as verl_ds.dist.expand_nodelist (which the trainer uses for SLURM_NODELIST; a test keeps the
-# two equal) in plain Python, without importing torch.
+# Host names of the job, one per line: `scontrol show hostnames` where Slurm works, else (no scontrol, or
+# one without a slurm.conf to read, which makes it fail) the same expansion as verl_ds.dist.expand_nodelist
+# (which the trainer uses for SLURM_NODELIST; tests keep the three equal) in plain Python, without torch.
 vds_hosts() {
-    local list=${1:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}}
+    local list=${1:-${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}} hosts
     if [ -z "$list" ]; then
         vds_log "no node list: SLURM_JOB_NODELIST is not set (run inside an allocation)"
         return 1
     fi
-    if command -v scontrol >/dev/null 2>&1; then
-        scontrol show hostnames "$list"
+    if command -v scontrol >/dev/null 2>&1 && hosts=$(scontrol show hostnames "$list" 2>/dev/null) \
+            && [ -n "$hosts" ]; then
+        printf '%s\n' "$hosts"
         return
     fi
     "${PYTHON:-python3}" - "$list" <<'PY'
