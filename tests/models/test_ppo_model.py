@@ -1,311 +1,441 @@
-"""PPOModel: fresh-critic GAE, KL in reward / in loss (gradient reaches the actor), hot values read at call
-time, KL controller updates and rebuilds, metrics, hot swap, state_dict."""
-import copy
+"""PPOModel on hand-built cases: every expected number is written down (or derived in a comment) from a bigram actor
+whose probabilities are known, a critic whose values are a table, and literal batch fields; none comes from
+``verl_ds.algos``. Covers GAE with the KL in the reward, the critic-free estimators, the clipped surrogate with dual
+clip, the entropy bonus, the KL in the loss, the clipped value loss (with gradients), the KL controller, state_dict,
+hot swap and the error messages."""
+import dataclasses
 import math
+import statistics
 
 import pytest
 import torch
 
-from verl_ds.models import PolicyModel, PPOConfig, PPOModel, RewardModel, ValueModel
+from verl_ds.batch import RolloutBatch
+from verl_ds.config import AlgoConfig
+from verl_ds.models import MissingModuleError, PolicyModel, PPOModel, ReferenceModel, RewardModel, ValueModel
 from verl_ds.registry import ModelRegistry
 from verl_ds.state import SharedState
 
+from models_testutil import EOS, PAD, TokenValueNet, make_bigram_lm
 
-def gae_reference(rewards, values, mask, gamma, lam):
-    """float64 loop over contiguous-prefix responses: V after the last real token is 0."""
-    B, R = rewards.shape
-    adv = torch.zeros(B, R, dtype=torch.float64)
-    for i in range(B):
-        n = int(mask[i].sum())
-        last = 0.0
-        for t in reversed(range(n)):
-            nv = float(values[i, t + 1]) if t + 1 < n else 0.0
-            delta = float(rewards[i, t]) + gamma * nv - float(values[i, t])
-            last = delta + gamma * lam * last
-            adv[i, t] = last
-    return adv, adv + values.double() * mask
+ROWS = {3: {4: 1, 5: 1, 6: 2}, 4: {5: 3, EOS: 1}, 6: {EOS: 3, 3: 1}}  # p(b | a) = weight / row sum
 
 
-@pytest.fixture
-def setup(tiny_lm, tiny_critic, make_rollout):
+def H(*ps):
+    return -sum(q * math.log(q) for q in ps)
+
+
+def make_ppo(adv_estimator="gae", critic=True, ref=True, values=None, **algo):
     state = SharedState(rank=0)
-    ref_lm = copy.deepcopy(tiny_lm)
-    with torch.no_grad():  # make the actor differ from the reference so the KL is not zero
-        for p in tiny_lm.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    actor, ref = PolicyModel(tiny_lm), PolicyModel(ref_lm)
-    critic = ValueModel(tiny_critic)
+    algo = dataclasses.replace(AlgoConfig(), adv_estimator=adv_estimator, **algo)
     reward = RewardModel()
-    reward.register_reward_fn(lambda p, r, b: [float(i) for i in range(len(p))], name="idx")
-    ppo = PPOModel(actor, critic, reward, ref=ref, state=state)
-    b = make_rollout(B=4, P=5, R=4)
-    with torch.no_grad():
-        b.logprob = actor.get_logprob(b.observation, b.action, b.mask)
-        b.ref_logprob = ref.get_logprob(b.observation, b.action, b.mask)
-    b.score, _ = reward.compute_rewards(b, b.extras["prompt"], [""] * 4)
-    return ppo, b, state
+    reward.register_reward_fn(lambda p, r, b: [1.0] * len(p), name="one")
+    return PPOModel(PolicyModel(make_bigram_lm(ROWS)), reward,
+                    critic=ValueModel(TokenValueNet(values or {3: 0.5, 4: 1.0})) if critic else None,
+                    ref=ReferenceModel(make_bigram_lm(ROWS)) if ref else None, state=state, algo=algo)
 
 
-def test_missing_and_wrong_modules(setup):
-    ppo, _, _ = setup
-    with pytest.raises(ValueError, match=r"^Missing required module: reward \(PPOModel was given: actor=PolicyModel, "
-                                         r"critic=ValueModel, reward=None, ref=None\)$"):
-        PPOModel(ppo.actor, ppo.critic, None)
-    with pytest.raises(TypeError, match="PPOModel: module 'critic' must be a ValueModel, got PolicyModel"):
-        PPOModel(ppo.actor, ppo.actor, ppo.reward)
+def batch_of(responses, prompt=3):
+    """Prompt [prompt] for every row, the given responses (EOS ends a row; the rest is padding)."""
+    responses = torch.tensor(responses)
+    prompts = torch.full((responses.shape[0], 1), prompt)
+    return RolloutBatch.from_generation(prompts, torch.ones_like(prompts, dtype=torch.bool), responses,
+                                        pad_token_id=PAD, eos_token_id=EOS)
 
 
-def test_components_share_the_state(setup):
-    ppo, _, state = setup
-    assert ppo.actor.state is state and ppo.critic.state is state and ppo.reward.state is state
-    assert ppo.ref.state is state
+def t(rows):
+    return torch.tensor(rows, dtype=torch.float32)
 
 
-def test_compute_advantage_fresh_values_kl_in_reward_and_gae(setup):
-    ppo, b, state = setup
-    state.update({"kl_coef": 0.3, "gamma": 0.9, "lam": 0.8, "kl_kind": "k1"})
-    b.value = torch.full_like(b.logprob, 99.0)  # stale buffer values must be ignored
-    metrics = ppo.compute_advantage(b, PPOConfig(whiten_advantages=False))
-    m = b.response_mask
-    with torch.no_grad():
-        fresh = ppo.critic.get_values(b.observation, b.mask, 4) * m
-    torch.testing.assert_close(b.value, fresh)
-    assert b.old_value is not None and torch.equal(b.old_value, b.value)
-    kl = (b.logprob.double() - b.ref_logprob.double()) * m
-    want_reward = b.score.double() - 0.3 * kl
-    torch.testing.assert_close(b.reward.double(), want_reward, atol=1e-6, rtol=0)
-    adv, ret = gae_reference(want_reward, fresh.double(), m, 0.9, 0.8)
-    torch.testing.assert_close(b.advantage.double(), adv, atol=1e-5, rtol=0)
-    torch.testing.assert_close(b["return"].double(), ret * m, atol=1e-5, rtol=0)
-    for key in ("critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean",
-                "critic/values/mean", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"):
-        assert isinstance(metrics[key], float), key
-    assert metrics["critic/score/mean"] == pytest.approx(1.5)  # the idx reward: 0, 1, 2, 3
-    assert metrics["actor/reward_kl_penalty_coeff"] == 0.3
+def close(x, want, atol=1e-6):
+    torch.testing.assert_close(x.float(), torch.as_tensor(want, dtype=torch.float32), atol=atol, rtol=0)
 
 
-def test_kl_coef_read_at_call_time_and_no_double_penalty(setup):
-    ppo, b, state = setup
-    b.reward, b.score = b.score, None  # the trainer may hand the scores over in batch.reward
-    state.set("kl_coef", 0.0)
+def assert_scalar_metrics(metrics):
+    for key, v in metrics.items():
+        assert isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad, key
+
+
+# ---- advantages ---------------------------------------------------------------------------------------------------
+
+def gae_batch():
+    """B=2, R=3: row 0 three tokens, row 1 two (EOS) then padding."""
+    b = batch_of([[4, 5, 6], [6, EOS, PAD]])
+    assert b.response_mask.tolist() == [[True, True, True], [True, True, False]]
+    b.scores = t([[0, 0, 1], [0, 2, 0]])
+    b.values = t([[0.5, 0.2, 0.4], [1.0, -1.0, 99.0]])  # 99 sits on padding: must be ignored
+    b.old_log_probs = t([[-1.0, -0.5, -0.2], [-0.3, -0.4, 0.0]])
+    b.ref_log_probs = t([[-1.2, -0.5, -0.1], [-0.3, -0.9, 0.0]])
+    return b
+
+
+# k1 KL = old - ref = [[0.2, 0, -0.1], [0, 0.5, -]]; kl_coef 0.5: token rewards = scores - 0.5 KL
+GAE_REWARDS = [[-0.1, 0.0, 1.05], [0.0, 1.75, 0.0]]
+# gamma = lam = 0.5, V after the last real token = 0:
+#   row 0: d2 = 1.05 - 0.4 = 0.65; d1 = 0 + 0.5*0.4 - 0.2 = 0; d0 = -0.1 + 0.5*0.2 - 0.5 = -0.5
+#          A2 = 0.65, A1 = 0 + 0.25*0.65 = 0.1625, A0 = -0.5 + 0.25*0.1625 = -0.459375
+#   row 1: d1 = 1.75 - (-1) = 2.75; d0 = 0 + 0.5*(-1) - 1 = -1.5; A1 = 2.75, A0 = -1.5 + 0.25*2.75 = -0.8125
+GAE_ADV = [[-0.459375, 0.1625, 0.65], [-0.8125, 2.75, 0.0]]
+GAE_RET = [[0.040625, 0.3625, 1.05], [0.1875, 1.75, 0.0]]  # A + V on the response
+
+
+def test_gae_with_kl_in_reward_hand_case():
+    ppo = make_ppo(whiten_advantages=False)
+    ppo.state.update({"kl_coef": 0.5, "kl_kind": "k1", "kl_ctrl_type": "fixed", "gamma": 0.5, "lam": 0.5})
+    b = gae_batch()
+    metrics = ppo.compute_advantage(b)
+    close(b.token_rewards, GAE_REWARDS)
+    close(b.advantages, GAE_ADV)
+    close(b.returns, GAE_RET)
+    assert_scalar_metrics(metrics)
+    # per-sample mean KL: row 0 (0.2 + 0 - 0.1) / 3, row 1 0.5 / 2; batch mean
+    assert float(metrics["actor/reward_kl_penalty"]) == pytest.approx((0.1 / 3 + 0.25) / 2, abs=1e-6)
+    assert float(metrics["actor/reward_kl_penalty_coeff"]) == 0.5
+    assert float(metrics["rollout/score/mean"]) == 1.5 and float(metrics["rollout/score/max"]) == 2.0
+    assert float(metrics["rollout/rewards/mean"]) == pytest.approx((0.95 + 1.75) / 2, abs=1e-6)
+    assert float(metrics["critic/values/mean"]) == pytest.approx((0.5 + 0.2 + 0.4 + 1.0 - 1.0) / 5, abs=1e-6)
+    assert float(metrics["rollout/advantages/max"]) == pytest.approx(2.75)
+    assert float(metrics["rollout/returns/min"]) == pytest.approx(0.040625)
+
+
+def test_gae_whitening_default_and_custom():
+    ppo = make_ppo()  # algo.whiten_advantages defaults to True
+    ppo.state.update({"kl_coef": 0.5, "kl_kind": "k1", "kl_ctrl_type": "fixed", "gamma": 0.5, "lam": 0.5})
+    b = gae_batch()
     ppo.compute_advantage(b)
-    assert b.score is not None
-    r0 = b.reward.clone()
-    state.set("kl_coef", 1.0)
-    ppo.compute_advantage(b)
-    kl = (b.logprob - b.ref_logprob) * b.response_mask
-    torch.testing.assert_close(b.reward, r0 - kl, atol=1e-6, rtol=0)
-    state.set("use_kl_penalty", False)
-    ppo.compute_advantage(b)
-    torch.testing.assert_close(b.reward, b.score)
-
-
-def test_whitening_default_and_custom(setup):
-    ppo, b, _ = setup
-    ppo.compute_advantage(b)
-    a = b.advantage[b.response_mask].double()
-    assert abs(a.mean()) < 1e-5 and a.std() == pytest.approx(1.0, abs=1e-3)
-    assert (b.advantage[~b.response_mask] == 0).all()
+    flat = [a for row, n in zip(GAE_ADV, (3, 2)) for a in row[:n]]
+    mean, std = statistics.mean(flat), statistics.stdev(flat)  # unbiased, over the 5 response tokens
+    want = [[(a - mean) / math.sqrt(std ** 2 + 1e-8) for a in row] for row in GAE_ADV]
+    want[1][2] = 0.0
+    close(b.advantages, want, atol=1e-5)
+    close(b.returns, GAE_RET)  # returns are not whitened
     calls = []
 
-    def whiten(x, mask):
-        calls.append(mask.shape)
+    def double(x, mask):
+        calls.append(mask.tolist())
         return x * 2
 
-    ppo.compute_advantage(b, whiten_fn=whiten)
-    assert calls == [(4, 4)]
+    ppo.compute_advantage(b, whiten_fn=double)
+    assert calls == [b.response_mask.tolist()]
+    close(b.advantages, [[2 * a for a in row] for row in GAE_ADV])
 
 
-def test_policy_loss_matches_algos_and_metrics(setup):
-    from verl_ds import algos
-
-    ppo, b, state = setup
+def test_kl_coef_and_switches_read_at_call_time():
+    ppo = make_ppo(whiten_advantages=False)
+    ppo.state.update({"kl_kind": "k1", "kl_ctrl_type": "fixed", "kl_coef": 0.0})
+    b = gae_batch()
+    metrics = ppo.compute_advantage(b)
+    close(b.token_rewards, b.scores)  # no KL term at all
+    assert "actor/reward_kl_penalty" not in metrics
+    ppo.state.set("kl_coef", 1.0)
     ppo.compute_advantage(b)
-    state.update({"entropy_coef": 0.0, "clip_ratio_low": 0.1, "clip_ratio_high": 0.3})
-    loss, metrics = ppo.compute_policy_loss(b)
-    lp = ppo.actor.get_logprob(b.observation, b.action, b.mask)
-    want, _ = algos.policy_loss(lp, b.logprob, b.advantage, b.response_mask, 0.1, 0.3, 3.0, "token-mean")
-    torch.testing.assert_close(loss, want)
-    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy"):
-        assert isinstance(metrics[key], float), key
-    assert "actor/kl_loss" not in metrics  # KL is in the reward by default
-    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # same weights as the rollout
-    loss.backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in ppo.actor.lm.parameters())
-
-
-def test_entropy_bonus(setup):
-    from verl_ds import algos
-
-    ppo, b, state = setup
+    close(b.token_rewards, [[-0.2, 0.0, 1.1], [0.0, 1.5, 0.0]])  # scores - 1.0 * KL
+    ppo.state.set("kl_kind", "abs")
     ppo.compute_advantage(b)
-    base, _ = ppo.compute_policy_loss(b)
-    state.set("entropy_coef", 0.1)
-    with_bonus, metrics = ppo.compute_policy_loss(b)
-    _, ent = ppo.actor.get_logprob(b.observation, b.action, b.mask, return_entropy=True)
-    torch.testing.assert_close(with_bonus, base - 0.1 * algos.agg_loss(ent, b.response_mask, "token-mean"))
-    assert metrics["actor/entropy"] > 0
-
-
-def test_kl_in_loss_gradient_reaches_actor(setup):
-    from verl_ds import algos
-
-    ppo, b, state = setup
-    cfg = PPOConfig(kl_in_reward=False)
-    ppo.compute_advantage(b, cfg)
-    b.advantage = torch.zeros_like(b.advantage)  # the surrogate contributes no gradient: only the KL term can
-    state.update({"kl_coef": 0.5, "kl_kind": "k3", "entropy_coef": 0.0})
-    loss, metrics = ppo.compute_policy_loss(b, cfg)
-    lp = ppo.actor.get_logprob(b.observation, b.action, b.mask)
-    kl_loss = algos.agg_loss(algos.kl_penalty(lp, b.ref_logprob, "k3"), b.response_mask, "token-mean")
-    torch.testing.assert_close(loss, 0.5 * kl_loss, atol=1e-6, rtol=0)
-    assert metrics["actor/kl_coef"] == 0.5 and metrics["actor/kl_loss"] > 0
-    ppo.actor.lm.zero_grad()
-    loss.backward()
-    grad = sum(p.grad.abs().sum() for p in ppo.actor.lm.parameters() if p.grad is not None)
-    assert grad > 0
-    assert all(p.grad is None for p in ppo.ref.lm.parameters())  # the reference gets none
-    state.set("kl_coef", 0.0)  # and with a zero coefficient the actor gets none either
-    ppo.actor.lm.zero_grad()
-    loss0, _ = ppo.compute_policy_loss(b, cfg)
-    loss0.backward()
-    assert sum(p.grad.abs().sum() for p in ppo.actor.lm.parameters() if p.grad is not None) == 0
-
-
-def test_normalizer_is_passed_through(setup):
-    ppo, b, _ = setup
+    close(b.token_rewards, [[-0.2, 0.0, 0.9], [0.0, 1.5, 0.0]])  # |KL|
+    ppo.state.set("use_kl_penalty", False)
     ppo.compute_advantage(b)
-    n = float(b.response_mask.sum())
-    loss, _ = ppo.compute_policy_loss(b)
-    scaled, _ = ppo.compute_policy_loss(b, normalizer=2 * n)
-    torch.testing.assert_close(scaled, loss / 2)
+    close(b.token_rewards, b.scores)
 
 
-def test_value_loss_and_gradient(setup):
-    from verl_ds import algos
-
-    ppo, b, state = setup
+@pytest.mark.parametrize("estimator, groups, scores, want", [
+    # GRPO: group 0 scores (1, 0): mean 0.5, unbiased std sqrt(0.5); A = +-0.5 / (sqrt(0.5) + 1e-6)
+    # group 1 scores (3, 3): std 0, A = 0
+    ("grpo", [0, 0, 1, 1], [1, 0, 3, 3], [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 0, 0]),
+    ("dr_grpo", [0, 0, 1, 1], [1, 0, 3, 3], [0.5, -0.5, 0, 0]),
+    # RLOO: group (1, 0, 2): each minus the mean of the other two; a group of one has baseline 0
+    ("rloo", [0, 0, 0, 1], [1, 0, 2, 5], [0 - 0, 0 - 1.5, 2 - 0.5, 5]),
+])
+def test_critic_free_group_estimators_hand_cases(estimator, groups, scores, want):
+    ppo = make_ppo(estimator, critic=False)  # whiten_advantages stays True: the group estimators normalise themselves
+    assert not ppo.needs_critic and ppo.critic is None
+    ppo.state.update({"kl_coef": 0.0, "kl_ctrl_type": "fixed"})
+    b = batch_of([[4, EOS, PAD], [4, 5, EOS], [6, EOS, PAD], [4, 5, 6]])
+    lengths = b.response_length.tolist()
+    assert lengths == [2, 3, 2, 3]
+    b.scores = torch.zeros(4, 3)
+    b.scores[torch.arange(4), b.response_length - 1] = t(scores)
+    b.group_index = torch.tensor(groups)
     ppo.compute_advantage(b)
-    state.set("cliprange_value", 0.2)
-    loss, metrics = ppo.compute_value_loss(b)
-    v = ppo.critic.get_values(b.observation, b.mask, 4)
-    want, _ = algos.value_loss(v, b.old_value, b["return"], b.response_mask, 0.2, "token-mean")
-    torch.testing.assert_close(loss, want)
-    for key in ("critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/vf_explained_var"):
-        assert isinstance(metrics[key], float), key
-    loss.backward()
-    assert ppo.critic.net.value_head.weight.grad.abs().sum() > 0
-
-
-def test_missing_batch_fields(setup):
-    ppo, b, _ = setup
-    b.advantage = None
-    with pytest.raises(ValueError, match=r"PPOModel.compute_policy_loss: batch.advantage is missing"):
-        ppo.compute_policy_loss(b)
-    b.score = b.reward = None
-    with pytest.raises(ValueError, match=r"batch.score is missing: set it to the token scores"):
+    expected = [[w if j < n else 0.0 for j in range(3)] for w, n in zip(want, lengths)]
+    close(b.advantages, expected, atol=1e-5)
+    close(b.returns, expected, atol=1e-5)
+    b.group_index = None
+    with pytest.raises(ValueError, match="PPOModel.compute_advantage: batch.group_index is missing"):
         ppo.compute_advantage(b)
 
 
-def test_update_adaptive_controller_writes_kl_coef(setup):
-    ppo, b, state = setup
-    state.update({"kl_ctrl_type": "adaptive", "kl_coef": 0.1, "target_kl": 0.05})
-    ppo.update(b, observed_kl=0.5, n_samples=1000)  # error clipped to +0.2
-    assert state["kl_coef"] == pytest.approx(0.1 * (1 + 0.2 * 1000 / 10000))
-    assert ppo.kl_controller.value == pytest.approx(state["kl_coef"])
+def test_remax_hand_case():
+    ppo = make_ppo("remax", critic=False)
+    ppo.state.update({"kl_coef": 0.0, "kl_ctrl_type": "fixed"})
+    b = batch_of([[4, EOS, PAD], [4, 5, 6]])
+    b.scores = t([[0, 1, 0], [0.5, 0, 2]])
+    with pytest.raises(ValueError, match="algo.adv_estimator='remax' needs baseline_scores"):
+        ppo.compute_advantage(b)
+    ppo.compute_advantage(b, baseline_scores=t([0.25, 1.0]))
+    # returns: reverse cumulative sums of each row's rewards; advantages: returns - the row's baseline
+    close(b.returns, [[1, 1, 0], [2.5, 2, 2]])
+    close(b.advantages, [[0.75, 0.75, 0], [1.5, 1.0, 1.0]])
 
 
-def test_update_measures_kl_from_batch(setup):
-    from verl_ds import algos
+# ---- the policy loss ------------------------------------------------------------------------------------------------
 
-    ppo, b, state = setup
-    state.update({"kl_ctrl_type": "adaptive", "kl_coef": 0.1, "target_kl": 1.0})
-    observed = float(algos.masked_mean(b.logprob - b.ref_logprob, b.response_mask))
-    ppo.update(b)
-    err = max(-0.2, min(0.2, observed / 1.0 - 1))
-    assert state["kl_coef"] == pytest.approx(0.1 * (1 + err * 4 / 10000))
-
-
-def test_multiplicative_rule_and_controller_rebuild(setup):
-    ppo, b, state = setup
-    state.update({"kl_ctrl_type": "multiplicative", "kl_coef": 0.2, "target_kl": 0.1})
-    ppo.update(b, observed_kl=0.2)  # > 1.5 * target
-    assert state["kl_coef"] == pytest.approx(0.3)
-    ppo.update(b, observed_kl=0.01)  # < 0.5 * target
-    assert state["kl_coef"] == pytest.approx(0.24)
-    ppo.update(b, observed_kl=0.1)  # inside the band
-    assert state["kl_coef"] == pytest.approx(0.24)
-    state.set("kl_ctrl_type", "fixed")
-    ppo.update(b, observed_kl=5.0)
-    assert state["kl_coef"] == pytest.approx(0.24)
-    state.set("kl_coef", 0.7)  # a hot update of the coefficient itself is adopted
-    state.set("kl_ctrl_type", "multiplicative")
-    ppo.update(b, observed_kl=1.0)
-    assert state["kl_coef"] == pytest.approx(1.05)
+def policy_batch(ratios, advantages):
+    """Rows 3 -> 4 5 and 3 -> 6 EOS; old_log_probs set so that exp(log_probs - old_log_probs) = ratios."""
+    b = batch_of([[4, 5], [6, EOS]])
+    lp = [[math.log(1 / 4), math.log(3 / 4)], [math.log(1 / 2), math.log(3 / 4)]]  # from ROWS
+    b.old_log_probs = t([[lp[i][j] - math.log(ratios[i][j]) for j in range(2)] for i in range(2)])
+    b.advantages = t(advantages)
+    b.ref_log_probs = t(lp)
+    return b
 
 
-def test_state_dict_roundtrip_restores_controller(setup):
-    ppo, b, state = setup
-    state.update({"kl_ctrl_type": "adaptive", "kl_coef": 0.1, "target_kl": 0.05})
-    ppo.update(b, observed_kl=0.5, n_samples=1000)
+# ratio 1.5, A=+1: max(-1.5, -1.2) = -1.2 (clipped); ratio 0.5, A=+2: max(-1.0, -1.6) = -1.0;
+# ratio 0.5, A=-1: max(0.5, 0.8) = 0.8 (clipped); ratio 5, A=-1: max(5, 1.2) = 5, dual clip min(5, 3) = 3.
+RATIOS, ADVANTAGES, TOKEN_LOSSES = [[1.5, 0.5], [0.5, 5.0]], [[1.0, 2.0], [-1.0, -1.0]], [-1.2, -1.0, 0.8, 3.0]
+MEAN_ENTROPY = (2 * H(1 / 4, 1 / 4, 1 / 2) + H(3 / 4, 1 / 4) + H(3 / 4, 1 / 4)) / 4  # rows 3, 4 | 3, 6
+
+
+def test_policy_loss_hand_case_metrics_and_gradient():
+    ppo = make_ppo()
+    ppo.state.update({"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "entropy_coef": 0.0, "kl_coef": 0.0,
+                      "kl_ctrl_type": "fixed", "temperature": 1.0})
+    b = policy_batch(RATIOS, ADVANTAGES)
+    loss, metrics = ppo.compute_policy_loss(b)
+    assert loss.item() == pytest.approx(sum(TOKEN_LOSSES) / 4, abs=1e-6)  # token-mean: 0.4
+    assert_scalar_metrics(metrics)
+    assert float(metrics["actor/pg_loss"]) == pytest.approx(0.4, abs=1e-6)
+    assert float(metrics["actor/pg_clipfrac"]) == 0.5  # tokens 1 and 3
+    assert float(metrics["actor/pg_clipfrac_lower"]) == 0.25  # token 4
+    assert float(metrics["actor/ppo_kl"]) == pytest.approx(-math.log(1.5 * 0.5 * 0.5 * 5.0) / 4, abs=1e-6)
+    assert float(metrics["actor/entropy"]) == pytest.approx(MEAN_ENTROPY, abs=1e-6)
+    assert "actor/kl_loss" not in metrics
+    loss.backward()
+    # only token 2 (ratio 0.5, A=2, row 4 -> 5) is unclipped: dL/dlog_p = -A * ratio / 4 = -0.25, and
+    # dlog p(5|4)/dlogits[4] = onehot(5) - p(.|4); so grad logits[4] = 0.25 (p - onehot(5)): -1/16 on 5, 1/16 on EOS
+    grad = ppo.actor.lm.table.grad
+    want = torch.zeros_like(grad)
+    want[4, 5], want[4, EOS] = -1 / 16, 1 / 16
+    torch.testing.assert_close(grad, want, atol=1e-7, rtol=0)
+
+
+def test_entropy_bonus_normalizer_and_agg_mode():
+    ppo = make_ppo()
+    ppo.state.update({"kl_coef": 0.0, "kl_ctrl_type": "fixed", "entropy_coef": 0.1})
+    b = policy_batch(RATIOS, ADVANTAGES)
+    loss, _ = ppo.compute_policy_loss(b)
+    assert loss.item() == pytest.approx(0.4 - 0.1 * MEAN_ENTROPY, abs=1e-6)
+    ppo.state.set("entropy_coef", 0.0)
+    loss, _ = ppo.compute_policy_loss(b, normalizer=8)  # the token sum 1.6 over 8 instead of 4
+    assert loss.item() == pytest.approx(0.2, abs=1e-6)
+    seq = make_ppo(loss_agg_mode="seq-mean-token-sum")
+    seq.state.update({"kl_coef": 0.0, "kl_ctrl_type": "fixed"})
+    loss, _ = seq.compute_policy_loss(b)
+    assert loss.item() == pytest.approx((-1.2 - 1.0 + 0.8 + 3.0) / 2, abs=1e-6)  # row sums -2.2 and 3.8, averaged
+
+
+def test_kl_in_loss_hand_case_and_gradient():
+    ppo = make_ppo(kl_placement="loss")
+    ppo.state.update({"kl_coef": 0.5, "kl_kind": "k3", "kl_ctrl_type": "fixed", "entropy_coef": 0.0})
+    b = policy_batch([[1.0, 1.0], [1.0, 1.0]], [[0.0, 0.0], [0.0, 0.0]])  # the surrogate contributes nothing
+    x = [[0.1, -0.2], [0.0, 0.3]]  # ref_log_probs - log_probs
+    b.ref_log_probs = b.old_log_probs + t(x)
+    loss, metrics = ppo.compute_policy_loss(b)
+    k3 = [math.exp(v) - 1 - v for row in x for v in row]  # exp(-d) - 1 + d with d = log_probs - ref = -x
+    assert float(metrics["actor/kl_loss"]) == pytest.approx(sum(k3) / 4, abs=1e-6)
+    assert float(metrics["actor/kl_coef"]) == 0.5
+    assert loss.item() == pytest.approx(0.5 * sum(k3) / 4, abs=1e-6)
+    loss.backward()
+    # d k3 / d log_p = 1 - exp(x): row 3 gets it from tokens (0, 0) (x = 0.1) and (1, 0) (x = 0: nothing)
+    grad = ppo.actor.lm.table.grad
+    g = 0.5 / 4 * (1 - math.exp(0.1))
+    want3 = torch.tensor([g * ((b_ == 4) - ROWS[3].get(b_, 0) / 4) for b_ in range(grad.shape[1])])
+    torch.testing.assert_close(grad[3], want3, atol=1e-7, rtol=0)
+    assert all(p.grad is None for p in ppo.ref.lm.parameters())  # the reference is not even called
+    ppo.state.set("kl_coef", 0.0)  # a fixed zero coefficient: no KL term, no metric
+    loss0, metrics0 = ppo.compute_policy_loss(b)
+    assert loss0.item() == 0.0 and "actor/kl_loss" not in metrics0
+
+
+# ---- the value loss -------------------------------------------------------------------------------------------------
+
+def value_batch():
+    b = batch_of([[4, 5]])  # values before the response tokens: after 3 (0.5) and after 4 (1.0)
+    b.values = t([[0.0, 0.9]])  # the rollout's
+    b.returns = t([[1.0, 0.0]])
+    return b
+
+
+def test_value_loss_hand_case_and_gradient():
+    ppo = make_ppo()
+    ppo.state.set("cliprange_value", 0.2)
+    b = value_batch()
+    loss, metrics = ppo.compute_value_loss(b)
+    # token 0: V 0.5, V_old 0 -> V_clip 0.2: max((0.5-1)^2, (0.2-1)^2) = 0.64 (clipped)
+    # token 1: V 1.0, V_old 0.9 -> V_clip 1.0: (1 - 0)^2 = 1.   loss = 0.5 * mean(0.64, 1) = 0.41
+    assert loss.item() == pytest.approx(0.41, abs=1e-6)
+    assert_scalar_metrics(metrics)
+    assert float(metrics["critic/vf_loss"]) == pytest.approx(0.41, abs=1e-6)
+    assert float(metrics["critic/vf_clipfrac"]) == 0.5
+    assert float(metrics["critic/vpred_mean"]) == pytest.approx(0.75)
+    # 1 - Var(R - V) / Var(R) = 1 - Var(0.5, -1) / Var(1, 0) = 1 - 0.5625 / 0.25
+    assert float(metrics["critic/vf_explained_var"]) == pytest.approx(-1.25, abs=1e-6)
+    loss.backward()
+    grad = ppo.critic.net.table.grad  # token 0 clipped: no gradient; token 1: 0.5 * 0.5 * 2 * (1 - 0)
+    assert grad[3].item() == 0.0 and grad[4].item() == pytest.approx(0.5)
+    ppo.critic.net.table.grad = None
+    ppo.state.set("cliprange_value", 0.0)  # 0 disables clipping: 0.5 * mean(0.25, 1)
+    loss, _ = ppo.compute_value_loss(b)
+    assert loss.item() == pytest.approx(0.3125, abs=1e-6)
+    loss.backward()
+    assert ppo.critic.net.table.grad[3].item() == pytest.approx(-0.25)  # 0.5 * (0.5 - 1)
+
+
+def test_value_loss_needs_a_critic():
+    ppo = make_ppo("grpo", critic=False)
+    with pytest.raises(MissingModuleError, match=r"^Missing required module: critic \(compute_value_loss needs a "
+                                                 r"ValueModel\)$"):
+        ppo.compute_value_loss(value_batch())
+
+
+# ---- the KL controller ------------------------------------------------------------------------------------------------
+
+def test_band_controller_rebuilds_and_adopts_hot_values():
+    ppo = make_ppo()
+    ppo.state.update({"kl_ctrl_type": "band", "kl_coef": 0.2, "target_kl": 0.1})
+    for observed, want in ((0.2, 0.3), (0.01, 0.24), (0.1, 0.24)):  # > 1.5 target: x1.5; < 0.5 target: x0.8
+        ppo.update(None, {"observed_kl": observed, "n_samples": 4})
+        assert ppo.state["kl_coef"] == pytest.approx(want)
+    ppo.state.set("kl_ctrl_type", "fixed")
+    ppo.update(None, {"observed_kl": 5.0, "n_samples": 4})
+    assert ppo.state["kl_coef"] == pytest.approx(0.24) and ppo.kl_controller.name == "fixed"
+    ppo.state.update({"kl_coef": 0.7, "kl_ctrl_type": "band"})  # a hot coefficient is adopted
+    ppo.update(None, {"observed_kl": 1.0, "n_samples": 4})
+    assert ppo.state["kl_coef"] == pytest.approx(1.05)
+    ppo.state.set("kl_coef", 900.0)
+    ppo.update(None, {"observed_kl": 1.0, "n_samples": 4})  # 1350 is clamped to the key's range
+    assert ppo.state["kl_coef"] == 1000.0
+
+
+def test_ziegler_controller_hand_step():
+    ppo = make_ppo()
+    ppo.state.update({"kl_ctrl_type": "ziegler", "kl_coef": 0.1, "target_kl": 0.05})
+    ppo.update(None, {"observed_kl": 0.5, "n_samples": 1000})  # error 0.5/0.05 - 1 clipped to 0.2, horizon 10000
+    assert ppo.state["kl_coef"] == pytest.approx(0.1 * (1 + 0.2 * 1000 / 10000))
+    assert ppo.kl_controller.value == pytest.approx(ppo.state["kl_coef"])
+    with pytest.raises(ValueError, match=r"PPOModel.update: config must hold 'observed_kl'"):
+        ppo.update(None, {"n_samples": 3})
+
+
+def test_rank_other_than_0_steps_controller_without_writing_state():
+    reward = RewardModel()
+    reward.register_reward_fn(lambda p, r, b: [0.0] * len(p), name="zero")
+    state = SharedState(rank=1)  # defaults: band, kl_coef 0.01, target 0.1
+    ppo = PPOModel(PolicyModel(make_bigram_lm(ROWS)), reward, critic=ValueModel(TokenValueNet({})), state=state)
+    ppo.update(None, {"observed_kl": 1.0, "n_samples": 2})
+    assert ppo.kl_controller.value == pytest.approx(0.015) and state["kl_coef"] == 0.01
+
+
+def test_state_dict_restores_the_saved_controller_kind():
+    """Issue 11 defect 2: resuming with another kl_ctrl kind configured used to crash."""
+    ppo = make_ppo()
+    ppo.state.update({"kl_ctrl_type": "ziegler", "kl_coef": 0.1, "target_kl": 0.05})
+    ppo.update(None, {"observed_kl": 0.5, "n_samples": 1000})
     sd = ppo.state_dict()
-    assert sd["kl_controller_type"] == "adaptive" and sd["config"]["loss_agg_mode"] == "token-mean"
-    fresh = PPOModel(ppo.actor, ppo.critic, ppo.reward, state=SharedState(rank=0))
+    assert sd == {"kl_controller": {"kind": "ziegler", "value": pytest.approx(0.102), "target_kl": 0.05,
+                                    "horizon": 10000}}
+    fresh = make_ppo()  # its SharedState says band
+    assert fresh.kl_controller.name == "band"
     fresh.load_state_dict(sd)
-    assert fresh.kl_controller.value == pytest.approx(ppo.kl_controller.value)
-    with pytest.raises(KeyError, match="unknown keys"):
+    assert fresh.kl_controller.name == "ziegler" and fresh.kl_controller.value == pytest.approx(0.102)
+    fresh.state.load_state_dict(ppo.state.state_dict())  # a resume restores SharedState too: the run goes on
+    fresh.update(None, {"observed_kl": 0.5, "n_samples": 1000})
+    assert fresh.state["kl_coef"] == pytest.approx(0.102 * 1.02)
+    old = {"kl_controller": {"kind": "adaptive", "value": 0.3, "target_kl": 0.05, "horizon": 10000}}
+    fresh.load_state_dict(old)  # a checkpoint written under the deprecated name
+    assert fresh.kl_controller.name == "ziegler" and fresh.kl_controller.value == 0.3
+    with pytest.raises(KeyError, match=r"unknown keys \['bogus'\]"):
         fresh.load_state_dict({"bogus": 1})
 
 
-def test_hot_swap_reward_through_registry(setup):
-    ppo, b, _ = setup
+# ---- construction, components, errors ------------------------------------------------------------------------------
+
+def test_missing_and_wrong_modules():
+    ppo = make_ppo()
+    with pytest.raises(MissingModuleError, match=r"^Missing required module: reward \(PPOModel was given: "
+                                                 r"actor=PolicyModel, critic=ValueModel, reward=None, ref=None\)$"):
+        PPOModel(ppo.actor, None, critic=ppo.critic)
+    with pytest.raises(MissingModuleError, match=r"^Missing required module: critic \(algo.adv_estimator='gae' "
+                                                 r"estimates advantages with a critic; the critic-free estimators "
+                                                 r"are \['grpo', 'dr_grpo', 'rloo'"):
+        PPOModel(ppo.actor, ppo.reward)
+    with pytest.raises(TypeError, match="PPOModel: module 'critic' must be a ValueModel, got PolicyModel"):
+        PPOModel(ppo.actor, ppo.reward, critic=ppo.actor)
+    with pytest.raises(TypeError, match="PPOModel: module 'ref' must be a ReferenceModel, got ValueModel"):
+        PPOModel(ppo.actor, ppo.reward, critic=ppo.critic, ref=ppo.critic)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gea'; valid names: gae, grpo"):
+        make_ppo("gea")
+    with pytest.raises(ValueError, match="names has unknown role 'judge'"):
+        PPOModel(ppo.actor, ppo.reward, critic=ppo.critic, names={"judge": "x"})
+    with pytest.raises(ValueError, match="PPOModel.swap: unknown role 'judge'"):
+        ppo.swap("judge", ppo.reward)
+    PPOModel(ppo.actor, ppo.reward, critic=ppo.critic, ref=ppo.actor)  # a PolicyModel is a ReferenceModel too
+
+
+def test_components_share_the_state():
+    ppo = make_ppo()
+    for m in (ppo.actor, ppo.critic, ppo.reward, ppo.ref):
+        assert m.state is ppo.state
+    assert ppo.state is ppo.actor.state  # taken from the actor when none is given
+
+
+def test_missing_batch_fields_are_named():
+    ppo = make_ppo(whiten_advantages=False)
+    ppo.state.update({"kl_coef": 0.5, "kl_ctrl_type": "fixed"})
+    b = gae_batch()
+    b.values = None
+    with pytest.raises(ValueError, match=r"PPOModel.compute_advantage: batch.values is missing \(None\)"):
+        ppo.compute_advantage(b)
+    b = gae_batch()
+    b.ref_log_probs = None
+    with pytest.raises(ValueError, match=r"PPOModel.compute_advantage: batch.ref_log_probs is missing"):
+        ppo.compute_advantage(b)
+    b.scores = None
+    with pytest.raises(ValueError, match=r"PPOModel.compute_advantage: batch.scores is missing"):
+        ppo.compute_advantage(b)
+    b = policy_batch(RATIOS, ADVANTAGES)
+    b.advantages = None
+    with pytest.raises(ValueError, match=r"PPOModel.compute_policy_loss: batch.advantages is missing \(None\)"):
+        ppo.compute_policy_loss(b)
+    b = value_batch()
+    b.returns = None
+    with pytest.raises(ValueError, match=r"PPOModel.compute_value_loss: batch.returns is missing"):
+        ppo.compute_value_loss(b)
+
+
+def test_hot_swap_through_registry():
+    ppo = make_ppo()
     reg = ModelRegistry()
     reg.register("actor", ppo.actor, aliases=("policy",))
-    p2 = PPOModel(ppo.actor, ppo.critic, ppo.reward, ref=ppo.ref, registry=reg)
-    assert reg.get("reward") is ppo.reward
+    p2 = PPOModel(ppo.actor, ppo.reward, critic=ppo.critic, ref=ppo.ref, registry=reg)
+    assert p2.registry is reg and reg.get("reward") is ppo.reward
     assert reg.version("actor") == 1  # already registered there: not bumped
     new = RewardModel()
     new.register_reward_fn(lambda p, r, x: [7.0] * len(p), name="seven")
     assert reg.register("reward", new) == 2
-    assert p2.reward is new
-    p2.reward = ppo.reward  # attribute assignment is a swap too
+    assert p2.reward is new and new.state is not p2.state  # registered behind PPOModel's back: not adopted
+    p2.reward = ppo.reward  # attribute assignment is a swap
     assert reg.get("reward") is ppo.reward and reg.version("reward") == 3
     p2.reward = new
-    scores, _ = p2.reward.compute_rewards(b, [""] * 4, [""] * 4)
-    assert scores.sum().item() == 28.0
+    assert new.state is p2.state
+    b = batch_of([[4, 5], [6, EOS]])
+    scores, _ = p2.reward.compute_rewards(b, ["", ""], ["", ""])
+    assert scores.sum().item() == 14.0
     with pytest.raises(TypeError, match="module 'reward' must be a RewardModel, got ValueModel"):
         p2.swap("reward", ppo.critic)
     reg.register("critic", new)  # a wrong kind slipped in through the registry is caught at use
     with pytest.raises(TypeError, match=r"registry entry 'critic' \(critic\) must be a ValueModel, got RewardModel"):
         p2.critic
-
-
-def test_config_validation():
-    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
-        PPOConfig(clip_ratio_c=0.5)
-    with pytest.raises(ValueError, match=r"PPOConfig: unknown keys \['kl_coef'\]"):
-        from verl_ds.models.ppo import _as_config
-        _as_config({"kl_coef": 0.1}, PPOConfig())
-    assert math.isfinite(PPOConfig().clip_ratio_c)
-
-
-def test_more_ppo_messages(setup):
-    ppo, b, state = setup
-    with pytest.raises(TypeError, match="PPOConfig.kl_in_reward must be a bool, got 1"):
-        PPOConfig(kl_in_reward=1)
-    with pytest.raises(ValueError, match="PPOConfig.kl_horizon must be an int >= 1"):
-        PPOConfig(kl_horizon=0)
-    with pytest.raises(TypeError, match="config must be a PPOConfig, a dict or None, got str"):
-        ppo.compute_advantage(b, "fast")
-    with pytest.raises(ValueError, match="names has unknown role 'judge'"):
-        PPOModel(ppo.actor, ppo.critic, ppo.reward, names={"judge": "x"})
-    with pytest.raises(ValueError, match="PPOModel.swap: unknown role 'judge'"):
-        ppo.swap("judge", ppo.reward)
-    state.set("kl_ctrl_type", "adaptive")
-    b.ref_logprob = None
-    with pytest.raises(ValueError, match="batch.logprob and batch.ref_logprob are needed to measure the KL"):
-        ppo.update(b)
-    state.set("kl_ctrl_type", "fixed")
-    ppo.update(b)  # a fixed coefficient needs no measurement
-    cfg = ppo.compute_advantage(b, {"kl_in_reward": False, "whiten_advantages": False})
-    assert "actor/reward_kl_penalty" not in cfg
+    named = PPOModel(ppo.actor, ppo.reward, critic=ppo.critic, registry=ModelRegistry(),
+                     names={"actor": "ppo_actor"})
+    assert named.registry.get("ppo_actor") is ppo.actor and named.registry.get("actor", None) is None
