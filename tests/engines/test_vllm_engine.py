@@ -1,0 +1,241 @@
+"""VLLMRolloutEngine against HF on the same weights: greedy tokens, untruncated sampled log-probs, weight sync.
+
+Runs where vLLM is importable (``bash scripts/install_vllm.sh`` makes such a venv); elsewhere only the
+import-error and head_dim checks run. One engine is shared by the module (start-up costs 10-60 s on CPU).
+"""
+import os
+
+import pytest
+import torch
+
+from verl_ds.engines.vllm_engine import VLLMRolloutEngine, check_cpu_head_dim, import_vllm
+
+try:
+    import_vllm()
+    VLLM_ERROR = None
+except ImportError as exc:
+    VLLM_ERROR = str(exc)
+
+needs_vllm = pytest.mark.skipif(VLLM_ERROR is not None, reason="vllm is not importable (bash scripts/install_vllm.sh)")
+PAD, BOS, EOS, V, T = 0, 1, 2, 128, 0.7
+
+
+def llama_config(**kw):
+    from transformers import LlamaConfig
+
+    cfg = dict(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=4, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=BOS,
+               eos_token_id=EOS, tie_word_embeddings=False, initializer_range=0.1)  # peaked logits: clear argmax
+    cfg.update(kw)
+    return LlamaConfig(**cfg)
+
+
+def hf_greedy(model, prompt, R):
+    """Greedy tokens by a plain argmax loop over full forwards (no cache), and the smallest top-1/top-2 gap."""
+    ids, out, gap = list(prompt), [], float("inf")
+    for _ in range(R):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+        top = logits.topk(2).values
+        gap = min(gap, float(top[0] - top[1]))
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+        if out[-1] == EOS:
+            break
+    return out, gap
+
+
+def assert_greedy_matches(model, engine, prompts, R=8):
+    gen = engine.generate(prompts, max_new_tokens=R, greedy=True)
+    for i, p in enumerate(prompts):
+        ref, gap = hf_greedy(model, p, R)
+        assert gap > 1e-4, f"prompt {i}: top-2 logits {gap} apart, too close for an exact comparison"
+        k = len(ref)
+        assert gen.responses[i, :k].tolist() == ref, f"prompt {i}"
+        assert gen.responses[i, k:].eq(PAD).all() and int(gen.response_length[i]) == k
+        assert bool(gen.done[i]) == (ref[-1] == EOS)
+    return gen
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config()).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    # the 140-token prompt spans a full KV block (128 on CPU): a stale prefix cache after a sync would show
+    return [[BOS] + torch.randint(3, V, (n,), generator=g).tolist() for n in (2, 5, 9, 140)]
+
+
+@pytest.fixture(scope="module")
+def engine(hf_model, tmp_path_factory):
+    if VLLM_ERROR is not None:
+        pytest.skip("vllm is not importable (bash scripts/install_vllm.sh)")
+    path = str(tmp_path_factory.mktemp("tiny_llama"))
+    hf_model.save_pretrained(path)
+    eng = VLLMRolloutEngine(path, dtype="float32", seed=0)
+    yield eng
+    eng.close()
+
+
+@needs_vllm
+@torch.no_grad()
+def test_greedy_matches_hf(engine, hf_model, prompts):
+    assert engine.untruncated_logprobs
+    gen = assert_greedy_matches(hf_model, engine, prompts)
+    assert gen.responses.dtype == torch.int64 and gen.log_probs.dtype == torch.float32
+    assert gen.responses.shape == gen.log_probs.shape == (len(prompts), 8)
+
+
+@needs_vllm
+@torch.no_grad()
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (20, 0.9)])
+def test_sampled_log_probs_are_untruncated_softmax_over_temperature(engine, hf_model, prompts, top_k, top_p):
+    from verl_ds.algos import logprobs_from_logits
+
+    gen = engine.generate(prompts, max_new_tokens=8, temperature=T, top_k=top_k, top_p=top_p, n=3, seed=7)
+    assert gen.responses.shape == (len(prompts) * 3, 8)
+    diffs, ranks = [], []
+    for r in range(gen.responses.shape[0]):
+        p, k = prompts[r // 3], int(gen.response_length[r])
+        resp = gen.responses[r, :k]
+        logits = hf_model(torch.tensor([p + resp.tolist()])).logits[0, len(p) - 1:len(p) - 1 + k]
+        ref = logprobs_from_logits(logits, resp, temperature=T)
+        diffs.append((gen.log_probs[r, :k] - ref).abs())
+        assert gen.log_probs[r, k:].eq(0).all()
+        ranks.append((logits > logits.gather(1, resp[:, None])).sum(1))  # tokens above the drawn one
+    diff, ranks = torch.cat(diffs), torch.cat(ranks)
+    assert diff.mean() < 1e-4, f"mean |vLLM - HF| log-prob {diff.mean():.2e}"
+    if top_k:  # the draw was truncated, the reported log-prob was not (a renormalised one would be larger)
+        assert int(ranks.max()) < top_k
+    assert int(ranks.max()) > 0, "every sampled token was the argmax: the sampling test proves nothing"
+
+
+@needs_vllm
+@torch.no_grad()
+def test_seed_fixes_samples_and_rows_are_prompt_major(engine, prompts):
+    kw = dict(max_new_tokens=6, temperature=1.0, n=2)
+    a, b, c = (engine.generate(prompts[:2], seed=s, **kw) for s in (11, 11, 12))
+    assert torch.equal(a.responses, b.responses) and torch.equal(a.log_probs, b.log_probs)
+    assert not torch.equal(a.responses, c.responses)
+    state = torch.get_rng_state()
+    d, e = engine.generate(prompts[:2], **kw), engine.generate(prompts[:2], **kw)  # engine-owned seeds
+    assert torch.equal(torch.get_rng_state(), state), "generate touched the global torch RNG"
+    assert not torch.equal(d.responses, e.responses)
+    # n samples of a prompt are adjacent rows: greedy with n=2 repeats each prompt's answer twice, in order
+    one = [engine.generate([p], max_new_tokens=4, greedy=True).responses[0] for p in prompts[:2]]
+    assert not torch.equal(one[0], one[1])
+    two = engine.generate(prompts[:2], max_new_tokens=4, greedy=True, n=2).responses
+    assert torch.equal(two, torch.stack([one[0], one[0], one[1], one[1]]))
+
+
+@needs_vllm
+@torch.no_grad()
+def test_sync_weights_module_by_module_then_greedy_matches_hf(engine, hf_model, prompts):
+    engine.generate(prompts, max_new_tokens=8, greedy=True)  # fills the prefix cache with the old weights
+    g = torch.Generator().manual_seed(5)
+    for p in hf_model.parameters():
+        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+    def by_module():  # how a ZeRO-3 caller gathers: one module's own parameters at a time
+        for prefix, module in hf_model.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                yield (f"{prefix}.{name}" if prefix else name), p.detach().clone()
+
+    seconds = engine.sync_weights(by_module())
+    assert 0 < seconds < 60
+    assert_greedy_matches(hf_model, engine, prompts)
+
+
+@needs_vllm
+@torch.no_grad()
+def test_sync_weights_errors_name_the_parameter_and_block_generation(engine, hf_model, prompts):
+    good = [(n, p.detach()) for n, p in hf_model.named_parameters()]
+    cases = [
+        ([("model.layers.0.self_attn.qq.weight", torch.zeros(256, 256))],
+         r"'model.layers.0.self_attn.qq.weight' is not a parameter"),
+        (good[:3] + [("model.norm.weight", torch.zeros(3))],
+         r"'model.norm.weight' has shape \(3,\), expected \(256,\)"),
+        (["model.norm.weight"], r"expected \(name, tensor\) pairs, got str"),
+        ([("model.norm.weight", torch.ones(256, dtype=torch.int64))], "has dtype torch.int64, expected a floating"),
+        (good[:4], "parameters were not given"),
+    ]
+    for pairs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            engine.sync_weights(pairs)
+        with pytest.raises(RuntimeError, match="the last sync_weights failed part-way"):
+            engine.generate(prompts, max_new_tokens=2, greedy=True)
+
+    def failing():
+        yield good[0]
+        raise OSError("gather failed")
+
+    with pytest.raises(OSError, match="gather failed"):
+        engine.sync_weights(failing())
+    engine.sync_weights(iter(good))  # a complete sync makes the engine whole again
+    assert_greedy_matches(hf_model, engine, prompts)
+
+
+@needs_vllm
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompt_token_ids=torch.ones(2, 3, dtype=torch.long)), "must be a non-empty list of token-id lists"),
+    (dict(prompt_token_ids=[[1, 2], []]), r"prompt 1 must be a non-empty list of ints in \[0, 128\)"),
+    (dict(prompt_token_ids=[[1, 128]]), r"prompt 0 must be a non-empty list of ints in \[0, 128\)"),
+    (dict(prompt_token_ids=[[1] * 250]), "prompt 0 has 250 tokens; with max_new_tokens=8 that exceeds max_model_len"),
+    (dict(temperature=0.0), "temperature must be > 0 when sampling"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be an int >= 0"),
+    (dict(n=0), "n must be an int >= 1"),
+    (dict(max_new_tokens=True), "max_new_tokens must be an int >= 1"),
+    (dict(seed=-3), "seed must be None or an int >= 0"),
+])
+def test_generate_rejects_bad_input(engine, kwargs, match):
+    call = dict(prompt_token_ids=[[1, 5, 7]], max_new_tokens=8)
+    call.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(call.pop("prompt_token_ids"), **call)
+
+
+@needs_vllm
+@torch.no_grad()
+def test_from_hf_model_streams_weights_into_a_dummy_engine(hf_model, prompts, engine):
+    second = VLLMRolloutEngine.from_hf_model(hf_model, seed=0)
+    tmp = second._tmp.name
+    try:
+        assert os.path.exists(os.path.join(tmp, "config.json"))
+        assert not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(tmp)), "weights went to disk"
+        gen = assert_greedy_matches(hf_model, second, prompts)
+        assert torch.equal(gen.responses, engine.generate(prompts, max_new_tokens=8, greedy=True).responses)
+    finally:
+        second.close()
+    assert not os.path.exists(tmp)
+
+
+@needs_vllm
+def test_unsupported_cpu_head_dim_is_refused_before_start(tmp_path):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("head_dim limits are those of the CPU attention backend")
+    llama_config(hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"head_dim=16 \(hidden_size=64 / num_attention_heads=4\)"):
+        VLLMRolloutEngine(str(tmp_path))
+
+
+def test_check_cpu_head_dim():
+    assert check_cpu_head_dim(llama_config(), [32, 64]) == 64
+    assert check_cpu_head_dim(llama_config(head_dim=32), [32]) == 32  # an explicit head_dim wins
+    with pytest.raises(ValueError, match=r"supports head_dim in \[32, 128\], but this model has head_dim=64"):
+        check_cpu_head_dim(llama_config(), [128, 32])
+
+
+@pytest.mark.skipif(VLLM_ERROR is None, reason="vllm is importable here")
+def test_missing_vllm_names_the_install_path():
+    with pytest.raises(ImportError, match="scripts/install_vllm.sh"):
+        import_vllm()
+    with pytest.raises(ImportError, match="scripts/install_vllm.sh"):
+        VLLMRolloutEngine("/nonexistent")
