@@ -1,13 +1,19 @@
 """Build the tokenizer, the HF models and their DeepSpeed engines (actor, critic, reference)."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
+import math
 import os
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from verl_ds.config import Config, ConfigError, Derived
-from verl_ds.engines.ds_config import make_ds_config
+from verl_ds.engines.ds_config import make_ds_config, uses_gpu
+from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
+                                   partitioned_construction)
 
 log = logging.getLogger(__name__)
 
@@ -59,52 +65,108 @@ def _dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
 
 
-def build_actor_model(cfg: Config, tok, seed_offset: int = 0):
-    """The actor (or reference) HF causal LM: from ``model.path`` or a tiny config, same weights on every rank."""
+def _is_tiny(cfg: Config, role: str) -> bool:
+    return (cfg.model.critic_path or cfg.model.path) is None if role == "critic" else cfg.model.path is None
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") % 2**63
+
+
+@torch.no_grad()
+def init_tiny_weights(model: torch.nn.Module, seed: int, std: float, prefix: str = "") -> None:
+    """Initialise a model built from a config the way HF initialises Llama/Qwen2 (Linear and Embedding weights
+    ~ N(0, std), biases 0, the padding row 0; norms keep their constructed ones), each parameter from its own
+    generator seeded by (seed, ``prefix`` + name): a critic's backbone with prefix "model." gets the actor's values.
+
+    The values depend on nothing else: not on the global RNG, the construction path (plain, or partitioned
+    by ``zero.Init``, whose own init only runs on rank 0), the world size or the rank. Each rank generates a
+    parameter whole, one at a time, and keeps its slice.
+    """
+    for module_name, module in model.named_modules():
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            full_name = prefix + (f"{module_name}.{name}" if module_name else name)
+            if name == "weight":
+                gen = torch.Generator().manual_seed(_param_seed(seed, full_name))
+                value = torch.empty(tuple(full_shape(param)), dtype=torch.float32).normal_(0.0, std, generator=gen)
+                pad = getattr(module, "padding_idx", None)
+                if pad is not None:
+                    value[pad] = 0.0
+            else:
+                value = torch.zeros(tuple(full_shape(param)))
+            fill_param(param, value)
+
+
+def build_actor_model(cfg: Config, tok, seed_offset: int = 0, *, ds_config: Optional[dict] = None):
+    """The actor (or reference) HF causal LM: from ``model.path`` or a tiny config, same weights on every rank.
+
+    With a ZeRO-3 ``ds_config`` the model is created already partitioned (no rank ever holds it whole);
+    every rank must call this then.
+    """
     from transformers import AutoModelForCausalLM
 
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), partitioned_construction(ds_config):
         torch.manual_seed(cfg.model.init_seed + seed_offset)
         if cfg.model.path is None:
-            model = AutoModelForCausalLM.from_config(_tiny_lm_config(cfg, tok))
+            config = _tiny_lm_config(cfg, tok)
+            model = AutoModelForCausalLM.from_config(config)
+            init_tiny_weights(model, cfg.model.init_seed + seed_offset, config.initializer_range)
         else:
             if not os.path.isdir(cfg.model.path):
                 raise ConfigError(f"model.path: {cfg.model.path!r} does not exist or is not a directory")
-            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, torch_dtype=_dtype(cfg))
+            model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=_dtype(cfg))
     check_vocab(model, tok, "actor")
     disable_dropout(model)
-    return model.to(_dtype(cfg))
+    return model if has_partitioned_params(model) else model.to(_dtype(cfg))
 
 
-def build_critic_model(cfg: Config, tok, actor_model=None):
-    """The critic: the LM backbone plus a scalar value head; tiny critics start from the actor's backbone."""
-    from verl_ds.models.value import CriticLM
+def build_critic_model(cfg: Config, tok, actor_model=None, *, ds_config: Optional[dict] = None):
+    """The critic: the LM backbone plus a scalar value head; tiny critics start from the actor's backbone.
+
+    ``actor_model`` (plain or partitioned) is copied shard by shard into a tiny critic's backbone.
+    With a ZeRO-3 ``ds_config`` the backbone is created partitioned (the value head is partitioned by
+    ``deepspeed.initialize``).
+    """
+    from verl_ds.models.value import VALUE_HEAD_FILE, CriticLM
 
     path = cfg.model.critic_path or cfg.model.path
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), partitioned_construction(ds_config):
         torch.manual_seed(cfg.model.init_seed + 1)
         if path is None:
-            critic = CriticLM.from_causal_lm_config(_tiny_lm_config(cfg, tok))
-            if actor_model is not None:
-                copy_backbone(actor_model, critic)
+            config = _tiny_lm_config(cfg, tok)
+            critic = CriticLM.from_causal_lm_config(config)
+            init_tiny_weights(critic.backbone, cfg.model.init_seed, config.initializer_range, prefix="model.")
         else:
             if not os.path.isdir(path):
                 raise ConfigError(f"model.critic_path: {path!r} does not exist or is not a directory")
             critic = CriticLM.from_pretrained(path, torch_dtype=_dtype(cfg))
+    if path is None or not os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)):
+        # a new head from its own generator (CriticLM's scale): the same on every rank and construction path
+        hidden = critic.value_head.in_features
+        gen = torch.Generator().manual_seed(_param_seed(cfg.model.init_seed + 1, "value_head.weight"))
+        with torch.no_grad():
+            critic.value_head.weight.copy_(torch.randn(critic.value_head.weight.shape, generator=gen)
+                                           * (0.02 / math.sqrt(hidden)))
+            critic.value_head.bias.zero_()
+    critic.value_head.to(_dtype(cfg))
+    if path is None and actor_model is not None:
+        copy_backbone(actor_model, critic)
     check_vocab(critic.backbone, tok, "critic")  # a critic_path from another model family: a silent index error
     disable_dropout(critic)
-    return critic.to(_dtype(cfg))
+    return critic if has_partitioned_params(critic) else critic.to(_dtype(cfg))
 
 
 def copy_backbone(actor_model, critic) -> None:
-    """Start the critic's backbone from the actor's (the usual PPO initialisation)."""
+    """Start the critic's backbone from the actor's (the usual PPO initialisation); shard by shard under ZeRO-3."""
     src = actor_model.get_decoder() if hasattr(actor_model, "get_decoder") else actor_model.model
-    critic.backbone.load_state_dict(src.state_dict())
+    copy_params(src, critic.backbone)
 
 
 def check_vocab(model, tok, role: str) -> None:
     """The tokenizer must not produce ids beyond the model's embedding table (a silent index error on GPU)."""
-    n_embed = model.get_input_embeddings().weight.shape[0]
+    n_embed = full_shape(model.get_input_embeddings().weight)[0]
     if len(tok) > n_embed:
         raise ConfigError(f"{role}: the tokenizer has {len(tok)} tokens but the model's embedding has {n_embed} rows; "
                           "use the tokenizer that belongs to the model (or resize the embeddings before training)")
@@ -133,17 +195,39 @@ def _is_dropout_rate(key: str, value) -> bool:
     return ("dropout" in key or "pdrop" in key) and isinstance(value, float)
 
 
+def _torch_adamw(params, lr, weight_decay):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8)
+
+
+def _deepspeed_cpu_adam(params, lr, weight_decay):
+    # the compiled AVX Adam over pinned CPU memory: what ZeRO-Offload is designed around (Ren et al. 2021)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    return DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True)
+
+
+# name -> factory(params, lr, weight_decay); ``optimizer_name`` picks one per run
+OPTIMIZERS = {"torch_adamw": _torch_adamw, "deepspeed_cpu_adam": _deepspeed_cpu_adam}
+
+
+def optimizer_name(cfg: Config) -> str:
+    """DeepSpeed's CPU Adam when the optimizer is offloaded from a GPU; torch AdamW otherwise (CPU runs
+    need no compiled op, and with the optimizer on the GPU torch's fused/foreach AdamW is the fast one)."""
+    offloaded = cfg.deepspeed.offload_optimizer and cfg.deepspeed.zero_stage > 0
+    return "deepspeed_cpu_adam" if offloaded and uses_gpu(cfg) else "torch_adamw"
+
+
 def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0, weight_decay: float = 0.0,
                 grad_clip: float = 0.0):
-    """Wrap ``model`` in a DeepSpeed engine; trainable roles get a torch AdamW (no JIT-compiled FusedAdam)."""
+    """Wrap ``model`` in a DeepSpeed engine; trainable roles get the optimizer ``optimizer_name(cfg)`` names."""
     import deepspeed
 
-    ds_cfg = make_ds_config(cfg, derived, role, grad_clip=grad_clip)
+    ds_cfg = make_ds_config(cfg, derived, role, grad_clip=grad_clip, gpu=uses_gpu(cfg))
     if role in ("actor", "critic"):
         if cfg.model.gradient_checkpointing:
             target = model.backbone if hasattr(model, "backbone") else model
             target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.999), eps=1e-8)
+        optimizer = OPTIMIZERS[optimizer_name(cfg)](model.parameters(), lr, weight_decay)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
         engine.train()
     else:
@@ -152,6 +236,73 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
         engine.eval()
     return engine
+
+
+def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("actor", "ref", "critic"),
+                  sft_warmup: Optional[Callable] = None) -> dict:
+    """The DeepSpeed engines of ``roles`` (a subset of actor, ref, critic), each model created already partitioned
+    under ZeRO-3 (all ranks must call this).
+
+    The reference and a tiny critic's backbone are copied from the actor shard by shard (a local copy, no
+    gather), so the reference is the initial (warmed-up) policy without a second full copy of its weights.
+    ``sft_warmup(engine)``, when given, trains a temporary actor engine first (torch AdamW at ``actor.lr``,
+    weight decay 0.01, no gradient accumulation: call ``engine.backward(loss); engine.step()`` per step, the
+    same batch on every rank) under a forked RNG; the actor, the reference and the critic then start from
+    its weights and the PPO optimizer starts fresh.
+    """
+    unknown = sorted(set(roles) - {"actor", "ref", "critic"})
+    if unknown:
+        raise ValueError(f"build_engines: unknown roles {unknown}; expected a subset of ('actor', 'ref', 'critic')")
+    ds = {role: make_ds_config(cfg, derived, role, gpu=uses_gpu(cfg)) for role in ("actor", "ref", "critic")}
+    need_actor = "actor" in roles or sft_warmup is not None
+    actor_model = build_actor_model(cfg, tok, ds_config=ds["actor"]) if need_actor else None
+    sft_engine = None
+    if sft_warmup is not None:
+        sft_engine = make_engine(actor_model, cfg, dataclasses.replace(derived, grad_accum=1), "actor",
+                                 lr=cfg.actor.lr, weight_decay=0.01)
+        with torch.random.fork_rng(devices=[]):
+            sft_warmup(sft_engine)
+        sft_engine.eval()
+        actor_model = build_actor_model(cfg, tok, ds_config=ds["actor"]) if "actor" in roles else None
+        source = sft_engine.module
+        if actor_model is not None:
+            copy_params(source, actor_model)
+    else:
+        source = actor_model
+    models = {}
+    if "ref" in roles:
+        models["ref"] = build_actor_model(cfg, tok, ds_config=ds["ref"])
+        if source is not None:  # the initial policy exactly, whatever the stages and the init path
+            copy_params(source, models["ref"])
+    if "critic" in roles:
+        models["critic"] = build_critic_model(cfg, tok, actor_model=source, ds_config=ds["critic"])
+    if sft_engine is not None:
+        sft_engine.destroy()
+        del sft_engine, source
+    engines = {}
+    if actor_model is not None:
+        a = cfg.actor
+        engines["actor"] = make_engine(actor_model, cfg, derived, "actor", lr=a.lr, weight_decay=a.weight_decay,
+                                       grad_clip=a.grad_clip)
+    if "critic" in models:
+        c = cfg.critic
+        engines["critic"] = make_engine(models["critic"], cfg, derived, "critic", lr=c.lr, weight_decay=c.weight_decay,
+                                        grad_clip=c.grad_clip)
+    if "ref" in models:
+        engines["ref"] = make_engine(models["ref"], cfg, derived, "ref")
+    return {role: engines[role] for role in roles}
+
+
+def build_reward_engine(cfg: Config, derived: Derived, model_path: str):
+    """A frozen ZeRO-3 engine around a HF sequence classifier (one label), created already partitioned."""
+    from transformers import AutoModelForSequenceClassification
+
+    if not os.path.isdir(model_path):
+        raise ConfigError(f"reward model path {model_path!r} does not exist or is not a directory")
+    with partitioned_construction(make_ds_config(cfg, derived, "ref", gpu=uses_gpu(cfg))):
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
+    disable_dropout(model)
+    return make_engine(model, cfg, derived, "ref")
 
 
 def set_lr(engine, lr: float) -> None:

@@ -7,14 +7,28 @@ from typing import Optional
 from verl_ds.config import Config, Derived
 
 
-def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 0.0) -> dict:
+def uses_gpu(cfg: Config) -> bool:
+    """Whether the engines run on CUDA (``trainer.device``; ``auto``: when a GPU is visible)."""
+    if cfg.trainer.device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return cfg.trainer.device == "cuda"
+
+
+def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 0.0,
+                   gpu: Optional[bool] = None) -> dict:
     """DeepSpeed config for ``role`` in {"actor", "critic", "ref"}; batch sizes are derived, never patched later.
 
     The reference (and a neural reward model) is an inference engine: ZeRO-3, no optimizer.
-    The optimizer itself is a torch AdamW passed to ``deepspeed.initialize`` (DeepSpeed's own
-    "AdamW" type becomes FusedAdam and JIT-compiles for a minute on CPU).
+    The optimizer itself is passed to ``deepspeed.initialize`` (``engines.build.optimizer_name``): a torch
+    AdamW on CPU runs (DeepSpeed's own "AdamW" type becomes FusedAdam and JIT-compiles for a minute on CPU),
+    DeepSpeed's CPU Adam over pinned memory when the optimizer is offloaded from a GPU (``gpu``: None
+    decides from ``trainer.device``).
     """
     ds = cfg.deepspeed
+    gpu = uses_gpu(cfg) if gpu is None else gpu
+    pin = bool(gpu)  # pinned host buffers speed up GPU<->CPU copies; on a CPU-only run they only cost
     train = role in ("actor", "critic")
     stage = ds.zero_stage if train else 3
     zero: dict = {"stage": stage}
@@ -26,9 +40,9 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
             "stage3_param_persistence_threshold": ds.stage3_param_persistence_threshold,
         })
         if ds.offload_param:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if train and ds.offload_optimizer and stage > 0:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     out = {
         "train_micro_batch_size_per_gpu": cfg.actor.micro_batch_size,
         "gradient_accumulation_steps": derived.grad_accum if train else 1,
@@ -40,8 +54,9 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
         "wall_clock_breakdown": False,
         "zero_allow_untested_optimizer": True,
     }
-    if train and (ds.offload_optimizer or ds.offload_param) and stage > 0:
-        # DeepSpeed insists on its own (JIT-compiled) CPU Adam with offload unless told otherwise
+    if train and (ds.offload_optimizer or ds.offload_param) and stage > 0 and not (gpu and ds.offload_optimizer):
+        # DeepSpeed insists on its own (JIT-compiled) CPU Adam with offload unless told otherwise; a CPU run
+        # keeps torch AdamW (no compiled op), a GPU run with the optimizer offloaded gets the CPU Adam
         out["zero_force_ds_cpu_optimizer"] = False
     if ds.config_file:
         out = merge_user_ds_config(out, ds.config_file)

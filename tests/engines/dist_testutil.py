@@ -1,0 +1,66 @@
+"""Run a worker script on N real ranks (gloo, subprocesses) and collect each rank's JSON result.
+
+A plain module, not a conftest: folders' conftest names clash. Workers get the launch variables,
+``DS_ACCELERATOR=cpu`` and one thread each; they write ``json.dump(result, open(sys.argv[1] % rank))``.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_ranks(script: str, world: int, tmp_path, args=(), timeout: int = 600, env_extra=None) -> list:
+    """Write ``script`` to a file, start ``world`` ranks on it, wait, return the ranks' results (list of dicts).
+
+    argv: [result pattern with %d for the rank, *args]. A failing rank fails the test with every rank's output.
+    """
+    path = os.path.join(str(tmp_path), f"worker_{abs(hash(script)) % 10**8}.py")
+    with open(path, "w") as fh:
+        fh.write(script)
+    pattern = os.path.join(str(tmp_path), f"result_w{world}_%d.json")
+    port = str(free_port())
+    procs, logs = [], []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+               "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join([HERE, ROOT, os.environ.get("PYTHONPATH", "")]),
+               "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_ext")),
+               **(env_extra or {})}
+        env.pop("TRITON_INTERPRET", None)
+        log = open(os.path.join(str(tmp_path), f"rank{rank}_w{world}.log"), "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, path, pattern, *map(str, args)], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT))
+    failed = []
+    for rank, proc in enumerate(procs):
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            rc = "timeout"
+        if rc != 0:
+            failed.append((rank, rc))
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    if failed:
+        raise AssertionError(f"ranks failed {failed}:\n" + "\n".join(f"--- rank {r}\n{o[-6000:]}" for r, o in enumerate(outputs)))
+    results = []
+    for rank in range(world):
+        with open(pattern % rank) as fh:
+            results.append(json.load(fh))
+    return results
