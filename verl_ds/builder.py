@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_ds import algos
-from verl_ds.config import Config, ConfigError, Derived, initial_state, run_limits
+from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.engines.build import build_actor_model, build_critic_model, load_tokenizer, make_engine
 
 log = logging.getLogger(__name__)
@@ -74,10 +74,7 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     engines["actor"] = make_engine(actor_model, cfg, derived, "actor", lr=cfg.actor.lr,
                                    weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip)
 
-    state = SharedState(rank=rank, limits=run_limits(cfg))
-    if rank == 0:
-        state.update(initial_state(cfg))
-    state.sync()
+    state = SharedState.from_config(cfg, rank=rank)  # the run's limits and step-0 values, the same on every rank
 
     rollout_engine = HFRolloutEngine(engines["actor"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                      bos_token_id=tok.bos_token_id, gather_params=cfg.rollout.gather_params)

@@ -72,3 +72,78 @@ def rollout_and_score(actor, reward, tokenizer, prompts: dict, *, max_new_tokens
         scores, metrics = reward.compute_rewards(batch, prompts["prompts"], responses)
         batch.scores = scores
     return Rollout(batch=batch, responses=responses, metrics=metrics)
+
+
+def _left_pad_prompts(batch: RolloutBatch, width: int, pad_token_id: int) -> RolloutBatch:
+    """The batch with its prompts left-padded to ``width`` columns (rounds of different prompt widths can be joined)."""
+    extra = width - batch.prompt_width
+    if extra <= 0:
+        return batch
+    B = len(batch)
+    for name, fill in (("observation", pad_token_id), ("next_observation", pad_token_id), ("mask", False)):
+        t = batch[name]
+        batch[name] = torch.cat([t.new_full((B, extra), fill), t], dim=1)
+    return batch
+
+
+def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, timings: Timings,
+            dynamic: bool = False, max_rounds: int = 1, overlong: Optional[tuple] = None,
+            greedy_baseline: bool = False) -> Rollout:
+    """This rank's rollout for one step, from one or more rounds of ``draw_prompts()`` (collated prompts).
+
+    - ``overlong=(buffer, factor)``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13) added to each
+      response's score at its last token (``algos.overlong_reward_penalty``).
+    - ``greedy_baseline``: ReMax (Li et al. 2023): one greedy response per prompt, its score the baseline of the
+      prompt's samples (``batch.extras["baseline_score"]``).
+    - ``dynamic``: DAPO's dynamic sampling: groups whose scores are all equal carry no signal and are dropped;
+      more rounds of prompts are drawn until every rank holds as many groups as one round gives, at most
+      ``max_rounds`` rounds. The round count is agreed over ranks (generation may be a collective); a rank still
+      short after the last round fills up with dropped groups (zero advantage under group estimators), counted in
+      ``rollout/groups_filled``.
+    """
+    from verl_ds import algos
+    from verl_ds import dist as vdist
+
+    kept, dropped, metrics, rounds, target = [], [], {}, 0, None
+    while True:
+        prompts = draw_prompts()
+        target = target or prompts["input_ids"].shape[0]
+        ro = rollout_and_score(actor, reward, tokenizer, prompts, n=n, timings=timings, **sampling)
+        b = ro.batch
+        b.group_index = b.group_index + rounds * target  # unique over the rounds of this step
+        if overlong is not None and overlong[0] > 0:
+            penalty = algos.overlong_reward_penalty(b.response_length, sampling["max_new_tokens"], *overlong)
+            b.scores[torch.arange(len(b)), b.response_length - 1] += penalty.to(b.scores)
+            metrics["reward/overlong_penalty/mean"] = penalty.mean()
+        if greedy_baseline:
+            with timings("gen_baseline"):
+                base = rollout_and_score(actor, reward, tokenizer, prompts, greedy=True,
+                                         max_new_tokens=sampling["max_new_tokens"])
+            b.extras["baseline_score"] = base.batch.scores.sum(-1).repeat_interleave(n).tolist()
+        b.extras["response_text"] = ro.responses
+        metrics.update(ro.metrics)
+        rounds += 1
+        if not dynamic:
+            kept.append(b)
+            break
+        signal = algos.groups_with_signal(b.scores.sum(-1), b.group_index)
+        kept.append(b.select(signal.nonzero().flatten()))
+        dropped.append(b.select((~signal).nonzero().flatten()))
+        have = sum(len(k) for k in kept) // n
+        if not vdist.any_rank(have < target) or rounds >= max_rounds:
+            break
+    width = max(b.prompt_width for b in kept + dropped)
+    pad = tokenizer.pad_token_id
+    join = lambda parts: RolloutBatch.cat([_left_pad_prompts(p, width, pad) for p in parts])  # noqa: E731
+    batch = join([k for k in kept if len(k)] or kept[:1])
+    if dynamic:
+        filled = max(0, target - len(batch) // n)
+        if filled:  # short after the last round: top up with groups that carry no signal
+            batch = join([p for p in (batch, join([d for d in dropped if len(d)]).select(slice(0, filled * n)))
+                          if len(p)])
+        batch = batch.select(slice(0, target * n))
+        metrics.update({"rollout/sampling_rounds": torch.tensor(float(rounds)),
+                        "rollout/groups_dropped": torch.tensor(float(sum(len(d) for d in dropped) // n)),
+                        "rollout/groups_filled": torch.tensor(float(filled))})
+    responses = list(batch.extras.pop("response_text"))
+    return Rollout(batch=batch, responses=responses, metrics=metrics)

@@ -33,7 +33,7 @@ from verl_ds.config import Config, check_startup, initial_state, write_run_confi
 from verl_ds.control import StepBoundary
 from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics
 from verl_ds.report import summarize
-from verl_ds.rollout import SamplingError, rollout_and_score
+from verl_ds.rollout import SamplingError, collect
 from verl_ds.runtime import NonFiniteError, NonFiniteGuard, Preempted, PreemptionHandler, explains_rank_failures
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,7 @@ class Trainer:
                                                                          state=self.state))
         self._listeners: list = []
         self._last_saved: Optional[int] = None
-        self.server = None
-        if self.is_main and cfg.server.enabled:
-            self._start_server()
+        self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
 
     def _start_server(self) -> None:
         """The /v1 control plane on rank 0 (a daemon thread; it never blocks the training loop)."""
@@ -139,11 +137,14 @@ class Trainer:
         self.guard.begin_step()
         self._emit("step_begin", step)
         hot = self.state.snapshot()
-        rollout, error = None, None
+        rollout, error, algo = None, None, cfg.algo
+        sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
         try:
-            rollout = rollout_and_score(self.registry.get("actor"), self.registry.get("reward"), tok, self._prompts(),
-                                        max_new_tokens=hot["max_new_tokens"], temperature=hot["temperature"],
-                                        top_k=hot["top_k"], top_p=hot["top_p"], n=cfg.rollout.n, timings=t)
+            rollout = collect(self._prompts, self.registry.get("actor"), self.registry.get("reward"), tok,
+                              sampling=sampling, n=cfg.rollout.n, timings=t, dynamic=algo.dynamic_sampling,
+                              max_rounds=algo.max_sampling_rounds,
+                              overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
+                              greedy_baseline=self.ppo.needs_baseline)
         except SamplingError as exc:  # non-finite logits: skip the step everywhere, with a forensic record
             self.guard.sampling_error = str(exc)
         except Exception as exc:  # e.g. a reward function failing on one rank: every rank must stop together
@@ -171,15 +172,18 @@ class Trainer:
                 with t("values"):
                     batch.values = self._no_grad_pass("critic", batch, cfg.critic.micro_batch_size,
                                                       lambda m, b: m.get_values(b.observation, b.mask, b.response_width))
+        baseline = batch.extras.get("baseline_score")
         with t("adv"):
-            metrics = {**rollout.metrics, **self.ppo.compute_advantage(batch, whiten_fn=global_masked_whiten)}
+            metrics = {**rollout.metrics, **self.ppo.compute_advantage(
+                batch, whiten_fn=global_masked_whiten,
+                baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
         updates = self.derived.mini_batches_per_epoch * (cfg.actor.ppo_epochs + cfg.critic.ppo_epochs * self.ppo.needs_critic)
         if not self.guard.check_batch(batch, planned_updates=updates):  # non-finite on any rank: no update anywhere
             batch.validate(tok.pad_token_id, required=self._required_fields())
             if self.ppo.needs_critic:
                 with t("update_critic"):
                     metrics.update(self._update("critic", batch, self.ppo.compute_value_loss, cfg.critic.ppo_epochs,
-                                                cfg.critic.micro_batch_size)[0])
+                                                self.derived.critic_micro_batch)[0])
             with t("update_actor"):
                 actor_metrics, actor_steps = self._update("actor", batch, self.ppo.compute_policy_loss,
                                                           cfg.actor.ppo_epochs, cfg.actor.micro_batch_size)
@@ -236,8 +240,8 @@ class Trainer:
             # the same order on every run of this step (resume-exact), different per step/epoch/role
             gen = torch.Generator().manual_seed(((cfg.trainer.seed * 1_000_003 + step) * 101 + epoch) * 2 + (role == "actor"))
             for mini in batch.split(self.derived.mini_batch_per_rank, generator=gen, shuffle=True):
-                normalizer = self._normalizer(mini)
                 micros = mini.split(micro, shuffle=False)
+                normalizer = self._normalizer(mini, grad_accum=len(micros))
                 for i, mic in enumerate(micros):
                     loss, m = loss_fn(mic, normalizer=normalizer)
                     skip = self.guard.skip_update(loss, at_boundary=i == len(micros) - 1)
@@ -253,13 +257,13 @@ class Trainer:
         out[f"{role}/lr"] = self.state.get(model.lr_key)
         return out, steps
 
-    def _normalizer(self, mini) -> torch.Tensor:
+    def _normalizer(self, mini, grad_accum: int) -> torch.Tensor:
         """The global count (tokens or sequences) of this mini-batch divided by dp_size * grad_accum: DeepSpeed
         divides each micro-batch loss by the accumulation count and averages gradients over ranks, so dividing
         each micro-batch sum by this value makes the result an exact global mean."""
         mask = mini.response_mask
         count = mask.sum() if self.cfg.algo.loss_agg_mode == "token-mean" else mask.any(dim=1).sum()
-        return vdist.all_reduce_sum(count.to(torch.float64)).clamp(min=1.0) / (self.world * self.derived.grad_accum)
+        return vdist.all_reduce_sum(count.to(torch.float64)).clamp(min=1.0) / (self.world * grad_accum)
 
     def _update_kl_controller(self, batch) -> dict:
         """Feed the global token-mean KL (``algos.observed_kl``, summed over ranks) to the controller on rank 0."""
@@ -289,6 +293,8 @@ class Trainer:
         cfg = self.cfg
         try:
             resumed = start = maybe_resume(self)
+            if self.is_main and cfg.server.enabled:
+                self._start_server()
             if start == 0:
                 self.metrics.log(0, self.evaluate())
             t0, tokens, fell_back = time.perf_counter(), 0.0, False
@@ -320,7 +326,7 @@ class Trainer:
                     bar.n = resumed
                     continue
                 bar.update(1)
-                bar.set_postfix(score=f"{metrics.get('critic/score/mean', float('nan')):.3f}",
+                bar.set_postfix(score=f"{metrics.get('rollout/score/mean', float('nan')):.3f}",
                                 kl=f"{metrics.get('kl_ctrl/observed', 0.0):.3f}")
                 if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
                     save_checkpoint(self)

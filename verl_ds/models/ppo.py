@@ -80,6 +80,11 @@ class PPOModel(TrainableRole):
     def needs_critic(self) -> bool:
         return self._estimator.needs_critic
 
+    @property
+    def needs_baseline(self) -> bool:
+        """ReMax: the estimator needs one greedy response's score per prompt."""
+        return self._estimator.needs_baseline
+
     # ---- components -----------------------------------------------------------------------------
     def swap(self, role: str, model: Any) -> int:
         """Register ``model`` for ``role`` (actor/critic/reward/ref); returns the registry version."""
@@ -179,10 +184,10 @@ class PPOModel(TrainableRole):
                      ("returns", ret, False)]
         if values is not None:
             summaries.append(("values", values, False))
-        for name, mat, per_seq in summaries:
+        for name, mat, per_seq in summaries:  # rollout/ whatever the algorithm; critic/ only with a critic
             x = mat.sum(-1) if per_seq else mat[mask]
-            metrics.update({f"critic/{name}/mean": x.mean(), f"critic/{name}/max": x.max(),
-                            f"critic/{name}/min": x.min()})
+            ns = "critic" if name == "values" else "rollout"
+            metrics.update({f"{ns}/{name}/mean": x.mean(), f"{ns}/{name}/max": x.max(), f"{ns}/{name}/min": x.min()})
         return metrics
 
     # ---- losses ------------------------------------------------------------------------------------
@@ -295,5 +300,5 @@ def _canonical(kind: str) -> str:
 
 
 def _kl_active(hot: dict) -> bool:
-    """A KL term is active when its coefficient is positive or a controller may make it so."""
-    return hot["kl_coef"] > 0 or _canonical(hot["kl_ctrl_type"]) != "fixed"
+    """A KL term is active when it is on and its coefficient is positive or a controller may make it so."""
+    return hot["use_kl_penalty"] and (hot["kl_coef"] > 0 or _canonical(hot["kl_ctrl_type"]) != "fixed")

@@ -1,0 +1,86 @@
+"""One real update (critic, then actor) of a Trainer on a FIXED global batch, so that runs with other batch shapes,
+world sizes or kernels can be compared. Run as a script by test_invariance.py (1 rank, or 2 under torchrun):
+
+    python update_probe.py <result.pt> key.sub=value ...
+
+Every rank takes its contiguous share of the same global batch (fixed prompts, fixed responses, fixed scores).
+Rank 0 writes {"metrics": the update's metrics reduced over ranks, "actor": {name: update}, "critic": {...}},
+each update the full (gathered) parameter after the step minus before it.
+"""
+import sys
+
+import torch
+
+
+def fixed_batch(trainer, global_size: int = 8, R: int = 6):
+    """Rows [rank*n, (rank+1)*n) of a deterministic global batch (the same on any world size)."""
+    from verl_ds.batch import RolloutBatch
+    from verl_ds.data import collate_prompts
+
+    tok, rank, world = trainer.tokenizer, trainer.rank, trainer.world
+    g = torch.Generator().manual_seed(1234)
+    digits = torch.tensor(tok.convert_tokens_to_ids([str(d) for d in range(10)]))
+    responses = digits[torch.randint(0, 10, (global_size, R), generator=g)]
+    lengths = torch.randint(1, R + 1, (global_size,), generator=g)
+    ends = lengths < R
+    responses[ends, lengths[ends] - 1] = tok.eos_token_id  # some rows end with EOS, the others are truncated
+    scores = torch.rand(global_size, generator=g)
+    n = global_size // world
+    rows = slice(rank * n, (rank + 1) * n)
+    prompts = collate_prompts([trainer.c.train_set[i] for i in range(global_size)], tok.pad_token_id)
+    batch = RolloutBatch.from_generation(prompts["input_ids"][rows], prompts["attention_mask"][rows], responses[rows],
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                                         extras={"prompt": prompts["prompts"][rows]})
+    batch.scores = torch.zeros(n, R)
+    batch.scores[torch.arange(n), batch.response_length - 1] = scores[rows]
+    batch.group_index = torch.arange(n) + rank * n
+    return batch
+
+
+def gathered(module) -> dict:
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+    out = {}
+    for name, p in module.named_parameters():
+        with GatheredParameters([p], modifier_rank=None):
+            out[name] = p.detach().to("cpu", torch.float32, copy=True)
+    return out
+
+
+def main(result_path: str, overrides: list) -> None:
+    from verl_ds.config import load_config
+    from verl_ds.dist import detect_launch
+    from verl_ds.metrics import reduce_metrics
+    from verl_ds.trainer import Trainer, global_masked_whiten
+
+    trainer = Trainer(load_config(None, overrides), detect_launch())
+    cfg, ppo = trainer.cfg, trainer.ppo
+    engines = trainer.c.engines
+    before = {role: gathered(engines[role].module) for role in ("actor", "critic") if role in engines}
+    batch = fixed_batch(trainer)
+    T = trainer.state.get("temperature")
+    with torch.no_grad():
+        batch.old_log_probs = trainer._no_grad_pass("actor", batch, 2, lambda m, b: m.get_logprob(
+            b.observation, b.action, b.mask, T))
+        if ppo.ref is not None:
+            batch.ref_log_probs = trainer._no_grad_pass("ref", batch, 2, lambda m, b: m.get_logprob(
+                b.observation, b.action, b.mask, T))
+        if ppo.needs_critic:
+            batch.values = trainer._no_grad_pass("critic", batch, 2, lambda m, b: m.get_values(
+                b.observation, b.mask, b.response_width))
+    metrics = ppo.compute_advantage(batch, whiten_fn=global_masked_whiten)
+    if ppo.needs_critic:
+        metrics.update(trainer._update("critic", batch, ppo.compute_value_loss, 1, trainer.derived.critic_micro_batch)[0])
+    metrics.update(trainer._update("actor", batch, ppo.compute_policy_loss, 1, cfg.actor.micro_batch_size)[0])
+    metrics = reduce_metrics(metrics)
+    out = {"metrics": metrics}
+    for role, params in before.items():  # the update itself: after - before
+        after = gathered(engines[role].module)
+        out[role] = {k: after[k] - params[k] for k in params}
+    if trainer.rank == 0:
+        torch.save(out, result_path)
+    trainer.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
