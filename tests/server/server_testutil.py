@@ -101,12 +101,14 @@ class RawReader:
             headers[k.strip().lower()] = v.strip()
         return int(lines[0].split(" ", 2)[1]), headers
 
-    def answer(self) -> Answer:
-        """The next final answer, body read to its end."""
+    def answer(self, to_head: bool = False) -> Answer:
+        """The next final answer, body read to its end (``to_head``: the answer to a HEAD request has none)."""
         status, headers = self.head()
         while 100 <= status < 200:
             status, headers = self.head()
-        if "content-length" in headers:
+        if to_head:
+            body = b""
+        elif "content-length" in headers:
             n = int(headers["content-length"])
             while len(self.buf) < n:
                 self._more(f"a {n}-byte body")

@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from verl_ds.server.jsonio import HTTPError, dumps, parse_json_object
-from verl_ds.server.protocol import BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES
+from verl_ds.server.protocol import BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES, warn_throttled
 from verl_ds.server.views import ROUTE_LIST, resolve
 
 if TYPE_CHECKING:
@@ -109,8 +109,8 @@ class ControlApp:
         started = asyncio.get_running_loop().time()
         req = _Request(scope)
         if self.in_progress >= self.control.max_connections:
-            log.warning("control server: %d requests in progress, refusing %s %s from %s", self.in_progress,
-                        req.method, req.path[:100], req.client)
+            warn_throttled("requests", "control server: %d requests in progress (server max_connections), refusing "
+                           "more with 503 (e.g. %s %s from %s)", self.in_progress, req.method, req.path[:100], req.client)
             await self._answer(send, req, 503, {"error": f"too many requests in progress (at most "
                                                          f"{self.control.max_connections}); retry later",
                                                 "status": 503}, {"Retry-After": "1"}, close=True)

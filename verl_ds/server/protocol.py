@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import re
+import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Callable
@@ -31,7 +32,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 __all__ = ["ControlProtocol", "ConnectionLimits", "BODY_TRUNCATED", "describe_protocol_error", "raw_json_response",
-           "MAX_HEADER_BYTES", "HEAD_TOO_LARGE"]
+           "MAX_HEADER_BYTES", "HEAD_TOO_LARGE", "warn_throttled"]
 
 log = logging.getLogger("verl_ds.server")
 
@@ -68,6 +69,31 @@ def raw_json_response(status: int, message: str, extra_headers: tuple = ()) -> b
                ("Cache-Control", "no-store"), ("Connection", "close"), *extra_headers]
     head = f"HTTP/1.1 {status} {reason}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in headers) + "\r\n"
     return head.encode("latin-1") + body
+
+
+_last_warned: dict[str, float] = {}
+
+
+def warn_throttled(kind: str, msg: str, *args, every_s: float = 10.0) -> None:
+    """A warning at most once per ``every_s`` seconds per ``kind`` (overload must not flood the training log)."""
+    now = time.monotonic()
+    if now - _last_warned.get(kind, -every_s) >= every_s:
+        _last_warned[kind] = now
+        log.warning(msg, *args)
+    else:
+        log.debug(msg, *args)
+
+
+class _QuietLog(logging.LoggerAdapter):
+    """uvicorn's per-request warnings ("Invalid HTTP request received.") at debug level: the client gets a
+    400 with the reason, and a hostile client must not be able to flood the training log."""
+
+    @property
+    def level(self) -> int:  # uvicorn reads ``logger.level`` to decide on its trace messages
+        return self.logger.level
+
+    def warning(self, msg, *args, **kwargs) -> None:
+        self.debug(msg, *args, **kwargs)
 
 
 class _LingeringTransport:
@@ -125,7 +151,7 @@ class ControlProtocol(H11Protocol):
 
     def __init__(self, *args, limits: ConnectionLimits, **kwargs):
         super().__init__(*args, **kwargs)
-        self.logger = log  # protocol warnings under our logger, never uvicorn's
+        self.logger = _QuietLog(log, {})  # under our logger (token redaction), never uvicorn's
         self.access_log = False  # per-request lines would flood the training log
         self.limits = limits
         self._deadline: asyncio.TimerHandle | None = None
@@ -149,7 +175,8 @@ class ControlProtocol(H11Protocol):
         if len(self.connections) >= self.limits.max_open_connections:
             self._refused = True
             self.transport = wrapped  # type: ignore[assignment]
-            log.warning("control server: %d connections open, refusing another", len(self.connections))
+            warn_throttled("connections", "control server: %d connections open (server max_open_connections), "
+                           "refusing more with 503", len(self.connections))
             transport.write(raw_json_response(503, "too many open connections; retry later", (("Retry-After", "1"),)))
             wrapped.close()
             return
