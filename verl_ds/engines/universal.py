@@ -1,0 +1,57 @@
+"""Resume a ZeRO checkpoint at another world size through DeepSpeed's universal checkpoint format.
+
+DeepSpeed's own route (https://www.deepspeed.ai/tutorials/universal-checkpointing/): a checkpoint
+written by N data-parallel ranks (each holding a partition of the fp32 weights and of the Adam moments)
+is converted by ``deepspeed.checkpoint.ds_to_universal`` into one folder per parameter holding the
+whole fp32 tensor and its moments; an engine started with ``checkpoint.load_universal`` then loads
+its own partition of each, at any world size. Supported for ZeRO 1, 2 and 3 in DeepSpeed 0.19.
+Stage 0 checkpoints hold whole states and load at any world size as they are.
+
+Here the conversion runs on rank 0 into ``<engine dir>/universal`` (marked complete by a file written
+last, so a conversion killed half-way is redone), and the engine's ``load_universal_checkpoint`` switch
+is turned on only for that one load.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import shutil
+
+log = logging.getLogger(__name__)
+
+DONE = "CONVERTED"
+
+
+def convert(src_tag_dir: str, dst_tag_dir: str) -> str:
+    """Convert the DeepSpeed checkpoint in ``src_tag_dir`` (``<dir>/<tag>``) to the universal format in
+    ``dst_tag_dir`` unless a complete conversion is already there; one process (rank 0) calls this."""
+    if os.path.isfile(os.path.join(dst_tag_dir, DONE)):
+        return dst_tag_dir
+    from deepspeed.checkpoint import ds_to_universal
+
+    if os.path.isdir(dst_tag_dir):
+        shutil.rmtree(dst_tag_dir)  # a conversion that was killed half-way
+    args = argparse.Namespace(input_folder=src_tag_dir, output_folder=dst_tag_dir, num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    chatter = io.StringIO()
+    with contextlib.redirect_stdout(chatter), contextlib.redirect_stderr(chatter):  # prints and progress bars
+        ds_to_universal.main(args)
+    log.debug("ds_to_universal %s:\n%s", src_tag_dir, chatter.getvalue())
+    with open(os.path.join(dst_tag_dir, DONE), "w", encoding="utf-8") as fh:
+        fh.write("ok\n")
+    return dst_tag_dir
+
+
+def load_universal(engine, universal_dir: str, tag: str):
+    """``engine.load_checkpoint`` of a universal checkpoint (weights and optimizer); returns its result."""
+    config = engine._config  # DeepSpeed reads this switch at load time only; restore it after
+    before = config.load_universal_checkpoint
+    config.load_universal_checkpoint = True
+    try:
+        return engine.load_checkpoint(universal_dir, tag=tag, load_optimizer_states=True,
+                                      load_lr_scheduler_states=True)
+    finally:
+        config.load_universal_checkpoint = before
