@@ -16,8 +16,18 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SCORE = "critic/score/mean"
+# the mean reward of a step's rollouts; "critic/score/mean" is its name in runs logged before the rename, so
+# a run resumed across the rename still reports every step
+SCORE_KEYS = ("rollout/score/mean", "critic/score/mean")
 VAL_SCORE = "val/score/mean"
+
+
+def score_of(row: dict) -> Optional[float]:
+    """The step's mean train score, or None when the row is not a training step."""
+    for key in SCORE_KEYS:
+        if key in row:
+            return float(row[key])
+    return None
 
 
 def read_metrics_file(path: str) -> list[dict]:
@@ -62,7 +72,7 @@ def summarize(history: list[dict], steps: int, elapsed: float, tokens: float, ou
     the run has no metrics.jsonl; ``elapsed``/``tokens``: this session's; ``resumed_from``: the checkpoint
     step this session started from (0: a fresh run; None: not known, the session's steps are not stated)."""
     rows, source = run_history(history, output_dir)
-    train = [h for h in rows if SCORE in h]
+    train = [h for h in rows if score_of(h) is not None]
     val = [(h["step"], h[VAL_SCORE]) for h in rows if VAL_SCORE in h]
     out = {"steps": steps, "elapsed_s": elapsed, "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
            # the steps this session trained: None when not known, [] when the checkpoint was already final
@@ -72,7 +82,7 @@ def summarize(history: list[dict], steps: int, elapsed: float, tokens: float, ou
            "metrics_file": source, "export_dir": export_dir, "output_dir": output_dir}
     if train:
         k = max(1, len(train) // 10)
-        scores = [float(h[SCORE]) for h in train]
+        scores = [score_of(h) for h in train]
         out.update({"train_steps": [train[0]["step"], train[-1]["step"]], "train_rows": len(train),
                     "reward_first10": float(np.mean(scores[:k])),
                     "reward_first10_steps": [train[0]["step"], train[k - 1]["step"]],
@@ -131,7 +141,7 @@ def plot_reward_curve(train: list[dict], val: list[tuple], path: str) -> Optiona
         log.warning("matplotlib is not installed: no reward_curve.png")
         return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in train], [h[SCORE] for h in train], label="train score (mean)")
+    ax.plot([h["step"] for h in train], [score_of(h) for h in train], label="train score (mean)")
     if val:
         ax.plot(*zip(*val), "o-", label="validation (greedy)")
     ax.set_xlabel("PPO step")

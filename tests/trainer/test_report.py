@@ -1,7 +1,8 @@
 """verl_ds.report: the end-of-run summary covers the whole run after a resume and names its steps.
 
 data/metrics_requeued_at_step9.jsonl is the metrics.jsonl of a real run: the default job, 30 steps, 2 ranks
-under Slurm (slurm/train.sbatch), sent USR1 after step 9, requeued, resumed from the step-9 checkpoint."""
+under Slurm (slurm/train.sbatch), sent USR1 after step 9, requeued, resumed from the step-9 checkpoint. It
+was logged before the train score was renamed from critic/score/mean to rollout/score/mean."""
 import json
 import os
 import shutil
@@ -71,7 +72,7 @@ def test_the_session_history_alone_would_report_other_steps(resumed_run):
 
 
 def test_without_a_file_the_history_is_used(tmp_path):
-    history = [{"step": 0, "val/score/mean": 0.25}] + [{"step": i, "critic/score/mean": i / 100} for i in range(1, 21)]
+    history = [{"step": 0, "val/score/mean": 0.25}] + [{"step": i, "rollout/score/mean": i / 100} for i in range(1, 21)]
     s = summarize(history, 20, 2.0, 100.0, str(tmp_path), None, plot=False, write=False, resumed_from=0)
     # hand-computed: 20 steps -> 2 per tenth; (0.01 + 0.02) / 2 and (0.19 + 0.20) / 2
     assert s["reward_first10"] == pytest.approx(0.015) and s["reward_first10_steps"] == [1, 2]
@@ -82,12 +83,12 @@ def test_without_a_file_the_history_is_used(tmp_path):
 
 def test_a_step_logged_twice_counts_once_with_its_latest_values(tmp_path):
     """A file appended after a resume without truncation holds steps 3-4 twice: the later rows win."""
-    rows = [{"step": s, "critic/score/mean": v} for s, v in [(1, 0.1), (2, 0.2), (3, 0.9), (4, 0.9), (3, 0.3),
-                                                             (4, 0.4), (5, 0.5)]]
+    rows = [{"step": s, "rollout/score/mean": v} for s, v in [(1, 0.1), (2, 0.2), (3, 0.9), (4, 0.9), (3, 0.3),
+                                                              (4, 0.4), (5, 0.5)]]
     rows.append({"step": 5, "val/score/mean": 0.7})  # a separate validation row of step 5 is merged into it
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     merged = by_step(read_metrics_file(str(tmp_path / "metrics.jsonl")))
-    assert [(r["step"], r["critic/score/mean"]) for r in merged] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.5)]
+    assert [(r["step"], r["rollout/score/mean"]) for r in merged] == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.5)]
     s = summarize([], 5, 1.0, 0.0, str(tmp_path), None, plot=False, write=False)
     assert s["train_rows"] == 5 and s["reward_first10"] == 0.1 and s["reward_last10"] == 0.5
     assert (s["val_after_step"], s["val_after"]) == (5, 0.7)
@@ -128,3 +129,13 @@ def test_reward_curve_is_a_png_of_the_whole_run(resumed_run):
     s = summarize([], 30, 1.0, 0.0, str(resumed_run), None, plot=True, write=True, resumed_from=9)
     with open(s["reward_curve"], "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_run_resumed_across_the_score_rename_reports_every_step(tmp_path):
+    """Steps 1-2 logged as critic/score/mean (before the rename), 3-4 as rollout/score/mean (after)."""
+    rows = [{"step": 1, "critic/score/mean": 0.2}, {"step": 2, "critic/score/mean": 0.4},
+            {"step": 3, "rollout/score/mean": 0.6}, {"step": 4, "rollout/score/mean": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = summarize([], 4, 1.0, 0.0, str(tmp_path), None, plot=False, write=False, resumed_from=2)
+    assert s["train_steps"] == [1, 4] and s["reward_first10"] == 0.2 and s["reward_last10"] == 1.0
+    assert s["session_steps"] == [3, 4]
