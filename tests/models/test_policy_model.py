@@ -39,7 +39,7 @@ def bigram():
     return make_bigram_lm(ROWS)
 
 
-# ---- roles --------------------------------------------------------------------------------------------------
+# ---- roles ---------------------------------------------------------------------------------------------------------
 
 def test_roles_and_methods(bigram):
     pol, ref = PolicyModel(bigram), ReferenceModel(bigram)
@@ -56,7 +56,7 @@ def test_roles_and_methods(bigram):
         ReferenceModel(None)
 
 
-# ---- get_logprob: hand-computed expectations ----------------------------------------------------------------
+# ---- get_logprob: hand-computed expectations -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("plain", [False, True], ids=["hf_logits_to_keep", "plain_module"])
 def test_get_logprob_and_entropy_hand_case(plain, bigram):
@@ -145,7 +145,7 @@ def test_lm_contract_errors(make_rollout):
         ReferenceModel(ShortLogits()).get_logprob(b.observation, b.action, b.mask)
 
 
-# ---- get_action: whole responses ------------------------------------------------------------------------------
+# ---- get_action: whole responses -----------------------------------------------------------------------------------
 
 def test_greedy_responses_hand_paths(bigram):
     pol = PolicyModel(bigram)
@@ -287,7 +287,8 @@ def test_get_action_argument_errors(bigram):
     pol = PolicyModel(bigram)
     obs = torch.tensor([[PAD, 3, 4], [3, 4, 5]])
     mask = obs != PAD
-    with pytest.raises(ValueError, match=r"mask must have the observation's shape \(B, T\) = \(2, 3\), got \(2, 3, 3\)"):
+    with pytest.raises(ValueError, match=r"mask must have the observation's shape \(B, T\) = \(2, 3\), got "
+                                         r"\(2, 3, 3\)"):
         pol.get_action(obs, mask.unsqueeze(1).expand(2, 3, 3))
     with pytest.raises(ValueError, match="temperature must be a float > 0, got 0"):
         pol.get_action(obs, mask, temperature=0)
@@ -331,7 +332,7 @@ def test_filter_logits_hand_cases():
     assert torch.isinf(filter_logits(y, 1.0, 0, 0.9)).tolist() == [[True, False, False]]
 
 
-# ---- update: a hand-computed gradient --------------------------------------------------------------------------
+# ---- update: a hand-computed gradient ------------------------------------------------------------------------------
 
 def test_update_steps_at_hot_lr_with_hand_gradient(bigram):
     state = SharedState(rank=0)

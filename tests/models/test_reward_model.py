@@ -159,7 +159,8 @@ def test_exception_names_function_and_failing_sample(make_rollout):
 
     rm = RewardModel()
     rm.register_reward_fn(picky)
-    with pytest.raises(RewardFunctionError, match=r"reward function 'picky' \(sample 2\): raised ZeroDivisionError") as e:
+    with pytest.raises(RewardFunctionError,
+                       match=r"reward function 'picky' \(sample 2\): raised ZeroDivisionError") as e:
         rm.compute_rewards(b, *texts(b))
     assert e.value.index == 2 and e.value.name == "picky" and isinstance(e.value.__cause__, ZeroDivisionError)
 
@@ -240,7 +241,7 @@ def test_more_reward_messages(make_rollout, tiny_scorer):
             RewardModel(**{key: value})
 
 
-# ---- a hand-built scorer: micro-batches ------------------------------------------------------------------------
+# ---- a hand-built scorer: micro-batches ----------------------------------------------------------------------------
 
 def test_hand_scorer_at_last_real_token_in_micro_batches():
     scorer = TokenScorer({3: 0.5, 4: -1.0, 5: 2.0, 6: 4.0, EOS: 8.0})
@@ -254,7 +255,7 @@ def test_hand_scorer_at_last_real_token_in_micro_batches():
     assert scorer.batch_sizes == [5]
 
 
-# ---- reward functions on a thread pool ----------------------------------------------------------------------------
+# ---- reward functions on a thread pool -----------------------------------------------------------------------------
 
 def test_num_workers_chunks_joined_in_order(make_rollout):
     b = make_rollout(B=5)

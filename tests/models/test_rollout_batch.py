@@ -94,7 +94,8 @@ def test_coerce_from_a_mapping():
     plain = {"observation": b.observation, "action": b.action, "mask": b.mask, "logprob": b.old_log_probs,
              "advantages": b.advantages, "values": None, "extras": {"prompt": b.extras["prompt"]}}
     c = RolloutBatch.coerce(plain)
-    assert isinstance(c, RolloutBatch) and c.old_log_probs is b.old_log_probs and c.extras["prompt"] == b.extras["prompt"]
+    assert isinstance(c, RolloutBatch) and c.old_log_probs is b.old_log_probs
+    assert c.extras["prompt"] == b.extras["prompt"]
     assert "values" not in c and len(c) == 4
     with pytest.raises(BatchValidationError, match=r"RolloutBatch.advantagez: batch has unknown field\(s\) "
                                                    r"\['advantagez'\]; did you mean .*'advantages'"):

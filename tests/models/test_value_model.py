@@ -40,7 +40,8 @@ def test_callable_value_function_shapes():
     obs = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     seq = ValueModel(lambda o: o.float().mean(-1))
     assert seq.get_value(obs).tolist() == [5.5, 11.5]
-    with pytest.raises(ValueError, match=r"per-token values need a \(B, T\) output; the value function returned \(2,\)"):
+    with pytest.raises(ValueError, match=r"per-token values need a \(B, T\) output; the value function returned "
+                                         r"\(2,\)"):
         seq.get_values(obs, None, 2)
     tok = ValueModel(lambda o: o.double() * 0.5)  # float64 is converted
     out = tok.get_values(obs, None, 2)
@@ -87,7 +88,8 @@ def test_failing_value_function_named_with_its_input():
         raise KeyError("no such column")
 
     with pytest.raises(KeyError, match=r"ValueModel: the value function 'broken' failed on observation of shape "
-                                       r"\(3, 6\) and dtype torch.int64 \(token ids\): KeyError: 'no such column'") as e:
+                                       r"\(3, 6\) and dtype torch.int64 \(token ids\): "
+                                       r"KeyError: 'no such column'") as e:
         ValueModel(broken).get_value(obs)
     assert isinstance(e.value.__cause__, KeyError)
 
@@ -131,7 +133,7 @@ def test_update_steps_at_hot_lr_with_hand_values():
         ValueModel(lambda o: o.float()).update(None, {"loss": torch.ones((), requires_grad=True)})
 
 
-# ---- CriticLM on a real Llama backbone ----------------------------------------------------------------------------
+# ---- CriticLM on a real Llama backbone -----------------------------------------------------------------------------
 
 def test_critic_forward_shape_and_small_init(tiny_critic, make_rollout):
     b = make_rollout()
