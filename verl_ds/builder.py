@@ -8,13 +8,12 @@ roles, with the aliases the control plane shows.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_ds import algos
 from verl_ds.config import Config, ConfigError, Derived
-from verl_ds.engines.build import build_actor_model, build_critic_model, load_tokenizer, make_engine
+from verl_ds.engines.build import build_engines, build_reward_engine, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +54,21 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     train_set, val_set = build_datasets(cfg, tok, write_report=rank == 0, out_dir=out_dir)
     sampler = DistributedPromptSampler(len(train_set), derived.prompts_per_rank, rank, world, seed=cfg.trainer.seed)
 
-    actor_model = build_actor_model(cfg, tok)
+    roles = ["actor"]
+    if kl_needs_reference(cfg):
+        roles.append("ref")
+    if algos.get_advantage_estimator(cfg.algo.adv_estimator).needs_critic:
+        roles.append("critic")
+    warmup = None
     if cfg.actor.sft_warmup_steps:
         if cfg.data.train_files is not None:
             raise ConfigError("actor.sft_warmup_steps needs the built-in task (data.train_files is set)")
         from verl_ds.tasks import parity
 
-        parity.sft_warmup(actor_model, tok, cfg.actor.sft_warmup_steps, cfg.actor.lr, seed=cfg.trainer.seed + 7)
-    engines = {}
-    if kl_needs_reference(cfg):
-        ref_model = build_actor_model(cfg, tok)
-        ref_model.load_state_dict(actor_model.state_dict())  # the reference is the (warmed-up) initial policy
-        engines["ref"] = make_engine(ref_model, cfg, derived, "ref")
-    if algos.get_advantage_estimator(cfg.algo.adv_estimator).needs_critic:
-        critic_model = build_critic_model(cfg, tok, actor_model=actor_model)
-        engines["critic"] = make_engine(critic_model, cfg, derived, "critic", lr=cfg.critic.lr,
-                                        weight_decay=cfg.critic.weight_decay, grad_clip=cfg.critic.grad_clip)
-    engines["actor"] = make_engine(actor_model, cfg, derived, "actor", lr=cfg.actor.lr,
-                                   weight_decay=cfg.actor.weight_decay, grad_clip=cfg.actor.grad_clip)
+        def warmup(engine):
+            parity.sft_warmup(engine, tok, cfg.actor.sft_warmup_steps, seed=cfg.trainer.seed + 7)
+    # every model is created already partitioned under ZeRO-3; the reference is the (warmed-up) initial policy
+    engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup)
 
     state = SharedState.from_config(cfg, rank=rank)  # the run's limits and step-0 values, the same on every rank
 
@@ -133,14 +129,7 @@ def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] =
     rc = cfg.reward
     if functions is None:
         functions, model_path, model_weight = rc.functions, rc.model_path, rc.model_weight
-    scorer = None
-    if model_path is not None:
-        from transformers import AutoModelForSequenceClassification
-
-        if not os.path.isdir(model_path):
-            raise ConfigError(f"reward model path {model_path!r} does not exist or is not a directory")
-        scorer = make_engine(AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1), cfg,
-                             derived, "ref")
+    scorer = build_reward_engine(cfg, derived, model_path) if model_path is not None else None
     reward = RewardModel(model=scorer, tokenizer=tok, state=state, eos_reward=rc.eos_reward,
                          model_weight=rc.model_weight if model_weight is None else model_weight,
                          micro_batch_size=rc.micro_batch_size, num_workers=rc.num_workers)

@@ -93,13 +93,15 @@ class HFRolloutEngine:
         after every actor update, before the next ``generate``. A no-op with ``gather_params=False``."""
         if not self.gather_params:
             return
-        if self._replica is None:
-            self._replica = _Replica(self.module, device=self.device)
+        from verl_ds.engines.replica import GenerationReplica
+
+        if self._replica is None:  # built once, in the training dtype, on the engines' device
+            self._replica = GenerationReplica(self.module, device=self.device)
         self._replica.refresh()
 
     @property
     def replica(self):
-        return None if self._replica is None else self._replica.module
+        return None if self._replica is None else self._replica.model
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
@@ -110,7 +112,7 @@ class HFRolloutEngine:
         if self.gather_params:
             if self._replica is None:
                 self.refresh()
-            model, synced = self._replica.module, False
+            model, synced = self._replica.model, False
         else:
             model = self.module
             synced = dist.is_initialized() and dist.get_world_size() > 1
@@ -143,19 +145,3 @@ class HFRolloutEngine:
                           log_probs=torch.where(valid, log_probs.to(responses.device), zero),
                           entropy=torch.where(valid, entropy.to(responses.device), zero))
 
-
-class _Replica:
-    """A plain (un-partitioned) copy of a ZeRO-3 module for fast generation, refreshed from the shards."""
-
-    def __init__(self, source: torch.nn.Module, device=None):
-        self.source, self.device = source, device
-        self.module = None
-
-    def refresh(self) -> None:
-        from verl_ds.rollout_replica import empty_like, gathered_state_dict
-
-        state = gathered_state_dict(self.source)
-        if self.module is None:
-            self.module = empty_like(self.source, device=self.device)
-        self.module.load_state_dict(state, strict=True)
-        self.module.eval()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
+from verl_ds.kernels.response_logprob import response_logprobs
 from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_mask, check_observation, optimizer_step,
                                  position_ids_from_mask, unwrap_module)
 from verl_ds.state import SharedState
@@ -85,7 +85,7 @@ class ReferenceModel(LogProbRole):
                     temperature: float = 1.0, return_entropy: bool = False):
         """Log-probs (B, R) float32 of the response tokens ``action`` (B, R) = observation[:, -R:].
 
-        logits[:, -R-1:-1] predict them; computed by ``verl_ds.algos.logprobs_and_entropy`` in one
+        logits[:, -R-1:-1] predict them; computed by ``verl_ds.kernels.response_logprob`` in one
         pass, at ``temperature`` (the rollout's). Differentiable: the PPO update calls it under grad.
         With return_entropy, also the entropy (B, R) of each position's distribution. Values at
         padded response positions are meaningless; mask them with the response mask.
@@ -105,11 +105,10 @@ class ReferenceModel(LogProbRole):
             raise ValueError(f"{who}: action must equal the last R={R} columns of observation; rows {rows} differ")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"{who}: temperature must be a float > 0, got {temperature!r}")
-        logits = self._logits(observation, mask, R + 1)[:, :-1]  # (B, R, V): position t predicts token t+1
-        labels = action.long()
-        if return_entropy:
-            return logprobs_and_entropy(logits, labels, temperature)
-        return logprobs_from_logits(logits, labels, temperature)
+        # (B, R+1, V): position t predicts response token t; read in place (no (B, R, V) copy kept for backward)
+        log_probs, entropy = response_logprobs(self._logits(observation, mask, R + 1), action.long(), temperature,
+                                               compute_entropy=return_entropy)
+        return (log_probs, entropy) if return_entropy else log_probs
 
 
 

@@ -102,21 +102,15 @@ def parity_reward(prompts: list[str], responses: list[str], batch=None,
     return rewards
 
 
-def sft_warmup(model, tokenizer, steps: int, lr: float, seed: int, batch_size: int = 16) -> None:
-    """Supervised warm start of ``model`` (a plain HF causal LM) on optimal responses, ``steps`` AdamW steps of
-    ``batch_size`` pairs; deterministic and leaving the global RNG untouched (the same on every rank)."""
-    import torch
-
+def sft_warmup(engine, tokenizer, steps: int, seed: int, batch_size: int = 16) -> None:
+    """Supervised warm start of an actor ``engine`` (a DeepSpeed engine: ``backward``/``step``, one step per batch)
+    on optimal responses, ``steps`` batches of ``batch_size`` pairs; the same batches on every rank."""
     pairs = sft_examples(steps * batch_size, seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    with torch.random.fork_rng(devices=[]):
-        for i in range(steps):
-            chunk = pairs[i * batch_size:(i + 1) * batch_size]
-            enc = tokenizer([p + " " + r for p, r in chunk], return_tensors="pt", padding=True)
-            labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-            loss = model(**enc, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-    model.eval()
+    engine.train()
+    for i in range(steps):
+        chunk = pairs[i * batch_size:(i + 1) * batch_size]
+        enc = tokenizer([p + " " + r for p, r in chunk], return_tensors="pt", padding=True)
+        enc = {k: v.to(engine.device) for k, v in enc.items()}
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        engine.backward(engine(**enc, labels=labels).loss)
+        engine.step()
