@@ -4,8 +4,9 @@
     verl-ds state set KEY=VALUE [KEY=VALUE ...]    # PATCH /v1/state, applied at the next step boundary
 
 The server URL comes from ``--url``, else ``<--run-dir>/server_url.txt``, else ``VERL_DS_SERVER_URL``,
-else ``runs/default/server_url.txt``; the token from ``--token`` or ``VERL_DS_SERVER_TOKEN``. Values are
-parsed as JSON (``0.05``, ``true``, ``null``) and fall back to a string (``kl_kind=k3``).
+else ``runs/default/server_url.txt``; the token from ``--token`` if given (other users can see it in ``ps``),
+else ``VERL_DS_SERVER_TOKEN`` (preferred). Values are parsed as JSON (``0.05``, ``true``, ``null``) and fall
+back to a string (``kl_kind=k3``).
 Exit status: 0 on success, 1 when the server refuses (its message is printed) or cannot be reached,
 2 on a usage error.
 """
@@ -104,7 +105,8 @@ def build_parser(prog: str = "verl-ds state") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Read or change the SharedState of a running verl_ds job.")
     p.add_argument("--url", default=None, help=f"server URL (default: --run-dir's {URL_FILE}, then ${URL_ENV})")
     p.add_argument("--run-dir", default=None, help=f"run directory holding {URL_FILE} (default {DEFAULT_RUN_DIR})")
-    p.add_argument("--token", default=None, help=f"bearer token for 'set' (default ${TOKEN_ENV})")
+    p.add_argument("--token", default=None, help=f"bearer token for 'set' (default ${TOKEN_ENV}, preferred: a "
+                   "command-line token is visible to other users in ps)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server")
     sub = p.add_subparsers(dest="action", required=True)
     g = sub.add_parser("get", help="print every value (and the version), or one KEY with its schema")

@@ -157,9 +157,9 @@ def check_reward_spec(spec: Any, *, allow_code: bool, swappable: Iterable[str], 
         functions.append(item)
     weight = spec.get("model_weight")
     if weight is not None:
+        weight = _finite("model_weight", weight)
         if model_path is None:
             raise ValueError("reward swap: model_weight given without model_path")
-        weight = _finite("model_weight", weight)
     if model_path is not None:
         model_path = _check_reward_model(model_path, reward_model_dir, vocab_size)
     return {"functions": functions, "model_path": model_path, "model_weight": weight}

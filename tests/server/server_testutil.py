@@ -146,11 +146,15 @@ def raw_exchange(port: int, data: bytes, timeout: float = 30.0) -> Answer:
 
 
 def dropped(sock: socket.socket) -> bool:
-    """True when the server closed ``sock`` without answering (EOF or reset); waits up to the socket timeout."""
+    """True when the server closed ``sock`` without sending a byte (EOF or reset), read to the end; waits up
+    to the socket timeout for the close."""
+    received = b""
     try:
-        return sock.recv(65536) == b""
+        while chunk := sock.recv(65536):
+            received += chunk
     except ConnectionResetError:
-        return True
+        pass
+    return received == b""
 
 
 # ---- models --------------------------------------------------------------------------------------------------

@@ -171,6 +171,17 @@ def test_body_without_length_is_411(server):
     assert a.status == 411 and a.json["error"].startswith("Content-Length header required")
 
 
+@pytest.mark.parametrize("framing,message", [
+    ("Content-Length: 50\r\n\r\n", "request body ended after 7 bytes of 50 bytes: the client closed its side"),
+    ("Transfer-Encoding: chunked\r\n\r\n7\r\n", "request body ended after 7 bytes before the last chunk: the "
+                                                  "client closed its side"),
+])
+def test_body_cut_short_by_the_client_is_400(server, parts, framing, message):
+    head = f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n{framing}"
+    a = raw_exchange(server.port, head.encode() + b'{"lam":')  # then half-close: the rest never comes
+    assert a.status == 400 and a.json["error"] == message and parts["state"].staged() == []
+
+
 @pytest.mark.parametrize("raw,message", [
     (b'{"kl_coef": 0.1', "request body is not valid JSON: Expecting ',' delimiter"),
     (b"", "request body is empty; send a JSON object"),
@@ -363,6 +374,39 @@ def test_stop_does_not_wait_for_a_stalled_client(parts):
         stalled.close()
     with pytest.raises(OSError):
         call(srv.url, "GET", "/healthz")
+
+
+def test_stop_does_not_wait_for_a_stuck_view_and_logs_no_error(parts, caplog):
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_metrics():
+        entered.set()
+        release.wait(60)
+        return {}
+
+    srv = ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, metrics_fn=stuck_metrics)
+    srv.start()
+    outcome = {}
+
+    def fetch():
+        try:
+            outcome["answer"] = call(srv.url, "GET", "/metrics", timeout=60)
+        except OSError as e:  # http.client's RemoteDisconnected is a ConnectionResetError
+            outcome["error"] = e
+
+    client = threading.Thread(target=fetch, daemon=True)
+    client.start()
+    try:
+        assert entered.wait(30)
+        with caplog.at_level(logging.WARNING):
+            done = threading.Event()
+            threading.Thread(target=lambda: (srv.stop(), done.set()), daemon=True).start()
+            assert done.wait(20), "stop() waited for a view stuck in a worker thread"
+        client.join(30)
+        assert "error" in outcome, outcome  # the client saw its connection dropped, without an answer
+    finally:
+        release.set()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_other_registry_and_state_still_work_after_errors(parts):

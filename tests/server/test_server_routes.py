@@ -18,6 +18,21 @@ def test_start_writes_url_file_and_stop_removes_it(server, parts):
     server.stop()  # idempotent
 
 
+def test_stop_is_idempotent_and_keeps_a_url_file_that_is_not_ours(parts):
+    from verl_ds.server import ControlServer
+
+    srv = ControlServer(parts["state"], parts["registry"], port=0, run_dir=parts["run_dir"])
+    srv.stop()  # never started: nothing to do
+    srv.start()
+    path = os.path.join(parts["run_dir"], URL_FILE)
+    with open(path, "w") as fh:  # another server took over the run directory since
+        fh.write("http://127.0.0.1:1\n")
+    srv.stop()
+    srv.stop()
+    with open(path) as fh:
+        assert fh.read() == "http://127.0.0.1:1\n"
+
+
 def test_healthz(server, parts):
     parts["state"].set("global_step", 7)
     a = call(server.url, "GET", "/healthz")

@@ -118,7 +118,7 @@ class ControlApp:
         self.in_progress += 1
         try:
             answer = await self._serve(req, receive, started)
-        except _ClientGone:
+        except (_ClientGone, asyncio.CancelledError):  # gone, or the server is stopping: nobody to answer
             return
         finally:
             self.in_progress -= 1  # before answering: a client that has its answer finds the slot free

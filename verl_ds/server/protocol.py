@@ -104,6 +104,7 @@ class _LingeringTransport:
                  on_closing: Callable[[], None]):
         self._t, self._loop, self._linger_s, self._on_closing = transport, loop, linger_s, on_closing
         self.lingering = False
+        self.peer_closed = False  # the client has shut its sending side: nothing left to drain
         self._timer: asyncio.TimerHandle | None = None
 
     def close(self) -> None:
@@ -111,6 +112,9 @@ class _LingeringTransport:
             return
         self.lingering = True
         self._on_closing()  # before the FIN: a client that saw EOF finds its slot already free
+        if self.peer_closed:
+            self._t.close()  # flushes the answer, then closes
+            return
         try:
             if not self._t.can_write_eof():
                 self._t.close()
@@ -204,6 +208,7 @@ class ControlProtocol(H11Protocol):
         if cycle is not None and not cycle.response_complete:
             # a half-closed client still waits for its answer; a body cut short can never complete
             cycle.keep_alive = False
+            self.transport.peer_closed = True
             if cycle.more_body:
                 cycle.scope[BODY_TRUNCATED] = True  # type: ignore[literal-required]
                 cycle.more_body = False
