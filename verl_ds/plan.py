@@ -32,6 +32,8 @@ class ModelSize:
     vocab_size: int
     hidden_size: int
     source: str          # the directory the config came from, or "tiny config"
+    num_layers: int = 0  # for the KV cache of generate
+    kv_dim: int = 0      # key/value heads x head dim: one layer's K (or V) width per token
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,12 @@ def _meta_size(config, critic: bool, source: str) -> ModelSize:
     if critic:  # CriticLM = AutoModel backbone + Linear(hidden, 1)
         total += hidden + 1
         largest = max(largest, hidden + 1)
+    heads = int(getattr(text, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     return ModelSize(total=total, largest_layer=largest, vocab_size=int(text.vocab_size), hidden_size=hidden,
-                     source=source)
+                     source=source, num_layers=int(getattr(text, "num_hidden_layers", 0) or 0),
+                     kv_dim=kv_heads * head_dim)
 
 
 def model_size(cfg: Config, role: str = "actor") -> ModelSize:
@@ -148,10 +154,11 @@ def inference_engine_memory(role: str, size: ModelSize, bytes_per_param: int, of
 
 def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: int,
                     sizes: Optional[dict] = None) -> dict:
-    """Per-role RoleMemory plus the extras, in bytes: rollout replica, logits, and the start-up peaks.
+    """Per-role RoleMemory plus the extras, in bytes: rollout replica, KV cache, logits, and the start-up peaks.
 
-    The trainer builds each model whole on every rank (no ``zero.Init``) and ``deepspeed.initialize`` moves
-    it to the device before partitioning it: one whole model per GPU, and per rank in CPU memory, at start-up.
+    Under ZeRO-3 every model is created already partitioned (``engines.build``): construction adds about one
+    gathered layer to the partitions. At stages 0-2 the trained models are built whole on every rank. A model
+    read from ``model.path`` passes through rank 0's CPU memory file by file (transformers' ZeRO-3 loading).
     """
     from verl_ds.engines.ds_config import make_ds_config
 
@@ -166,14 +173,60 @@ def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: in
     actor = sizes["actor"]
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     out["rollout_replica"] = bpp * actor.total if cfg.rollout.gather_params else 0
+    # generate's cache: K and V per layer for every token of this rank's prompts (either generation mode)
+    out["kv_cache"] = 2 * actor.num_layers * actor.kv_dim * bpp * derived.prompts_per_rank * seq
     # fp32 log-softmax over the vocabulary of one micro-batch: the usual PPO memory spike
     out["logits"] = 4 * cfg.actor.micro_batch_size * seq * actor.vocab_size
-    # no zero.Init: each model is moved to the device whole before DeepSpeed partitions it
-    out["startup_peak"] = bpp * max(actor.total, sizes["critic"].total)
-    out["steady"] = out["actor"].gpu_bytes + out["critic"].gpu_bytes + out["ref"].gpu_bytes + out["rollout_replica"]
+    whole = out["actor"].zero_stage < 3
+    biggest = max(actor.total, sizes["critic"].total)
+    out["startup_peak"] = bpp * (biggest if whole else max(actor.largest_layer, sizes["critic"].largest_layer))
+    out["steady"] = (out["actor"].gpu_bytes + out["critic"].gpu_bytes + out["ref"].gpu_bytes + out["rollout_replica"]
+                     + out["kv_cache"])
     out["cpu_per_node"] = sum(out[r].cpu_bytes_per_node for r in ("actor", "critic", "ref"))
-    out["cpu_build_peak"] = out["startup_peak"] * gpus_per_node
+    from_disk = bpp * biggest if cfg.model.path else 0  # rank 0 maps the checkpoint while loading it
+    out["cpu_build_peak"] = out["startup_peak"] * gpus_per_node + from_disk
+    # what one rank needs at its busiest: states, the replica, and the larger of generate's cache and the logits
+    states = out["actor"].gpu_bytes + out["critic"].gpu_bytes + out["ref"].gpu_bytes
+    out["need"] = states + out["rollout_replica"] + max(out["kv_cache"], out["logits"])
+    # per-token gathering instead: no replica, one gathered layer while generating
+    out["need_without_replica"] = states + max(out["kv_cache"] + bpp * actor.largest_layer, out["logits"])
     return out
+
+
+def device_memory(cfg: Config, memory_gib: Optional[float] = None) -> Optional[int]:
+    """Bytes one rank may use: ``memory_gib`` when given, else the visible GPU's (a CUDA job), else None."""
+    if memory_gib is not None:
+        if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or not memory_gib > 0:
+            raise ValueError(f"memory_gib: expected a positive number of GiB, got {memory_gib!r}")
+        return int(memory_gib * GiB)
+    if cfg.trainer.device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+def fit_advice(cfg: Config, mem: dict, capacity: Optional[int], unit: str) -> list:
+    """Lines saying whether the busiest moment fits ``capacity`` and what to change when it does not."""
+    need, lean = mem["need"], mem["need_without_replica"]
+    if capacity is None:
+        lines = [f"busiest moment: {_fmt(need)} per {unit} (states + replica + max(KV cache, logits)); device "
+                 "memory unknown: pass it (plan(memory_gib=...)) for a verdict"]
+        if cfg.rollout.gather_params:
+            lines.append(f"  without the replica (rollout.gather_params=false): {_fmt(lean)} per {unit}")
+        return lines
+    if need <= capacity:
+        return [f"fits: {_fmt(need)} of {_fmt(capacity)} per {unit} at the busiest moment (before activations)"]
+    lines = [f"does NOT fit: {_fmt(need)} needed, {_fmt(capacity)} per {unit}"]
+    if cfg.rollout.gather_params:
+        verdict = "fits" if lean <= capacity else "still does not fit"
+        lines.append(f"  recommended: rollout.gather_params=false (generate with per-token ZeRO-3 gathering, no "
+                     f"replica): {_fmt(lean)} per {unit}, {verdict}")
+    if lean > capacity:
+        lines.append("  also consider: deepspeed.offload_optimizer=true / offload_param=true, more ranks, a smaller "
+                     "rollout.batch_size or data.max_prompt_length")
+    return lines
 
 
 def _join(parts: Sequence[str]) -> str:
@@ -235,8 +288,10 @@ def _check_topology(world_size, nodes, gpus_per_node) -> int:
 
 
 def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[int] = None, *,
-         config_path: str = "configs/default.yaml", overrides: Sequence[str] = ()) -> str:
-    """The plan as text: memory per rank for actor/critic/reference, batch arithmetic, launch commands.
+         config_path: str = "configs/default.yaml", overrides: Sequence[str] = (),
+         memory_gib: Optional[float] = None) -> str:
+    """The plan as text: memory per rank for actor/critic/reference, the generation replica and its KV cache,
+    whether it fits (``memory_gib`` per rank, else the visible GPU's), batch arithmetic, launch commands.
 
     ``validate(cfg, world_size)`` runs first, so a config that cannot run at this world size fails here
     with its ConfigError. ``config_path``/``overrides`` only go into the printed command lines.
@@ -263,11 +318,16 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
     if mem["rollout_replica"]:
         lines.append(f"{'rollout replica':<18}{'':>4}  {'':<13}{_fmt(mem['rollout_replica']):>12}"
                      "   (rollout.gather_params=true: a whole actor copy for generate)")
+    lines.append(f"{'KV cache':<18}{'':>4}  {'':<13}{_fmt(mem['kv_cache']):>12}   (generate: {derived.prompts_per_rank} "
+                 f"prompt(s) per {unit} x {seq} tokens x {act.num_layers} layers x K,V of {act.kv_dim})")
+    build = ("each trained model is built whole (ZeRO stage < 3), the reference partitioned"
+             if mem["actor"].zero_stage < 3 else "every model is created partitioned (ZeRO-3), one layer gathered at a time")
     lines += [f"{'total':<18}{'':>4}  {'':<13}{_fmt(mem['steady']):>12}{_fmt(mem['cpu_per_node']):>15}",
               f"plus: fp32 logits of one micro-batch ({a.micro_batch_size} x {seq} tokens x {act.vocab_size:,}) "
               f"{_fmt(mem['logits'])} per {unit}, and activations",
-              f"start-up: each model is built whole and moved to the device before DeepSpeed partitions it: "
-              f"{_fmt(mem['startup_peak'])} per {unit}, {_fmt(mem['cpu_build_peak'])} CPU per node, transient",
+              *fit_advice(cfg, mem, device_memory(cfg, memory_gib), unit),
+              f"start-up: {build}: {_fmt(mem['startup_peak'])} per {unit} above the states, "
+              f"{_fmt(mem['cpu_build_peak'])} CPU per node, transient",
               "sources: " + "; ".join(f"{role}: {mem[role].note}" for role in ("actor", "critic", "ref")),
               "DeepSpeed's estimators assume 16-bit weights with fp32 master copies; an fp32 job needs about "
               "as much (4+4+8 bytes per trained parameter)", "",

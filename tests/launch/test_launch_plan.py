@@ -119,10 +119,33 @@ def test_estimate_memory_reads_stage_and_offload_from_the_generated_deepspeed_co
     assert mem["actor"].gpu_bytes == 2 * p
     assert mem["rollout_replica"] == 2 * p  # bf16 replica for generate
     assert mem["logits"] == 4 * 2 * (256 + 256) * 151936
-    assert mem["steady"] == sum(mem[r].gpu_bytes for r in ("actor", "critic", "ref")) + mem["rollout_replica"]
+    # K and V x 24 layers x (2 kv heads x 64) x bf16 x 8 prompts per rank x (256 + 256) tokens
+    assert mem["kv_cache"] == 2 * 24 * 128 * 2 * 8 * 512 == 50_331_648
+    states = sum(mem[r].gpu_bytes for r in ("actor", "critic", "ref"))
+    assert mem["steady"] == states + mem["rollout_replica"] + mem["kv_cache"]
+    assert mem["need"] == states + 2 * p + max(mem["kv_cache"], mem["logits"])
+    assert mem["startup_peak"] == 2 * (p + 896 + 1)  # stage 2: the critic (the larger) is built whole on every rank
     no_replica = estimate_memory(load_config(GPU_CONFIG, [f"model.path={cfg.model.path}", "rollout.gather_params=false"]),
                                  validate(cfg, 8), 1, 8)
-    assert no_replica["rollout_replica"] == 0
+    assert no_replica["rollout_replica"] == 0 and no_replica["kv_cache"] == mem["kv_cache"]
+    zero3 = estimate_memory(_qwen05_cfg(tmp_path), validate(cfg, 8), 1, 8)
+    assert zero3["startup_peak"] == 2 * 151936 * 896  # partitioned construction: one gathered layer (the embedding)
+
+
+def test_plan_says_when_the_replica_does_not_fit_and_recommends_per_token_gathering(tmp_path):
+    cfg = _qwen05_cfg(tmp_path)
+    mem = estimate_memory(cfg, validate(cfg, 8), 1, 8)
+    between = (mem["need"] + mem["need_without_replica"]) / 2 / 2**30
+    tight = plan(cfg, 8, memory_gib=between)
+    assert "does NOT fit" in tight
+    assert re.search(r"recommended: rollout.gather_params=false .*, fits$", tight, re.M), tight
+    assert "fits: " in plan(cfg, 8, memory_gib=1000)
+    hopeless = plan(cfg, 8, memory_gib=0.01)
+    assert "still does not fit" in hopeless and "offload_optimizer" in hopeless
+    lean = load_config(GPU_CONFIG, [f"model.path={cfg.model.path}", "rollout.gather_params=false"])
+    assert "recommended" not in plan(lean, 8, memory_gib=0.01)
+    with pytest.raises(ValueError, match=r"memory_gib: expected a positive number of GiB, got -1"):
+        plan(cfg, 8, memory_gib=-1)
 
 
 def test_plan_text_has_memory_batch_arithmetic_and_every_launcher(tmp_path):
