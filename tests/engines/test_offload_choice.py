@@ -1,0 +1,48 @@
+"""Which optimizer and offload settings a run gets: DeepSpeed's CPU Adam over pinned memory when the optimizer is
+offloaded from a GPU, torch AdamW otherwise (CPU runs need no compiled op). Pure functions of the config: no
+GPU is needed to check the choice (the GPU path itself is not run here: this machine has none)."""
+import pytest
+
+from verl_ds.config import load_config, validate
+from verl_ds.engines.build import OPTIMIZERS, optimizer_name
+from verl_ds.engines.ds_config import make_ds_config
+
+
+def _cfg(*overrides):
+    cfg = load_config(None, list(overrides))
+    return cfg, validate(cfg)
+
+
+@pytest.mark.parametrize("device,offload,stage,expected", [
+    ("cuda", True, 3, "deepspeed_cpu_adam"),
+    ("cuda", True, 2, "deepspeed_cpu_adam"),
+    ("cuda", False, 3, "torch_adamw"),
+    ("cuda", True, 0, "torch_adamw"),  # stage 0 ignores offload_optimizer
+    ("cpu", True, 3, "torch_adamw"),
+])
+def test_optimizer_choice(device, offload, stage, expected):
+    cfg, _ = _cfg(f"trainer.device={device}", f"deepspeed.offload_optimizer={str(offload).lower()}",
+                  f"deepspeed.zero_stage={stage}")
+    assert optimizer_name(cfg) == expected and expected in OPTIMIZERS
+
+
+def test_gpu_offload_pins_memory_and_lets_deepspeed_keep_its_cpu_adam():
+    cfg, d = _cfg("deepspeed.offload_optimizer=true", "deepspeed.offload_param=true")
+    gpu = make_ds_config(cfg, d, "actor", gpu=True)
+    zero = gpu["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert "zero_force_ds_cpu_optimizer" not in gpu
+    cpu = make_ds_config(cfg, d, "actor", gpu=False)
+    assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert cpu["zero_force_ds_cpu_optimizer"] is False  # torch AdamW on a CPU run
+    # params offloaded from a GPU with the optimizer on it: torch AdamW, so DeepSpeed must not insist on its own
+    cfg2, d2 = _cfg("deepspeed.offload_param=true")
+    assert make_ds_config(cfg2, d2, "actor", gpu=True)["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_device_is_read_from_the_config_when_not_given():
+    cfg, d = _cfg("deepspeed.offload_optimizer=true", "trainer.device=cuda")
+    assert make_ds_config(cfg, d, "actor")["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
+    cfg, d = _cfg("deepspeed.offload_optimizer=true", "trainer.device=cpu")
+    assert make_ds_config(cfg, d, "actor")["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
