@@ -76,7 +76,7 @@ class _Request:
     def __init__(self, scope: dict):
         self.scope = scope
         self.method: str = scope["method"]
-        self.path: str = scope.get("raw_path", scope["path"].encode()).decode("latin-1")
+        self.path: str = (scope.get("raw_path") or scope["path"].encode("utf-8")).decode("latin-1")
         self.client: str = (scope.get("client") or ("",))[0]
         self.headers: dict[str, list[str]] = {}
         # h11 only limits a head that arrives in pieces; one that arrives whole is measured here

@@ -39,8 +39,8 @@ log = logging.getLogger("verl_ds.server")
 MAX_HEADER_BYTES = 16384  # request line + headers; more is answered 431
 # scope key set when the client closed its side before the request body was complete
 BODY_TRUNCATED = "verl_ds.body_truncated"
-# h11 quotes the offending bytes ("illegal header line: b'...'", "bytearray(b'...')"): cut from there on
 HEAD_TOO_LARGE = f"request line and headers are over {MAX_HEADER_BYTES} bytes (the control server's limit)"
+# h11 quotes the offending bytes ("illegal header line: b'...'", "bytearray(b'...')"): cut from there on
 _VALUE_REPR = re.compile(r"(\s*:)?\s*(bytearray\(|\bb['\"]).*$", re.DOTALL)
 
 
