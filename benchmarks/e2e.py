@@ -24,7 +24,7 @@ CASES = {
     "larger tiny model (h256 L4)": ["model.hidden_size=256", "model.intermediate_size=768", "model.num_layers=4",
                                     "model.num_heads=8", "model.num_kv_heads=4"],
 }
-PHASES = {"gen": ["timing_s/gen"], "log-probs/values": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/adv"],
+PHASES = {"gen": ["timing_s/gen"], "log-probs/values": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv"],
           "update": ["timing_s/update_actor", "timing_s/update_critic"]}
 
 

@@ -71,7 +71,7 @@ def run(cmd: list[str], env: dict, timeout: int = 240) -> subprocess.CompletedPr
 def step_metrics(output_dir: str) -> list[dict]:
     """The training-step lines of metrics.jsonl without the keys that vary from run to run."""
     return [{k: v for k, v in m.items() if not k.startswith(NONDETERMINISTIC)}
-            for m in read_metrics(output_dir) if "critic/score/mean" in m]
+            for m in read_metrics(output_dir) if "rollout/score/mean" in m]
 
 
 def dump(obj) -> str:

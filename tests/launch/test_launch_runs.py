@@ -148,12 +148,12 @@ def test_gpu_config_code_path_on_a_tiny_qwen2(runs):
     _ok(res)
     assert "verl_ds: launcher=python world_size=1" in res["output"]
     metrics = read_metrics(res["dir"])
-    steps = [m for m in metrics if "critic/score/mean" in m]
+    steps = [m for m in metrics if "rollout/score/mean" in m]
     assert [m["step"] for m in steps] == [1, 2]
     for m in metrics:
         for k, v in m.items():
             assert v == v, f"NaN in {k} at step {m['step']}"  # noqa: PLR0124
-    assert all(0.0 <= m["critic/score/mean"] <= 1.0 for m in steps)  # exact_match is 0 or 1 per sample
+    assert all(0.0 <= m["rollout/score/mean"] <= 1.0 for m in steps)  # exact_match is 0 or 1 per sample
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(res["dir"], "hf_actor"))
@@ -167,6 +167,6 @@ def test_zero2_and_offload_configs_run_as_shipped_in_bf16(runs, name):
     ZeRO-3 with optimizer and parameter offload plus the configs/deepspeed overlay."""
     res = runs[name]
     _ok(res)
-    steps = [m for m in read_metrics(res["dir"]) if "critic/score/mean" in m]
+    steps = [m for m in read_metrics(res["dir"]) if "rollout/score/mean" in m]
     assert [m["step"] for m in steps] == [1]
     assert all(v == v for v in steps[0].values())  # noqa: PLR0124

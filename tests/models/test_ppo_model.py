@@ -152,3 +152,18 @@ def test_hot_swap_through_registry():
     named = PPOModel(ppo.actor, ppo.reward, critic=ppo.critic, registry=ModelRegistry(),
                      names={"actor": "ppo_actor"})
     assert named.registry.get("ppo_actor") is ppo.actor and named.registry.get("actor", None) is None
+
+
+def test_a_plain_dict_batch_is_accepted_and_a_wrong_type_is_named():
+    """Issue 11 defect 7: the design's contracts take Dict[str, Tensor]; a mapping is validated into a RolloutBatch
+    (the advantages are written back into it), anything else names the type expected."""
+    ppo = make_ppo(kl_coef=0.5)
+    mapping = {name: tensor for name, tensor in gae_batch().items()}
+    ppo.compute_advantage(mapping)
+    assert {"token_rewards", "advantages", "returns"} <= set(mapping)
+    loss, _ = ppo.compute_policy_loss(mapping)
+    assert loss.requires_grad
+    with pytest.raises(TypeError, match=r"must be a RolloutBatch or a mapping of field name -> tensor .* got list"):
+        ppo.compute_policy_loss([mapping])
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['advantage_typo'\]"):
+        ppo.compute_policy_loss(dict(mapping, advantage_typo=mapping["scores"]))

@@ -19,11 +19,11 @@ def test_single_rank_zero3_run_writes_metrics_checkpoint_and_export(tmp_path):
     proc = run_train(str(out), ["trainer.total_steps=3"])
     assert "verl_ds summary" in proc.stdout
     metrics = read_metrics(str(out))
-    steps = [m["step"] for m in metrics if "critic/score/mean" in m]
+    steps = [m["step"] for m in metrics if "rollout/score/mean" in m]
     assert steps == [1, 2, 3]
     last = metrics[-1]
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_coef", "critic/vf_loss",
-                "critic/vf_explained_var", "critic/score/mean", "response_length/mean", "timing_s/gen",
+                "critic/vf_explained_var", "rollout/score/mean", "response_length/mean", "timing_s/gen",
                 "perf/throughput", "val/score/mean"):
         assert key in last, key
     for m in metrics:
@@ -51,8 +51,8 @@ def test_two_ranks_exact_resume(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"parameter {k} differs after resume"
-    ma = [m for m in read_metrics(str(straight)) if "critic/score/mean" in m]
-    mb = [m for m in read_metrics(str(split)) if "critic/score/mean" in m]
+    ma = [m for m in read_metrics(str(straight)) if "rollout/score/mean" in m]
+    mb = [m for m in read_metrics(str(split)) if "rollout/score/mean" in m]
     assert [m["step"] for m in mb] == [1, 2, 3, 4]
     skip = ("timing_s/", "perf/")
     for x, y in zip(ma, mb):
@@ -68,5 +68,5 @@ def test_two_ranks_different_lengths_do_not_hang_with_per_token_gathering(tmp_pa
                          "deepspeed.stage3_prefetch_bucket_size=0", "deepspeed.stage3_max_live_parameters=0",
                          "deepspeed.stage3_param_persistence_threshold=0", "trainer.export_hf=false",
                          "rollout.max_new_tokens=12"], nproc=2, timeout=300)
-    metrics = [m for m in read_metrics(str(out)) if "critic/score/mean" in m]
+    metrics = [m for m in read_metrics(str(out)) if "rollout/score/mean" in m]
     assert len(metrics) == 2

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from verl_ds import algos
+from verl_ds.batch import RolloutBatch
 from verl_ds.models.base import MissingModuleError, TrainableRole
 from verl_ds.models.policy import PolicyModel, ReferenceModel
 from verl_ds.models.reward import RewardModel
@@ -150,6 +151,7 @@ class PPOModel(TrainableRole):
         the critic-free estimators normalise themselves. Advantages and returns are zero on padding.
         """
         who = "PPOModel.compute_advantage"
+        given, batch = batch, RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
         _need(batch, ("observation", "mask", "response_mask", "scores"), who)
         est = self._estimator
@@ -180,6 +182,8 @@ class PPOModel(TrainableRole):
                 adv = (whiten_fn or algos.masked_whiten)(adv, mask)
             adv, ret = adv * fmask, ret * fmask
         batch.token_rewards, batch.advantages, batch.returns = rewards, adv, ret
+        if given is not batch:  # a plain mapping: the results go back into it too
+            given.update(token_rewards=rewards, advantages=adv, returns=ret)
         summaries = [("score", scores, True), ("rewards", rewards, True), ("advantages", adv, False),
                      ("returns", ret, False)]
         if values is not None:
@@ -199,6 +203,7 @@ class PPOModel(TrainableRole):
         policy's. ``normalizer`` goes to every agg_loss (the global token count for DP and accumulation).
         """
         who = "PPOModel.compute_policy_loss"
+        batch = RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
         _need(batch, ("observation", "action", "mask", "response_mask", "old_log_probs", "advantages"), who)
         kl_in_loss = self.kl_in_loss(hot)
@@ -228,6 +233,7 @@ class PPOModel(TrainableRole):
         """(loss, metrics): clipped value loss of a fresh critic pass (WITH grad) against batch.returns, clipped
         around batch.values (the rollout's) by the state's cliprange_value (0 disables clipping)."""
         who = "PPOModel.compute_value_loss"
+        batch = RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
         _need(batch, ("observation", "mask", "response_mask", "values", "returns"), who)
         if self.critic is None:

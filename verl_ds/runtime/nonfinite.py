@@ -78,7 +78,7 @@ class NonFiniteGuard:
         self._bad_batch = False
         self._skipped = 0
         self._events: list[dict] = []
-        self._losses: list[float] = []  # this rank's non-finite losses since the last accumulation boundary
+        self._losses: list = []  # this rank's losses since the last accumulation boundary (0-d tensors)
         self._updates: dict[str, int] = {}
         self.sampling_error: Optional[str] = None
 
@@ -91,10 +91,15 @@ class NonFiniteGuard:
         return self._bad_batch
 
     def skip_update(self, loss: torch.Tensor, at_boundary: bool) -> bool:
-        """Whether the optimizer step this micro-batch completes must be skipped (collective at a boundary only)."""
-        if not is_finite(loss):
-            self._losses.append(float(loss.detach().float().sum()))
-        return at_boundary and vdist.any_rank(bool(self._losses))
+        """Whether the optimizer step this micro-batch completes must be skipped: a collective and a host sync at the
+        accumulation boundary only (the micro-batches before it just keep their losses)."""
+        self._losses.append(loss.detach().float().reshape(-1)[:1])
+        if not at_boundary:
+            return False
+        bad = ~torch.isfinite(torch.cat(self._losses))
+        local = bool(bad.any())
+        self._losses = [x for x, b in zip(self._losses, bad.tolist()) if b]  # the non-finite ones, for the record
+        return vdist.any_rank(local)
 
     def after_update(self, role: str, result: dict, bad_loss: bool) -> None:
         """Record an optimizer step (``result`` of ``optimizer_step``): a bad loss or a non-finite gradient norm
@@ -102,7 +107,7 @@ class NonFiniteGuard:
         index = self._updates[role] = self._updates.get(role, 0) + 1
         grad_norm = result["grad_norm"]
         bad_norm = grad_norm is not None and not is_finite(grad_norm)
-        losses, self._losses = self._losses, []
+        losses, self._losses = [float(x) for x in self._losses], []
         if not (bad_loss or bad_norm):
             return
         self._events.append({"rank": self.rank, "role": role, "update": index, "skipped": bool(result["skipped"]),
