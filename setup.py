@@ -6,12 +6,14 @@ from setuptools import find_packages, setup
 install_requires = [
     "torch>=2.4,<3",  # 2.13.0 (the CPU wheel used in CI) satisfies this range
     "deepspeed>=0.15",
-    "transformers>=4.45",
+    "transformers>=5.0",  # 4.50-4.57 let a checkpoint's generation_config override explicit sampling arguments
     "accelerate>=0.34",
     "tokenizers>=0.19",
     "pyyaml>=6",
     "tqdm>=4.60",
     "safetensors>=0.4",
+    "uvicorn>=0.30,<1",  # the control plane's HTTP server (verl_ds.server)
+    "h11>=0.16",  # 0.16 fixes a chunked-body parsing flaw
 ]
 if platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64"):
     install_requires.append("triton>=3.0")

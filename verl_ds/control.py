@@ -30,14 +30,15 @@ AUDIT_FILE = "state_changes.jsonl"
 class StepBoundary:
     """Owns the staged reward swap, the audit log and the replay schedule (see the module docstring).
 
-    build_reward(request) builds the RewardModel of a swap request on this rank (every rank calls it at the
+    check_swap(spec) validates a request (nothing imported or loaded) and returns it normalised; build_reward(request)
+    builds the RewardModel of a swap request on this rank (every rank calls it at the
     same boundary: a neural scorer's engine is a collective) and raises on failure; install(reward) makes it
     the active reward. reward_spec is the active reward's spec (saved in checkpoints, rebuilt on resume).
     """
 
     def __init__(self, state, run_dir: str, build_reward: Callable[[dict], object],
-                 install: Callable[[object], None], reward_spec: dict):
-        self.state, self.run_dir = state, run_dir
+                 install: Callable[[object], None], reward_spec: dict, check_swap: Callable[[dict], dict]):
+        self.state, self.run_dir, self._check_swap = state, run_dir, check_swap
         self._build_reward, self._install = build_reward, install
         self.is_main = state.rank == 0
         self.reward_spec = dict(reward_spec)
@@ -46,9 +47,10 @@ class StepBoundary:
         self._replay: dict[int, list[dict]] = {}  # step -> audited records to apply again
 
     # ---- the HTTP thread (rank 0) ------------------------------------------------------------------
-    def stage_reward_swap(self, request: dict, client: str = "") -> dict:
-        """Queue a validated reward swap request for the next step boundary; returns the announcement."""
-        request = {**request, "client": client}
+    def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
+        """Validate a reward swap request (``check_swap``) and queue it for the next step boundary (rank 0, the HTTP
+        thread); returns the announcement."""
+        request = {**self._check_swap(spec), "client": client}
         with self.state.lock, self._lock:  # the same lock order as cross()
             self._pending_swap = request
             applies_at = self.state.get("global_step") + 1
@@ -150,3 +152,18 @@ class StepBoundary:
     def _replayed_swap(self, step: int) -> Optional[dict]:
         rec = next((r for r in self._replay.pop(step, []) if r["key"] == "reward" and r.get("spec")), None)
         return None if rec is None else {**rec["spec"], "client": rec.get("client", ""), "replayed": True}
+
+
+def start_control_server(trainer):
+    """The /v1 control plane on rank 0 (a daemon thread; it never blocks the training loop); returns the server."""
+    from verl_ds.server import ControlServer
+
+    sc = trainer.cfg.server
+    server = ControlServer(trainer.state, trainer.registry, host=sc.host, port=sc.port, token=sc.token,
+                           max_body_bytes=sc.max_body_bytes, run_dir=trainer.out_dir,
+                           metrics_fn=trainer.metrics.snapshot, reward_swapper=trainer.boundary,
+                           swappable_rewards=sc.swappable_rewards, allow_reward_code=sc.allow_reward_code,
+                           reward_model_dir=sc.reward_model_dir, policy_vocab_size=len(trainer.tokenizer))
+    url = server.start()
+    print(f"verl_ds: control server at {url} (GET {url}/v1/models)", flush=True)
+    return server

@@ -193,3 +193,15 @@ def broadcast_object(obj, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Masked whitening with mean and (Bessel-corrected) variance over every data-parallel rank's tokens."""
+    m = mask.to(torch.float64)
+    xd = torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    n, s, ss = all_reduce_sum(torch.stack([m.sum(), xd.sum(), (xd * xd).sum()])).tolist()
+    if n < 2:
+        raise ValueError(f"cannot whiten advantages over {int(n)} valid token(s) across all ranks; need at least 2")
+    mean = s / n
+    var = (ss - n * mean * mean) / (n - 1)
+    return ((x.to(torch.float64) - mean) / np.sqrt(max(var, 0.0) + eps)).to(torch.float32)

@@ -47,6 +47,8 @@ def resume_from(trainer, step_dir: str) -> int:
                          st.get(key), value)
     spec = saved.get("reward_spec")
     if spec and spec != trainer.boundary.reward_spec:  # a reward swapped over HTTP before the checkpoint
+        if trainer.is_main:
+            log.info("resume: the reward active at the checkpoint (%s) wins over the config's", spec)
         trainer._install_reward(trainer.boundary._build_reward(spec))
         trainer.boundary.reward_spec = dict(spec)
     for name, sd in saved["models"].items():

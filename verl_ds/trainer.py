@@ -30,11 +30,13 @@ from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, check_startup, initial_state, write_run_config
-from verl_ds.control import StepBoundary
+from verl_ds.control import StepBoundary, start_control_server
 from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics
 from verl_ds.report import summarize
+from verl_ds.rewards import parse_reward_swap
 from verl_ds.rollout import SamplingError, collect
-from verl_ds.runtime import NonFiniteError, NonFiniteGuard, Preempted, PreemptionHandler, explains_rank_failures
+from verl_ds.runtime import NonFiniteError, NonFiniteGuard, PreemptionHandler, explains_rank_failures
+from verl_ds.runtime.preemption import stop_for_preemption
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +45,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Masked whitening with mean and (Bessel-corrected) variance over every data-parallel rank's tokens."""
-    m = mask.to(torch.float64)
-    xd = torch.where(mask, x.to(torch.float64), torch.zeros((), dtype=torch.float64))
-    n, s, ss = vdist.all_reduce_sum(torch.stack([m.sum(), xd.sum(), (xd * xd).sum()])).tolist()
-    if n < 2:
-        raise ValueError(f"cannot whiten advantages over {int(n)} valid token(s) across all ranks; need at least 2")
-    mean = s / n
-    var = (ss - n * mean * mean) / (n - 1)
-    return ((x.to(torch.float64) - mean) / np.sqrt(max(var, 0.0) + eps)).to(torch.float32)
 
 
 class StepFailed(RuntimeError):
@@ -87,29 +77,13 @@ class Trainer:
         spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
                 "model_weight": cfg.reward.model_weight}
         self.boundary = StepBoundary(self.state, self.out_dir, reward_spec=spec, install=self._install_reward,
+                                     check_swap=parse_reward_swap,  # the server checked the HTTP policy already
                                      build_reward=lambda s: build_reward(cfg, self.tokenizer, self.derived, s["functions"],
                                                                          s.get("model_path"), s.get("model_weight"),
                                                                          state=self.state))
         self._listeners: list = []
         self._last_saved: Optional[int] = None
         self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
-
-    def _start_server(self) -> None:
-        """The /v1 control plane on rank 0 (a daemon thread; it never blocks the training loop)."""
-        from verl_ds.server import ControlServer
-
-        sc = self.cfg.server
-        self.server = ControlServer(self.state, self.registry, host=sc.host, port=sc.port, token=sc.token,
-                                    max_body_bytes=sc.max_body_bytes, run_dir=self.out_dir,
-                                    metrics_fn=self.metrics.snapshot, reward_swapper=self)
-        url = self.server.start()
-        print(f"verl_ds: control server at {url} (GET {url}/v1/models)", flush=True)
-
-    def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
-        """Validate a reward swap request and queue it for the next step boundary (rank 0, the HTTP thread)."""
-        from verl_ds.rewards import parse_reward_swap
-
-        return self.boundary.stage_reward_swap(parse_reward_swap(spec), client)
 
     @property
     def actor_engine(self):
@@ -175,7 +149,7 @@ class Trainer:
         baseline = batch.extras.get("baseline_score")
         with t("adv"):
             metrics = {**rollout.metrics, **self.ppo.compute_advantage(
-                batch, whiten_fn=global_masked_whiten,
+                batch, whiten_fn=vdist.global_masked_whiten,
                 baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
         updates = self.derived.mini_batches_per_epoch * (cfg.actor.ppo_epochs + cfg.critic.ppo_epochs * self.ppo.needs_critic)
         if not self.guard.check_batch(batch, planned_updates=updates):  # non-finite on any rank: no update anywhere
@@ -294,7 +268,7 @@ class Trainer:
         try:
             resumed = start = maybe_resume(self)
             if self.is_main and cfg.server.enabled:
-                self._start_server()
+                self.server = start_control_server(self)
             if start == 0:
                 self.metrics.log(0, self.evaluate())
             t0, tokens, fell_back = time.perf_counter(), 0.0, False
@@ -304,7 +278,7 @@ class Trainer:
             while self.state.get("global_step") < cfg.trainer.total_steps:
                 signal_name = self.preemption.stop_requested()  # collective: every rank stops at the same step
                 if signal_name:
-                    self._stop_preempted(signal_name)
+                    stop_for_preemption(self, signal_name)  # checkpoint, then exit 75 (the sbatch script requeues)
                 metrics = self.train_step()
                 step = int(metrics["training/global_step"])
                 tokens += metrics.get("perf/total_num_tokens", 0.0)
@@ -358,21 +332,6 @@ class Trainer:
         directory = directory or os.path.join(self.out_dir, "hf_actor")
         export_hf(self.actor_engine.module, self.tokenizer, directory)
         return directory
-
-    def _stop_preempted(self, signal_name: str) -> None:
-        """Checkpoint the finished steps, then exit with PREEMPTED_EXIT_CODE (the sbatch script requeues)."""
-        from verl_ds.resume import save_checkpoint
-
-        step = self.state.get("global_step")
-        if step > 0 and self._last_saved != step:
-            save_checkpoint(self)
-        saved = os.path.join(self.ckpt_root, f"global_step_{step}") if step > 0 else None
-        self.close()
-        exc = Preempted(signal_name, step, saved)
-        if self.is_main or self.preemption.received:
-            print(f"[rank{self.rank}] {exc.message}", flush=True)
-        vdist.barrier()
-        raise exc
 
     def close(self) -> None:
         """Stop the control server and flush loggers; safe to call more than once, and after a failure."""
