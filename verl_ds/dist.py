@@ -7,6 +7,7 @@ variables are an error before any collective is entered.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -204,4 +205,4 @@ def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8)
         raise ValueError(f"cannot whiten advantages over {int(n)} valid token(s) across all ranks; need at least 2")
     mean = s / n
     var = (ss - n * mean * mean) / (n - 1)
-    return ((x.to(torch.float64) - mean) / np.sqrt(max(var, 0.0) + eps)).to(torch.float32)
+    return ((x.to(torch.float64) - mean) / math.sqrt(max(var, 0.0) + eps)).to(torch.float32)
