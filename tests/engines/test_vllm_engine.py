@@ -203,16 +203,23 @@ def test_generate_rejects_bad_input(engine, kwargs, match):
 @needs_vllm
 @torch.no_grad()
 def test_from_hf_model_streams_weights_into_a_dummy_engine(hf_model, prompts, engine):
+    greedy_before = engine.generate(prompts, max_new_tokens=8, greedy=True).responses
+    with pytest.raises(RuntimeError, match="one engine per process at a time"):
+        VLLMRolloutEngine.from_hf_model(hf_model, seed=0)
+    engine.close()  # the module's engine: the tests after this one do not use it
     second = VLLMRolloutEngine.from_hf_model(hf_model, seed=0)
     tmp = second._tmp.name
     try:
         assert os.path.exists(os.path.join(tmp, "config.json"))
         assert not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(tmp)), "weights went to disk"
         gen = assert_greedy_matches(hf_model, second, prompts)
-        assert torch.equal(gen.responses, engine.generate(prompts, max_new_tokens=8, greedy=True).responses)
+        assert torch.equal(gen.responses, greedy_before)
     finally:
         second.close()
     assert not os.path.exists(tmp)
+    assert not torch.distributed.is_initialized(), "the one-process group vLLM made outlived the engine"
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        second.generate(prompts, max_new_tokens=2, greedy=True)
 
 
 @needs_vllm
@@ -239,3 +246,44 @@ def test_missing_vllm_names_the_install_path():
         import_vllm()
     with pytest.raises(ImportError, match="scripts/install_vllm.sh"):
         VLLMRolloutEngine("/nonexistent")
+
+
+@needs_vllm
+@torch.no_grad()
+def test_two_gloo_ranks_each_run_their_own_engine(tmp_path):
+    """The colocated layout: torch.distributed first (2 ranks, gloo), then one engine per rank; different work and
+    different synced weights per rank, and the trainer's group still works afterwards."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(llama_config()).eval()
+    model.save_pretrained(tmp_path / "model")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = os.path.join(os.path.dirname(__file__), "vllm_rank_worker.py")
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, worker, str(tmp_path / "model"), str(tmp_path / f"{rank}.json")],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    for rank, p in enumerate(procs):
+        assert p.returncode == 0, f"rank {rank} failed:\n{logs[rank][-3000:]}"
+    for rank in range(2):
+        res = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert res["world"] == 2 and res["all_reduce"] == 3.0
+        R = 4 + 4 * rank
+        scaled = LlamaForCausalLM(llama_config()).eval()
+        scaled.load_state_dict({k: v * (1 + (1 + rank) / 100) for k, v in model.state_dict().items()})
+        for hf, key in ((model, "before"), (scaled, "after")):
+            for p, got in zip(res["prompts"], res[key]):
+                ref, gap = hf_greedy(hf, p, R)
+                assert gap > 1e-4
+                assert got[:len(ref)] == ref, f"rank {rank} {key} prompt {p}"

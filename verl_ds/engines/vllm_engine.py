@@ -16,9 +16,9 @@ if a vLLM release moves it, ``untruncated_logprobs`` is False and sampling with 
 
 Process-wide side effects of an in-process vLLM that we undo: it seeds the global RNGs at start-up and draws
 from the global torch RNG while sampling (the states are saved and restored around both, and every request
-gets its own seed), and on CPU it replaces ``torch.set_num_threads`` with a no-op (restored). One it keeps: if
-``torch.distributed`` is not initialised yet, vLLM initialises a one-process group, so build the engine after
-the trainer's ``init_distributed`` (``close`` tears down a group the engine created).
+gets its own seed), and on CPU it replaces ``torch.set_num_threads`` with a no-op (restored). If
+``torch.distributed`` is not initialised yet, vLLM initialises a one-process group: build the engine after the
+trainer's ``init_distributed``. Its shutdown destroys the default process group: ``close`` keeps the trainer's.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import os
 import random
 import tempfile
 import time
+import weakref
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 import torch
@@ -120,6 +121,23 @@ def _install_untruncated_logprobs(worker) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _keep_default_process_group():
+    """Make ``torch.distributed.destroy_process_group()`` spare the default group (explicit subgroups still go)."""
+    dist = torch.distributed
+    destroy = dist.destroy_process_group
+
+    def spare_default(group=None):
+        if group is not None and group is not dist.GroupMember.WORLD:
+            destroy(group)
+
+    dist.destroy_process_group = spare_default
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
 def _row_seeds(entropy, rows: int) -> list[int]:
     """Distinct 31-bit per-row seeds from an int or a list of ints (a SeedSequence, so calls with seeds s and
     s+1 do not share streams)."""
@@ -129,8 +147,10 @@ def _row_seeds(entropy, rows: int) -> list[int]:
 
 
 class VLLMRolloutEngine:
-    """A colocated vLLM engine (see the module docstring). Build it from an HF model directory, or with
-    ``from_hf_model`` from an in-memory HF model."""
+    """A colocated vLLM engine (see the module docstring), one per process at a time. Build it from an HF model
+    directory, or with ``from_hf_model`` from an in-memory HF model."""
+
+    _live: Optional[weakref.ref] = None  # the engine of this process, if any
 
     def __init__(self, model_dir: str, *, pad_token_id: Optional[int] = None, eos_token_id=None,
                  dtype: str = "float32", seed: int = 0, max_model_len: Optional[int] = None,
@@ -144,6 +164,12 @@ class VLLMRolloutEngine:
         given. engine_kwargs go to ``vllm.LLM`` unchanged."""
         vllm = import_vllm()
         from transformers import AutoConfig
+
+        live = VLLMRolloutEngine._live() if VLLMRolloutEngine._live is not None else None
+        if live is not None and live.llm is not None:
+            raise RuntimeError("VLLMRolloutEngine: one engine per process at a time (vLLM keeps its parallel state in "
+                               "module globals, and shutting one engine down would break the other); close() the "
+                               "existing engine first")
         from vllm.platforms import current_platform
 
         if isinstance(dtype, torch.dtype):
@@ -188,6 +214,7 @@ class VLLMRolloutEngine:
         self.start_seconds = time.perf_counter() - t0
         self.untruncated_logprobs = all(self.llm.collective_rpc(_install_untruncated_logprobs))
         self._tmp = None
+        VLLMRolloutEngine._live = weakref.ref(self)
 
     @classmethod
     def from_hf_model(cls, model, named_tensors: Optional[Iterable] = None, **kwargs) -> "VLLMRolloutEngine":
@@ -203,7 +230,11 @@ class VLLMRolloutEngine:
             tmp.cleanup()
             raise
         engine._tmp = tmp
-        engine.sync_weights(model.named_parameters() if named_tensors is None else named_tensors)
+        try:
+            engine.sync_weights(model.named_parameters() if named_tensors is None else named_tensors)
+        except BaseException:
+            engine.close()
+            raise
         return engine
 
     def sync_weights(self, named_tensors: Iterable, strict: bool = True) -> float:
@@ -314,15 +345,17 @@ class VLLMRolloutEngine:
         self.llm.wake_up()
 
     def close(self) -> None:
-        """Release the engine, its temporary directory and a process group it created."""
+        """Shut the engine down and remove its temporary directory. vLLM's in-process shutdown destroys the
+        default process group (``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``): one that existed
+        before the engine (the trainer's) is kept; one vLLM created is destroyed with it. Call it: an engine that
+        is merely garbage-collected shuts down without this guard."""
         llm, self.llm = getattr(self, "llm", None), None
-        del llm
-        if self._made_process_group:
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-            destroy_model_parallel()
-            destroy_distributed_environment()
-            self._made_process_group = False
+        if llm is not None:
+            with contextlib.ExitStack() as stack:
+                if not self._made_process_group:
+                    stack.enter_context(_keep_default_process_group())
+                llm.llm_engine.engine_core.shutdown()
+            del llm
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

