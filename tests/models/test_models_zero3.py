@@ -50,8 +50,8 @@ policy = PolicyModel(actor, state=state)
 with torch.no_grad():
     lp = policy.get_logprob(b.observation, b.action, b.mask)
     out["logprob_diff"] = float(((lp - ref_lp) * b.response_mask).abs().max())
-    a, alp, ent = policy.get_action(b.observation[:, :5], b.mask[:, :5], generator=torch.Generator().manual_seed(0))
-    out["action_ok"] = bool(a.shape == (4,) and torch.isfinite(alp).all() and (ent >= 0).all())
+    a, alp, ent = policy.get_action(b.observation[:, :5], b.mask[:, :5], max_new_tokens=2)
+    out["action_ok"] = bool(a.shape == (4, 2) and torch.isfinite(alp).all() and (ent >= 0).all())
     out["value_diff"] = float((ValueModel(critic_e).get_values(b.observation, b.mask, 4) - ref_v).abs().max())
     out["score_diff"] = float((RewardModel(model=scorer_e).get_reward(b.observation, b.mask) - ref_s).abs().max())
 
@@ -88,7 +88,7 @@ def test_models_over_zero3_engines():
                "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_ext"))}
         env.pop("TRITON_INTERPRET", None)
         proc = subprocess.run([sys.executable, script, result, HERE], env=env, capture_output=True, text=True,
-                              timeout=240)
+                              timeout=900)  # generous: CI machines are shared
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         with open(result) as f:
             out = json.load(f)
