@@ -1,0 +1,270 @@
+"""verl_ds GRPO against TRL's GRPOTrainer, the same job through both, timed in the same run.
+
+Both sides get the same initial weights (a tiny Llama built by ``verl_ds.engines.build`` and saved once with
+``save_pretrained``), the same tokenizer (saved beside it), the same prompt file (the parity task as JSON lines),
+the same reward (``verl_ds.tasks.parity.parity_reward``), n samples per prompt, prompts per step, micro-batch,
+max_new_tokens, sampling (temperature 1, no top-k/top-p), learning rate (constant, AdamW, grad-norm clip 1.0),
+one optimizer step per step (one PPO epoch, on-policy), k3 KL in the loss at a fixed coefficient (TRL ``beta``),
+token-mean loss aggregation (TRL ``loss_type="dapo"``) and float32, each side in its own interpreter with the same
+OMP_NUM_THREADS. Differences that remain (see benchmarks/README.md): the prompt order (each side's own seeded
+shuffle), the group-std epsilon (verl_ds 1e-6, TRL 1e-4), verl_ds's recomputed old log-probs (TRL reuses the
+detached current ones when on-policy), the KL clamp of verl_ds's k3, and the engine (DeepSpeed vs plain torch).
+
+    python benchmarks/e2e_vs_trl.py                          # both sizes: ~10-20 min on 2 loaded CPU cores
+    python benchmarks/e2e_vs_trl.py --sizes tiny --steps-tiny 20
+
+Per side it prints seconds per step (median after warm-up), generated (response) tokens per second over the
+measured steps, and the mean score of the first and last 10% of steps; then verl_ds's per-phase profile of one
+step (median of ``timing_s/<phase>`` from metrics.jsonl) and one ``e2e_vs_trl ...`` line of ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # verl_ds from this checkout, installed or not
+# model.* shapes; "30m": hidden 512, 8 layers, MLP 2048, 8 heads (4 KV): about 31M parameters
+SIZES = {
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
+    "30m": {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4},
+}
+PHASES = ("boundary", "gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "kl_ctrl")
+ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore::FutureWarning", "TRANSFORMERS_VERBOSITY": "error",
+       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+       "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
+
+
+def prepare(work: str, size: str, n_prompts: int, seed: int) -> tuple[str, str, int]:
+    """Save the size's tiny Llama (verl_ds's own construction and init) with its tokenizer, and the prompt file;
+    returns (model_dir, prompts_file, number of parameters)."""
+    os.environ.update(ENV)  # quiet HF progress bars and DeepSpeed's accelerator warning here too
+    from verl_ds.config import load_config
+    from verl_ds.engines.build import build_actor_model, load_tokenizer
+    from verl_ds.tasks import parity
+
+    cfg = load_config(overrides=[f"model.{k}={v}" for k, v in SIZES[size].items()])
+    tok = load_tokenizer(cfg)  # the built-in task's vocabulary (parity.VOCAB), as the default job uses
+    model = build_actor_model(cfg, tok)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model_dir = os.path.join(work, f"model_{size}")
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    prompts = parity.write_jsonl(os.path.join(work, "prompts.jsonl"), n_prompts, seed)
+    return model_dir, prompts, sum(p.numel() for p in model.parameters())
+
+
+def _run(cmd: list, threads: int, what: str, timeout: float) -> float:
+    env = dict(os.environ, **ENV, OMP_NUM_THREADS=str(threads))
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return time.perf_counter() - t0
+
+
+def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float) -> tuple[list[dict], float]:
+    """launch/train.py on the job (1 process); returns (one row per step, process wall seconds)."""
+    beta = job["beta"]
+    args = [f"model.path={job['model_dir']}", f"data.train_files={job['prompts']}", "data.max_prompt_length=16",
+            f"rollout.batch_size={job['prompts_per_step']}", f"rollout.n={job['n']}",
+            f"rollout.max_new_tokens={job['max_new_tokens']}", "rollout.temperature=1.0", "rollout.top_k=0",
+            "rollout.top_p=1.0", f"actor.lr={job['lr']}", f"actor.mini_batch_size={job['prompts_per_step'] * job['n']}",
+            f"actor.micro_batch_size={job['micro_batch']}", "actor.ppo_epochs=1", "actor.grad_clip=1.0",
+            "actor.weight_decay=0.0", "algo.adv_estimator=grpo", "algo.kl_placement=loss", "algo.kl_kind=low_var_kl",
+            f"algo.kl_coef={beta}", "algo.kl_ctrl=fixed", f"algo.use_kl_penalty={str(beta > 0).lower()}",
+            "algo.clip_ratio_c=null", "algo.loss_agg_mode=token-mean", "algo.entropy_coef=0.0", "model.dtype=fp32",
+            f"deepspeed.zero_stage={zero_stage}", f"trainer.total_steps={job['steps']}", f"trainer.seed={job['seed']}",
+            f"trainer.output_dir={out}", "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false",
+            "trainer.export_hf=false", "trainer.val_every=0"]
+    wall = _run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *args], job["threads"],
+                f"verl_ds (ZeRO-{zero_stage})", timeout)
+    rows = []
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+        for m in map(json.loads, fh):
+            if "timing_s/step" in m:
+                rows.append({"step_s": m["timing_s/step"], "tokens": m["perf/total_num_tokens"],
+                             "score": m["rollout/score/mean"],
+                             **{p: m.get(f"timing_s/{p}", 0.0) for p in PHASES}})
+    return rows, wall
+
+
+def run_trl(job: dict, out: str, timeout: float) -> tuple[list[dict], float]:
+    """TRL's GRPOTrainer on the job in its own interpreter (``--trl-worker``); returns (rows, wall seconds)."""
+    spec = os.path.join(out, "job.json")
+    os.makedirs(out, exist_ok=True)
+    with open(spec, "w", encoding="utf-8") as fh:
+        json.dump({**job, "out": out}, fh)
+    wall = _run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec], job["threads"], "TRL", timeout)
+    with open(os.path.join(out, "trl_steps.json"), encoding="utf-8") as fh:
+        return json.load(fh), wall
+
+
+def trl_worker(spec_path: str) -> None:
+    """Runs in the TRL interpreter: GRPOTrainer with the job's settings; writes one row per step to trl_steps.json."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from verl_ds.tasks.parity import parity_reward
+
+    with open(spec_path, encoding="utf-8") as fh:
+        job = json.load(fh)
+    torch.set_num_threads(job["threads"])
+    with open(job["prompts"], encoding="utf-8") as fh:
+        data = Dataset.from_list([json.loads(line) for line in fh])
+    tok = AutoTokenizer.from_pretrained(job["model_dir"])
+    samples = job["prompts_per_step"] * job["n"]
+
+    def parity(prompts, completions, **_):
+        return parity_reward(prompts, completions)
+
+    class StepTimes(TrainerCallback):
+        """Seconds from on_step_begin to on_step_end (generation, scoring, every micro-batch, optimizer step)
+        and the logged reward / completion length of each optimizer step."""
+
+        def __init__(self):
+            self.t0, self.rows, self.logs = 0.0, [], {}
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.rows.append({"step_s": time.perf_counter() - self.t0})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                self.logs[state.global_step] = logs
+
+    args = GRPOConfig(
+        output_dir=job["out"], use_cpu=True, bf16=False, fp16=False, seed=job["seed"], data_seed=job["seed"],
+        max_steps=job["steps"], learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=0.0, optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+        max_grad_norm=1.0, gradient_checkpointing=False,
+        per_device_train_batch_size=job["micro_batch"], gradient_accumulation_steps=samples // job["micro_batch"],
+        num_generations=job["n"], max_completion_length=job["max_new_tokens"], temperature=1.0, top_k=0, top_p=1.0,
+        num_iterations=1, beta=job["beta"], use_bias_correction_kl=False, epsilon=0.2, loss_type="dapo",
+        scale_rewards="group", disable_dropout=True, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
+    timer = StepTimes()
+    trainer = GRPOTrainer(model=job["model_dir"], reward_funcs=[parity], args=args, train_dataset=data,
+                          processing_class=tok, callbacks=[timer])
+    trainer.train()
+    rows = []
+    for i, row in enumerate(timer.rows, start=1):
+        logs = timer.logs[i]
+        rows.append({**row, "score": logs["reward"], "tokens": logs["completions/mean_length"] * samples,
+                     "logs": logs})
+    with open(os.path.join(job["out"], "trl_steps.json"), "w", encoding="utf-8") as fh:
+        json.dump(rows, fh)
+
+
+def summarise(rows: list[dict], warmup: int) -> dict:
+    """s/step (median after warm-up), generated tokens/s over the measured steps, score of the first/last 10%."""
+    measured = rows[warmup:] or rows
+    k = max(1, math.ceil(len(rows) / 10))
+    out = {"step_s": statistics.median(r["step_s"] for r in measured),
+           "tokens_per_s": sum(r["tokens"] for r in measured) / sum(r["step_s"] for r in measured),
+           "score_first": statistics.fmean(r["score"] for r in rows[:k]),
+           "score_last": statistics.fmean(r["score"] for r in rows[-k:])}
+    if "gen" in rows[0]:
+        out["phases"] = {p: statistics.median(r[p] for r in measured) for p in PHASES}
+    return out
+
+
+def _profile(name: str, s: dict) -> str:
+    phases = {p: v for p, v in s["phases"].items() if v > 0}
+    other = s["step_s"] - sum(phases.values())
+    parts = [f"{p} {v * 1000:.0f} ms ({100 * v / s['step_s']:.0f}%)"
+             for p, v in sorted(phases.items(), key=lambda kv: -kv[1])]
+    return f"  {name}: step {s['step_s'] * 1000:.0f} ms = " + ", ".join(parts) + f", untimed {other * 1000:.0f} ms"
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="tiny,30m", help="comma-separated, from " + ", ".join(SIZES))
+    p.add_argument("--steps-tiny", type=int, default=40)
+    p.add_argument("--steps-30m", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="steps dropped from the timing (not from the scores)")
+    p.add_argument("--prompts-per-step", type=int, default=32)
+    p.add_argument("--n", type=int, default=4, help="samples per prompt (TRL num_generations)")
+    p.add_argument("--micro-batch", type=int, default=16, help="samples per forward/backward (TRL per-device batch)")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--beta", type=float, default=0.01, help="KL coefficient (k3 in the loss; 0: no reference)")
+    p.add_argument("--zero-stages", default="0,3", help="verl_ds ZeRO stages to run; the first is the headline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per side and size")
+    p.add_argument("--work-dir", default=None, help="keep models, prompts and runs here (default: a temp dir)")
+    p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.trl_worker:
+        return trl_worker(a.trl_worker)
+    sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
+    stages = [int(z) for z in a.zero_stages.split(",")]
+    bad = [s for s in sizes if s not in SIZES] + [z for z in stages if z not in (0, 1, 2, 3)]
+    if bad or not sizes or not stages:
+        raise SystemExit(f"--sizes must name sizes from {sorted(SIZES)} and --zero-stages stages 0-3; got {bad or a}")
+    samples = a.prompts_per_step * a.n
+    if a.micro_batch < 1 or samples % a.micro_batch:
+        raise SystemExit(f"--micro-batch must divide prompts per step x n = {samples}; got {a.micro_batch}")
+    try:
+        import transformers
+        import trl
+    except ImportError as exc:
+        raise SystemExit(f"e2e_vs_trl needs TRL ({exc}): pip install -c <(echo torch==$(python -c 'import torch; "
+                         "print(torch.__version__)')) 'trl>=1.16'") from None
+    work = a.work_dir or tempfile.mkdtemp(prefix="verl_ds_vs_trl_")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"e2e_vs_trl: GRPO, {a.prompts_per_step} prompts x n={a.n} per step, micro-batch {a.micro_batch}, "
+          f"max_new_tokens {a.max_new_tokens}, lr {a.lr}, beta {a.beta}, 1 process, CPU, OMP_NUM_THREADS={a.threads}, "
+          f"TRL {trl.__version__}, transformers {transformers.__version__}, load average {load:.1f}, work dir {work}")
+    header = f"{'size':5s} {'side':16s} {'steps':>5s} {'s/step':>7s} {'tok/s':>7s} {'score first':>11s} " \
+             f"{'score last':>10s} {'wall s':>7s}"
+    print(header + "\n" + "-" * len(header), flush=True)
+    results, ratios = {}, {}
+    for size in sizes:
+        steps = a.steps_tiny if size == "tiny" else a.steps_30m
+        if steps <= a.warmup:
+            raise SystemExit(f"--steps-{size} must exceed --warmup ({a.warmup}); got {steps}")
+        size_dir = os.path.join(work, size)
+        model_dir, prompts, n_params = prepare(size_dir, size, max(4096, steps * a.prompts_per_step), a.seed)
+        job = {"model_dir": model_dir, "prompts": prompts, "steps": steps, "prompts_per_step": a.prompts_per_step,
+               "n": a.n, "micro_batch": a.micro_batch, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
+               "seed": a.seed, "threads": a.threads}
+        sides = [(f"trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
+        sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
+                                                                 a.timeout)) for z in stages]
+        for side, fn in sides:
+            rows, wall = fn()
+            s = results[size, side] = summarise(rows, a.warmup)
+            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['tokens_per_s']:7.0f} "
+                  f"{s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}", flush=True)
+        trl_s, ours = results[size, "trl"], results[size, f"verl_ds ZeRO-{stages[0]}"]
+        key = "tiny" if size == "tiny" else "big"
+        ratios[f"{key}_step_ratio"] = ours["step_s"] / trl_s["step_s"]
+        ratios[f"{key}_tokens_per_s_ratio"] = ours["tokens_per_s"] / trl_s["tokens_per_s"]
+        ratios[f"{key}_score_last_diff"] = ours["score_last"] - trl_s["score_last"]
+        print(f"      ({size}: {n_params / 1e6:.2f}M parameters)", flush=True)
+    print("\nverl_ds per-phase profile of one step (median over the measured steps):")
+    for (size, side), s in results.items():
+        if "phases" in s:
+            print(_profile(f"{size} {side}", s))
+    print(f"\nratios use verl_ds ZeRO-{stages[0]}; step ratio = verl_ds s/step / TRL s/step (< 1: verl_ds faster), "
+          "tokens/s ratio = verl_ds / TRL, score diff = verl_ds - TRL (last 10% of steps)")
+    print("e2e_vs_trl " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()) + f" load={load:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""benchmarks/e2e_vs_trl.py: its summary arithmetic on hand-made rows, its argument errors, and one real run of
+both sides (TRL's GRPOTrainer and verl_ds GRPO on ZeRO-0) at the smallest size."""
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "e2e_vs_trl.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("e2e_vs_trl", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_summarise_by_hand():
+    # 12 steps: 10% is ceil(1.2) = 2 steps at each end; warm-up 2 drops the first two from the timing only
+    rows = [{"step_s": s, "tokens": t, "score": sc} for s, t, sc in [
+        (9.0, 1, 0.0), (8.0, 1, 0.5), (1.0, 10, 0.1), (2.0, 20, 0.1), (3.0, 30, 0.1), (4.0, 40, 0.1),
+        (5.0, 50, 0.1), (6.0, 60, 0.1), (7.0, 70, 0.1), (1.0, 10, 0.1), (1.0, 10, 0.6), (2.0, 10, 1.0)]]
+    s = _load().summarise(rows, warmup=2)
+    # measured step times 1 2 3 4 5 6 7 1 1 2 -> sorted 1 1 1 2 2 3 4 5 6 7: median (2 + 3) / 2
+    assert s["step_s"] == 2.5
+    assert s["tokens_per_s"] == pytest.approx(310 / 32)  # 10+20+...+70+10+10+10 tokens over 32 s
+    assert s["score_first"] == pytest.approx(0.25)
+    assert s["score_last"] == pytest.approx(0.8)
+    assert "phases" not in s
+
+
+def test_summarise_phases_and_short_runs():
+    mod = _load()
+    rows = [{"step_s": 1.0, "tokens": 4, "score": 0.5, **{p: 0.0 for p in mod.PHASES}} for _ in range(3)]
+    rows[2].update(step_s=3.0, gen=2.0, update_actor=0.5)
+    s = mod.summarise(rows, warmup=5)  # warm-up longer than the run: every step is measured
+    assert s["step_s"] == 1.0 and s["tokens_per_s"] == pytest.approx(12 / 5)
+    assert s["phases"]["gen"] == 0.0 and s["phases"]["update_actor"] == 0.0  # medians of (0, 0, x)
+    assert s["score_first"] == s["score_last"] == 0.5  # 10% of 3 steps rounds up to one step
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sizes", "huge"], "--sizes must name sizes from"),
+    (["--zero-stages", "4"], "stages 0-3"),
+    (["--micro-batch", "3"], "--micro-batch must divide prompts per step x n = 128; got 3"),
+])
+def test_bad_arguments_are_named(args, message):
+    with pytest.raises(SystemExit) as exc:
+        _load().main(args)
+    assert message in str(exc.value)
+
+
+def test_both_sides_run_at_the_smallest_size(tmp_path):
+    pytest.importorskip("trl", reason="TRL is not installed (optional benchmark dependency, setup.py extra 'bench')")
+    cmd = [sys.executable, SCRIPT, "--sizes", "tiny", "--steps-tiny", "2", "--warmup", "1", "--zero-stages", "0",
+           "--prompts-per-step", "4", "--n", "2", "--micro-batch", "4", "--threads", "1", "--timeout", "600",
+           "--work-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    table = {ln.split()[1]: ln.split() for ln in lines if ln.startswith("tiny ") and len(ln.split()) >= 8}
+    assert set(table) == {"trl", "verl_ds"}, proc.stdout
+    for row in table.values():
+        assert row[-6] == "2"  # both sides logged 2 steps
+        step_s, tok_s, first, last = map(float, row[-5:-1])
+        assert step_s > 0 and tok_s > 0 and 0 <= first <= 1 and 0 <= last <= 1
+    final = re.fullmatch(r"e2e_vs_trl (.*)", lines[-1])
+    assert final, lines[-1]
+    figures = dict(kv.split("=") for kv in final.group(1).split())
+    assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_score_last_diff", "load"} <= set(figures)
+    assert all(math.isfinite(float(v)) for v in figures.values())
+    assert any("tiny verl_ds ZeRO-0: step" in ln and "update_actor" in ln for ln in lines)
+    # the TRL side ran with the settings the script claims: KL against a reference, at most 8 new tokens
+    trl_rows = json.loads((tmp_path / "tiny" / "trl" / "trl_steps.json").read_text())
+    assert len(trl_rows) == 2
+    assert all("kl" in r["logs"] and r["logs"]["completions/max_length"] <= 8 for r in trl_rows)
+    # both sides started from the saved model, and verl_ds trained GRPO with the KL in the loss
+    with open(tmp_path / "tiny" / "verl_ds_z0" / "metrics.jsonl", encoding="utf-8") as fh:
+        metrics = [json.loads(ln) for ln in fh]
+    steps = [m for m in metrics if "timing_s/step" in m]
+    assert len(steps) == 2 and all("actor/kl_loss" in m and "critic/vf_loss" not in m for m in steps)
