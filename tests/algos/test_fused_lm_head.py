@@ -96,6 +96,29 @@ def test_bf16_is_as_close_to_float64_as_the_logits_path(bias):
         assert err <= 5e-2 * max(scale, 1.0), (name, err, scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_threads_split_tokens_forward_and_vocabulary_backward(dtype):
+    hidden, weight, b, labels = _inputs(29, 8, 97, dtype=dtype, bias=True, seed=5)
+    torch.set_num_threads(2)  # the fixture restores one thread
+    lp, ent = fused_linear_logprobs(hidden, weight, labels, 0.9, b, chunk_rows=4, vocab_chunk=10)
+    got = _grads([hidden, weight, b], lp, ent, torch.ones(29), torch.full((29,), -0.5))
+    torch.set_num_threads(1)
+    lp1, ent1 = fused_linear_logprobs(hidden, weight, labels, 0.9, b, chunk_rows=4, vocab_chunk=10)
+    one = _grads([hidden, weight, b], lp1, ent1, torch.ones(29), torch.full((29,), -0.5))
+    torch.testing.assert_close(lp, lp1, atol=1e-6, rtol=0)  # the same tiles, only split between threads
+    torch.testing.assert_close(ent, ent1, atol=1e-6, rtol=0)
+    for a, c in zip(got, one):
+        torch.testing.assert_close(a, c, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)
+    r_lp, r_ent, r_params = _ref64(hidden, weight, b, labels, 0.9)
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(lp.double(), r_lp.detach(), atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        want = _grads(r_params, r_lp, r_ent, torch.ones(29, dtype=torch.float64), torch.full((29,), -0.5,
+                                                                                           dtype=torch.float64))
+        for a, w in zip(got, want):
+            torch.testing.assert_close(a.double(), w, atol=1e-5, rtol=1e-4)
+
+
 def test_hand_computed_two_token_vocabulary():
     # logits [0, ln 3] -> p = [1/4, 3/4]; at t = 2 the logits halve: p = [1, sqrt 3] / (1 + sqrt 3)
     hidden = torch.tensor([[1.0], [1.0]])

@@ -1,19 +1,24 @@
 """Log-probs and entropy straight from the final hidden states and the LM-head weight, never building
 the (N, V) logits (``model.fused_lm_head``).
 
-The vocabulary is walked in chunks of ``vocab_chunk`` rows of the weight (outer loop: each weight
-chunk is read once) and the tokens in chunks of ``chunk_rows`` (inner loop); each (rows, vocab_chunk)
-tile z = hidden @ W_c^T / t (+ bias / t) updates per-token statistics with an online log-sum-exp
-(Milakov & Gimelshein 2018, arXiv:1805.02867): the running max m, s = sum_v exp(z_v - m) and
-d = sum_v exp(z_v - m) (z_v - m), rescaled by exp(m_old - m_new) when the max grows, and the label's
-logit z_y when the label falls in the tile. Then
-    log p_y = z_y - m - ln s,     H = ln s - d / s.
-The backward recomputes each tile (no (N, V) tensor is saved either) and, with p_v = exp(z_v - lse),
-    d log p_y / dx_v = (1[v = y] - p_v) / t,     dH / dx_v = -p_v (z_v - lse + H) / t
-for the raw logits x = t z; the tile of dL/dx then gives dL/dhidden += G W_c and dL/dW_c = G^T hidden
-(and dL/dbias_c = column sums of G), accumulated in float32. Peak extra memory: a few
-(chunk_rows x vocab_chunk) float32 tiles, the (N, H) float32 hidden-gradient accumulator and one
-(vocab_chunk x H) float32 weight-gradient chunk.
+Tokens are taken ``chunk_rows`` at a time and the vocabulary ``vocab_chunk`` weight rows at a time;
+each (rows, vocab_chunk) tile of logits updates per-token statistics with an online log-sum-exp
+(Milakov & Gimelshein 2018, arXiv:1805.02867). As ``verl_ds.algos.logprob``, it works in base 2
+(exp2 is cheaper than exp at the same accuracy): the matmul itself scales the tile to
+y = (hidden @ W_c^T + b_c) log2(e) / t, then with the running max m, s = sum_v 2^(y_v - m) and
+d = sum_v 2^(y_v - m) (y_v - m) (rescaled by 2^(m_old - m_new) when the max grows) and the label's y_y,
+    log p_y = ln2 (y_y - m - log2 s),     H = ln2 (log2 s - d / s).
+The backward recomputes each tile (no (N, V) tensor is saved either) and, with w_v = log2 p_v,
+    dL/dx_v = p_v (a + b w_v) + 1[v = y] g_lp / t,   a = -(g_lp + g_H H) / t,  b = -ln2 g_H / t
+for the raw logits x (d log p_y / dx_v = (1[v = y] - p_v) / t, dH / dx_v = -p_v (ln p_v + H) / t);
+the tile of dL/dx then gives dL/dhidden += G W_c, dL/dW_c += G^T hidden, dL/db_c += column sums of G,
+accumulated in float32.
+
+On CPUs the tiles are split between threads with single-threaded ops (``_parallel.run_ranges``: an
+OpenMP fork/join per small op costs up to a scheduler tick on a busy machine): the forward by token
+ranges, the backward by vocabulary ranges, each thread with its own (N, H) float32 hidden-gradient
+accumulator. Peak extra memory: per thread two or three (chunk_rows x vocab_chunk) float32 tiles and,
+in the backward, the (N, H) accumulator and one (vocab_chunk x H) float32 weight-gradient chunk.
 
 verl's ``FusedLinearForPPO`` (verl/utils/experimental/torch_functional.py) chunks over tokens only,
 each chunk with full-vocabulary logits; here tiles bound both sides. This is the torch path (CPU, and
@@ -22,17 +27,25 @@ project's GPU-less CI.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_tensor
+from ._parallel import run_ranges
 
 __all__ = ["fused_linear_logprobs", "default_chunks"]
 
-# float32 elements per (rows x vocab) tile: 2^20 (4 MiB) keeps a CPU's tiles in L2/L3; GPUs want large ones
+# float32 elements per (rows x vocab) tile: 2^20 (4 MiB) per CPU thread stays in a shared L3 and keeps
+# single-threaded matmuls efficient; GPUs want large ones
 CPU_TILE_ELEMS = 1 << 20
 CUDA_TILE_ELEMS = 1 << 24
-_NEG_FLOOR = -1.0e4  # keeps 0 * (-inf) out of the entropy sums for -inf logits (a masked vocabulary entry)
+_LN2 = math.log(2.0)
+_LOG2E = 1.0 / _LN2
+# a -inf bias entry (a masked vocabulary entry) becomes this: 2^(y - m) is still exactly 0, and 0 * (y - m)
+# stays 0 in the entropy sums and gradients where -inf would give NaN
+_MASKED = -1.0e30
 
 
 def default_chunks(n: int, v: int, device: torch.device, chunk_rows: int | None = None,
@@ -43,28 +56,28 @@ def default_chunks(n: int, v: int, device: torch.device, chunk_rows: int | None 
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     tile = CUDA_TILE_ELEMS if device.type == "cuda" else CPU_TILE_ELEMS
     if vocab_chunk is None:
-        vocab_chunk = min(v, 4096 if device.type != "cuda" else 16384)
+        vocab_chunk = 2048 if device.type != "cuda" else 16384
     if chunk_rows is None:
-        chunk_rows = max(1, tile // vocab_chunk)
+        chunk_rows = max(1, tile // min(vocab_chunk, v))
     return min(chunk_rows, max(n, 1)), min(vocab_chunk, v)
 
 
-def _tile(h, w_c, b_c, inv_t, out32, scratch):
-    """out32 <- (h @ w_c^T + b_c) / t in float32; low-precision matmuls round like the unfused logits."""
-    if h.dtype == torch.float32:
+def _tile(h, w_c, b_c, k, out32, lowp):
+    """out32 <- (h @ w_c^T + b_c) * k in float32. In float32 the scale rides in the matmul; a low-precision
+    matmul rounds its output once (as the unfused logits), then the float32 copy is scaled."""
+    if lowp is None:
         if b_c is None:
-            torch.mm(h, w_c.t(), out=out32)
-        else:
-            torch.addmm(b_c, h, w_c.t(), out=out32)
+            return torch.addmm(out32.new_zeros(()), h, w_c.t(), beta=0.0, alpha=k, out=out32)  # input ignored
+        return torch.addmm(b_c, h, w_c.t(), beta=k, alpha=k, out=out32)
+    if b_c is None:
+        torch.mm(h, w_c.t(), out=lowp)
     else:
-        if b_c is None:
-            torch.mm(h, w_c.t(), out=scratch)
-        else:
-            torch.addmm(b_c, h, w_c.t(), out=scratch)
-        out32.copy_(scratch)
-    if inv_t != 1.0:
-        out32.mul_(inv_t)
-    return out32
+        torch.addmm(b_c, h, w_c.t(), out=lowp)
+    return out32.copy_(lowp).mul_(k)
+
+
+def _vocab_ranges(v: int, vchunk: int) -> list[tuple[int, int]]:
+    return [(c0, min(c0 + vchunk, v)) for c0 in range(0, v, vchunk)]
 
 
 class _FusedLinearLogProbs(torch.autograd.Function):
@@ -72,49 +85,54 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, labels, inv_t: float, want_ent: bool, rows: int, vchunk: int,
                 ignore_index: int):
         n, v = hidden.shape[0], weight.shape[0]
-        dev, f32 = hidden.device, torch.float32
+        dev, f32, lowdt = hidden.device, torch.float32, hidden.dtype if hidden.dtype != torch.float32 else None
+        k = inv_t * _LOG2E
         valid = labels != ignore_index
         safe = torch.where(valid, labels, torch.zeros_like(labels))
-        m = torch.full((n,), float("-inf"), dtype=f32, device=dev)
-        s = torch.zeros(n, dtype=f32, device=dev)
-        d = torch.zeros(n if want_ent else 0, dtype=f32, device=dev)
-        zy = torch.zeros(n, dtype=f32, device=dev)
-        zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
-        ebuf = torch.empty_like(zbuf)
-        lowp = torch.empty(rows, vchunk, dtype=hidden.dtype, device=dev) if hidden.dtype != f32 else None
-        for c0 in range(0, v, vchunk):
-            c1 = min(c0 + vchunk, v)
-            w_c = weight[c0:c1]
-            b_c = bias[c0:c1] if bias is not None else None
-            for r0 in range(0, n, rows):
+        bias_c = bias.clamp(min=_MASKED) if bias is not None else None
+        m = torch.empty(n, dtype=f32, device=dev)
+        s = torch.empty(n, dtype=f32, device=dev)
+        d = torch.empty(n if want_ent else 0, dtype=f32, device=dev)
+        yy = torch.empty(n, dtype=f32, device=dev)
+        vranges = _vocab_ranges(v, vchunk)
+        row_starts = list(range(0, n, rows))
+
+        def work(lo, hi):
+            zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
+            ebuf = torch.empty_like(zbuf)
+            lowp = torch.empty(rows, vchunk, dtype=lowdt, device=dev) if lowdt is not None else None
+            for r0 in row_starts[lo:hi]:
                 r1 = min(r0 + rows, n)
-                r, vc = r1 - r0, c1 - c0
-                z = _tile(hidden[r0:r1], w_c, b_c, inv_t, zbuf[:r, :vc], lowp[:r, :vc] if lowp is not None else None)
-                lab = safe[r0:r1]
-                hit = (lab >= c0) & (lab < c1)
-                if bool(hit.any()):
-                    picked = z.gather(1, (lab - c0).clamp_(0, vc - 1).unsqueeze(1)).squeeze(1)
-                    zy[r0:r1] = torch.where(hit, picked, zy[r0:r1])
-                m_old = m[r0:r1]
-                m_new = torch.maximum(m_old, z.amax(dim=1))
-                # exp(-inf - finite) = 0 rescales the empty start; a row still all -inf keeps scale 1
-                scale = torch.where(m_new == m_old, torch.ones_like(m_new), torch.exp(m_old - m_new))
-                m_sub = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)  # no -inf - -inf
-                z.sub_(m_sub.unsqueeze(1)).clamp_(min=_NEG_FLOOR)  # w = z - m_new
-                e = torch.exp(z, out=ebuf[:r, :vc])
-                s_new = s[r0:r1] * scale + e.sum(dim=1)
-                if want_ent:
-                    # d' = scale (d + s (m_old - m_new)) + sum e w; the empty start has s = 0
-                    shift = torch.where(s[r0:r1] > 0, m_old - m_new, torch.zeros_like(m_new))
-                    d[r0:r1] = scale * (d[r0:r1] + s[r0:r1] * shift) + e.mul_(z).sum(dim=1)
-                s[r0:r1] = s_new
-                m[r0:r1] = m_new
-        log_s = s.log()
-        lse = m + log_s
-        lp = torch.where(valid, zy - lse, torch.zeros_like(lse))
-        ent = log_s - d / s if want_ent else d
+                h, lab = hidden[r0:r1], safe[r0:r1]
+                r = r1 - r0
+                m_r, s_r, y_r = m[r0:r1].fill_(float("-inf")), s[r0:r1].zero_(), yy[r0:r1]
+                d_r = d[r0:r1].zero_() if want_ent else None
+                for c0, c1 in vranges:
+                    vc = c1 - c0
+                    y = _tile(h, weight[c0:c1], bias_c[c0:c1] if bias_c is not None else None, k, zbuf[:r, :vc],
+                              lowp[:r, :vc] if lowp is not None else None)
+                    hit = (lab >= c0) & (lab < c1)
+                    picked = y.gather(1, (lab - c0).clamp(0, vc - 1).unsqueeze(1)).squeeze(1)
+                    torch.where(hit, picked, y_r, out=y_r)
+                    m_new = torch.maximum(m_r, y.amax(dim=1))
+                    delta = m_r - m_new  # <= 0; -inf on the first chunk, where s = d = 0
+                    scale = delta.exp2()
+                    y.sub_(m_new.unsqueeze(1))  # w = y - m_new
+                    e = torch.exp2(y, out=ebuf[:r, :vc])
+                    if want_ent:  # d' = scale (d + s delta) + sum e w; s delta is 0 * -inf on the first chunk
+                        d_r.add_(torch.where(s_r > 0, s_r * delta, 0.0)).mul_(scale)
+                    s_r.mul_(scale).add_(e.sum(dim=1))
+                    if want_ent:
+                        d_r.add_(e.mul_(y).sum(dim=1))
+                    m_r.copy_(m_new)
+
+        run_ranges(len(row_starts), work, dev)
+        log2_s = s.log2()
+        lse2 = m + log2_s  # base-2 log-sum-exp of the tempered logits
+        lp = torch.where(valid, _LN2 * (yy - lse2), torch.zeros_like(lse2))
+        ent = _LN2 * (log2_s - d / s) if want_ent else d
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0, device=dev), safe, valid,
-                              lse, ent)
+                              lse2, ent)
         ctx.has_bias, ctx.inv_t, ctx.want_ent, ctx.rows, ctx.vchunk = bias is not None, inv_t, want_ent, rows, vchunk
         ctx.set_materialize_grads(False)
         if not want_ent:
@@ -124,79 +142,89 @@ class _FusedLinearLogProbs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g_lp, g_ent):
-        hidden, weight, bias, labels, valid, lse, ent = ctx.saved_tensors
-        nothing = (None,) * 9
+        hidden, weight, bias, labels, valid, lse2, ent = ctx.saved_tensors
         if not ctx.want_ent:
             g_ent = None
         if g_lp is None and g_ent is None:
-            return nothing
+            return (None,) * 9
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        n, v = hidden.shape[0], weight.shape[0]
+        n, hdim, v = hidden.shape[0], hidden.shape[1], weight.shape[0]
         dev, f32, dt = hidden.device, torch.float32, hidden.dtype
+        lowdt = dt if dt != f32 else None
         inv_t, rows, vchunk = ctx.inv_t, ctx.rows, ctx.vchunk
-        g_lp = torch.where(valid, g_lp.to(f32), torch.zeros_like(lse)) if g_lp is not None else torch.zeros_like(lse)
-        # dL/dx_v = p_v (a + b w_v) + 1[v = y] g_lp / t with w = log p = z - lse, z = x / t:
-        # a = -(g_lp + g_H H) / t, b = -g_H / t (see the module docstring)
+        k = inv_t * _LOG2E
+        zero = torch.zeros_like(lse2)
+        g_lp = torch.where(valid, g_lp.to(f32), zero) if g_lp is not None else zero
         if g_ent is not None:
             g_h = g_ent.to(f32)
             a = (-(g_lp + g_h * ent) * inv_t).unsqueeze(1)
-            b = (-g_h * inv_t).unsqueeze(1)
+            b = (-_LN2 * inv_t * g_h).unsqueeze(1)
         else:
             a, b = (-g_lp * inv_t).unsqueeze(1), None
         label_term = g_lp * inv_t
-        grad_h = torch.zeros(n, hidden.shape[1], dtype=f32, device=dev) if need_h else None
+        bias_c = bias.clamp(min=_MASKED) if ctx.has_bias else None
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if (need_b and ctx.has_bias) else None
-        zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
-        cbuf = torch.empty_like(zbuf) if b is not None else None
-        lowp = torch.empty(rows, vchunk, dtype=dt, device=dev) if dt != f32 else None
-        gw = torch.zeros(vchunk, weight.shape[1], dtype=f32, device=dev) if need_w else None
-        gb = torch.zeros(vchunk, dtype=f32, device=dev) if grad_b is not None else None
-        bias_t = bias if ctx.has_bias else None
-        for c0 in range(0, v, vchunk):
-            c1 = min(c0 + vchunk, v)
-            vc = c1 - c0
-            w_c = weight[c0:c1]
-            b_c = bias_t[c0:c1] if bias_t is not None else None
-            if gw is not None:
-                gw[:vc].zero_()
-            if gb is not None:
-                gb[:vc].zero_()
-            for r0 in range(0, n, rows):
-                r1 = min(r0 + rows, n)
-                r = r1 - r0
-                lw = lowp[:r, :vc] if lowp is not None else None
-                z = _tile(hidden[r0:r1], w_c, b_c, inv_t, zbuf[:r, :vc], lw)
-                z.sub_(lse[r0:r1].unsqueeze(1)).clamp_(min=_NEG_FLOOR)  # w = log p
-                if b is not None:
-                    coef = torch.addcmul(a[r0:r1], z, b[r0:r1], out=cbuf[:r, :vc])  # a + b w, before w becomes p
-                    z.exp_().mul_(coef)
-                else:
-                    z.exp_().mul_(a[r0:r1])
-                lab = labels[r0:r1]
-                hit = ((lab >= c0) & (lab < c1)).nonzero().flatten()
-                if hit.numel():
-                    z[hit, lab[hit] - c0] += label_term[r0:r1][hit]
-                g = z
-                if lw is not None:
-                    g = lw.copy_(z)
-                if grad_h is not None:
-                    if lw is None:
-                        grad_h[r0:r1].addmm_(g, w_c)
-                    else:
-                        grad_h[r0:r1] += g @ w_c
+        vranges = _vocab_ranges(v, vchunk)
+        grad_h_parts: dict[int, torch.Tensor] = {}
+
+        def work(lo, hi):
+            gh = torch.zeros(n, hdim, dtype=f32, device=dev) if need_h else None
+            zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
+            cbuf = torch.empty_like(zbuf) if b is not None else None
+            lowp = torch.empty(rows, vchunk, dtype=lowdt, device=dev) if lowdt is not None else None
+            gw = torch.empty(vchunk, hdim, dtype=f32, device=dev) if need_w else None
+            gb = torch.empty(vchunk, dtype=f32, device=dev) if grad_b is not None else None
+            for c0, c1 in vranges[lo:hi]:
+                vc = c1 - c0
+                w_c = weight[c0:c1]
                 if gw is not None:
-                    if lw is None:
-                        gw[:vc].addmm_(g.t(), hidden[r0:r1])
-                    else:
-                        gw[:vc] += g.t() @ hidden[r0:r1]
+                    gw[:vc].zero_()
                 if gb is not None:
-                    gb[:vc] += z.sum(dim=0)
-            if grad_w is not None:
-                grad_w[c0:c1].copy_(gw[:vc])
-            if grad_b is not None:
-                grad_b[c0:c1].copy_(gb[:vc])
-        if grad_h is not None:
+                    gb[:vc].zero_()
+                for r0 in range(0, n, rows):
+                    r1 = min(r0 + rows, n)
+                    r = r1 - r0
+                    lw = lowp[:r, :vc] if lowp is not None else None
+                    y = _tile(hidden[r0:r1], w_c, bias_c[c0:c1] if bias_c is not None else None, k, zbuf[:r, :vc],
+                              lw)
+                    y.sub_(lse2[r0:r1].unsqueeze(1))  # w = log2 p
+                    if b is not None:
+                        coef = torch.addcmul(a[r0:r1], y, b[r0:r1], out=cbuf[:r, :vc])  # a + b w
+                        y.exp2_().mul_(coef)
+                    else:
+                        y.exp2_().mul_(a[r0:r1])
+                    lab = labels[r0:r1]
+                    hit = ((lab >= c0) & (lab < c1)).nonzero().flatten()
+                    if hit.numel():
+                        y[hit, lab[hit] - c0] += label_term[r0:r1][hit]
+                    g = y if lw is None else lw.copy_(y)
+                    if gh is not None:
+                        if lw is None:
+                            gh[r0:r1].addmm_(g, w_c)
+                        else:
+                            gh[r0:r1] += g @ w_c
+                    if gw is not None:
+                        if lw is None:
+                            gw[:vc].addmm_(g.t(), hidden[r0:r1])
+                        else:
+                            gw[:vc] += g.t() @ hidden[r0:r1]
+                    if gb is not None:
+                        gb[:vc] += y.sum(dim=0)
+                if grad_w is not None:
+                    grad_w[c0:c1].copy_(gw[:vc])
+                if grad_b is not None:
+                    grad_b[c0:c1].copy_(gb[:vc])
+            if gh is not None:
+                grad_h_parts[lo] = gh
+
+        run_ranges(len(vranges), work, dev)
+        grad_h = None
+        if need_h:
+            parts = [grad_h_parts[key] for key in sorted(grad_h_parts)]
+            grad_h = parts[0]
+            for p in parts[1:]:
+                grad_h.add_(p)
             grad_h = grad_h.to(dt)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
@@ -210,7 +238,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden: (N, H) float32/bfloat16/float16; weight: (V, H) and bias: (V,) of the same dtype; labels:
     (N,) int in [0, V) or ``ignore_index`` (log-prob 0 and no gradient through it; the entropy is still
     computed). ``want_entropy=False`` skips the entropy sums and returns None for it. chunk_rows /
-    vocab_chunk size the (rows x vocab) tile (defaults: ~4 MiB tiles on CPUs)."""
+    vocab_chunk size the (rows x vocab) tile (defaults: 4 MiB float32 tiles per CPU thread)."""
     check_float_tensor(hidden, "hidden")
     check_float_tensor(weight, "weight")
     check_tensor(labels, "labels")
