@@ -107,6 +107,17 @@ def build_datasets(cfg: Config, tok, write_report: bool, out_dir: str):
     else:
         train = PromptDataset.from_file(cfg.data.train_files, tok, **common)
         val = PromptDataset.from_file(cfg.data.val_files, tok, **common) if cfg.data.val_files else None
+    from verl_ds.rewards import unscorable_rows
+
+    for ds in (train, val):  # rows the reward functions cannot score: counted and skipped before training
+        bad = unscorable_rows(ds, cfg.reward.functions) if ds is not None else {}
+        if bad:
+            ds.drop(bad, "unscorable")
+            if write_report:
+                log.warning("%s: %d row(s) the reward functions cannot score are skipped, e.g. %s", ds.source,
+                            len(bad), next(iter(bad.values())))
+        if ds is not None and len(ds) == 0:
+            raise ConfigError(f"{ds.source}: no row can be scored by reward.functions; {ds.summary()}")
     if write_report:
         for name, ds in (("train", train), ("val", val)):
             if ds is not None and sum(ds.report().values()):

@@ -21,6 +21,7 @@ import torch
 REASONS = {
     "non_utf8": "line is not valid UTF-8",
     "invalid_json": "line is not valid JSON",
+    "too_deep": "line is JSON nested too deeply to read",
     "not_an_object": "row is not a JSON object",
     "missing_prompt": "prompt field missing",
     "null_prompt": "prompt is null",
@@ -31,6 +32,7 @@ REASONS = {
     "missing_passthrough": "a field named in passthrough_keys is missing",
     "overlong": "prompt longer than max_prompt_length (skipped)",
     "truncated": "prompt longer than max_prompt_length (kept, cut from the left)",
+    "unscorable": "a reward function raised an error on the row (checked with an empty response before training)",
 }
 _OPTIONS = ("prompt_key", "max_prompt_length", "overlong", "empty", "apply_chat_template", "passthrough_keys")
 _ITEM_KEYS = ("input_ids", "prompt")  # what every item holds besides pass-through fields
@@ -45,8 +47,10 @@ class PromptDataset(torch.utils.data.Dataset):
     template or truncation: what reward functions parse. Build with `from_file` or `from_records`.
     """
 
-    def __init__(self, items: list[dict], problems: dict[str, list[str]], n_rows: int, source: str):
+    def __init__(self, items: list[dict], problems: dict[str, list[str]], n_rows: int, source: str,
+                 where: list[str] | None = None):
         self.items, self.problems, self.n_rows, self.source = items, problems, n_rows, source
+        self.where = list(where) if where is not None else [f"item {i}" for i in range(len(items))]
 
     @classmethod
     def from_file(cls, path: str, tokenizer, *, split: str | None = None, **options) -> "PromptDataset":
@@ -99,6 +103,16 @@ class PromptDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         return self.items[i]
 
+    def drop(self, indices, reason: str) -> None:
+        """Remove the items at ``indices``, counting their rows under ``reason`` (a key of REASONS)."""
+        if reason not in REASONS:
+            raise ValueError(f"drop: unknown reason {reason!r}; reasons: {sorted(REASONS)}")
+        gone = set(indices)
+        for i in sorted(gone):
+            self.problems.setdefault(reason, []).append(self.where[i])
+        self.items = [x for i, x in enumerate(self.items) if i not in gone]
+        self.where = [w for i, w in enumerate(self.where) if i not in gone]
+
     def report(self) -> dict[str, int]:
         """{reason: count} of the rows skipped or truncated (reasons in `REASONS`); empty when all rows were clean."""
         return {reason: len(where) for reason, where in self.problems.items()}
@@ -125,8 +139,9 @@ def _read_json_lines(path: str) -> list[tuple[str, object, str | None]]:
     if path.lower().endswith(".json") and data.lstrip()[:1] == b"[":
         try:
             array = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"data file {path!r}: not a valid JSON array ({e}); use JSON lines to skip bad rows "
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            why = "nested too deeply to read" if isinstance(e, RecursionError) else e
+            raise ValueError(f"data file {path!r}: not a valid JSON array ({why}); use JSON lines to skip bad rows "
                              "one by one") from None
         return [(f"item {i}", row, None) for i, row in enumerate(array)]
     rows = []
@@ -143,6 +158,8 @@ def _read_json_lines(path: str) -> list[tuple[str, object, str | None]]:
             rows.append((where, json.loads(text), None))
         except json.JSONDecodeError:
             rows.append((where, None, "invalid_json"))
+        except RecursionError:  # e.g. 50000 nested arrays: a row to skip, not a crash of the loader
+            rows.append((where, None, "too_deep"))
     return rows
 
 
@@ -272,7 +289,7 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
         chunk = [k[2] for k in kept[start:start + _TOKENIZE_CHUNK]]
         ids_list += tokenizer(chunk, add_special_tokens=not apply_chat_template)["input_ids"]
 
-    items = []
+    items, item_where = [], []
     for (where, text, _, extras), ids in zip(kept, ids_list):
         if not ids:
             bad("empty_prompt", where)
@@ -286,8 +303,9 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
                 continue
             ids = ids[-max_prompt_length:]
         items.append({"input_ids": list(ids), "prompt": text, **extras})
+        item_where.append(where)
 
-    dataset = cls(items, problems, len(rows), source)
+    dataset = cls(items, problems, len(rows), source, where=item_where)
     if not items:
         fields = next((sorted(row) for _, row, _ in rows if isinstance(row, dict)), [])
         raise ValueError(f"{source}: no usable prompts (prompt_key={prompt_key!r}; fields of the first row: {fields}). "

@@ -359,3 +359,35 @@ def _check_signature(fn, label: str) -> None:
         raise TypeError(f"reward function {label!r} must accept (prompts, responses, batch): {e}") from None
     except ValueError:  # builtins without a signature: trust them
         pass
+
+
+def unscorable_rows(dataset, functions: list, chunk: int = 256) -> dict[int, str]:
+    """{item index: error} for the data set's rows that a batch-mode reward function in ``functions`` (config
+    specs) raises on, called with an empty response and the row's pass-through fields. Run before training, so a
+    row the reward cannot score is counted and skipped instead of failing a step mid-run."""
+    fns = []
+    for spec in functions:
+        spec = {"name": spec} if isinstance(spec, str) else dict(spec)
+        if not spec.get("per_token", False):  # per-token functions need a real rollout batch
+            fns.append((spec["name"], resolve_reward_fn(spec["name"])))
+    bad: dict[int, str] = {}
+    items = [dataset[i] for i in range(len(dataset))]
+    keys = sorted({k for item in items for k in item if k not in ("input_ids", "prompt")})
+    for name, fn in fns:
+        for lo in range(0, len(items), chunk):
+            part = range(lo, min(lo + chunk, len(items)))
+            try:
+                _score_rows(fn, [items[i] for i in part], keys)
+                continue
+            except Exception:  # locate the rows: one call each
+                pass
+            for i in part:
+                try:
+                    _score_rows(fn, [items[i]], keys)
+                except Exception as exc:
+                    bad.setdefault(i, f"{name}: {type(exc).__name__}: {exc}")
+    return bad
+
+
+def _score_rows(fn, rows: list[dict], keys: list) -> None:
+    fn([r["prompt"] for r in rows], [""] * len(rows), RewardBatch(extras={k: [r.get(k) for r in rows] for k in keys}))

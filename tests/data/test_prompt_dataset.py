@@ -216,6 +216,8 @@ BAD_ROWS = [
     (b'{"prompt": "odd : 1 2 3 4 5 6 7 8 9 =>"}', "overlong", {"max_prompt_length": 10, "overlong": "skip"}),
     (b'{"prompt": "odd : 1 2 3 4 5 6 7 8 9 =>"}', "truncated", {"max_prompt_length": 10}),
     (b'{"prompt": "even : 2 =>"}', "missing_passthrough", {"passthrough_keys": ["target"]}),
+    (b"[" * 50000, "too_deep", {}),  # a RecursionError in the JSON parser: counted and skipped, not a crash
+    (b'{"prompt": "even :", "x": ' + b"[" * 50000 + b"]" * 50000 + b"}", "too_deep", {}),
 ]
 
 

@@ -1,0 +1,94 @@
+"""Soak: a live training job with the control server on takes a scripted mix of valid, invalid and hostile requests
+(the hostile corpus three times, the requests that used to kill a run, and valid hot changes) while it trains. It
+stays alive; every accepted change is applied at its announced step and audited; no refused one reaches the state or
+the audit log; the process's memory stays within a few MB. The figures are printed (pytest -s)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics
+from hostile_requests import CORPUS, Case, send
+from server_testutil import TOKEN
+
+# requests that were accepted (202) and then killed the run at the next step boundary (issue 12)
+ONCE_FATAL = [
+    Case("temperature 5e-324", "PATCH", "/v1/state", (("Authorization", "Bearer {token}"),), b'{"temperature": 5e-324}', 400),
+    Case("temperature 1e-38", "PATCH", "/v1/state", (("Authorization", "Bearer {token}"),), b'{"temperature": 1e-38}', 400),
+    Case("max_new_tokens 1048576", "PATCH", "/v1/state", (("Authorization", "Bearer {token}"),),
+         b'{"max_new_tokens": 1048576}', 400),
+    Case("reward weight 1e309", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
+         b'{"functions":[{"name":"parity","weight":1e309}]}', 400),
+    Case("per_token not a bool", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
+         b'{"functions":[{"name":"parity","per_token":"no"}]}', 400),
+    Case("builtins:print", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
+         b'{"function":"builtins:print"}', 400),
+]
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmRSS:"))
+
+
+def _logged_steps(out: str) -> int:
+    path = os.path.join(out, "metrics.jsonl")
+    return sum(1 for _ in open(path)) if os.path.isfile(path) else 0
+
+
+def test_soak_of_valid_invalid_and_hostile_requests_while_training(tmp_path):
+    out = str(tmp_path / "run")
+    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "trainer.total_steps=100000", "trainer.val_every=0",
+            "trainer.export_hf=false", "server.enabled=true", "algo.kl_ctrl=fixed", "algo.kl_coef=0.01"]
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        while _logged_steps(out) < 3:  # the server is up and a few steps are done (the allocator has settled)
+            assert proc.poll() is None, open(tmp_path / "train.log").read()[-5000:]
+            time.sleep(0.1)
+        port = int(open(os.path.join(out, "server_url.txt")).read().strip().rsplit(":", 1)[1])
+        rss_before = _rss_kib(proc.pid)
+        t0 = time.perf_counter()
+        sent, wrong, accepted = 0, [], []
+        cases = [c for c in CORPUS if not c.mutates] * 3 + ONCE_FATAL
+        for i, case in enumerate(cases):
+            answer = send(case, port, TOKEN)
+            sent += 1
+            if answer.status != case.status:
+                wrong.append((case.name, case.status, answer.status))
+            if i % 40 == 0:  # valid hot changes in between, each with a value no other request uses
+                value = round(0.011 + 0.001 * len(accepted), 6)
+                ok = send(Case("kl_coef", "PATCH", "/v1/state", (("Authorization", "Bearer {token}"),),
+                               json.dumps({"kl_coef": value}).encode(), 202), port, TOKEN)
+                sent += 1
+                assert ok.status == 202, ok
+                accepted.append((value, ok.json["applies_at_step"]))
+        soak_s = time.perf_counter() - t0
+        rss_after = _rss_kib(proc.pid)
+        target = max(step for _, step in accepted) + 1
+        while _logged_steps(out) <= target:  # every accepted change has taken effect
+            assert proc.poll() is None, open(tmp_path / "train.log").read()[-5000:]
+            time.sleep(0.1)
+        assert proc.poll() is None  # alive after all of it
+        proc.send_signal(signal.SIGUSR1)  # stop cleanly: checkpoint, exit 75
+        assert proc.wait(timeout=600) == 75
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    print(f"\nsoak: {sent} requests in {soak_s:.1f} s, {len(accepted)} accepted changes, RSS "
+          f"{rss_before / 1024:.1f} -> {rss_after / 1024:.1f} MiB ({(rss_after - rss_before) / 1024:+.1f} MiB)")
+    assert sent >= 200 and not wrong, wrong
+    assert rss_after - rss_before < 16 * 1024, (rss_before, rss_after)
+    steps = {m["step"]: m for m in read_metrics(out) if "rollout/score/mean" in m}
+    audit = [json.loads(line) for line in open(os.path.join(out, "state_changes.jsonl"))]
+    for value, step in accepted:  # applied at the announced step, on the step's metrics and in the audit log
+        assert abs(steps[step]["actor/kl_coef"] - value) < 1e-6 or \
+            any(v2 != value and s2 == step for v2, s2 in accepted), (value, step, steps[step]["actor/kl_coef"])
+        assert any(a["step"] == step and a["key"] == "kl_coef" and a["new"] == value for a in audit), (value, step)
+    assert {a["key"] for a in audit} == {"kl_coef"}  # nothing refused reached the audit log
+    assert all(m["state/temperature"] == 1.0 for m in steps.values())
+    assert all(m["response_length/mean"] <= 6 for m in steps.values())  # max_new_tokens never changed
