@@ -29,7 +29,7 @@ def world_sizes(path: str) -> list[int]:
 
 def test_the_shipped_configs_are_all_here():
     names = {os.path.basename(p) for p in job_configs()}
-    assert {"default.yaml", "qwen2.5-0.5b-gsm8k.yaml", "zero2.yaml", "zero3_offload.yaml"} <= names
+    assert {"default.yaml", "qwen2.5-0.5b-gsm8k.yaml", "grpo_gsm8k.yaml", "zero2.yaml", "zero3_offload.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", job_configs(), ids=os.path.basename)
@@ -70,7 +70,7 @@ def test_config_files_and_reward_functions_it_names_exist(path):
 
 
 def test_gpu_configs_point_at_a_local_model_and_say_how_to_get_it():
-    for name in ("qwen2.5-0.5b-gsm8k.yaml", "zero2.yaml", "zero3_offload.yaml"):
+    for name in ("qwen2.5-0.5b-gsm8k.yaml", "grpo_gsm8k.yaml", "zero2.yaml", "zero3_offload.yaml"):
         path = os.path.join(CONFIGS, name)
         cfg = load_config(path)
         assert cfg.model.path and not os.path.isabs(cfg.model.path)
