@@ -58,6 +58,17 @@ def test_one_rank_and_two_ranks_give_the_same_update(tmp_path):
     assert single["metrics"]["actor/grad_norm"] == pytest.approx(double["metrics"]["actor/grad_norm"], rel=1e-4)
 
 
+def test_group_statistics_on_two_ranks_equal_one_rank(tmp_path):
+    """GRPO with 4 samples per prompt: a prompt's samples stay on one rank, so each rank's group means and stds (the
+    advantages they give) equal a 1-rank run on the same prompts, with no collective for them."""
+    grpo = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=2", "algo.kl_placement=loss",
+            "actor.micro_batch_size=4"]
+    single = _probe(tmp_path, "grpo1", grpo)
+    double = _probe(tmp_path, "grpo2", grpo, nproc=2)
+    torch.testing.assert_close(double["advantages"], single["advantages"], rtol=0, atol=1e-6)
+    assert "critic" not in single and single["advantages"].abs().sum() > 0
+
+
 def test_torch_and_triton_kernels_give_the_same_update(tmp_path):
     """The log-prob kernels through Triton's interpreter and through torch: the same losses and update."""
     torch_run = _probe(tmp_path, "torch", ["actor.micro_batch_size=8"], VERL_DS_KERNELS="torch")

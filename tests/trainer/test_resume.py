@@ -70,44 +70,54 @@ def test_resume_keeps_the_checkpointed_kl_controller_and_the_swapped_reward(tmp_
         assert steps[s]["state/reward_version"] == 1.0
     ckpt_state = json.load(open(os.path.join(out, "checkpoints", "global_step_5", "trainer_state.json")))
     assert ckpt_state["models"]["ppo"]["kl_controller"]["kind"] == "band"
-    assert ckpt_state["reward_spec"]["functions"] == [{"name": spec}]
+    assert ckpt_state["reward_spec"]["functions"] == [{"name": spec, "weight": 1.0, "per_token": False}]
 
 
 def test_hot_changes_after_the_checkpoint_are_replayed_after_a_crash(tmp_path):
-    """Run 1 checkpoints step 2. Run 2 resumes, a PATCH kl_coef=0.2 applies at step 3, and the job is killed at the
-    start of step 5 (no newer checkpoint). Run 3 resumes from step 2: steps 3-6 run with kl_coef 0.2 as the crashed
-    run did, and the audit log records the replay."""
+    """Run 1 checkpoints step 2. Run 2 resumes, a PATCH kl_coef=0.2 applies at the step its answer announces (3 or 4:
+    the request races the first step), and the job is killed at the start of step 7 (no newer checkpoint). Run 3
+    resumes from step 2: from the announced step on it runs with kl_coef 0.2 as the crashed run did, and the audit
+    log records the replay."""
     out = str(tmp_path / "run")
     common = ["algo.kl_ctrl=fixed", "algo.kl_coef=0.01", "trainer.export_hf=false", "trainer.val_every=0"]
     run_train(out, [*common, "trainer.total_steps=2"])
-    crashed, answer = _run_with_request(out, [*common, "trainer.total_steps=6"], "PATCH", "/v1/state",
-                                        {"kl_coef": 0.2}, env_extra={"VERL_DS_FAULT": "kill_at=step_begin:step=5"})
-    assert crashed.returncode != 0 and answer["applies_at_step"] == 3, (crashed.returncode, answer)
+    crashed, answer = _run_with_request(out, [*common, "trainer.total_steps=8"], "PATCH", "/v1/state",
+                                        {"kl_coef": 0.2}, env_extra={"VERL_DS_FAULT": "kill_at=step_begin:step=7"})
+    at = answer["applies_at_step"]
+    assert crashed.returncode != 0 and 3 <= at <= 6, (crashed.returncode, answer)
     logged = {m["step"]: m for m in read_metrics(out) if "rollout/score/mean" in m}
-    assert logged[3]["actor/kl_coef"] == 0.2 and logged[4]["actor/kl_coef"] == 0.2
-    third = run_train(out, [*common, "trainer.total_steps=6"])
+    assert logged[at]["actor/kl_coef"] == 0.2 and logged[at - 1]["actor/kl_coef"] == 0.01
+    third = run_train(out, [*common, "trainer.total_steps=8"])
     assert "resumed from" in third.stdout + third.stderr
     steps = {m["step"]: m for m in read_metrics(out) if "rollout/score/mean" in m}
-    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
-    assert [steps[s]["actor/kl_coef"] for s in range(1, 7)] == [0.01, 0.01, 0.2, 0.2, 0.2, 0.2]
+    assert sorted(steps) == list(range(1, 9))
+    assert [steps[s]["actor/kl_coef"] for s in range(1, 9)] == [0.01] * (at - 1) + [0.2] * (9 - at)
     audit = [json.loads(line) for line in open(os.path.join(out, "state_changes.jsonl"))]
     assert [(a["step"], a["key"], a["new"], a.get("replayed", False)) for a in audit] == \
-        [(3, "kl_coef", 0.2, False), (3, "kl_coef", 0.2, True)]
+        [(at, "kl_coef", 0.2, False), (at, "kl_coef", 0.2, True)]
 
 
-def test_non_finite_right_after_resume_falls_back_once_then_checkpoints_before_stopping(tmp_path):
-    """Checkpoints at steps 2 and 4; the resumed run gets NaN logits at steps 5-6 (max_bad_steps=2): it falls back once
-    to step 2, meets the NaNs again at steps 5-6, and then stops with NonFiniteError - after writing a checkpoint of
-    the step it reached (steps 5-6 skipped their updates, so the weights are sound)."""
+def test_non_finite_right_after_resume_falls_back_once_to_the_previous_checkpoint(tmp_path):
+    """Checkpoints at steps 2 and 4; the resumed run gets NaN logits at steps 5-6 (max_bad_steps=2): instead of
+    stopping it falls back once to step 2 and trains on (the injected NaNs were transient); every step is logged once."""
     out = str(tmp_path / "run")
     common = ["trainer.save_every=2", "trainer.keep_last=3", "trainer.max_bad_steps=2", "trainer.export_hf=false",
               "trainer.val_every=0"]
     run_train(out, [*common, "trainer.total_steps=4"])
-    proc = run_train(out, [*common, "trainer.total_steps=8"], check=False,
-                     env=base_env(VERL_DS_FAULT="nan_logits_at_step=5-6"))
+    proc = run_train(out, [*common, "trainer.total_steps=8"], env=base_env(VERL_DS_FAULT="nan_logits_at_step=5-6"))
+    log = proc.stdout + proc.stderr
+    assert log.count("falling back once to the previous complete checkpoint") == 1 and "global_step_2" in log
+    steps = [m["step"] for m in read_metrics(out) if "rollout/score/mean" in m]
+    assert steps == list(range(1, 9))
+
+
+def test_a_run_ended_by_non_finite_values_checkpoints_first(tmp_path):
+    """No checkpoint to fall back to: max_bad_steps non-finite steps in a row end the run with NonFiniteError, after a
+    checkpoint of the step reached (the bad steps skipped their updates, so the weights are sound)."""
+    out = str(tmp_path / "run")
+    proc = run_train(out, ["trainer.total_steps=6", "trainer.max_bad_steps=2", "trainer.export_hf=false",
+                           "trainer.val_every=0"], check=False, env=base_env(VERL_DS_FAULT="nan_logits_at_step=2-3"))
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "NonFiniteError" in log, log[-3000:]
-    assert "falling back once to the previous complete checkpoint" in log and "global_step_2" in log
-    assert log.count("falling back once") == 1
-    assert "the run is ending on a fault at step 6: checkpoint" in log
-    assert os.path.isfile(os.path.join(out, "checkpoints", "global_step_6", "COMPLETE"))
+    assert "the run is ending on a fault at step 3: checkpoint" in log
+    assert os.path.isfile(os.path.join(out, "checkpoints", "global_step_3", "COMPLETE"))

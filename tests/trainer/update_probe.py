@@ -4,8 +4,9 @@ world sizes or kernels can be compared. Run as a script by test_invariance.py (1
     python update_probe.py <result.pt> key.sub=value ...
 
 Every rank takes its contiguous share of the same global batch (fixed prompts, fixed responses, fixed scores).
-Rank 0 writes {"metrics": the update's metrics reduced over ranks, "actor": {name: update}, "critic": {...}},
-each update the full (gathered) parameter after the step minus before it.
+Rank 0 writes {"metrics": the update's metrics reduced over ranks, "advantages": every rank's advantages in global
+row order, "actor": {name: update}, "critic": {...}}, each update the full (gathered) parameter after the step minus
+before it.
 """
 import sys
 
@@ -33,7 +34,7 @@ def fixed_batch(trainer, global_size: int = 8, R: int = 6):
                                          extras={"prompt": prompts["prompts"][rows]})
     batch.scores = torch.zeros(n, R)
     batch.scores[torch.arange(n), batch.response_length - 1] = scores[rows]
-    batch.group_index = torch.arange(n) + rank * n
+    batch.group_index = (torch.arange(n) + rank * n) // trainer.cfg.rollout.n  # whole groups on each rank
     return batch
 
 
@@ -51,7 +52,8 @@ def main(result_path: str, overrides: list) -> None:
     from verl_ds.config import load_config
     from verl_ds.dist import detect_launch
     from verl_ds.metrics import reduce_metrics
-    from verl_ds.trainer import Trainer, global_masked_whiten
+    from verl_ds import dist as vdist
+    from verl_ds.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides), detect_launch())
     cfg, ppo = trainer.cfg, trainer.ppo
@@ -68,12 +70,13 @@ def main(result_path: str, overrides: list) -> None:
         if ppo.needs_critic:
             batch.values = trainer._no_grad_pass("critic", batch, 2, lambda m, b: m.get_values(
                 b.observation, b.mask, b.response_width))
-    metrics = ppo.compute_advantage(batch, whiten_fn=global_masked_whiten)
+    metrics = ppo.compute_advantage(batch, whiten_fn=vdist.global_masked_whiten)
+    advantages = torch.cat(vdist.gather_object(batch.advantages))  # rank order = the global batch's row order
     if ppo.needs_critic:
         metrics.update(trainer._update("critic", batch, ppo.compute_value_loss, 1, trainer.derived.critic_micro_batch)[0])
     metrics.update(trainer._update("actor", batch, ppo.compute_policy_loss, 1, cfg.actor.micro_batch_size)[0])
     metrics = reduce_metrics(metrics)
-    out = {"metrics": metrics}
+    out = {"metrics": metrics, "advantages": advantages}
     for role, params in before.items():  # the update itself: after - before
         after = gathered(engines[role].module)
         out[role] = {k: after[k] - params[k] for k in params}
