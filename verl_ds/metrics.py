@@ -45,7 +45,9 @@ def reduce_metrics(metrics: dict, op: str = "mean") -> dict:
     from verl_ds.dist import all_reduce_sum
 
     keys = sorted(metrics)
-    t = torch.stack([torch.as_tensor(metrics[k]).detach().to("cpu", torch.float64).reshape(()) for k in keys])
+    # python numbers stay float64 (a float32 detour would log kl_coef 0.2 as 0.20000000298)
+    t = torch.stack([v.detach().to("cpu", torch.float64).reshape(()) if isinstance(v, torch.Tensor)
+                     else torch.tensor(float(v), dtype=torch.float64) for v in (metrics[k] for k in keys)])
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = all_reduce_sum(t)
         if op == "mean":

@@ -226,8 +226,8 @@ class Trainer:
                         self.guard.after_update(role, result, bad_loss=skip)
                         steps += not result["skipped"]
                         if result["grad_norm"] is not None:
-                            metrics[f"{role}/grad_norm"].append(torch.as_tensor(result["grad_norm"], dtype=torch.float32))
-        out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in v]).mean() for k, v in metrics.items()}
+                            metrics[f"{role}/grad_norm"].append(result["grad_norm"])
+        out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in v]).mean() for k, v in metrics.items()}
         out[f"{role}/lr"] = self.state.get(model.lr_key)
         return out, steps
 

@@ -172,7 +172,7 @@ class PPOModel(TrainableRole):
                 kl = algos.kl_penalty(batch.old_log_probs, batch.ref_log_probs, hot["kl_kind"]) * fmask
                 rewards = scores - hot["kl_coef"] * kl
                 metrics["actor/reward_kl_penalty"] = (kl.sum(-1) / fmask.sum(-1).clamp(min=1)).mean()
-                metrics["actor/reward_kl_penalty_coeff"] = torch.tensor(hot["kl_coef"])
+                metrics["actor/reward_kl_penalty_coeff"] = torch.tensor(hot["kl_coef"], dtype=torch.float64)
             else:
                 rewards = scores
             values = batch.values.float() * fmask if est.needs_critic else None
@@ -226,7 +226,7 @@ class PPOModel(TrainableRole):
             kl = algos.kl_penalty(log_probs, batch.ref_log_probs, hot["kl_kind"])
             kl_loss = algos.agg_loss(kl, mask, mode, normalizer=normalizer)
             loss = loss + hot["kl_coef"] * kl_loss
-            metrics.update({"actor/kl_loss": kl_loss.detach(), "actor/kl_coef": torch.tensor(hot["kl_coef"])})
+            metrics.update({"actor/kl_loss": kl_loss.detach(), "actor/kl_coef": torch.tensor(hot["kl_coef"], dtype=torch.float64)})
         return loss, metrics
 
     def compute_value_loss(self, batch: Any, normalizer: float | torch.Tensor | None = None):
