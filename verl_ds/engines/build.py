@@ -1,4 +1,12 @@
-"""Build the tokenizer, the HF models and their DeepSpeed engines (actor, critic, reference)."""
+"""Build the tokenizer, the HF models and their DeepSpeed engines (actor, critic, reference, a reward model).
+
+Under ZeRO-3 every model is created already partitioned (``engines.zero3.partitioned_construction``):
+no rank ever holds a whole model, not even while loading it from ``model.path``. ``build_engines``
+is the one call for the PPO components: the reference and a tiny critic's backbone are copied from the
+actor shard by shard, so they equal it without a second whole copy. Models built from a config
+(``model.path`` unset) get ``init_tiny_weights``: the same values on every rank, at every ZeRO stage
+and world size.
+"""
 from __future__ import annotations
 
 import dataclasses
