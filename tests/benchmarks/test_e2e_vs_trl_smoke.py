@@ -56,6 +56,7 @@ def test_bad_arguments_are_named(args, message):
     assert message in str(exc.value)
 
 
+@pytest.mark.timeout(1500)  # two training processes; minutes on a loaded 2-core machine
 def test_both_sides_run_at_the_smallest_size(tmp_path):
     pytest.importorskip("trl", reason="TRL is not installed (optional benchmark dependency, setup.py extra 'bench')")
     cmd = [sys.executable, SCRIPT, "--sizes", "tiny", "--steps-tiny", "2", "--warmup", "1", "--zero-stages", "0",
