@@ -21,11 +21,12 @@ from verl_ds import dist as vdist
 from verl_ds.config import load_config, validate
 from verl_ds.engines.build import build_engines, load_tokenizer
 
-mode, root = sys.argv[2], sys.argv[3]
+mode, root, stage = sys.argv[2], sys.argv[3], sys.argv[4]
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
 rank, world = vdist.rank(), vdist.world_size()
 cfg = load_config(None, ["rollout.batch_size=4", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
-                         "trainer.device=cpu", "deepspeed.stage3_param_persistence_threshold=0"])
+                         "trainer.device=cpu", "deepspeed.stage3_param_persistence_threshold=0",
+                         f"deepspeed.zero_stage={stage}"])
 tok = load_tokenizer(cfg)
 engines = build_engines(cfg, validate(cfg, world), tok, roles=("actor", "ref", "critic"))
 res = {"rank": rank}
@@ -100,16 +101,24 @@ def test_two_ranks_to_one_and_one_to_two(tmp_path):
     from verl_ds.checkpoint import derived_seed
 
     root = str(tmp_path)
-    saved = run_ranks(WORKER, 2, tmp_path, args=("save2", root), timeout=900)
+    saved = run_ranks(WORKER, 2, tmp_path, args=("save2", root, 3), timeout=900)
     manifest = (tmp_path / "a" / "global_step_2" / "COMPLETE").read_text()
     assert '"roles": [\n  "actor",\n  "critic"\n ]' in manifest and '"world_size": 2' in manifest  # no ref saved
-    (one,) = run_ranks(WORKER, 1, tmp_path, args=("load1", root), timeout=900)
+    (one,) = run_ranks(WORKER, 1, tmp_path, args=("load1", root, 3), timeout=900)
     assert one["same_keys"] and one["moments_nonzero"] and one["max_diff"] == 0.0, one
     assert one["state_back"] and one["trains"]
     assert one["rng_restored"] == saved[0]["rng_saved"]  # rank 0 continues rank 0's stream
     assert "holds no ['critic']" in one["refused"] and "critic-free" in one["refused"]
     assert os.path.isfile(tmp_path / "a" / "global_step_2" / "actor" / "universal" / "state" / "CONVERTED")
-    two = run_ranks(WORKER, 2, tmp_path, args=("load2", root), timeout=900)
+    two = run_ranks(WORKER, 2, tmp_path, args=("load2", root, 3), timeout=900)
     for r in two:
         assert r["same_keys"] and r["max_diff"] == 0.0 and r["state_back"] and r["trains"], r
     assert two[1]["initial_seed"] == derived_seed(0, 3, 1)  # rank 1 did not exist at world size 1
+
+
+def test_zero2_checkpoint_resumes_on_another_world_size(tmp_path):
+    """ZeRO-2 partitions the optimizer only; DeepSpeed's universal format covers it too (2 ranks -> 1)."""
+    root = str(tmp_path)
+    run_ranks(WORKER, 2, tmp_path, args=("save2", root, 2), timeout=900)
+    (one,) = run_ranks(WORKER, 1, tmp_path, args=("load1", root, 2), timeout=900)
+    assert one["same_keys"] and one["moments_nonzero"] and one["max_diff"] == 0.0 and one["trains"], one

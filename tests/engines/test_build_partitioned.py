@@ -1,7 +1,7 @@
 """Partitioned construction under ZeRO-3 on 2 real ranks: no rank ever holds a whole model while the actor,
 the reference and the critic are built (measured by LiveBytes), the reference equals the actor and the tiny
 critic's backbone equals the actor's backbone (compared after gathering), SFT warm-up reaches all three, and
-ZeRO stage 2 still works (whole parameters)."""
+ZeRO stage 2 still works (whole parameters); a neural reward model is loaded from disk partitioned."""
 import pytest
 
 from dist_testutil import run_ranks
@@ -13,11 +13,11 @@ from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from memtrack import LiveBytes
 from verl_ds import dist as vdist
 from verl_ds.config import load_config, validate
-from verl_ds.engines.build import build_actor_model, build_engines, load_tokenizer
+from verl_ds.engines.build import build_actor_model, build_engines, build_reward_engine, load_tokenizer
 from verl_ds.engines.ds_config import make_ds_config
 from verl_ds.engines.zero3 import full_numel, is_partitioned
 
-stage, sft = int(sys.argv[2]), sys.argv[3] == "sft"
+stage, sft, reward_path = int(sys.argv[2]), sys.argv[3] == "sft", sys.argv[4]
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
 rank = vdist.rank()
 cfg = load_config(None, ["model.num_layers=4", "rollout.batch_size=4", "actor.mini_batch_size=4",
@@ -64,13 +64,30 @@ out["actor_moved_by_sft"] = any(not torch.equal(a[k], init[k]) for k in a)
 ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
 with torch.no_grad():
     out["same_logits"] = bool(torch.equal(actor(input_ids=ids).logits, ref(input_ids=ids).logits))
+if reward_path != "-":  # a neural reward model from disk: loaded partitioned, same scores as the plain model
+    from transformers import AutoModelForSequenceClassification
+    rm = build_reward_engine(cfg, derived, reward_path)
+    out["reward_partitioned"] = all(is_partitioned(p) and p.numel() == 0 for p in rm.module.parameters())
+    plain = AutoModelForSequenceClassification.from_pretrained(reward_path, num_labels=1).eval()
+    with torch.no_grad():
+        out["reward_same"] = bool(torch.allclose(rm(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-5))
 json.dump(out, open(sys.argv[1] % rank, "w"))
 '''
 
 
 @pytest.mark.parametrize("stage,sft", [(3, "none"), (3, "sft"), (2, "none")])
 def test_engines_built_partitioned_on_two_ranks(tmp_path, stage, sft):
-    results = run_ranks(WORKER, 2, tmp_path, args=(stage, sft), timeout=900)
+    reward = "-"
+    if (stage, sft) == (3, "none"):
+        import torch
+        from transformers import LlamaConfig, LlamaForSequenceClassification
+
+        torch.manual_seed(0)
+        reward = str(tmp_path / "rm")
+        LlamaForSequenceClassification(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   num_labels=1, pad_token_id=0)).save_pretrained(reward)
+    results = run_ranks(WORKER, 2, tmp_path, args=(stage, sft, reward), timeout=900)
     for rank, out in enumerate(results):
         assert out["ref_equals_actor"] and out["same_logits"], (rank, out)
         assert out["critic_backbone_equals_actor"], (rank, out)
@@ -83,3 +100,5 @@ def test_engines_built_partitioned_on_two_ranks(tmp_path, stage, sft):
         assert out["probe_live"] <= 0.5 * whole + 1024, out
         assert out["probe_peak"] <= 0.5 * whole + 3 * out["largest_param_bytes"] + 64 * 1024, out
         assert out["probe_peak"] < 0.75 * whole, out
+        if reward != "-":
+            assert out["reward_partitioned"] and out["reward_same"], out
