@@ -42,14 +42,23 @@ vds_write_hostfile() {
     printf '%s\n' "$hosts" | awk -v s="$slots" 'NF { print $1 " slots=" s }' > "$path"
 }
 
-# vds_run_step CMD...: run CMD in the background and wait for it. USR1 (sent by `#SBATCH --signal=B:USR1@T`)
-# and TERM (Slurm's preemption/cancel notice) are forwarded to it, so the trainer can checkpoint; when CMD
-# exits with PREEMPT_EXIT_CODE the job is requeued with REQUEUE_CMD (default: scontrol requeue <job id>),
-# at most MAX_REQUEUES times. Returns CMD's exit status.
+# vds_job_reason: the Reason field of this job in `scontrol show job` ("TimeLimit" once Slurm ends it at its
+# time limit; empty where scontrol cannot say). A function, so tests can define their own.
+vds_job_reason() {
+    scontrol show job "${SLURM_JOB_ID:-}" --oneliner 2>/dev/null | sed -n 's/.* Reason=\([^ ]*\).*/\1/p'
+}
+
+# vds_run_step CMD...: run CMD in the background and wait for it. USR1 (sent by `#SBATCH --signal=B:USR1@T`
+# before the time limit, or by `scancel --batch --signal=USR1`) and TERM (Slurm ending the job: scancel,
+# preemption, the time limit) are forwarded to it, so the trainer can checkpoint. When CMD exits with
+# PREEMPT_EXIT_CODE the job is requeued with REQUEUE_CMD (default: scontrol requeue <job id>), at most
+# MAX_REQUEUES times, except after a TERM that was not the time limit: Slurm then ends the job on purpose
+# (scontrol requeue would bring back even a cancelled job), and a job preempted with PreemptMode=REQUEUE
+# is requeued by Slurm itself. Returns CMD's exit status.
 vds_run_step() {
-    local pid rc signalled=0
+    local pid rc signalled=0 term=0
     trap 'signalled=1; vds_log "USR1 received: asking the trainer to checkpoint and stop"; kill -USR1 "$pid" 2>/dev/null' USR1
-    trap 'signalled=1; vds_log "TERM received: forwarding to the trainer"; kill -TERM "$pid" 2>/dev/null' TERM
+    trap 'signalled=1; term=1; vds_log "TERM received: forwarding to the trainer"; kill -TERM "$pid" 2>/dev/null' TERM
     "$@" &
     pid=$!
     while :; do
@@ -65,8 +74,12 @@ vds_run_step() {
     done
     trap - USR1 TERM
     if [ "$rc" -eq "$PREEMPT_EXIT_CODE" ]; then
-        local count=${SLURM_RESTART_COUNT:-0} max=${MAX_REQUEUES:-20}
-        if [ "$count" -ge "$max" ]; then
+        local count=${SLURM_RESTART_COUNT:-0} max=${MAX_REQUEUES:-20} reason=
+        [ "$term" = 1 ] && reason=$(vds_job_reason)
+        if [ "$term" = 1 ] && [ "$reason" != TimeLimit ]; then
+            vds_log "trainer checkpointed (exit $rc) after Slurm's TERM (scancel or preemption): not requeueing;" \
+                    "sbatch again to continue from the checkpoint"
+        elif [ "$count" -ge "$max" ]; then
             vds_log "trainer checkpointed (exit $rc) but the job was already requeued $count times (MAX_REQUEUES=$max): not requeueing"
         else
             vds_log "trainer checkpointed and exited $rc: requeueing job ${SLURM_JOB_ID:-?} (restart $((count + 1)))"

@@ -127,12 +127,15 @@ while True:  # until the signal: a slow test must not see this exit on its own
 '''
 
 
-def _run_step(tmp_path, send=None, exit_code=None, restarts=0):
+def _run_step(tmp_path, send=None, exit_code=None, restarts=0, reason=""):
     marker, requeued = tmp_path / "signal", tmp_path / "requeued"
     step = f"{sys.executable} -c {shlex.quote(FAKE_TRAINER)} {marker}" if exit_code is None else f"{sys.executable} -c 'import sys; sys.exit({exit_code})'"
     env = base_env(SLURM_JOB_ID="77", SLURM_RESTART_COUNT=str(restarts), MAX_REQUEUES="3",
                    REQUEUE_CMD=f"echo requeue $SLURM_JOB_ID > {requeued}")
-    proc = subprocess.Popen(["bash", "-c", f". slurm/common.sh; vds_run_step {step}; echo rc=$?"], cwd=ROOT, env=env,
+    # what scontrol would say of the job (no Slurm here): the Reason once Slurm has ended it
+    fake_reason = f"vds_job_reason() {{ echo {shlex.quote(reason)}; }}"
+    proc = subprocess.Popen(["bash", "-c", f". slurm/common.sh; {fake_reason}; vds_run_step {step}; echo rc=$?"],
+                            cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if send is not None:
@@ -156,13 +159,24 @@ def wait_for_files(paths, proc) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
-def test_run_step_forwards_the_signal_and_requeues_on_exit_75(tmp_path, sig):
-    out, err, marker, requeued = _run_step(tmp_path, send=sig)
-    assert marker.read_text() == str(int(signal.SIGUSR1 if sig == signal.SIGUSR1 else signal.SIGTERM))
+@pytest.mark.parametrize("sig,reason", [(signal.SIGUSR1, ""), (signal.SIGTERM, "TimeLimit")])
+def test_run_step_forwards_the_signal_and_requeues_on_exit_75(tmp_path, sig, reason):
+    """USR1 (the warning before the time limit), or TERM at the time limit itself: checkpoint and requeue."""
+    out, err, marker, requeued = _run_step(tmp_path, send=sig, reason=reason)
+    assert marker.read_text() == str(int(sig))
     assert out.strip() == "rc=75"
     assert requeued.read_text().strip() == "requeue 77"
     assert "requeueing job 77 (restart 1)" in err
+
+
+@pytest.mark.parametrize("reason", ["None", ""])
+def test_run_step_does_not_requeue_after_a_cancel(tmp_path, reason):
+    """TERM from scancel or preemption (Reason None, or scontrol unreachable): the checkpoint is written and
+    the job is not brought back (scontrol requeue would revive even a cancelled job)."""
+    out, err, marker, requeued = _run_step(tmp_path, send=signal.SIGTERM, reason=reason)
+    assert marker.read_text() == str(int(signal.SIGTERM)) and out.strip() == "rc=75"
+    assert not requeued.exists()
+    assert "after Slurm's TERM (scancel or preemption): not requeueing" in err
 
 
 @pytest.mark.parametrize("code", [0, 1])
