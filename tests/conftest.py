@@ -6,6 +6,13 @@ import sys
 # launcher tests run `deepspeed`, `accelerate`, `torchrun`: the ones installed next to this interpreter,
 # whether or not the venv was activated (`make test` calls .venv/bin/python directly)
 os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+# --import-mode=importlib leaves sys.path alone: the shared helpers (e2e_utils) and each folder's own (server_testutil,
+# models_testutil, ...) are imported by name from these folders (their names are unique across folders)
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _d in sorted(os.listdir(_TESTS), reverse=True):
+    if os.path.isdir(os.path.join(_TESTS, _d)) and not _d.startswith((".", "_")):
+        sys.path.insert(0, os.path.join(_TESTS, _d))
+sys.path.insert(0, _TESTS)
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
