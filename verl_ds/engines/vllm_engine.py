@@ -28,7 +28,7 @@ import random
 import tempfile
 import time
 import weakref
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -400,6 +400,26 @@ class VLLMRolloutEngine:
                                  f"exceeds max_model_len={self.max_model_len}")
             out.append(p)
         return out
+
+
+def gathered_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every parameter of ``module``, one submodule at a time: ZeRO-3 partitioned
+    parameters are gathered for their submodule only (``deepspeed.zero.GatheredParameters``, a collective: every
+    rank must drain the iterator) and cloned, because vLLM keeps the tensors of a fused layer (q/k/v ->
+    qkv_proj) across submodules while DeepSpeed frees a submodule's gathered storage when it moves on. For
+    ``sync_weights(gathered_named_parameters(actor_engine.module))``."""
+    for prefix, sub in module.named_modules():
+        params = list(sub.named_parameters(recurse=False))
+        partitioned = [p for _, p in params if hasattr(p, "ds_id")]
+        if partitioned:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(partitioned)
+        else:
+            gather = contextlib.nullcontext()
+        with gather:
+            for name, p in params:
+                yield (f"{prefix}.{name}" if prefix else name), (p.data.clone() if hasattr(p, "ds_id") else p.data)
 
 
 def _expected_parameters(config) -> tuple[dict[str, tuple], set[str]]:
