@@ -86,16 +86,44 @@ def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float) -> tuple[l
             f"deepspeed.zero_stage={zero_stage}", f"trainer.total_steps={job['steps']}", f"trainer.seed={job['seed']}",
             f"trainer.output_dir={out}", "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false",
             "trainer.export_hf=false", "trainer.val_every=0"]
-    wall = _run([sys.executable, os.path.join(ROOT, "launch", "train.py"), *args], job["threads"],
+    cpu_file = os.path.join(out, "cpu_s.json")
+    wall = _run([sys.executable, os.path.abspath(__file__), "--verl-ds-worker", cpu_file, *args], job["threads"],
                 f"verl_ds (ZeRO-{zero_stage})", timeout)
+    with open(cpu_file, encoding="utf-8") as fh:
+        cpu = json.load(fh)
     rows = []
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
         for m in map(json.loads, fh):
             if "timing_s/step" in m:
-                rows.append({"step_s": m["timing_s/step"], "tokens": m["perf/total_num_tokens"],
-                             "score": m["rollout/score/mean"],
+                rows.append({"step_s": m["timing_s/step"], "cpu_s": cpu[len(rows)],
+                             "tokens": m["perf/total_num_tokens"], "score": m["rollout/score/mean"],
                              **{p: m.get(f"timing_s/{p}", 0.0) for p in PHASES}})
     return rows, wall
+
+
+def verl_ds_worker(cpu_file: str, args: list) -> int:
+    """``launch/train.py args`` in this interpreter, with each ``Trainer.train_step`` also timed in process CPU
+    seconds (all threads), which a loaded machine inflates far less than wall time; written to ``cpu_file``."""
+    from verl_ds import trainer
+    from verl_ds.cli import main as cli_main
+
+    step = getattr(trainer.Trainer, "train_step", None)
+    if step is None:
+        raise SystemExit("verl_ds.trainer.Trainer has no train_step any more: update benchmarks/e2e_vs_trl.py")
+    cpu = []
+
+    def timed(self):
+        t0 = time.process_time()
+        metrics = step(self)
+        cpu.append(time.process_time() - t0)
+        return metrics
+
+    trainer.Trainer.train_step = timed
+    rc = cli_main(["train", *args])
+    os.makedirs(os.path.dirname(cpu_file), exist_ok=True)
+    with open(cpu_file, "w", encoding="utf-8") as fh:
+        json.dump(cpu, fh)
+    return rc
 
 
 def run_trl(job: dict, out: str, timeout: float) -> tuple[list[dict], float]:
@@ -137,10 +165,10 @@ def trl_worker(spec_path: str) -> None:
             self.t0, self.rows, self.logs = 0.0, [], {}
 
         def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
-            self.rows.append({"step_s": time.perf_counter() - self.t0})
+            self.rows.append({"step_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0})
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
@@ -174,20 +202,22 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     measured = rows[warmup:] or rows
     k = max(1, math.ceil(len(rows) / 10))
     out = {"step_s": statistics.median(r["step_s"] for r in measured),
+           "cpu_s": statistics.median(r["cpu_s"] for r in measured),
            "tokens_per_s": sum(r["tokens"] for r in measured) / sum(r["step_s"] for r in measured),
            "score_first": statistics.fmean(r["score"] for r in rows[:k]),
            "score_last": statistics.fmean(r["score"] for r in rows[-k:])}
-    if "gen" in rows[0]:
-        out["phases"] = {p: statistics.median(r[p] for r in measured) for p in PHASES}
+    if "gen" in rows[0]:  # the phases of one real step: the measured one whose time is nearest the median
+        typical = min(measured, key=lambda r: abs(r["step_s"] - out["step_s"]))
+        out["profile"] = {"step_s": typical["step_s"], **{p: typical[p] for p in PHASES}}
     return out
 
 
-def _profile(name: str, s: dict) -> str:
-    phases = {p: v for p, v in s["phases"].items() if v > 0}
-    other = s["step_s"] - sum(phases.values())
-    parts = [f"{p} {v * 1000:.0f} ms ({100 * v / s['step_s']:.0f}%)"
-             for p, v in sorted(phases.items(), key=lambda kv: -kv[1])]
-    return f"  {name}: step {s['step_s'] * 1000:.0f} ms = " + ", ".join(parts) + f", untimed {other * 1000:.0f} ms"
+def _profile(name: str, prof: dict) -> str:
+    step = prof["step_s"]
+    phases = {p: prof[p] for p in PHASES if prof[p] > 0}
+    other = step - sum(phases.values())
+    parts = [f"{p} {v * 1000:.0f} ms ({100 * v / step:.0f}%)" for p, v in sorted(phases.items(), key=lambda kv: -kv[1])]
+    return f"  {name}: step {step * 1000:.0f} ms = " + ", ".join(parts) + f", untimed {other * 1000:.0f} ms"
 
 
 def main(argv=None) -> None:
@@ -230,8 +260,8 @@ def main(argv=None) -> None:
     print(f"e2e_vs_trl: GRPO, {a.prompts_per_step} prompts x n={a.n} per step, micro-batch {a.micro_batch}, "
           f"max_new_tokens {a.max_new_tokens}, lr {a.lr}, beta {a.beta}, 1 process, CPU, OMP_NUM_THREADS={a.threads}, "
           f"TRL {trl.__version__}, transformers {transformers.__version__}, load average {load:.1f}, work dir {work}")
-    header = f"{'size':5s} {'side':16s} {'steps':>5s} {'s/step':>7s} {'tok/s':>7s} {'score first':>11s} " \
-             f"{'score last':>10s} {'wall s':>7s}"
+    header = f"{'size':5s} {'side':16s} {'steps':>5s} {'s/step':>7s} {'cpu s/step':>10s} {'tok/s':>7s} " \
+             f"{'score first':>11s} {'score last':>10s} {'wall s':>7s}"
     print(header + "\n" + "-" * len(header), flush=True)
     results, ratios = {}, {}
     for size in sizes:
@@ -249,22 +279,26 @@ def main(argv=None) -> None:
         for side, fn in sides:
             rows, wall = fn()
             s = results[size, side] = summarise(rows, a.warmup)
-            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['tokens_per_s']:7.0f} "
+            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} "
                   f"{s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}", flush=True)
         trl_s, ours = results[size, "trl"], results[size, f"verl_ds ZeRO-{stages[0]}"]
         key = "tiny" if size == "tiny" else "big"
         ratios[f"{key}_step_ratio"] = ours["step_s"] / trl_s["step_s"]
         ratios[f"{key}_tokens_per_s_ratio"] = ours["tokens_per_s"] / trl_s["tokens_per_s"]
+        ratios[f"{key}_cpu_step_ratio"] = ours["cpu_s"] / trl_s["cpu_s"]
         ratios[f"{key}_score_last_diff"] = ours["score_last"] - trl_s["score_last"]
         print(f"      ({size}: {n_params / 1e6:.2f}M parameters)", flush=True)
-    print("\nverl_ds per-phase profile of one step (median over the measured steps):")
+    print("\nverl_ds per-phase profile of one step (the measured step nearest the median), wall time:")
     for (size, side), s in results.items():
-        if "phases" in s:
-            print(_profile(f"{size} {side}", s))
+        if "profile" in s:
+            print(_profile(f"{size} {side}", s["profile"]))
     print(f"\nratios use verl_ds ZeRO-{stages[0]}; step ratio = verl_ds s/step / TRL s/step (< 1: verl_ds faster), "
-          "tokens/s ratio = verl_ds / TRL, score diff = verl_ds - TRL (last 10% of steps)")
+          "tokens/s ratio = verl_ds / TRL (wall), cpu step ratio = the same in process CPU seconds (less sensitive to "
+          "other load), score diff = verl_ds - TRL (last 10% of steps)")
     print("e2e_vs_trl " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()) + f" load={load:.1f}")
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--verl-ds-worker"]:  # before argparse: the rest are launch/train.py's arguments
+        sys.exit(verl_ds_worker(sys.argv[2], sys.argv[3:]))
     main()

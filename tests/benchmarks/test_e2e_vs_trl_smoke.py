@@ -23,25 +23,31 @@ def _load():
 
 def test_summarise_by_hand():
     # 12 steps: 10% is ceil(1.2) = 2 steps at each end; warm-up 2 drops the first two from the timing only
-    rows = [{"step_s": s, "tokens": t, "score": sc} for s, t, sc in [
+    rows = [{"step_s": s, "cpu_s": s / 4, "tokens": t, "score": sc} for s, t, sc in [
         (9.0, 1, 0.0), (8.0, 1, 0.5), (1.0, 10, 0.1), (2.0, 20, 0.1), (3.0, 30, 0.1), (4.0, 40, 0.1),
         (5.0, 50, 0.1), (6.0, 60, 0.1), (7.0, 70, 0.1), (1.0, 10, 0.1), (1.0, 10, 0.6), (2.0, 10, 1.0)]]
     s = _load().summarise(rows, warmup=2)
     # measured step times 1 2 3 4 5 6 7 1 1 2 -> sorted 1 1 1 2 2 3 4 5 6 7: median (2 + 3) / 2
     assert s["step_s"] == 2.5
+    assert s["cpu_s"] == 0.625
     assert s["tokens_per_s"] == pytest.approx(310 / 32)  # 10+20+...+70+10+10+10 tokens over 32 s
     assert s["score_first"] == pytest.approx(0.25)
     assert s["score_last"] == pytest.approx(0.8)
-    assert "phases" not in s
+    assert "profile" not in s
 
 
-def test_summarise_phases_and_short_runs():
+def test_summarise_profile_and_short_runs():
     mod = _load()
-    rows = [{"step_s": 1.0, "tokens": 4, "score": 0.5, **{p: 0.0 for p in mod.PHASES}} for _ in range(3)]
-    rows[2].update(step_s=3.0, gen=2.0, update_actor=0.5)
+    rows = [{"step_s": t, "cpu_s": 1.0, "tokens": 4, "score": 0.5, **{p: 0.0 for p in mod.PHASES}}
+            for t in (3.0, 1.0, 2.2)]
+    rows[0].update(gen=2.0, update_actor=0.5)
+    rows[2].update(gen=0.7, update_actor=1.1, ref=0.3)
     s = mod.summarise(rows, warmup=5)  # warm-up longer than the run: every step is measured
-    assert s["step_s"] == 1.0 and s["tokens_per_s"] == pytest.approx(12 / 5)
-    assert s["phases"]["gen"] == 0.0 and s["phases"]["update_actor"] == 0.0  # medians of (0, 0, x)
+    assert s["step_s"] == 2.2 and s["tokens_per_s"] == pytest.approx(12 / 6.2)
+    # the profile is the step nearest the median (here the median step itself), its phases as logged
+    assert s["profile"]["step_s"] == 2.2
+    assert (s["profile"]["gen"], s["profile"]["update_actor"], s["profile"]["ref"]) == (0.7, 1.1, 0.3)
+    assert "untimed 100 ms" in mod._profile("x", s["profile"])  # 2.2 - (0.7 + 1.1 + 0.3)
     assert s["score_first"] == s["score_last"] == 0.5  # 10% of 3 steps rounds up to one step
 
 
@@ -68,13 +74,14 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
     table = {ln.split()[1]: ln.split() for ln in lines if ln.startswith("tiny ") and len(ln.split()) >= 8}
     assert set(table) == {"trl", "verl_ds"}, proc.stdout
     for row in table.values():
-        assert row[-6] == "2"  # both sides logged 2 steps
-        step_s, tok_s, first, last = map(float, row[-5:-1])
-        assert step_s > 0 and tok_s > 0 and 0 <= first <= 1 and 0 <= last <= 1
+        assert row[-7] == "2"  # both sides logged 2 steps
+        step_s, cpu_s, tok_s, first, last = map(float, row[-6:-1])
+        assert step_s > 0 and cpu_s > 0 and tok_s > 0 and 0 <= first <= 1 and 0 <= last <= 1
     final = re.fullmatch(r"e2e_vs_trl (.*)", lines[-1])
     assert final, lines[-1]
     figures = dict(kv.split("=") for kv in final.group(1).split())
-    assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_score_last_diff", "load"} <= set(figures)
+    assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_cpu_step_ratio", "tiny_score_last_diff",
+            "load"} <= set(figures)
     assert all(math.isfinite(float(v)) for v in figures.values())
     assert any("tiny verl_ds ZeRO-0: step" in ln and "update_actor" in ln for ln in lines)
     # the TRL side ran with the settings the script claims: KL against a reference, at most 8 new tokens
@@ -86,3 +93,5 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
         metrics = [json.loads(ln) for ln in fh]
     steps = [m for m in metrics if "timing_s/step" in m]
     assert len(steps) == 2 and all("actor/kl_loss" in m and "critic/vf_loss" not in m for m in steps)
+    cpu = json.loads((tmp_path / "tiny" / "verl_ds_z0" / "cpu_s.json").read_text())
+    assert len(cpu) == 2 and all(c > 0 for c in cpu)
