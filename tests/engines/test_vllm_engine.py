@@ -1,7 +1,8 @@
 """VLLMRolloutEngine against HF on the same weights: greedy tokens, untruncated sampled log-probs, weight sync.
 
-Runs where vLLM is importable (``bash scripts/install_vllm.sh`` makes such a venv); elsewhere only the
-import-error and head_dim checks run. One engine is shared by the module (start-up costs 10-60 s on CPU).
+Runs where vLLM is importable (``bash scripts/install_vllm.sh`` makes such a venv). Elsewhere only the
+import-error and head_dim checks run, and the last test runs this file in the vLLM venv if there is one. One
+engine is shared by the module (start-up costs 10-60 s on CPU).
 """
 import os
 
@@ -201,6 +202,22 @@ def test_generate_rejects_bad_input(engine, kwargs, match):
 
 
 @needs_vllm
+def test_generate_padded_keeps_the_hf_engine_contract(engine, prompts):
+    from verl_ds.generation import Generation
+
+    P = max(len(p) for p in prompts[:3])
+    input_ids = torch.tensor([[PAD] * (P - len(p)) + p for p in prompts[:3]])
+    mask = torch.arange(P) >= P - torch.tensor([len(p) for p in prompts[:3]])[:, None]
+    got = engine.generate_padded(input_ids, mask, max_new_tokens=5, temperature=0.9, seed=4)
+    want = engine.generate(prompts[:3], max_new_tokens=5, temperature=0.9, seed=4)
+    assert isinstance(got, Generation) and got.entropy is None
+    for field in ("responses", "response_length", "done", "log_probs"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    with pytest.raises(ValueError, match=r"must both be \(B, P\), got \(3, 10\) and \(3, 9\)"):
+        engine.generate_padded(input_ids, mask[:, 1:], max_new_tokens=5)
+
+
+@needs_vllm
 @torch.no_grad()
 def test_from_hf_model_streams_weights_into_a_dummy_engine(hf_model, prompts, engine):
     greedy_before = engine.generate(prompts, max_new_tokens=8, greedy=True).responses
@@ -223,14 +240,19 @@ def test_from_hf_model_streams_weights_into_a_dummy_engine(hf_model, prompts, en
 
 
 @needs_vllm
-def test_unsupported_cpu_head_dim_is_refused_before_start(tmp_path):
+def test_bad_construction_is_refused_before_start(tmp_path):
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("head_dim limits are those of the CPU attention backend")
-    llama_config(hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    llama_config(hidden_size=64, intermediate_size=128).save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match=r"head_dim=16 \(hidden_size=64 / num_attention_heads=4\)"):
-        VLLMRolloutEngine(str(tmp_path))
+        VLLMRolloutEngine(str(tmp_path / "small"))
+    llama_config().save_pretrained(tmp_path / "ok")
+    with pytest.raises(ValueError, match="enable_sleep_mode needs a GPU"):
+        VLLMRolloutEngine(str(tmp_path / "ok"), enable_sleep_mode=True)
+    with pytest.raises(ValueError, match=r"dtype must be one of \['bfloat16', 'float16', 'float32'\], got 'fp8'"):
+        VLLMRolloutEngine(str(tmp_path / "ok"), dtype="fp8")
 
 
 def test_check_cpu_head_dim():

@@ -165,11 +165,6 @@ class VLLMRolloutEngine:
         vllm = import_vllm()
         from transformers import AutoConfig
 
-        live = VLLMRolloutEngine._live() if VLLMRolloutEngine._live is not None else None
-        if live is not None and live.llm is not None:
-            raise RuntimeError("VLLMRolloutEngine: one engine per process at a time (vLLM keeps its parallel state in "
-                               "module globals, and shutting one engine down would break the other); close() the "
-                               "existing engine first")
         from vllm.platforms import current_platform
 
         if isinstance(dtype, torch.dtype):
@@ -208,6 +203,11 @@ class VLLMRolloutEngine:
         if enable_sleep_mode:
             kwargs["enable_sleep_mode"] = True
         kwargs.update(engine_kwargs)
+        live = VLLMRolloutEngine._live() if VLLMRolloutEngine._live is not None else None
+        if live is not None and live.llm is not None:
+            raise RuntimeError("VLLMRolloutEngine: one engine per process at a time (vLLM keeps its parallel state in "
+                               "module globals, and shutting one engine down would break the other); close() the "
+                               "existing engine first")
         t0 = time.perf_counter()
         with preserved_process_state():
             self.llm = vllm.LLM(**kwargs)
