@@ -95,34 +95,50 @@ def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float) -> tuple[l
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
         for m in map(json.loads, fh):
             if "timing_s/step" in m:
-                rows.append({"step_s": m["timing_s/step"], "cpu_s": cpu[len(rows)],
-                             "tokens": m["perf/total_num_tokens"], "score": m["rollout/score/mean"],
-                             **{p: m.get(f"timing_s/{p}", 0.0) for p in PHASES}})
+                c = cpu[len(rows)]
+                rows.append({"step_s": m["timing_s/step"], "tokens": m["perf/total_num_tokens"],
+                             "score": m["rollout/score/mean"], "cpu_s": c["cpu_s"],
+                             **{p: m.get(f"timing_s/{p}", 0.0) for p in PHASES},
+                             **{f"cpu_{p}": c.get(f"cpu_{p}", 0.0) for p in PHASES}})
     return rows, wall
 
 
 def verl_ds_worker(cpu_file: str, args: list) -> int:
-    """``launch/train.py args`` in this interpreter, with each ``Trainer.train_step`` also timed in process CPU
-    seconds (all threads), which a loaded machine inflates far less than wall time; written to ``cpu_file``."""
-    from verl_ds import trainer
+    """``launch/train.py args`` in this interpreter, with each ``Trainer.train_step`` and each of its timed phases
+    (``verl_ds.metrics.Timings``) also measured in process CPU seconds (all threads), which a loaded machine
+    inflates far less than wall time; one {"cpu_s", "cpu_<phase>"...} per step is written to ``cpu_file``."""
+    from contextlib import contextmanager
+
+    from verl_ds import metrics, trainer
     from verl_ds.cli import main as cli_main
 
-    step = getattr(trainer.Trainer, "train_step", None)
-    if step is None:
-        raise SystemExit("verl_ds.trainer.Trainer has no train_step any more: update benchmarks/e2e_vs_trl.py")
-    cpu = []
+    step, phase = getattr(trainer.Trainer, "train_step", None), getattr(metrics.Timings, "__call__", None)
+    if step is None or phase is None:
+        raise SystemExit("verl_ds.trainer.Trainer.train_step or verl_ds.metrics.Timings.__call__ is gone: "
+                         "update benchmarks/e2e_vs_trl.py")
+    rows, current = [], {}
 
-    def timed(self):
+    def timed_step(self):
+        current.clear()
         t0 = time.process_time()
-        metrics = step(self)
-        cpu.append(time.process_time() - t0)
-        return metrics
+        out = step(self)
+        rows.append({"cpu_s": time.process_time() - t0, **current})
+        return out
 
-    trainer.Trainer.train_step = timed
+    @contextmanager
+    def timed_phase(self, name):
+        t0 = time.process_time()
+        try:
+            with phase(self, name):
+                yield
+        finally:
+            current[f"cpu_{name}"] = current.get(f"cpu_{name}", 0.0) + time.process_time() - t0
+
+    trainer.Trainer.train_step, metrics.Timings.__call__ = timed_step, timed_phase
     rc = cli_main(["train", *args])
     os.makedirs(os.path.dirname(cpu_file), exist_ok=True)
     with open(cpu_file, "w", encoding="utf-8") as fh:
-        json.dump(cpu, fh)
+        json.dump(rows, fh)
     return rc
 
 
@@ -207,8 +223,10 @@ def summarise(rows: list[dict], warmup: int) -> dict:
            "score_first": statistics.fmean(r["score"] for r in rows[:k]),
            "score_last": statistics.fmean(r["score"] for r in rows[-k:])}
     if "gen" in rows[0]:  # the phases of one real step: the measured one whose time is nearest the median
-        typical = min(measured, key=lambda r: abs(r["step_s"] - out["step_s"]))
-        out["profile"] = {"step_s": typical["step_s"], **{p: typical[p] for p in PHASES}}
+        for clock, key in (("wall", "step_s"), ("cpu", "cpu_s")):
+            typical = min(measured, key=lambda r: abs(r[key] - out[key]))
+            pre = "cpu_" if clock == "cpu" else ""
+            out[f"profile_{clock}"] = {"step_s": typical[key], **{p: typical[pre + p] for p in PHASES}}
     return out
 
 
@@ -288,10 +306,11 @@ def main(argv=None) -> None:
         ratios[f"{key}_cpu_step_ratio"] = ours["cpu_s"] / trl_s["cpu_s"]
         ratios[f"{key}_score_last_diff"] = ours["score_last"] - trl_s["score_last"]
         print(f"      ({size}: {n_params / 1e6:.2f}M parameters)", flush=True)
-    print("\nverl_ds per-phase profile of one step (the measured step nearest the median), wall time:")
+    print("\nverl_ds per-phase profile of one step (the measured step nearest the median), in wall and CPU seconds:")
     for (size, side), s in results.items():
-        if "profile" in s:
-            print(_profile(f"{size} {side}", s["profile"]))
+        for clock in ("wall", "cpu"):
+            if f"profile_{clock}" in s:
+                print(_profile(f"{size} {side} {clock}", s[f"profile_{clock}"]))
     print(f"\nratios use verl_ds ZeRO-{stages[0]}; step ratio = verl_ds s/step / TRL s/step (< 1: verl_ds faster), "
           "tokens/s ratio = verl_ds / TRL (wall), cpu step ratio = the same in process CPU seconds (less sensitive to "
           "other load), score diff = verl_ds - TRL (last 10% of steps)")

@@ -33,21 +33,24 @@ def test_summarise_by_hand():
     assert s["tokens_per_s"] == pytest.approx(310 / 32)  # 10+20+...+70+10+10+10 tokens over 32 s
     assert s["score_first"] == pytest.approx(0.25)
     assert s["score_last"] == pytest.approx(0.8)
-    assert "profile" not in s
+    assert "profile_wall" not in s and "profile_cpu" not in s
 
 
 def test_summarise_profile_and_short_runs():
     mod = _load()
-    rows = [{"step_s": t, "cpu_s": 1.0, "tokens": 4, "score": 0.5, **{p: 0.0 for p in mod.PHASES}}
-            for t in (3.0, 1.0, 2.2)]
-    rows[0].update(gen=2.0, update_actor=0.5)
+    zero = {p: 0.0 for p in mod.PHASES} | {f"cpu_{p}": 0.0 for p in mod.PHASES}
+    rows = [{"step_s": t, "cpu_s": c, "tokens": 4, "score": 0.5, **zero} for t, c in ((3.0, 0.5), (1.0, 0.9), (2.2, 2.0))]
+    rows[0].update(gen=2.0, update_actor=0.5, cpu_gen=0.25)
+    rows[1].update(cpu_gen=0.5, cpu_update_actor=0.25)
     rows[2].update(gen=0.7, update_actor=1.1, ref=0.3)
     s = mod.summarise(rows, warmup=5)  # warm-up longer than the run: every step is measured
-    assert s["step_s"] == 2.2 and s["tokens_per_s"] == pytest.approx(12 / 6.2)
-    # the profile is the step nearest the median (here the median step itself), its phases as logged
-    assert s["profile"]["step_s"] == 2.2
-    assert (s["profile"]["gen"], s["profile"]["update_actor"], s["profile"]["ref"]) == (0.7, 1.1, 0.3)
-    assert "untimed 100 ms" in mod._profile("x", s["profile"])  # 2.2 - (0.7 + 1.1 + 0.3)
+    assert s["step_s"] == 2.2 and s["cpu_s"] == 0.9 and s["tokens_per_s"] == pytest.approx(12 / 6.2)
+    # each profile is the step nearest its median (here the median step itself), its phases as logged
+    wall, cpu = s["profile_wall"], s["profile_cpu"]
+    assert wall["step_s"] == 2.2 and (wall["gen"], wall["update_actor"], wall["ref"]) == (0.7, 1.1, 0.3)
+    assert cpu["step_s"] == 0.9 and (cpu["gen"], cpu["update_actor"], cpu["ref"]) == (0.5, 0.25, 0.0)
+    assert "untimed 100 ms" in mod._profile("x", wall)  # 2.2 - (0.7 + 1.1 + 0.3)
+    assert "gen 500 ms (56%)" in mod._profile("x", cpu)  # 0.5 of 0.9
     assert s["score_first"] == s["score_last"] == 0.5  # 10% of 3 steps rounds up to one step
 
 
@@ -83,7 +86,8 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
     assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_cpu_step_ratio", "tiny_score_last_diff",
             "load"} <= set(figures)
     assert all(math.isfinite(float(v)) for v in figures.values())
-    assert any("tiny verl_ds ZeRO-0: step" in ln and "update_actor" in ln for ln in lines)
+    for clock in ("wall", "cpu"):
+        assert any(f"tiny verl_ds ZeRO-0 {clock}: step" in ln and "update_actor" in ln for ln in lines), clock
     # the TRL side ran with the settings the script claims: KL against a reference, at most 8 new tokens
     trl_rows = json.loads((tmp_path / "tiny" / "trl" / "trl_steps.json").read_text())
     assert len(trl_rows) == 2
@@ -94,4 +98,4 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
     steps = [m for m in metrics if "timing_s/step" in m]
     assert len(steps) == 2 and all("actor/kl_loss" in m and "critic/vf_loss" not in m for m in steps)
     cpu = json.loads((tmp_path / "tiny" / "verl_ds_z0" / "cpu_s.json").read_text())
-    assert len(cpu) == 2 and all(c > 0 for c in cpu)
+    assert len(cpu) == 2 and all(c["cpu_s"] >= c["cpu_gen"] + c["cpu_update_actor"] > 0 for c in cpu)
