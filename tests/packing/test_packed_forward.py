@@ -9,7 +9,7 @@ from packing_testutil import padded_batch, per_sequence_reference, tiny_critic, 
 from verl_ds.models import PolicyModel, ValueModel
 from verl_ds.models.packed_forward import (lm_head_returns_logprobs, packed_logprobs, packed_values,
                                            response_index)
-from verl_ds.models.varlen_attention import VARLEN_ATTENTION, use_varlen_attention
+from verl_ds.models.varlen_attention import VARLEN_ATTENTION, sequence_bounds, use_varlen_attention
 from verl_ds.packing import pack
 
 T_SAMPLE = 0.7
@@ -113,6 +113,17 @@ def test_tied_embeddings_through_the_fused_head():
         lp, ent = packed_logprobs(lm, p, 5, compute_entropy=True, fused_lm_head=fused)
         grads.append(_backward(lm, (lp - 0.3 * ent).sum()))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+
+
+def test_sequence_bounds_from_cu_seqlens_or_position_ids():
+    obs, mask = padded_batch([3, 1, 2], [2, 1, 2], 3, 2, "left")
+    p = pack(obs, mask)
+    assert sequence_bounds(p.cu_seqlens, None, p.num_tokens) == [0, 5, 7, 11]
+    assert sequence_bounds(None, p.position_ids, p.num_tokens) == [0, 5, 7, 11]  # transformers' rule
+    assert sequence_bounds(None, torch.tensor([[0, 0, 0]]), 3) == [0, 1, 2, 3]  # three 1-token sequences
+    assert sequence_bounds(None, None, 11) is None
+    with pytest.raises(ValueError, match="cu_seq_lens_q must ascend from 0 to the packed length 11"):
+        sequence_bounds(torch.tensor([0, 5, 10]), None, 11)
 
 
 def test_bad_input_is_named():

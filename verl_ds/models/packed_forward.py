@@ -87,8 +87,8 @@ def _packed_kwargs(inner: Any, packed: Packed) -> dict:
 
 
 @contextlib.contextmanager
-def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: float = 1.0, compute_entropy: bool = True,
-                  keep: torch.Tensor | None = None, **chunks):
+def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: float = 1.0,
+                             compute_entropy: bool = True, keep: torch.Tensor | None = None, **chunks):
     """While active, ``model``'s output-embedding Linear returns, in place of logits (1, n, V), the
     (1, n, 2) float32 [log-prob of ``labels``, entropy] (or (1, n, 1) without entropy) from
     ``fused_linear_logprobs``. ``keep``: rows to take when the head is given all N hidden states
@@ -103,8 +103,9 @@ def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: floa
     for name in _LOGIT_TRANSFORMS:
         val = getattr(cfg, name, None)
         if val not in (None, 1, 1.0):
-            raise ValueError(f"lm_head_returns_logprobs: {type(inner).__name__} transforms its logits ({name}={val!r}); the "
-                             f"fused LM head cannot apply that: use model.fused_lm_head=false for this model")
+            raise ValueError(f"lm_head_returns_logprobs: {type(inner).__name__} transforms its logits "
+                             f"({name}={val!r}); the fused LM head cannot apply that: use model.fused_lm_head=false "
+                             f"for this model")
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
