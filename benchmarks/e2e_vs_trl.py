@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,7 @@ def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float) -> tuple[l
             f"deepspeed.zero_stage={zero_stage}", f"trainer.total_steps={job['steps']}", f"trainer.seed={job['seed']}",
             f"trainer.output_dir={out}", "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false",
             "trainer.export_hf=false", "trainer.val_every=0"]
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run appends to an old metrics.jsonl in its directory
     cpu_file = os.path.join(out, "cpu_s.json")
     wall = _run([sys.executable, os.path.abspath(__file__), "--verl-ds-worker", cpu_file, *args], job["threads"],
                 f"verl_ds (ZeRO-{zero_stage})", timeout)
@@ -145,7 +147,8 @@ def verl_ds_worker(cpu_file: str, args: list) -> int:
 def run_trl(job: dict, out: str, timeout: float) -> tuple[list[dict], float]:
     """TRL's GRPOTrainer on the job in its own interpreter (``--trl-worker``); returns (rows, wall seconds)."""
     spec = os.path.join(out, "job.json")
-    os.makedirs(out, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
     with open(spec, "w", encoding="utf-8") as fh:
         json.dump({**job, "out": out}, fh)
     wall = _run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec], job["threads"], "TRL", timeout)
