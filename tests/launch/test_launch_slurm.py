@@ -129,7 +129,10 @@ while True:  # until the signal: a slow test must not see this exit on its own
 
 def _run_step(tmp_path, send=None, exit_code=None, restarts=0, reason=""):
     marker, requeued = tmp_path / "signal", tmp_path / "requeued"
-    step = f"{sys.executable} -c {shlex.quote(FAKE_TRAINER)} {marker}" if exit_code is None else f"{sys.executable} -c 'import sys; sys.exit({exit_code})'"
+    if exit_code is None:
+        step = f"{sys.executable} -c {shlex.quote(FAKE_TRAINER)} {marker}"
+    else:
+        step = f"{sys.executable} -c 'import sys; sys.exit({exit_code})'"
     env = base_env(SLURM_JOB_ID="77", SLURM_RESTART_COUNT=str(restarts), MAX_REQUEUES="3",
                    REQUEUE_CMD=f"echo requeue $SLURM_JOB_ID > {requeued}")
     # what scontrol would say of the job (no Slurm here): the Reason once Slurm has ended it
