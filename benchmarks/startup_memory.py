@@ -42,6 +42,21 @@ def rss():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+def rss_parts():
+    """Anonymous (heap, tensors) and file-backed (mapped checkpoint files) resident bytes."""
+    with open("/proc/self/status") as fh:
+        text = fh.read()
+    return {k: int(re.search(rf"{k}:\s+(\d+) kB", text).group(1)) * 1024 for k in ("RssAnon", "RssFile")}
+
+def trim():
+    """Give the heap's free pages back to the OS (glibc): what is left is really held."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return rss()
+
 def reset_peak():
     try:
         with open("/proc/self/clear_refs", "w") as fh:
@@ -92,6 +107,8 @@ vdist.barrier()
 res["build_s"] = time.perf_counter() - t0
 res["peak"] = peak(ok)
 res["after_build"] = rss()
+res["parts"] = rss_parts()
+res["after_trim"] = trim()
 if vdist.world_size() > 1:
     export_dir = os.path.join(os.path.dirname(out), "export")
     res["before_export"] = rss()
@@ -207,22 +224,28 @@ def run_world(world: int, model_dir: str, work: str) -> list:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", type=parse_count, default=parse_count("300M"))
+    p.add_argument("--worlds", default="1,2", help="world sizes to run (the ratio needs 1 and 2)")
     args = p.parse_args()
+    sizes = [int(w) for w in args.worlds.split(",")]
     with tempfile.TemporaryDirectory(prefix="verl_ds_startup_") as work:
         model_dir = os.path.join(work, "model")
         os.makedirs(model_dir)
         n = write_checkpoint(model_dir, args.params)
         print(f"checkpoint: {n:,} parameters ({4 * n / GiB:.2f} GiB fp32), {llama_shape(args.params)}", flush=True)
         worlds = {}
-        for world in (1, 2):
+        for world in sizes:
             worlds[world] = run_world(world, model_dir, work)
             for rank, r in enumerate(worlds[world]):
                 print(f"world {world} rank {rank}: RSS before construction {r['baseline'] / GiB:.2f} GiB, peak "
                       f"{r['peak'] / GiB:.2f} GiB (+{(r['peak'] - r['baseline']) / GiB:.2f}), after "
-                      f"{r['after_build'] / GiB:.2f} GiB, build {r['build_s']:.0f} s via {r['path']}", flush=True)
-        for rank, r in enumerate(worlds[2]):
+                      f"{r['after_build'] / GiB:.2f} GiB (anon {r['parts']['RssAnon'] / GiB:.2f}, file "
+                      f"{r['parts']['RssFile'] / GiB:.2f}; {r['after_trim'] / GiB:.2f} after malloc_trim), build "
+                      f"{r['build_s']:.0f} s via {r['path']}", flush=True)
+        for rank, r in enumerate(worlds.get(2, [])):
             print(f"export at world 2, rank {rank}: peak {r['export_peak'] / GiB:.2f} GiB "
                   f"(+{(r['export_peak'] - r['before_export']) / GiB:.2f} over {r['before_export'] / GiB:.2f})")
+        if sorted(worlds) != [1, 2]:
+            return
         delta = {w: max(r["peak"] - r["baseline"] for r in rs) for w, rs in worlds.items()}
         peaks = {w: max(r["peak"] for r in rs) for w, rs in worlds.items()}
         print(f"startup_memory params={n} world1_peak_gib={peaks[1] / GiB:.2f} world2_peak_gib={peaks[2] / GiB:.2f} "

@@ -7,9 +7,10 @@ sharded-checkpoint format of transformers' ``save_pretrained``): ``config.json``
 safetensors files of at most ``max_shard_size`` bytes each, with ``model.safetensors.index.json``
 mapping every tensor to its file when there is more than one.
 
-Memory: every rank holds one module's gathered parameters at a time (DeepSpeed gathers on all ranks);
-rank 0 also holds the shard being filled (at most ``max_shard_size``) as CPU tensors. Nobody builds
-a whole state dict. A tied LM head is written once, under the embedding's name, as HF does.
+Memory: every rank holds one module's gathered parameters at a time (DeepSpeed gathers on all ranks),
+and rank 0 also its CPU copy while writing it: the shard files are laid out from the parameters'
+shapes first, so each tensor is streamed to its place and nothing else is buffered. Nobody builds a
+whole state dict. A tied LM head is written once, under the embedding's name, as HF does.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from typing import Optional, Union
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.engines.zero3 import is_partitioned, persistent_buffers
+from verl_ds.engines.zero3 import full_shape, is_partitioned, persistent_buffers
 
 INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -63,48 +64,62 @@ def _export_order(module: torch.nn.Module) -> list:
     return order
 
 
-class _ShardWriter:
-    """Rank 0's shard buffer: CPU tensors up to ``limit`` bytes, flushed to numbered temporary files."""
+def _plain_groups(module: torch.nn.Module) -> list:
+    """``_export_order`` as [(params to gather, [(name, full shape, dtype, produce())])] (``engines.lora``'s form)."""
+    return [([p for _, p in params], [(name, tuple(full_shape(p)), p.dtype, p.detach) for name, p in params])
+            for _, params in _export_order(module)]
 
-    def __init__(self, directory: str, limit: int):
-        self.directory, self.limit = directory, limit
-        self.tensors: dict = {}
-        self.nbytes = 0
-        self.files: list = []  # [(temp path, [names])]
-        self.total = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.tensors and self.nbytes + size > self.limit:
-            self.flush()
-        self.tensors[name] = tensor
-        self.nbytes += size
-        self.total += size
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
 
-    def flush(self) -> None:
-        from safetensors.torch import save_file
 
-        if not self.tensors:
-            return
-        path = os.path.join(self.directory, f".shard-{len(self.files) + 1:05d}.tmp")
-        save_file(self.tensors, path, metadata={"format": "pt"})
-        self.files.append((path, list(self.tensors)))
-        self.tensors, self.nbytes = {}, 0
+def plan_shards(entries: list, limit: int) -> list:
+    """Split [(name, shape, dtype)] in order into shards of at most ``limit`` bytes (a larger tensor alone)."""
+    shards, current, size = [], [], 0
+    for name, shape, dtype in entries:
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = [], 0
+        current.append((name, tuple(shape), dtype, nbytes))
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
 
-    def finish(self) -> list:
-        """Rename the shards to HF's names, write the index when there are several; returns the file names."""
-        self.flush()
-        n = len(self.files)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        weight_map = {}
-        for (tmp, keys), final in zip(self.files, names):
-            os.replace(tmp, os.path.join(self.directory, final))
-            weight_map.update({k: final for k in keys})
-        if n > 1:
-            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-            with open(os.path.join(self.directory, INDEX_FILE), "w", encoding="utf-8") as fh:
-                json.dump(index, fh, indent=2)
-        return names
+
+class _StreamingShard:
+    """One safetensors file written as its tensors arrive: the header (names, dtypes, shapes, offsets) is known
+    from the shapes alone, so it goes first and each tensor's bytes follow it in order
+    (https://github.com/huggingface/safetensors#format). Nothing is buffered beyond the tensor being written."""
+
+    def __init__(self, path: str, layout: list):
+        self.layout, self.next, self.path = layout, 0, path
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype, nbytes in layout:
+            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+        self.fh = open(path, "wb")
+        self.fh.write(len(blob).to_bytes(8, "little") + blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected, shape, dtype, _ = self.layout[self.next]
+        if name != expected or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise RuntimeError(f"export: expected {expected} {shape} {dtype} next, got {name} "
+                               f"{tuple(tensor.shape)} {tensor.dtype}")
+        self.fh.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self.next += 1
+        if self.next == len(self.layout):
+            self.fh.close()
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.layout)
 
 
 def _clear_old_weights(directory: str) -> None:
@@ -114,44 +129,76 @@ def _clear_old_weights(directory: str) -> None:
             os.remove(os.path.join(directory, name))
 
 
+def _file_names(n: int) -> list:
+    return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
 @torch.no_grad()
 def export_hf(engine_module, tokenizer, directory: str, max_shard_size: Union[int, str] = "5GB",
               dtype: Optional[torch.dtype] = None) -> str:
     """Write ``engine_module`` (a HF model, possibly ZeRO-3 partitioned, or a DeepSpeed engine around one) and
     ``tokenizer`` (or None) to ``directory`` in HF format; every rank must call it. Returns ``directory``.
 
-    ``dtype``: the saved dtype (default: the parameters' own). Only rank 0 touches the file system.
+    ``dtype``: the saved dtype of floating tensors (default: their own). Only rank 0 touches the file system;
+    it streams each gathered module's tensors into the shard files, whose layout is planned from the shapes
+    before anything is gathered.
     """
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+    from verl_ds.engines import lora
 
     module = getattr(engine_module, "module", engine_module)
     limit = parse_size(max_shard_size)
     main = vdist.rank() == 0
+    if lora.is_peft_model(module):  # LoRA: the plain HF model, each adapted weight merged (W + B A * alpha / r)
+        groups, buffers, hf_module = lora.merged_groups(module), lora.merged_buffers(module), module.get_base_model()
+    else:
+        groups, buffers, hf_module = _plain_groups(module), persistent_buffers(module), module
+
+    def out_dtype(d):
+        return dtype if dtype is not None and d.is_floating_point else d
+
+    entries = [(name, shape, out_dtype(d)) for _, outs in groups for name, shape, d, _ in outs]
+    entries += [(name, b.shape, b.dtype) for name, b in buffers]
+    shards = plan_shards(entries, limit)
+    names = _file_names(len(shards))
+    writers = []
     if main:
         os.makedirs(directory, exist_ok=True)
         _clear_old_weights(directory)
-    writer = _ShardWriter(directory, limit) if main else None
-    saved_dtype = None
-    for _, params in _export_order(module):
-        tensors = [p for _, p in params]
-        gather = GatheredParameters(tensors, modifier_rank=None) if any(map(is_partitioned, tensors)) \
-            else contextlib.nullcontext()
-        with gather:
+        writers = [_StreamingShard(os.path.join(directory, f".shard-{i:05d}.tmp"), layout)
+                   for i, layout in enumerate(shards)]
+    pending = iter(writers)
+    current = next(pending, None)
+
+    def emit(name, tensor):
+        nonlocal current
+        current.write(name, tensor)
+        if current.done:
+            current = next(pending, None)
+
+    for params, outs in groups:
+        with lora.gathered(params):
             if main:
-                for name, param in params:
-                    out = param.detach().to("cpu", dtype=dtype or param.dtype, copy=True).contiguous()
-                    saved_dtype = saved_dtype or out.dtype
-                    writer.add(name, out)
+                for name, _, d, produce in outs:
+                    emit(name, produce().to("cpu", dtype=out_dtype(d)))
     if main:
-        for name, buf in persistent_buffers(module):
-            writer.add(name, buf.detach().to("cpu", copy=True).contiguous())
-        writer.finish()
-        config = copy.deepcopy(module.config)
-        if saved_dtype is not None:
-            config.dtype = saved_dtype
+        for name, buf in buffers:
+            emit(name, buf.detach().to("cpu"))
+        weight_map = {}
+        for writer, final, layout in zip(writers, names, shards):
+            os.replace(writer.path, os.path.join(directory, final))
+            weight_map.update({name: final for name, *_ in layout})
+        if len(names) > 1:
+            total = sum(nbytes for layout in shards for *_, nbytes in layout)
+            with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as fh:
+                json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh,
+                          indent=2)
+        config = copy.deepcopy(hf_module.config)
+        floats = [d for _, _, d in entries if d.is_floating_point]
+        if floats:
+            config.dtype = floats[0]
         config.save_pretrained(directory)
-        generation_config = getattr(module, "generation_config", None)
-        if generation_config is not None and getattr(module, "can_generate", lambda: False)():
+        generation_config = getattr(hf_module, "generation_config", None)
+        if generation_config is not None and getattr(hf_module, "can_generate", lambda: False)():
             generation_config.save_pretrained(directory)
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)

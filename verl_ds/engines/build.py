@@ -20,8 +20,9 @@ import torch
 
 from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
+from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, lora_spec
 from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
-                                   partitioned_construction)
+                                   partitioned_construction, release_free_memory)
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +236,9 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
         if cfg.model.gradient_checkpointing:
             target = model.backbone if hasattr(model, "backbone") else model
             target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        optimizer = OPTIMIZERS[optimizer_name(cfg)](model.parameters(), lr, weight_decay)
+        # frozen parameters (a LoRA base) get no optimizer state
+        optimizer = OPTIMIZERS[optimizer_name(cfg)]([p for p in model.parameters() if p.requires_grad], lr,
+                                                    weight_decay)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
         engine.train()
     else:
@@ -256,14 +259,21 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
     ``sft_warmup(engine)``, when given, trains a temporary actor engine first (torch AdamW at ``actor.lr``,
     weight decay 0.01, no gradient accumulation: call ``engine.backward(loss); engine.step()`` per step, the
     same batch on every rank) under a forked RNG; the actor, the reference and the critic then start from
-    its weights and the PPO optimizer starts fresh.
+    its weights and the PPO optimizer starts fresh. ``actor.lora_rank``/``critic.lora_rank`` > 0 wrap the actor /
+    the critic's backbone in peft LoRA adapters last (``verl_ds.engines.lora``): only the adapters (and the value
+    head) train, and no reference is built for a LoRA actor.
     """
     unknown = sorted(set(roles) - {"actor", "ref", "critic"})
     if unknown:
         raise ValueError(f"build_engines: unknown roles {unknown}; expected a subset of ('actor', 'ref', 'critic')")
+    actor_lora, critic_lora = lora_spec(cfg.actor, "actor"), lora_spec(cfg.critic, "critic")
+    if actor_lora is not None and "ref" in roles:
+        raise ValueError("build_engines: with actor.lora_rank > 0 no reference engine is built (the reference is "
+                         "the actor with its adapters off: verl_ds.engines.lora.adapters_off)")
     ds = {role: make_ds_config(cfg, derived, role, gpu=uses_gpu(cfg)) for role in ("actor", "ref", "critic")}
     need_actor = "actor" in roles or sft_warmup is not None
     actor_model = build_actor_model(cfg, tok, ds_config=ds["actor"]) if need_actor else None
+    release_free_memory()  # each stage starts without the previous one's freed buffers still resident
     sft_engine = None
     if sft_warmup is not None:
         sft_engine = make_engine(actor_model, cfg, dataclasses.replace(derived, grad_accum=1), "actor",
@@ -282,22 +292,32 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
         models["ref"] = build_actor_model(cfg, tok, ds_config=ds["ref"])
         if source is not None:  # the initial policy exactly, whatever the stages and the init path
             copy_params(source, models["ref"])
+        release_free_memory()
     if "critic" in roles:
         models["critic"] = build_critic_model(cfg, tok, actor_model=source, ds_config=ds["critic"])
+        release_free_memory()
     if sft_engine is not None:
         sft_engine.destroy()
         del sft_engine, source
+    if actor_model is not None and actor_lora is not None:  # adapters on the (warmed-up) actor; its base is frozen
+        actor_model = apply_lora(actor_model, actor_lora, seed=cfg.model.init_seed + LORA_SEED_OFFSET["actor"])
+    if "critic" in models and critic_lora is not None:  # the backbone gets adapters, the value head trains whole
+        models["critic"].backbone = apply_lora(models["critic"].backbone, critic_lora, task_type=None,
+                                               seed=cfg.model.init_seed + LORA_SEED_OFFSET["critic"])
     engines = {}
     if actor_model is not None:
         a = cfg.actor
         engines["actor"] = make_engine(actor_model, cfg, derived, "actor", lr=a.lr, weight_decay=a.weight_decay,
                                        grad_clip=a.grad_clip)
+        release_free_memory()
     if "critic" in models:
         c = cfg.critic
         engines["critic"] = make_engine(models["critic"], cfg, derived, "critic", lr=c.lr, weight_decay=c.weight_decay,
                                         grad_clip=c.grad_clip)
+        release_free_memory()
     if "ref" in models:
         engines["ref"] = make_engine(models["ref"], cfg, derived, "ref")
+        release_free_memory()
     return {role: engines[role] for role in roles}
 
 

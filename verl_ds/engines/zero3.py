@@ -144,3 +144,21 @@ def persistent_buffers(module: torch.nn.Module) -> list:
             if buf is not None and name not in sub._non_persistent_buffers_set:
                 out.append((f"{module_name}.{name}" if module_name else name, buf))
     return out
+
+
+def release_free_memory() -> None:
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Building partitioned models allocates and frees many whole-parameter buffers (creation, gathers); glibc
+    serves buffers under its mmap threshold (which grows up to 32 MiB) from the heap and keeps the freed
+    holes resident, so without this the process keeps ~30% more RSS than it holds (benchmarks/startup_memory.py
+    measures both), and the next stage's peak stacks on top of the holes.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+        pass
