@@ -1,7 +1,8 @@
 """Construction: the config in, one plain object with every component of a run out (``build``).
 
 Only what the algorithm needs is built: the critic when the advantage estimator needs one (GAE), the frozen
-reference when a KL term needs one (``algo.kl_coef > 0`` or an adaptive KL controller). Every engine is a
+reference when a KL term needs one (``algo.kl_coef > 0`` or an adaptive KL controller); with ``actor.lora_rank > 0``
+that reference is the actor's own engine with its adapters off (``AdaptersOffReferenceModel``), not a second model. Every engine is a
 DeepSpeed engine; the models around them (``verl_ds.models``) are registered in a ModelRegistry under their
 roles, with the aliases the control plane shows.
 """
@@ -46,7 +47,9 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     """Tokenizer, data, engines, SharedState, models and registry, on every rank (collective)."""
     from verl_ds.data import DistributedPromptSampler
     from verl_ds.generation import HFRolloutEngine
+    from verl_ds.engines.lora import lora_spec, rollout_engine_class
     from verl_ds.models import PolicyModel, PPOModel, ReferenceModel, ValueModel
+    from verl_ds.models.policy import AdaptersOffReferenceModel
     from verl_ds.registry import ModelRegistry
     from verl_ds.state import SharedState
 
@@ -54,8 +57,12 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     train_set, val_set = build_datasets(cfg, tok, write_report=rank == 0, out_dir=out_dir)
     sampler = DistributedPromptSampler(len(train_set), derived.prompts_per_rank, rank, world, seed=cfg.trainer.seed)
 
+    actor_lora = lora_spec(cfg.actor, "actor")
+    if actor_lora is None and cfg.trainer.export_hf and cfg.trainer.export_format == "adapter":
+        raise ConfigError("trainer.export_format=adapter needs actor.lora_rank > 0 (a fully fine-tuned actor has no "
+                          "adapters); use trainer.export_format=merged")
     roles = ["actor"]
-    if kl_needs_reference(cfg):
+    if kl_needs_reference(cfg) and actor_lora is None:  # a LoRA actor is its own reference, adapters off
         roles.append("ref")
     if algos.get_advantage_estimator(cfg.algo.adv_estimator).needs_critic:
         roles.append("critic")
@@ -71,15 +78,22 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup)
 
     state = SharedState.from_config(cfg, rank=rank)  # the run's limits and step-0 values, the same on every rank
+    packed = cfg.model.remove_padding and all(_varlen_attention(e, role, rank == 0) for role, e in engines.items())
+    fused = cfg.model.fused_lm_head
 
-    rollout_engine = HFRolloutEngine(engines["actor"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+    rollout_cls = HFRolloutEngine if actor_lora is None else rollout_engine_class()  # replica: adapters merged
+    rollout_engine = rollout_cls(engines["actor"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                      bos_token_id=tok.bos_token_id, gather_params=cfg.rollout.gather_params)
-    models = {"actor": PolicyModel(engines["actor"], state=state, rollout_engine=rollout_engine, tokenizer=tok),
+    models = {"actor": PolicyModel(engines["actor"], state=state, rollout_engine=rollout_engine, tokenizer=tok,
+                                   remove_padding=packed, fused_lm_head=fused),
               "reward": build_reward(cfg, tok, derived, state=state)}
     if "critic" in engines:
-        models["critic"] = ValueModel(engines["critic"], state=state)
+        models["critic"] = ValueModel(engines["critic"], state=state, remove_padding=packed)
     if "ref" in engines:
-        models["ref"] = ReferenceModel(engines["ref"], state=state)
+        models["ref"] = ReferenceModel(engines["ref"], state=state, remove_padding=packed, fused_lm_head=fused)
+    elif actor_lora is not None and kl_needs_reference(cfg):  # the actor's engine, scoring with its adapters off
+        models["ref"] = AdaptersOffReferenceModel(engines["actor"], state=state, remove_padding=packed,
+                                                  fused_lm_head=fused)
     registry = ModelRegistry()
     for role, model in models.items():
         registry.register(role, model, aliases=ALIASES[role])
@@ -89,6 +103,21 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
         state.set("reward_name", reward_name(cfg.reward.functions, cfg.reward.model_path))
     return Components(tokenizer=tok, train_set=train_set, val_set=val_set, sampler=sampler, engines=engines,
                       state=state, registry=registry, ppo=ppo)
+
+
+def _varlen_attention(engine, role: str, say: bool) -> bool:
+    """Switch an engine's model to per-sequence attention for packed rows; False (with a log line) when its
+    attention does not dispatch through transformers' AttentionInterface."""
+    from verl_ds.models.varlen_attention import use_varlen_attention
+
+    try:
+        use_varlen_attention(engine)
+        return True
+    except (TypeError, ValueError) as exc:
+        if say:
+            log.warning("model.remove_padding: the %s cannot attend per sequence (%s); padded batches are used", role,
+                        exc)
+        return False
 
 
 def build_datasets(cfg: Config, tok, write_report: bool, out_dir: str):

@@ -133,19 +133,20 @@ class Trainer:
         batch = rollout.batch
         temperature = hot["temperature"]  # this step's value, identical on every rank
         with torch.no_grad():
+            r = cfg.rollout
+            log_prob_chunks = self._micro_batches(batch, r.log_prob_micro_batch_size, r.log_prob_max_tokens_per_micro_batch)
             with t("old_log_prob"):
-                batch.old_log_probs = self._no_grad_pass("actor", batch, cfg.rollout.log_prob_micro_batch_size,
-                                                         lambda m, b: m.get_logprob(b.observation, b.action, b.mask,
-                                                                                    temperature))
+                batch.old_log_probs = self._no_grad_pass("actor", batch, log_prob_chunks, lambda m, b: m.get_logprob(
+                    b.observation, b.action, b.mask, temperature))
             if self.ppo.ref is not None:
                 with t("ref"):
-                    batch.ref_log_probs = self._no_grad_pass("ref", batch, cfg.rollout.log_prob_micro_batch_size,
-                                                             lambda m, b: m.get_logprob(b.observation, b.action,
-                                                                                        b.mask, temperature))
+                    batch.ref_log_probs = self._no_grad_pass("ref", batch, log_prob_chunks, lambda m, b: m.get_logprob(
+                        b.observation, b.action, b.mask, temperature))
             if self.ppo.needs_critic:
                 with t("values"):
-                    batch.values = self._no_grad_pass("critic", batch, cfg.critic.micro_batch_size,
-                                                      lambda m, b: m.get_values(b.observation, b.mask, b.response_width))
+                    chunks = self._micro_batches(batch, cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch)
+                    batch.values = self._no_grad_pass("critic", batch, chunks, lambda m, b: m.get_values(
+                        b.observation, b.mask, b.response_width))
         baseline = batch.extras.get("baseline_score")
         with t("adv"):
             metrics = {**rollout.metrics, **self.ppo.compute_advantage(
@@ -157,10 +158,11 @@ class Trainer:
             if self.ppo.needs_critic:
                 with t("update_critic"):
                     metrics.update(self._update("critic", batch, self.ppo.compute_value_loss, cfg.critic.ppo_epochs,
-                                                self.derived.critic_micro_batch)[0])
+                                                self.derived.critic_micro_batch, cfg.critic.max_tokens_per_micro_batch)[0])
             with t("update_actor"):
                 actor_metrics, actor_steps = self._update("actor", batch, self.ppo.compute_policy_loss,
-                                                          cfg.actor.ppo_epochs, cfg.actor.micro_batch_size)
+                                                          cfg.actor.ppo_epochs, cfg.actor.micro_batch_size,
+                                                          cfg.actor.max_tokens_per_micro_batch)
                 metrics.update(actor_metrics)
             with t("weight_sync"):
                 self.registry.get("actor").rollout_engine.refresh()
@@ -200,11 +202,27 @@ class Trainer:
                   "prompt_length", "response_length", "done", "next_observation"]
         return tuple(fields + (["values", "returns"] if self.ppo.needs_critic else []))
 
-    def _no_grad_pass(self, role: str, batch, micro: int, fn) -> torch.Tensor:
-        model = self.registry.get(role)
-        return torch.cat([fn(model, batch.select(slice(i, i + micro))) for i in range(0, len(batch), micro)])
+    @staticmethod
+    def _micro_batches(batch, size: int, budget: Optional[int]) -> list[list[int]]:
+        """Row groups of ``batch``: ``size`` rows each, or by a token budget (prompt + response tokens) with the same
+        number of groups on every rank (a collective: ZeRO-3 forwards must line up)."""
+        if budget is None:
+            return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+        from verl_ds.packing import agree_num_micro_batches, count_micro_batches, token_budget_micro_batches
 
-    def _update(self, role: str, batch, loss_fn, epochs: int, micro: int) -> tuple[dict, int]:
+        lengths = batch.mask.sum(-1).tolist()
+        return token_budget_micro_batches(lengths, budget, agree_num_micro_batches(count_micro_batches(lengths, budget)))
+
+    def _no_grad_pass(self, role: str, batch, groups: list, fn) -> torch.Tensor:
+        """``fn(model, micro_batch)`` over the row groups, put back in the batch's row order."""
+        model = self.registry.get(role)
+        parts = [fn(model, batch.select(g)) for g in groups]
+        out = parts[0].new_empty((len(batch), *parts[0].shape[1:]))
+        for g, part in zip(groups, parts):
+            out[torch.as_tensor(g, device=out.device)] = part
+        return out
+
+    def _update(self, role: str, batch, loss_fn, epochs: int, micro: int, budget: Optional[int]) -> tuple[dict, int]:
         """PPO epochs x mini-batches x micro-batches of one role: loss, backward + step (``model.update``);
         returns (metrics, optimizer steps taken)."""
         cfg, step = self.cfg, self.state.get("global_step")
@@ -214,12 +232,14 @@ class Trainer:
             # the same order on every run of this step (resume-exact), different per step/epoch/role
             gen = torch.Generator().manual_seed(((cfg.trainer.seed * 1_000_003 + step) * 101 + epoch) * 2 + (role == "actor"))
             for mini in batch.split(self.derived.mini_batch_per_rank, generator=gen, shuffle=True):
-                micros = mini.split(micro, shuffle=False)
-                normalizer = self._normalizer(mini, grad_accum=len(micros))
-                for i, mic in enumerate(micros):
+                groups = self._micro_batches(mini, micro, budget)
+                normalizer = self._normalizer(mini)
+                for i, group in enumerate(groups):
+                    mic = mini.select(group)
                     loss, m = loss_fn(mic, normalizer=normalizer)
-                    skip = self.guard.skip_update(loss, at_boundary=i == len(micros) - 1)
-                    result = model.update(mic, {"loss": loss, "skip": skip})  # backward + step
+                    last = i == len(groups) - 1
+                    skip = self.guard.skip_update(loss, at_boundary=last)
+                    result = model.update(mic, {"loss": loss, "skip": skip, "boundary": last})  # backward + step
                     for k, v in m.items():
                         metrics[k].append(v)
                     if result is not None:  # an optimizer step was due
@@ -231,13 +251,13 @@ class Trainer:
         out[f"{role}/lr"] = self.state.get(model.lr_key)
         return out, steps
 
-    def _normalizer(self, mini, grad_accum: int) -> torch.Tensor:
-        """The global count (tokens or sequences) of this mini-batch divided by dp_size * grad_accum: DeepSpeed
-        divides each micro-batch loss by the accumulation count and averages gradients over ranks, so dividing
-        each micro-batch sum by this value makes the result an exact global mean."""
+    def _normalizer(self, mini) -> torch.Tensor:
+        """The global count (tokens or sequences) of this mini-batch divided by the data-parallel size: each
+        micro-batch's summed loss over it is its share of the exact global mean (DeepSpeed then averages gradients
+        over ranks; the update loop owns the accumulation boundary, so nothing divides by the micro-batch count)."""
         mask = mini.response_mask
         count = mask.sum() if self.cfg.algo.loss_agg_mode == "token-mean" else mask.any(dim=1).sum()
-        return vdist.all_reduce_sum(count.to(torch.float64)).clamp(min=1.0) / (self.world * grad_accum)
+        return vdist.all_reduce_sum(count.to(torch.float64)).clamp(min=1.0) / self.world
 
     def _update_kl_controller(self, batch) -> dict:
         """Feed the global token-mean KL (``algos.observed_kl``, summed over ranks) to the controller on rank 0."""

@@ -61,20 +61,23 @@ def main(result_path: str, overrides: list) -> None:
     before = {role: gathered(engines[role].module) for role in ("actor", "critic") if role in engines}
     batch = fixed_batch(trainer)
     T = trainer.state.get("temperature")
+    pairs = trainer._micro_batches(batch, 2, None)
     with torch.no_grad():
-        batch.old_log_probs = trainer._no_grad_pass("actor", batch, 2, lambda m, b: m.get_logprob(
+        batch.old_log_probs = trainer._no_grad_pass("actor", batch, pairs, lambda m, b: m.get_logprob(
             b.observation, b.action, b.mask, T))
         if ppo.ref is not None:
-            batch.ref_log_probs = trainer._no_grad_pass("ref", batch, 2, lambda m, b: m.get_logprob(
+            batch.ref_log_probs = trainer._no_grad_pass("ref", batch, pairs, lambda m, b: m.get_logprob(
                 b.observation, b.action, b.mask, T))
         if ppo.needs_critic:
-            batch.values = trainer._no_grad_pass("critic", batch, 2, lambda m, b: m.get_values(
+            batch.values = trainer._no_grad_pass("critic", batch, pairs, lambda m, b: m.get_values(
                 b.observation, b.mask, b.response_width))
     metrics = ppo.compute_advantage(batch, whiten_fn=vdist.global_masked_whiten)
     advantages = torch.cat(vdist.gather_object(batch.advantages))  # rank order = the global batch's row order
     if ppo.needs_critic:
-        metrics.update(trainer._update("critic", batch, ppo.compute_value_loss, 1, trainer.derived.critic_micro_batch)[0])
-    metrics.update(trainer._update("actor", batch, ppo.compute_policy_loss, 1, cfg.actor.micro_batch_size)[0])
+        metrics.update(trainer._update("critic", batch, ppo.compute_value_loss, 1, trainer.derived.critic_micro_batch,
+                                       cfg.critic.max_tokens_per_micro_batch)[0])
+    metrics.update(trainer._update("actor", batch, ppo.compute_policy_loss, 1, cfg.actor.micro_batch_size,
+                                   cfg.actor.max_tokens_per_micro_batch)[0])
     metrics = reduce_metrics(metrics)
     out = {"metrics": metrics, "advantages": advantages}
     for role, params in before.items():  # the update itself: after - before

@@ -56,6 +56,8 @@ class ModelConfig:
     pad_is_eos: bool = _f(False, "Built-in tokenizer only: make pad == eos (a common real-world setup) to exercise that path.")
     dtype: Literal["fp32", "bf16"] = _f("fp32", "Parameter / compute dtype of actor, critic and reference engines.")
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in actor and critic (HF gradient_checkpointing_enable).")
+    remove_padding: bool = _f(True, "Pack each micro-batch's real tokens into one row (position ids restart per sequence, attention never crosses sequences) for log-prob, value and update forwards; models whose attention cannot do it fall back to padded batches, with a log line.")
+    fused_lm_head: bool = _f(False, "Log-probs and entropy from the final hidden states and the LM-head weight in chunks (online log-sum-exp), never building the (N, V) logits.")
     init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).")
 
 
@@ -81,6 +83,7 @@ class RolloutConfig:
     top_k: int = _f(0, "Top-k sampling (0 disables).", min=0, hot="top_k")
     top_p: float = _f(1.0, "Nucleus sampling (1.0 disables).", gt=0.0, max=1.0, hot="top_p")
     log_prob_micro_batch_size: int = _f(64, "Samples per rank in one no-grad forward (old/ref log-probs, values, validation).", min=1)
+    log_prob_max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one no-grad forward (old/ref log-probs); null: log_prob_micro_batch_size samples. Micro-batches are formed by total tokens, the same count on every rank.", min=1)
     gather_params: bool = _f(True, "Gather the actor's ZeRO-3 parameters once per generate call into a replica (fast); False: per-token gathering under synced_gpus.")
 
 
@@ -92,7 +95,12 @@ class ActorConfig:
     ppo_epochs: int = _f(1, "Passes over each rollout batch.", min=1)
     mini_batch_size: int = _f(32, "Samples per optimizer step, summed over ranks; divides rollout.batch_size * rollout.n.", min=1)
     micro_batch_size: int = _f(16, "Samples per forward/backward on one rank (gradient accumulation fills the mini-batch).", min=1)
+    max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one actor forward/backward (prompt + response tokens); null: micro_batch_size samples. Micro-batches are formed by total tokens and balanced, the same count on every rank; the loss stays the exact global token mean.", min=1)
     sft_warmup_steps: int = _f(0, "Supervised warm-up steps on the task's reference responses before PPO (built-in task only).", min=0)
+    lora_rank: int = _f(0, "LoRA rank of the actor's adapters (peft, pip install 'verl_ds[lora]'); 0: full fine-tuning. With LoRA only the adapters train, and no reference model is built: the reference is the actor with its adapters off. Adapters learn more slowly per step: raise actor.lr (1e-2 on the built-in task).", min=0)
+    lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' product B A is scaled by lora_alpha / lora_rank.", gt=0.0)
+    lora_dropout: float = _f(0.0, "Dropout on the adapters' input, in the update's forwards only (sampling and log-prob passes stay deterministic).", min=0.0, lt=1.0)
+    lora_target_modules: list = _f(["all-linear"], "Modules given adapters: names or dotted suffixes (e.g. [q_proj, v_proj]), checked against the model; ['all-linear']: every linear layer except the LM head.", items=str, nonempty=True)
 
 
 @dataclass
@@ -102,6 +110,11 @@ class CriticConfig:
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
     ppo_epochs: int = _f(1, "Critic passes over each rollout batch.", min=1)
     micro_batch_size: int = _f(16, "Samples per critic forward/backward on one rank (values and updates); capped at the per-rank mini-batch, which it must divide.", min=1)
+    max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one critic forward/backward (as actor.max_tokens_per_micro_batch); null: micro_batch_size samples.", min=1)
+    lora_rank: int = _f(0, "LoRA rank of adapters on the critic's backbone (peft); 0: the whole critic trains. The value head always trains.", min=0)
+    lora_alpha: float = _f(16.0, "Critic LoRA alpha (scale lora_alpha / lora_rank).", gt=0.0)
+    lora_dropout: float = _f(0.0, "Dropout on the critic adapters' input, in the update's forwards only.", min=0.0, lt=1.0)
+    lora_target_modules: list = _f(["all-linear"], "Critic backbone modules given adapters (as actor.lora_target_modules).", items=str, nonempty=True)
     cliprange_value: float = _f(0.5, "Value-loss clip range around the old values; 0 means no value clipping (the plain squared error).", min=0.0, max=1e6, hot="cliprange_value")
 
 
@@ -164,6 +177,7 @@ class TrainerConfig:
     val_n: int = _f(1, "Validation samples per prompt: >1 adds sampled val/mean@n, val/pass@1 and val/pass@n (unbiased, Chen et al. 2021) to the greedy score.", min=1)
     val_pass_threshold: float = _f(1.0, "A validation sample counts as correct for pass@k when its score is at least this.")
     export_hf: bool = _f(True, "Export the trained actor with save_pretrained (safetensors) at the end.")
+    export_format: Literal["merged", "adapter"] = _f("merged", "With actor.lora_rank > 0: merged (the adapters folded into the weights: a plain HF model for AutoModelForCausalLM) or adapter (peft's adapter files, for PeftModel.from_pretrained on the base; a model built from config also gets its base in hf_actor/base).")
     progress_bar: bool = _f(True, "Show a tqdm progress bar on rank 0.")
     plot: bool = _f(True, "Write reward_curve.png at the end (needs matplotlib).")
     tensorboard: bool = _f(False, "Also log to TensorBoard (if installed).")

@@ -261,7 +261,7 @@ class TrainableRole(BaseModel):
 
 
 def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: torch.Tensor, lr: float | None,
-                   who: str, skip: bool = False) -> dict | None:
+                   who: str, skip: bool = False, boundary: bool | None = None) -> dict | None:
     """backward + step for a DeepSpeed engine (``module.backward``/``module.step``) or a plain module with a
     torch optimizer; returns ``{"grad_norm", "skipped"}`` when an optimizer step was due (a DeepSpeed
     accumulation boundary, or always for a plain optimizer), else None.
@@ -271,6 +271,9 @@ def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: t
     every gradient is NaN and DeepSpeed's overflow check (a non-finite global norm) drops the step, clears
     the gradients and keeps its counters consistent (a NaN loss alone can leave the gradients finite at
     masked positions); without ZeRO nothing checks, so the gradients are dropped instead.
+    ``boundary`` (DeepSpeed engines): whether this micro-batch ends the accumulation, set by the caller (whose
+    loss is already normalised for the whole mini-batch: no division by the engine's accumulation count), so the
+    number of micro-batches may vary (token budgets); None leaves both to the engine's own counter.
     """
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
         raise ValueError(f"{who}.update: config['loss'] must be a scalar tensor that requires grad, got "
@@ -281,9 +284,12 @@ def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: t
         for group in opt.param_groups:
             group["lr"] = lr
     if engine_like:
+        explicit = boundary is not None
+        if explicit:
+            module.set_gradient_accumulation_boundary(bool(boundary))
         boundary = module.is_gradient_accumulation_boundary()
         zero = module.zero_optimization_stage() > 0
-        module.backward(loss * float("nan") if skip and zero else loss)
+        module.backward(loss * float("nan") if skip and zero else loss, scale_wrt_gas=not explicit)
         if skip and not zero:
             for p in module.module.parameters():
                 p.grad = None

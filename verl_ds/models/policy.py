@@ -14,7 +14,7 @@ from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_m
                                  position_ids_from_mask, unwrap_module)
 from verl_ds.state import SharedState
 
-__all__ = ["PolicyModel", "ReferenceModel", "filter_logits"]
+__all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "filter_logits"]
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float, who: str) -> None:
@@ -55,8 +55,10 @@ class ReferenceModel(LogProbRole):
 
     required_modules = ("lm",)
 
-    def __init__(self, lm: Any, state: SharedState | None = None):
+    def __init__(self, lm: Any, state: SharedState | None = None, remove_padding: bool = False,
+                 fused_lm_head: bool = False):
         super().__init__(state=state, lm=lm)
+        self.remove_padding, self.fused_lm_head = bool(remove_padding), bool(fused_lm_head)
         if not callable(lm):
             raise TypeError(f"{type(self).__name__}: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
                             f"{type(lm).__name__}")
@@ -105,11 +107,56 @@ class ReferenceModel(LogProbRole):
             raise ValueError(f"{who}: action must equal the last R={R} columns of observation; rows {rows} differ")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"{who}: temperature must be a float > 0, got {temperature!r}")
-        # (B, R+1, V): position t predicts response token t; read in place (no (B, R, V) copy kept for backward)
-        log_probs, entropy = response_logprobs(self._logits(observation, mask, R + 1), action.long(), temperature,
-                                               compute_entropy=return_entropy)
+        if self.remove_padding:  # the real tokens only, packed in one row (verl_ds.packing)
+            from verl_ds.models.packed_forward import packed_logprobs
+            from verl_ds.packing import pack
+
+            log_probs, entropy = packed_logprobs(self.lm, pack(observation, mask), R, temperature,
+                                                 compute_entropy=return_entropy, fused_lm_head=self.fused_lm_head)
+        elif self.fused_lm_head:
+            log_probs, entropy = self._fused_padded(observation, mask, action.long(), temperature, return_entropy)
+        else:  # (B, R+1, V): position t predicts response token t; read in place (no (B, R, V) copy for backward)
+            log_probs, entropy = response_logprobs(self._logits(observation, mask, R + 1), action.long(), temperature,
+                                                   compute_entropy=return_entropy)
         return (log_probs, entropy) if return_entropy else log_probs
 
+    def _fused_padded(self, observation, mask, action, temperature, return_entropy):
+        """The LM head returns the log-probs of the last R + 1 positions itself (no (B, R+1, V) logits); the last
+        position predicts nothing (ignore_index)."""
+        from verl_ds.models.packed_forward import lm_head_returns_logprobs
+
+        B, R = action.shape
+        labels = torch.cat([action, action.new_full((B, 1), -100)], 1).reshape(-1)
+        with lm_head_returns_logprobs(self.lm, labels, temperature, return_entropy):
+            out = self._logits(observation, mask, R + 1)  # (1, B*(R+1), 1 or 2): [log-prob, entropy]
+        out = out.reshape(B, R + 1, -1)[:, :-1]
+        return out[..., 0], (out[..., 1] if return_entropy else None)
+
+
+
+class AdaptersOffReferenceModel(ReferenceModel):
+    """The reference of a LoRA actor: the actor's own engine with its adapters switched off (peft's
+    ``disable_adapter()``) while it scores, i.e. the frozen base model, with no second copy of the weights.
+    ``lm`` is a peft model or a DeepSpeed engine around one; scoring is for no-grad passes (the trainer's
+    reference pass), and, as any shared module, not concurrently with the actor's own forwards."""
+
+    def __init__(self, lm: Any, state: SharedState | None = None, **kwargs):
+        super().__init__(lm, state=state, **kwargs)
+        inner = unwrap_module(lm)
+        if not callable(getattr(inner, "disable_adapter", None)):
+            raise TypeError(f"{type(self).__name__}: lm must be a peft model with LoRA adapters (or an engine around "
+                            f"one), got {type(inner).__name__}")
+
+    def get_logprob(self, *args, **kwargs):
+        """``ReferenceModel.get_logprob`` of the base model (adapters off for the call)."""
+        with unwrap_module(self.lm).disable_adapter():
+            return super().get_logprob(*args, **kwargs)
+
+    def torch_modules(self) -> list:
+        """The modules holding the frozen base weights (what this model scores with), for the registry's counts."""
+        return [m for m in unwrap_module(self.lm).modules()
+                if any(True for _ in m.parameters(recurse=False))
+                and not any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
 class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
@@ -120,8 +167,9 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
     ``lr_key`` is the SharedState key of its learning rate."""
 
     def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None):
-        super().__init__(lm, state=state)
+                 lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None,
+                 remove_padding: bool = False, fused_lm_head: bool = False):
+        super().__init__(lm, state=state, remove_padding=remove_padding, fused_lm_head=fused_lm_head)
         self._optimizer = optimizer
         self.lr_key = lr_key
         self._rollout_engine = rollout_engine
@@ -178,12 +226,14 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
         if loss is None:
             raise ValueError("PolicyModel.update: config must hold 'loss', the scalar loss tensor of this batch "
                              "(from PPOModel.compute_policy_loss)")
-        skip = bool(config.get("skip", False)) if isinstance(config, dict) else False
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: d)
         return optimizer_step(self.lm, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
-                              skip=skip)
+                              skip=bool(get("skip", False)), boundary=get("boundary"))
 
 
 def _forward_params(module: Any) -> set[str]:
+    if callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config"):
+        module = module.get_base_model()  # a peft model passes keyword arguments on to its base model's forward
     fwd = getattr(module, "forward", module)
     try:
         return set(inspect.signature(fwd).parameters)

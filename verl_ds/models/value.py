@@ -97,8 +97,9 @@ class ValueModel(ValueRole, TrainableRole):
     required_modules = ("net",)
 
     def __init__(self, net: nn.Module | Callable[[torch.Tensor], torch.Tensor], state: SharedState | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, lr_key: str = "critic_lr"):
+                 optimizer: torch.optim.Optimizer | None = None, lr_key: str = "critic_lr", remove_padding: bool = False):
         super().__init__(state=state, net=net)
+        self.remove_padding = bool(remove_padding)
         if not callable(net):
             raise TypeError(f"ValueModel: net must be an nn.Module or a callable fn(observation) -> Tensor, got "
                             f"{type(net).__name__}")
@@ -163,6 +164,11 @@ class ValueModel(ValueRole, TrainableRole):
         if isinstance(response_length, bool) or not isinstance(response_length, int) or not 1 <= response_length < T:
             raise ValueError(f"{who}: response_length (the response width R) must be an int with 1 <= R < T={T}, "
                              f"got {response_length!r}")
+        if self.remove_padding and self._is_network:  # the real tokens only, packed in one row (verl_ds.packing)
+            from verl_ds.models.packed_forward import packed_values
+            from verl_ds.packing import pack
+
+            return packed_values(self.net, pack(observation, mask), response_length)
         values = self._raw(observation, mask)
         if values.dim() != 2:
             raise ValueError(f"{who}: per-token values need a (B, T) output; the value function returned "
@@ -178,9 +184,9 @@ class ValueModel(ValueRole, TrainableRole):
                              "(from PPOModel.compute_value_loss)")
         if not self._is_network:
             raise ValueError("ValueModel.update: a plain value function has no parameters to train")
-        skip = bool(config.get("skip", False)) if isinstance(config, dict) else False
+        get = config.get if isinstance(config, dict) else (lambda k, d=None: d)
         return optimizer_step(self.net, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
-                              skip=skip)
+                              skip=bool(get("skip", False)), boundary=get("boundary"))
 
     def state_dict(self) -> dict:
         """{"lr_key": ...}: the weights are the engine's (DeepSpeed checkpoint)."""
