@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -41,11 +42,25 @@ def run_train(output_dir: str, overrides=(), nproc: int = 1, timeout: int = 240,
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                f"--master_port={free_port()}", TRAIN, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or base_env(), capture_output=True, text=True, timeout=timeout)
+    proc = run_group(cmd, env=env or base_env(), timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"training failed (exit {proc.returncode}):\n--- stdout ---\n{proc.stdout[-4000:]}\n"
                              f"--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_group(cmd: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group (torchrun's ranks included, which
+    would otherwise live on) and raise TimeoutExpired with what it printed."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def read_metrics(output_dir: str) -> list[dict]:
