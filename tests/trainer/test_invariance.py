@@ -2,13 +2,12 @@
 update however it is split into micro-batches, over 1 or 2 ranks, and with the torch or the Triton kernels; and the
 first mini-batch of a real step is exactly on-policy."""
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from e2e_utils import ROOT, base_env, free_port, read_metrics, run_train
+from e2e_utils import base_env, free_port, read_metrics, run_group, run_train
 
 PROBE = os.path.join(os.path.dirname(__file__), "update_probe.py")
 # one mini-batch of 8 samples per update: the whole fixed batch; no clipping so the update is a pure function
@@ -24,7 +23,7 @@ def _probe(tmp_path, name: str, overrides: list, nproc: int = 1, **env) -> dict:
     cmd = [sys.executable, PROBE, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
          PROBE, *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(**env), capture_output=True, text=True, timeout=600)
+    proc = run_group(cmd, env=base_env(**env), timeout=600)
     assert proc.returncode == 0, f"probe {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return torch.load(result)
 
