@@ -206,3 +206,14 @@ def global_masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8)
     mean = s / n
     var = (ss - n * mean * mean) / (n - 1)
     return ((x.to(torch.float64) - mean) / math.sqrt(max(var, 0.0) + eps)).to(torch.float32)
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's global RNGs from one seed (each rank passes its own)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

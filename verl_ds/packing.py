@@ -257,3 +257,12 @@ def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int 
         bins += [[] for _ in range(k - len(bins))]
     bins = _rebalance(bins, lengths, max_tokens)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def micro_batch_groups(batch, size: int, budget: int | None) -> list[list[int]]:
+    """Row groups of a RolloutBatch: ``size`` rows each, or by a token budget (prompt + response tokens per row)
+    with the same number of groups on every rank (a collective: ZeRO-3 forwards must line up)."""
+    if budget is None:
+        return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+    lengths = batch.mask.sum(-1).tolist()
+    return token_budget_micro_batches(lengths, budget, agree_num_micro_batches(count_micro_batches(lengths, budget)))

@@ -86,3 +86,18 @@ def previous_checkpoint(trainer, before_step: int) -> Optional[str]:
                 found = path
                 break
     return vdist.broadcast_object(found)
+
+
+def fall_back_after_resume(trainer, step: int, resumed: int) -> bool:
+    """Non-finite steps within a few steps of resuming from ``resumed`` (a checkpoint damaged where its digests do
+    not look, say): resume from the previous complete checkpoint instead (collective); False when there is none
+    or the run is past that window."""
+    if not resumed or step - resumed > 2 * trainer.cfg.trainer.max_bad_steps:
+        return False
+    earlier = previous_checkpoint(trainer, resumed)
+    if earlier is None:
+        return False
+    log.warning("step %d: non-finite values right after resuming from step %d: falling back once to the previous "
+                "complete checkpoint %s", step, resumed, earlier)
+    resume_from(trainer, earlier)
+    return True

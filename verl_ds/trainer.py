@@ -2,7 +2,8 @@
 call under a timer whose name is its metric key (``timing_s/<phase>``):
 
   boundary       hot changes and reward swaps take effect on every rank at once (``verl_ds.control``)
-  gen, reward    ``rollout_and_score``: n samples per prompt from the actor's ``get_action``, decoded, scored
+  gen, reward    ``rollout.collect``: n samples per prompt from the actor's ``get_action``, decoded and scored
+                 (ReMax's greedy baseline, DAPO's dynamic sampling rounds and overlong shaping when configured)
   old_log_prob   the actor's log-probs of the responses (``get_logprob``, no grad, micro-batched)
   ref            the reference's log-probs (only when a KL term needs them)
   values         the critic's values (only when the advantage estimator needs them)
@@ -17,38 +18,28 @@ Construction is ``verl_ds.builder.build``; the numerics are ``verl_ds.algos``; c
 from __future__ import annotations
 
 import logging
+import math
 import os
-import random
 import time
 from collections import defaultdict
 from typing import Optional
 
-import numpy as np
 import torch
 
-from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
 from verl_ds.builder import build, build_reward
-from verl_ds.config import Config, check_startup, initial_state, write_run_config
+from verl_ds.config import Config, check_startup, write_run_config
 from verl_ds.control import StepBoundary, start_control_server
 from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics
+from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
 from verl_ds.rewards import parse_reward_swap
 from verl_ds.rollout import SamplingError, collect
-from verl_ds.runtime import NonFiniteError, NonFiniteGuard, PreemptionHandler, explains_rank_failures
+from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
+                             raise_if_any_rank_failed)
 from verl_ds.runtime.preemption import stop_for_preemption
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-class StepFailed(RuntimeError):
-    """A step failed on some rank at a point every rank agrees on (no update was applied after it)."""
 
 
 class Trainer:
@@ -62,7 +53,7 @@ class Trainer:
         vdist.init_distributed(launch, cfg.trainer.dist_timeout_s, self.device)
         self.rank, self.world = vdist.rank(), vdist.world_size()
         self.is_main = self.rank == 0
-        seed_everything(cfg.trainer.seed * 1000 + self.rank)
+        vdist.seed_everything(cfg.trainer.seed * 1000 + self.rank)
         self.out_dir = cfg.trainer.output_dir
         self.ckpt_root = os.path.join(self.out_dir, "checkpoints")
         if self.is_main:
@@ -123,10 +114,7 @@ class Trainer:
             self.guard.sampling_error = str(exc)
         except Exception as exc:  # e.g. a reward function failing on one rank: every rank must stop together
             error = exc
-        errors = vdist.gather_object(None if error is None else f"{type(error).__name__}: {error}")
-        if any(errors):
-            raise StepFailed(f"step {step} failed before any update: " + "; ".join(
-                f"rank {r}: {e}" for r, e in enumerate(errors) if e)) from error
+        raise_if_any_rank_failed(error, f"step {step} failed before any update")
         if vdist.any_rank(rollout is None):
             self.guard.check_batch(None)
             return {**self.guard.end_step(step, None), "training/global_step": step}
@@ -134,7 +122,7 @@ class Trainer:
         temperature = hot["temperature"]  # this step's value, identical on every rank
         with torch.no_grad():
             r = cfg.rollout
-            log_prob_chunks = self._micro_batches(batch, r.log_prob_micro_batch_size, r.log_prob_max_tokens_per_micro_batch)
+            log_prob_chunks = micro_batch_groups(batch, r.log_prob_micro_batch_size, r.log_prob_max_tokens_per_micro_batch)
             with t("old_log_prob"):
                 batch.old_log_probs = self._no_grad_pass("actor", batch, log_prob_chunks, lambda m, b: m.get_logprob(
                     b.observation, b.action, b.mask, temperature))
@@ -144,7 +132,7 @@ class Trainer:
                         b.observation, b.action, b.mask, temperature))
             if self.ppo.needs_critic:
                 with t("values"):
-                    chunks = self._micro_batches(batch, cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch)
+                    chunks = micro_batch_groups(batch, cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch)
                     batch.values = self._no_grad_pass("critic", batch, chunks, lambda m, b: m.get_values(
                         b.observation, b.mask, b.response_width))
         baseline = batch.extras.get("baseline_score")
@@ -202,17 +190,6 @@ class Trainer:
                   "prompt_length", "response_length", "done", "next_observation"]
         return tuple(fields + (["values", "returns"] if self.ppo.needs_critic else []))
 
-    @staticmethod
-    def _micro_batches(batch, size: int, budget: Optional[int]) -> list[list[int]]:
-        """Row groups of ``batch``: ``size`` rows each, or by a token budget (prompt + response tokens) with the same
-        number of groups on every rank (a collective: ZeRO-3 forwards must line up)."""
-        if budget is None:
-            return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
-        from verl_ds.packing import agree_num_micro_batches, count_micro_batches, token_budget_micro_batches
-
-        lengths = batch.mask.sum(-1).tolist()
-        return token_budget_micro_batches(lengths, budget, agree_num_micro_batches(count_micro_batches(lengths, budget)))
-
     def _no_grad_pass(self, role: str, batch, groups: list, fn) -> torch.Tensor:
         """``fn(model, micro_batch)`` over the row groups, put back in the batch's row order."""
         model = self.registry.get(role)
@@ -232,7 +209,7 @@ class Trainer:
             # the same order on every run of this step (resume-exact), different per step/epoch/role
             gen = torch.Generator().manual_seed(((cfg.trainer.seed * 1_000_003 + step) * 101 + epoch) * 2 + (role == "actor"))
             for mini in batch.split(self.derived.mini_batch_per_rank, generator=gen, shuffle=True):
-                groups = self._micro_batches(mini, micro, budget)
+                groups = micro_batch_groups(mini, micro, budget)
                 normalizer = self._normalizer(mini)
                 for i, group in enumerate(groups):
                     mic = mini.select(group)
@@ -266,7 +243,7 @@ class Trainer:
         kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, self.state.get("kl_kind"))
         s, n = vdist.all_reduce_sum(torch.stack(observed_kl(kl, batch.response_mask))).tolist()
         current = s / max(n, 1.0)
-        if self.is_main and np.isfinite(current):  # a NaN KL would poison kl_coef for good
+        if self.is_main and math.isfinite(current):  # a NaN KL would poison kl_coef for good
             self.ppo.update(batch, {"observed_kl": current, "n_samples": len(batch) * self.world})
         return {"kl_ctrl/observed": current, "kl_ctrl/target": self.state.get("target_kl")}
 
@@ -282,7 +259,7 @@ class Trainer:
         """Run until ``trainer.total_steps``; returns a summary (reward before/after, time, tokens/s)."""
         from tqdm.auto import tqdm
 
-        from verl_ds.resume import maybe_resume, previous_checkpoint, resume_from, save_checkpoint
+        from verl_ds.resume import fall_back_after_resume, maybe_resume, save_checkpoint
 
         cfg = self.cfg
         try:
@@ -309,15 +286,10 @@ class Trainer:
                 try:
                     self.guard.raise_if_exhausted()  # NonFiniteError after trainer.max_bad_steps bad steps in a row
                 except NonFiniteError:
-                    earlier = previous_checkpoint(self, resumed) if resumed and not fell_back and \
-                        step - resumed <= 2 * cfg.trainer.max_bad_steps else None
-                    if earlier is None:
+                    if fell_back or not fall_back_after_resume(self, step, resumed):  # once, right after a resume
                         raise
-                    log.warning("step %d: non-finite values right after resuming from step %d: falling back once to "
-                                "the previous complete checkpoint %s", step, resumed, earlier)
-                    resumed, fell_back = resume_from(self, earlier), True
-                    self._last_saved = resumed
-                    bar.n = resumed
+                    resumed = self._last_saved = bar.n = self.state.get("global_step")
+                    fell_back = True
                     continue
                 bar.update(1)
                 bar.set_postfix(score=f"{metrics.get('rollout/score/mean', float('nan')):.3f}",

@@ -52,6 +52,7 @@ def main(result_path: str, overrides: list) -> None:
     from verl_ds.config import load_config
     from verl_ds.dist import detect_launch
     from verl_ds.metrics import reduce_metrics
+    from verl_ds.packing import micro_batch_groups
     from verl_ds import dist as vdist
     from verl_ds.trainer import Trainer
 
@@ -61,7 +62,7 @@ def main(result_path: str, overrides: list) -> None:
     before = {role: gathered(engines[role].module) for role in ("actor", "critic") if role in engines}
     batch = fixed_batch(trainer)
     T = trainer.state.get("temperature")
-    pairs = trainer._micro_batches(batch, 2, None)
+    pairs = micro_batch_groups(batch, 2, None)
     with torch.no_grad():
         batch.old_log_probs = trainer._no_grad_pass("actor", batch, pairs, lambda m, b: m.get_logprob(
             b.observation, b.action, b.mask, T))

@@ -49,3 +49,15 @@ def explains_rank_failures(method):
             raise RankFailure(msg) from exc
 
     return wrapper
+
+
+class StepFailed(RuntimeError):
+    """A step failed on some rank at a point every rank agrees on (no update was applied after it)."""
+
+
+def raise_if_any_rank_failed(error, what: str) -> None:
+    """Collective: StepFailed on every rank, naming each rank's error, when ``error`` is set on any rank (so the
+    ranks stop together instead of the healthy ones waiting in their next collective)."""
+    errors = vdist.gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if any(errors):
+        raise StepFailed(f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)) from error
