@@ -1,0 +1,352 @@
+"""LoRA adapters through ``peft`` (Hu et al. 2021, https://arxiv.org/abs/2106.09685; https://huggingface.co/docs/peft).
+
+With ``actor.lora_rank > 0`` the actor's base weights are frozen (partitioned like any parameter under ZeRO-3)
+and only the low-rank adapters train, so the optimizer state shrinks from 2 x the model to 2 x the adapters,
+and the frozen reference costs nothing: it is the actor with its adapters switched off (peft's
+``disable_adapter()``), not a second model. ``critic.lora_rank > 0`` does the same for the critic's backbone;
+its value head always trains.
+
+- ``apply_lora(model, spec, seed)``: wrap a HF model in a peft model after checking the target module names
+  (a name that matches nothing is a ConfigError with the model's close names); the adapters start the same on
+  every rank (their init runs under a forked RNG seeded from the model seed: the global RNG is untouched).
+- ``merged_groups(peft_model)``: the base model's parameters under their plain HF names, each LoRA layer's
+  weight merged (W + B A * alpha / r) while its parameters are gathered: the generation replica
+  (``MergedLoraReplica``, refreshed after every update) and the merged HF export use it, so neither ever
+  holds stale adapters and no module is merged in place.
+- ``export_adapter``: the adapters in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``),
+  loadable with ``PeftModel.from_pretrained(base, directory)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from verl_ds.config import ConfigError
+from verl_ds.engines.zero3 import full_shape, is_partitioned, persistent_buffers
+
+ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear/Conv1D layer except the output (LM) head
+ADAPTER_NAME = "default"
+LORA_SEED_OFFSET = {"actor": 101, "critic": 102}  # adapter init seeds: model.init_seed + offset, fixed per role
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA keys of one role (``actor.lora_*`` or ``critic.lora_*``)."""
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple
+    who: str = "actor"
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def lora_spec(section, who: str) -> Optional[LoraSpec]:
+    """The LoraSpec of a config section (``cfg.actor`` / ``cfg.critic``), or None when ``lora_rank`` is 0."""
+    rank = int(getattr(section, "lora_rank", 0) or 0)
+    if rank == 0:
+        return None
+    targets = tuple(getattr(section, "lora_target_modules", None) or (ALL_LINEAR,))
+    return LoraSpec(rank=rank, alpha=float(section.lora_alpha), dropout=float(section.lora_dropout),
+                    target_modules=targets, who=who)
+
+
+def _require_peft():
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("actor.lora_rank/critic.lora_rank > 0 needs the peft package: pip install 'verl_ds[lora]' "
+                          "(or pip install peft)") from None
+    return peft
+
+
+def is_peft_model(module) -> bool:
+    """Whether ``module`` (or the module under a DeepSpeed engine) is a peft model."""
+    module = getattr(module, "module", module)
+    return callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config")
+
+
+def adaptable_module_names(model: torch.nn.Module) -> list:
+    """Dotted names of the modules LoRA can wrap here (Linear, Conv1D, Embedding), in model order."""
+    from transformers.pytorch_utils import Conv1D
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, Conv1D)
+    return [name for name, m in model.named_modules() if name and isinstance(m, kinds)]
+
+
+def check_target_modules(model: torch.nn.Module, targets, who: str) -> None:
+    """ConfigError unless every target names modules of ``model`` (peft matches a name or a dotted suffix)."""
+    key = f"{who}.lora_target_modules"
+    targets = list(targets)
+    if not targets:
+        raise ConfigError(f"{key}: expected at least one module name (or ['{ALL_LINEAR}']), got []")
+    if ALL_LINEAR in targets:
+        if len(targets) > 1:
+            raise ConfigError(f"{key}: '{ALL_LINEAR}' already means every linear layer; use it alone, got {targets}")
+        return
+    names = adaptable_module_names(model)
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    owners: dict = {}  # weight -> the modules holding it (more than one: tied, e.g. an LM head and the embedding)
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.nn.Parameter):
+            owners.setdefault(id(weight), []).append(name)
+    for target in targets:
+        matched = [n for n in names if n == target or n.endswith("." + target)]
+        if not matched:
+            close = difflib.get_close_matches(target, leaves, n=3, cutoff=0.5)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+            raise ConfigError(f"{key}: no module named {target!r} in the {who} model{hint} (its adaptable modules: "
+                              f"{', '.join(leaves)}; or use '{ALL_LINEAR}')")
+        for n in matched:
+            tied = owners.get(id(getattr(model.get_submodule(n), "weight", None)), [n])
+            if len(tied) > 1:
+                raise ConfigError(f"{key}: {target!r} matches {n!r}, whose weight is tied to {[t for t in tied if t != n]} "
+                                  "(tie_word_embeddings); an adapter there cannot be merged into a plain model: "
+                                  "leave it out")
+
+
+class GradOnlyDropout(torch.nn.Dropout):
+    """LoRA dropout that acts only in forwards under grad (the update): the rollout, old and reference
+    log-prob passes run without grad and must score the same deterministic function (as an actor put in
+    eval mode for experience making and in train mode for the update)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) if torch.is_grad_enabled() else x
+
+
+def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int, task_type: Optional[str] = "CAUSAL_LM"):
+    """``model`` wrapped by ``peft.get_peft_model`` with ``spec``'s adapters; base weights frozen (plain or ZeRO-3
+    partitioned: the adapters are created whole and partitioned by ``deepspeed.initialize``). A, B start as
+    peft's default (A Kaiming-uniform, B zero: the wrapped model computes exactly the base model), drawn from a
+    generator seeded by ``seed`` so every rank and every run gets the same adapters."""
+    peft = _require_peft()
+    check_target_modules(model, spec.target_modules, spec.who)
+    targets = ALL_LINEAR if spec.target_modules == (ALL_LINEAR,) else list(spec.target_modules)
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
+                             bias="none", task_type=task_type)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+        except ValueError as exc:  # e.g. a target of a kind LoRA cannot wrap
+            raise ConfigError(f"{spec.who}.lora_target_modules={list(spec.target_modules)}: peft refused them: "
+                              f"{str(exc).splitlines()[0]}") from None
+    for module in wrapped.modules():
+        dropouts = getattr(module, "lora_dropout", None)
+        if isinstance(dropouts, torch.nn.ModuleDict):
+            for name, d in list(dropouts.items()):
+                if isinstance(d, torch.nn.Dropout):
+                    dropouts[name] = GradOnlyDropout(d.p)
+    return wrapped
+
+
+def trainable_parameters(model: torch.nn.Module) -> list:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts, full sizes under ZeRO-3."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = int(getattr(p, "ds_numel", p.numel()))
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+def adapters_off(module):
+    """A context in which the peft model under ``module`` (an engine or the model) runs as its base model."""
+    module = getattr(module, "module", module)
+    if not is_peft_model(module):
+        raise TypeError(f"adapters_off: expected a peft model (or an engine around one), got {type(module).__name__}")
+    return module.disable_adapter()
+
+
+# ---------------------------------------------------------------------------------------- merged weights
+
+
+def _lora_layer_class():
+    from peft.tuners.lora import LoraLayer
+
+    return LoraLayer
+
+
+def merged_groups(peft_model) -> list:
+    """[(params to gather, [(plain HF name, full shape, dtype, produce())])] in module order: the base model's
+    parameters under the names a plain HF model has, each LoRA layer's weight as W + delta of its active adapters.
+    ``produce()`` is called while the group's parameters are gathered; each parameter appears once."""
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    LoraLayer = _lora_layer_class()
+    groups, seen, inside = [], set(), None
+    for name, module in base.named_modules():
+        if inside is not None and name.startswith(inside):
+            continue  # a LoRA layer's own submodules (base_layer, lora_A, lora_B, dropout)
+        inside = None
+        if isinstance(module, LoraLayer):
+            inside = f"{name}."
+            layer = module.get_base_layer()
+            params = [p for p in module.parameters() if id(p) not in seen]
+            seen.update(id(p) for p in params)
+            outs = []
+            for pname, param in layer.named_parameters(recurse=False):
+                produce = _merged_weight(module, param) if pname == "weight" else param.detach
+                outs.append((f"{name}.{pname}", tuple(full_shape(param)), param.dtype, produce))
+            groups.append((params, outs))
+            continue
+        outs, params = [], []
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # a tied LM head: written once, under the embedding's name
+                continue
+            seen.add(id(param))
+            params.append(param)
+            outs.append((f"{name}.{pname}" if name else pname, tuple(full_shape(param)), param.dtype, param.detach))
+        if outs:
+            groups.append((params, outs))
+    return groups
+
+
+def _merged_weight(layer, weight) -> Callable[[], torch.Tensor]:
+    def produce() -> torch.Tensor:
+        if getattr(layer, "merged", False):
+            raise RuntimeError("merged_groups: a LoRA layer is merged in place; unmerge it first")
+        merged = weight.detach().clone()
+        if not getattr(layer, "disable_adapters", False):
+            for adapter in layer.active_adapters:
+                if adapter in layer.scaling:
+                    merged += layer.get_delta_weight(adapter).to(merged.dtype)
+        return merged
+    return produce
+
+
+def merged_buffers(peft_model) -> list:
+    """[(plain HF name, buffer)] of the base model's persistent buffers."""
+    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
+    return [(name.replace(".base_layer.", "."), buf) for name, buf in persistent_buffers(base)]
+
+
+def gathered(params):
+    """GatheredParameters over ``params`` when any is ZeRO-3 partitioned (a collective), else a no-op."""
+    if any(map(is_partitioned, params)):
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        return GatheredParameters(params, modifier_rank=None)
+    return contextlib.nullcontext()
+
+
+class MergedLoraReplica:
+    """A whole, plain HF model (the peft model's base class and config) for ``generate``, whose weights are the
+    actor's with the adapters merged in; ``refresh()`` (collective under ZeRO-3) recomputes them in place from the
+    current adapters, one module's parameters gathered at a time. The source is never modified."""
+
+    def __init__(self, source, device=None, dtype: Optional[torch.dtype] = None):
+        from verl_ds.engines.replica import build_empty_replica
+
+        self.source = getattr(source, "module", source)
+        if not is_peft_model(self.source):
+            raise TypeError(f"MergedLoraReplica: expected a peft model, got {type(self.source).__name__}")
+        self.model = build_empty_replica(self.source.get_base_model(), device=device, dtype=dtype)
+        dst = dict(self.model.named_parameters(remove_duplicate=False))
+        self._groups = merged_groups(self.source)
+        missing = [n for _, outs in self._groups for n, *_ in outs if n not in dst]
+        if missing:
+            raise ValueError(f"MergedLoraReplica: the replica lacks parameters {missing[:5]} of the source")
+        filled: dict = {}
+        for _, outs in self._groups:
+            for n, *_ in outs:
+                if filled.setdefault(id(dst[n]), n) != n:
+                    raise ValueError(f"MergedLoraReplica: replica parameters {filled[id(dst[n])]!r} and {n!r} are tied, "
+                                     "the source keeps them separate; the tying of the config differs from the source's")
+        unfilled = sorted({n for n, p in dst.items() if id(p) not in filled})
+        if unfilled:
+            raise ValueError(f"MergedLoraReplica: the source has nothing for replica parameters {unfilled[:5]}")
+        self._targets = {n: dst[n] for _, outs in self._groups for n, *_ in outs}
+        replica_buffers = dict(self.model.named_buffers())
+        self._buffers = [(buf, replica_buffers[n]) for n, buf in merged_buffers(self.source) if n in replica_buffers]
+        self.refreshes = 0
+
+    @torch.no_grad()
+    def refresh(self) -> torch.nn.Module:
+        """Copy the merged current weights into the replica; every rank must call it under ZeRO-3."""
+        for params, outs in self._groups:
+            with gathered(params):
+                for name, _, _, produce in outs:
+                    self._targets[name].copy_(produce())
+        for src, dst in self._buffers:
+            dst.copy_(src)
+        self.refreshes += 1
+        return self.model
+
+
+def rollout_engine_class():
+    """``HFRolloutEngine`` whose generation replica merges the actor's adapters at every refresh."""
+    from verl_ds.generation import HFRolloutEngine
+
+    class LoraRolloutEngine(HFRolloutEngine):
+        """HF ``generate`` from a LoRA actor: the replica holds W + B A * alpha / r, recomputed by ``refresh()``
+        after every update (``gather_params=False`` generates on the peft model itself, adapters active)."""
+
+        def refresh(self) -> None:
+            if not self.gather_params:
+                return
+            if self._replica is None:
+                self._replica = MergedLoraReplica(self.module, device=self.device)
+            self._replica.refresh()
+
+    return LoraRolloutEngine
+
+
+# ---------------------------------------------------------------------------------------- adapter export
+
+
+@torch.no_grad()
+def adapter_state_dict(peft_model) -> dict:
+    """The adapters' weights gathered whole, under the names peft saves (only meaningful on rank 0; collective)."""
+    from peft.utils import get_peft_model_state_dict
+
+    named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
+    sd = {}
+    for name, param in named:
+        with gathered([param]):
+            sd[name] = param.detach().to("cpu").clone()
+    return get_peft_model_state_dict(peft_model, state_dict=sd, save_embedding_layers=False)
+
+
+def export_adapter(engine_module, tokenizer, directory: str, base_model_path: Optional[str] = None) -> str:
+    """Write the adapters of ``engine_module`` (a peft model or an engine around one) in peft's format to
+    ``directory`` (every rank calls it; rank 0 writes). ``base_model_path`` is recorded as the base in
+    ``adapter_config.json``; without one (a model built from a config) the frozen base is also written in HF
+    format to ``directory/base`` and recorded instead, so ``PeftModel.from_pretrained(base, directory)`` works."""
+    from safetensors.torch import save_file
+
+    from verl_ds import dist as vdist
+    from verl_ds.export import export_hf
+
+    module = getattr(engine_module, "module", engine_module)
+    if not is_peft_model(module):
+        raise TypeError(f"export_adapter: the model has no LoRA adapters ({type(module).__name__}); "
+                        "use trainer.export_format=merged")
+    if base_model_path is None:
+        base_dir = os.path.join(directory, "base")
+        with adapters_off(module):  # the merged weights of a model with its adapters off: the base's
+            export_hf(module, tokenizer, base_dir)
+        base_model_path = os.path.abspath(base_dir)
+    sd = adapter_state_dict(module)
+    if vdist.rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        config = module.peft_config[ADAPTER_NAME]
+        config.base_model_name_or_path = base_model_path
+        config.save_pretrained(directory)
+        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(directory, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    vdist.barrier()
+    return directory
