@@ -223,6 +223,7 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     out = {"step_s": statistics.median(r["step_s"] for r in measured),
            "cpu_s": statistics.median(r["cpu_s"] for r in measured),
            "tokens_per_s": sum(r["tokens"] for r in measured) / sum(r["step_s"] for r in measured),
+           "cpu_tokens_per_s": sum(r["tokens"] for r in measured) / sum(r["cpu_s"] for r in measured),
            "score_first": statistics.fmean(r["score"] for r in rows[:k]),
            "score_last": statistics.fmean(r["score"] for r in rows[-k:])}
     if "gen" in rows[0]:  # the phases of one real step: the measured one whose time is nearest the median
@@ -231,6 +232,18 @@ def summarise(rows: list[dict], warmup: int) -> dict:
             pre = "cpu_" if clock == "cpu" else ""
             out[f"profile_{clock}"] = {"step_s": typical[key], **{p: typical[pre + p] for p in PHASES}}
     return out
+
+
+def _revision() -> str:
+    """The checkout's commit, '+changes' when verl_ds/ has uncommitted edits (the figures belong to that tree)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "verl_ds", "kernels"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "(no git)"
+    return (head or "(no git)") + ("+changes" if dirty else "")
 
 
 def _profile(name: str, prof: dict) -> str:
@@ -280,9 +293,10 @@ def main(argv=None) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"e2e_vs_trl: GRPO, {a.prompts_per_step} prompts x n={a.n} per step, micro-batch {a.micro_batch}, "
           f"max_new_tokens {a.max_new_tokens}, lr {a.lr}, beta {a.beta}, 1 process, CPU, OMP_NUM_THREADS={a.threads}, "
-          f"TRL {trl.__version__}, transformers {transformers.__version__}, load average {load:.1f}, work dir {work}")
+          f"TRL {trl.__version__}, transformers {transformers.__version__}, verl_ds {_revision()}, "
+          f"load average {load:.1f}, work dir {work}")
     header = f"{'size':5s} {'side':16s} {'steps':>5s} {'s/step':>7s} {'cpu s/step':>10s} {'tok/s':>7s} " \
-             f"{'score first':>11s} {'score last':>10s} {'wall s':>7s}"
+             f"{'tok/cpu-s':>9s} {'score first':>11s} {'score last':>10s} {'wall s':>7s}"
     print(header + "\n" + "-" * len(header), flush=True)
     results, ratios = {}, {}
     for size in sizes:
@@ -300,13 +314,14 @@ def main(argv=None) -> None:
         for side, fn in sides:
             rows, wall = fn()
             s = results[size, side] = summarise(rows, a.warmup)
-            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} "
+            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} {s['cpu_tokens_per_s']:9.0f} "
                   f"{s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}", flush=True)
         trl_s, ours = results[size, "trl"], results[size, f"verl_ds ZeRO-{stages[0]}"]
         key = "tiny" if size == "tiny" else "big"
         ratios[f"{key}_step_ratio"] = ours["step_s"] / trl_s["step_s"]
         ratios[f"{key}_tokens_per_s_ratio"] = ours["tokens_per_s"] / trl_s["tokens_per_s"]
         ratios[f"{key}_cpu_step_ratio"] = ours["cpu_s"] / trl_s["cpu_s"]
+        ratios[f"{key}_cpu_tokens_per_s_ratio"] = ours["cpu_tokens_per_s"] / trl_s["cpu_tokens_per_s"]
         ratios[f"{key}_score_last_diff"] = ours["score_last"] - trl_s["score_last"]
         print(f"      ({size}: {n_params / 1e6:.2f}M parameters)", flush=True)
     print("\nverl_ds per-phase profile of one step (the measured step nearest the median), in wall and CPU seconds:")

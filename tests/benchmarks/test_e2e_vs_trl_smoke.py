@@ -30,6 +30,7 @@ def test_summarise_by_hand():
     # measured step times 1 2 3 4 5 6 7 1 1 2 -> sorted 1 1 1 2 2 3 4 5 6 7: median (2 + 3) / 2
     assert s["step_s"] == 2.5
     assert s["cpu_s"] == 0.625
+    assert s["cpu_tokens_per_s"] == pytest.approx(310 / 8)  # the same tokens over 32 / 4 CPU seconds
     assert s["tokens_per_s"] == pytest.approx(310 / 32)  # 10+20+...+70+10+10+10 tokens over 32 s
     assert s["score_first"] == pytest.approx(0.25)
     assert s["score_last"] == pytest.approx(0.8)
@@ -77,14 +78,14 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
     table = {ln.split()[1]: ln.split() for ln in lines if ln.startswith("tiny ") and len(ln.split()) >= 8}
     assert set(table) == {"trl", "verl_ds"}, proc.stdout
     for row in table.values():
-        assert row[-7] == "2"  # both sides logged 2 steps
-        step_s, cpu_s, tok_s, first, last = map(float, row[-6:-1])
-        assert step_s > 0 and cpu_s > 0 and tok_s > 0 and 0 <= first <= 1 and 0 <= last <= 1
+        assert row[-8] == "2"  # both sides logged 2 steps
+        step_s, cpu_s, tok_s, cpu_tok_s, first, last = map(float, row[-7:-1])
+        assert step_s > 0 and cpu_s > 0 and tok_s > 0 and cpu_tok_s > 0 and 0 <= first <= 1 and 0 <= last <= 1
     final = re.fullmatch(r"e2e_vs_trl (.*)", lines[-1])
     assert final, lines[-1]
     figures = dict(kv.split("=") for kv in final.group(1).split())
-    assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_cpu_step_ratio", "tiny_score_last_diff",
-            "load"} <= set(figures)
+    assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_cpu_step_ratio", "tiny_cpu_tokens_per_s_ratio",
+            "tiny_score_last_diff", "load"} <= set(figures)
     assert all(math.isfinite(float(v)) for v in figures.values())
     for clock in ("wall", "cpu"):
         assert any(f"tiny verl_ds ZeRO-0 {clock}: step" in ln and "update_actor" in ln for ln in lines), clock
