@@ -29,9 +29,10 @@ setup(
     install_requires=install_requires,
     extras_require={
         "dev": ["pytest>=7", "pytest-timeout>=2.1", "matplotlib>=3.7", "pyarrow>=14", "datasets>=2.18",
-                "math-verify>=0.9"],
+                "math-verify>=0.9", "peft>=0.13"],
         "plot": ["matplotlib>=3.7"],
         "math": ["math-verify>=0.9"],  # the math_verify reward
+        "lora": ["peft>=0.13"],  # actor.lora_rank / critic.lora_rank > 0 (verl_ds.engines.lora)
     },
     entry_points={"console_scripts": ["verl-ds=verl_ds.cli:main"]},
 )

@@ -15,7 +15,9 @@ with a file whose first or last MiB changed (overwritten, a torn write; a torch/
 index at the end) is skipped, with a message naming it, for the previous complete one. ``verify(mode="full")``
 re-hashes every byte (a bit flip in the middle of a large shard), each rank a share of the files.
 
-Frozen engines (the reference, a reward model) are not saved: they are rebuilt from the model.
+Frozen engines (the reference, a reward model) are not saved: they are rebuilt from the model. Nor is the
+frozen base of a LoRA engine: its checkpoint holds the adapters and their optimizer state, and the manifest
+records what each engine trains (``trainable_signature``), so a resume with other LoRA keys is refused.
 
 Another world size (elastic resume): a ZeRO-1/2/3 engine saved by N ranks is converted once by
 DeepSpeed's ``ds_to_universal`` (``verl_ds.engines.universal``) and loaded by M ranks, weights and Adam
@@ -265,6 +267,27 @@ def _trained(engines: dict) -> dict:
     return {role: e for role, e in engines.items() if getattr(e, "basic_optimizer", None) is not None}
 
 
+def _has_frozen(engine) -> bool:
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
+def trainable_signature(engine) -> dict:
+    """What an engine trains: count, total size and a digest of the names and shapes of its trainable parameters
+    (LoRA adapters or every weight), and whether it has a frozen base."""
+    h, tensors, numel = hashlib.sha256(), 0, 0
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            h.update(f"{name}:{shape};".encode())
+            tensors, numel = tensors + 1, numel + int(np.prod(shape, dtype=np.int64))
+    return {"tensors": tensors, "numel": numel, "digest": h.hexdigest()[:16], "frozen_base": _has_frozen(engine)}
+
+
+def _describe_trainable(sig: dict) -> str:
+    base = "adapters on a frozen base" if sig.get("frozen_base") else "every weight"
+    return f"{sig.get('tensors')} tensors, {sig.get('numel')} parameters ({base})"
+
+
 def _zero_stage(engine) -> int:
     stage = getattr(engine, "zero_optimization_stage", None)
     return int(stage()) if callable(stage) else 0
@@ -291,8 +314,9 @@ def save(ckpt_root: str, step: int, engines: dict, trainer_state: dict, keep_las
             shutil.rmtree(step_dir)
         os.makedirs(step_dir, exist_ok=True)
     vdist.barrier()
-    for role, engine in trained.items():
-        engine.save_checkpoint(os.path.join(step_dir, role), tag=TAG, save_latest=False)
+    for role, engine in trained.items():  # a frozen base (LoRA) is rebuilt from the model, never saved
+        engine.save_checkpoint(os.path.join(step_dir, role), tag=TAG, save_latest=False,
+                               exclude_frozen_parameters=_has_frozen(engine))
         hook(f"after_{role}")
     torch.save(rng_state(), os.path.join(step_dir, f"rng_rank{vdist.rank()}.pt"))
     if vdist.rank() == 0:
@@ -311,7 +335,8 @@ def save(ckpt_root: str, step: int, engines: dict, trainer_state: dict, keep_las
         _fsync_tree(step_dir)
         hook("before_manifest")
         manifest = {"step": step, "world_size": vdist.world_size(), "roles": list(trained),
-                    "zero_stage": {role: _zero_stage(e) for role, e in trained.items()}, "files": files,
+                    "zero_stage": {role: _zero_stage(e) for role, e in trained.items()},
+                    "trainable": {role: trainable_signature(e) for role, e in trained.items()}, "files": files,
                     "digests": {rel: edge_digest(os.path.join(step_dir, rel)) for rel in files}}
         if full:
             manifest["sha256"] = full
@@ -354,7 +379,9 @@ def _load_engine(step_dir: str, role: str, engine, saved_world: int, stage: int)
 
     role_dir = os.path.join(step_dir, role)
     if saved_world == vdist.world_size() or stage == 0:  # stage 0 states are whole: any world size
-        path, _ = engine.load_checkpoint(role_dir, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        # a LoRA engine's checkpoint lacks the frozen base by design (its trainable set was checked above)
+        path, _ = engine.load_checkpoint(role_dir, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                         load_module_strict=not _has_frozen(engine))
     else:
         uni_dir = os.path.join(role_dir, "universal")
         error = None
@@ -395,6 +422,10 @@ def load(step_dir: str, engines: dict, verify: str = "edges", seed: int = 0) -> 
         if role in stages and stages[role] != _zero_stage(engine):
             raise CheckpointError(f"{step_dir}: the {role} was saved at ZeRO stage {stages[role]}, this run uses stage "
                                   f"{_zero_stage(engine)}; resume with deepspeed.zero_stage={stages[role]}")
+        saved_sig, sig = manifest.get("trainable", {}).get(role), trainable_signature(engine)
+        if saved_sig is not None and saved_sig["digest"] != sig["digest"]:
+            raise CheckpointError(f"{step_dir}: the {role} was saved training {_describe_trainable(saved_sig)}, this run "
+                                  f"trains {_describe_trainable(sig)}; resume with the same {role}.lora_* keys")
         _load_engine(step_dir, role, engine, saved_world, stages.get(role, _zero_stage(engine)))
     state_file = os.path.join(step_dir, "trainer_state.pt")
     if not os.path.isfile(state_file):

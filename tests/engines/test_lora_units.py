@@ -1,0 +1,232 @@
+"""LoRA through peft on plain HF models (no DeepSpeed): the config keys, target checks with hints, the adapters'
+seeded init, the merged weights against a float64 reference, the adapters-off reference, GradOnlyDropout, and the
+merged / adapter exports loaded back by transformers / peft."""
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+from verl_ds.config import ConfigError, load_config  # noqa: E402
+from verl_ds.engines import lora  # noqa: E402
+
+VOCAB = 40
+
+
+def tiny_llama(seed=0, tied=False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def spec(rank=4, alpha=8.0, dropout=0.0, targets=("all-linear",), who="actor"):
+    return lora.LoraSpec(rank=rank, alpha=alpha, dropout=dropout, target_modules=tuple(targets), who=who)
+
+
+def randomize_adapters(model, seed=1, scale=0.2):
+    """Give every adapter tensor non-zero values (B starts at 0: the merged model would equal the base)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
+def ids(B=3, T=7, seed=2):
+    return torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------- config keys
+
+
+def test_config_keys_default_off_and_flat():
+    cfg = load_config(overrides=["actor.lora_rank=8", "actor.lora_target_modules=[q_proj, v_proj]"])
+    assert lora.lora_spec(cfg.critic, "critic") is None
+    s = lora.lora_spec(cfg.actor, "actor")
+    assert (s.rank, s.alpha, s.dropout, s.target_modules) == (8, 16.0, 0.0, ("q_proj", "v_proj"))
+    assert s.scaling == 2.0
+    assert load_config().trainer.export_format == "merged"
+
+
+@pytest.mark.parametrize("override, key, why", [
+    ("actor.lora_rank=-1", "actor.lora_rank", "out of range"),
+    ("critic.lora_rank=2.5", "critic.lora_rank", "expected int"),
+    ("actor.lora_alpha=0", "actor.lora_alpha", "out of range"),
+    ("actor.lora_dropout=1.0", "actor.lora_dropout", "out of range"),
+    ("actor.lora_target_modules=q_proj", "actor.lora_target_modules", "expected list"),
+    ("actor.lora_target_modules=['']", "actor.lora_target_modules", "must not be empty"),
+    ("trainer.export_format=adaptor", "trainer.export_format", "did you mean 'adapter'"),
+    ("actor.lora_rnak=8", "actor.lora_rnak", "did you mean 'lora_rank'"),
+])
+def test_bad_config_values_are_named(override, key, why):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert key in str(err.value) and why in str(err.value)
+
+
+def test_unknown_target_module_names_the_key_and_suggests():
+    model = tiny_llama()
+    with pytest.raises(ConfigError) as err:
+        lora.check_target_modules(model, ["q_proj", "v_prj"], "actor")
+    msg = str(err.value)
+    assert "actor.lora_target_modules" in msg and "'v_prj'" in msg and "did you mean 'v_proj'" in msg
+    assert "down_proj" in msg and "all-linear" in msg  # the model's adaptable names are listed
+    with pytest.raises(ConfigError, match="use it alone"):
+        lora.check_target_modules(model, ["all-linear", "q_proj"], "critic")
+    with pytest.raises(ConfigError, match="at least one"):
+        lora.check_target_modules(model, [], "actor")
+    lora.check_target_modules(model, ["self_attn.q_proj", "lm_head", "embed_tokens"], "actor")  # suffixes are fine
+    with pytest.raises(ConfigError, match="critic.lora_target_modules.*'mlp'"):  # a container is not adaptable
+        lora.check_target_modules(model, ["mlp"], "critic")
+
+
+# ---------------------------------------------------------------------------------------------- adapters
+
+
+def test_apply_lora_freezes_base_seeds_adapters_and_leaves_the_rng():
+    base = tiny_llama()
+    before = torch.get_rng_state()
+    a = lora.apply_lora(base, spec(targets=["q_proj", "v_proj"]), seed=5)
+    assert torch.equal(torch.get_rng_state(), before)  # forked: a resumed run draws the same numbers
+    b = lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "v_proj"]), seed=5)
+    c = lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "v_proj"]), seed=6)
+    trainable = {n for n, p in a.named_parameters() if p.requires_grad}
+    # 2 layers x (q, v) x (A, B)
+    assert len(trainable) == 8 and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    pa, pb, pc = (dict(m.named_parameters()) for m in (a, b, c))
+    for n in trainable:
+        assert torch.equal(pa[n], pb[n])
+        if ".lora_B." in n:
+            assert not pa[n].any()  # B = 0: the wrapped model is exactly the base at the start
+        else:
+            assert not torch.equal(pa[n], pc[n])
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=x).logits, tiny_llama()(input_ids=x).logits)
+
+
+def test_merged_weight_matches_a_float64_loop():
+    model = lora.apply_lora(tiny_llama(), spec(rank=3, alpha=6.0, targets=["o_proj"]), seed=0)
+    randomize_adapters(model)
+    groups = lora.merged_groups(model)
+    outs = {name: produce for _, group in groups for name, _, _, produce in group}
+    layer = model.get_base_model().model.layers[1].self_attn.o_proj
+    W = layer.base_layer.weight.detach().double()
+    A, B = layer.lora_A["default"].weight.detach().double(), layer.lora_B["default"].weight.detach().double()
+    expected = W.clone()
+    for i in range(W.shape[0]):
+        for j in range(W.shape[1]):
+            expected[i, j] += sum(B[i, k] * A[k, j] for k in range(3)) * (6.0 / 3)
+    got = outs["model.layers.1.self_attn.o_proj.weight"]()
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-6)
+    # plain HF names only, every base parameter once
+    names = [n for _, group in groups for n, *_ in group]
+    assert names == [n for n, _ in tiny_llama().named_parameters()]
+
+
+def test_merged_groups_respect_disabled_adapters_and_tied_heads():
+    with pytest.raises(ConfigError, match="'lm_head'.*tied to \\['model.embed_tokens'\\]"):
+        lora.apply_lora(tiny_llama(tied=True), spec(targets=["q_proj", "lm_head"]), seed=0)
+    with pytest.raises(ConfigError, match="'embed_tokens'.*tied to \\['lm_head'\\]"):
+        lora.apply_lora(tiny_llama(tied=True), spec(targets=["embed_tokens"]), seed=0)
+    model = lora.apply_lora(tiny_llama(tied=True), spec(targets=["q_proj", "o_proj"]), seed=0)
+    randomize_adapters(model)
+    base = tiny_llama(tied=True)
+    with lora.adapters_off(model):
+        values = {n: produce() for _, group in lora.merged_groups(model) for n, _, _, produce in group}
+    assert values.keys() == dict(base.named_parameters()).keys()  # the tied head once, under the embedding
+    for n, p in base.named_parameters():
+        assert torch.equal(values[n], p), n
+    with pytest.raises(TypeError, match="expected a peft model"):
+        lora.adapters_off(base)
+
+
+def test_grad_only_dropout():
+    model = lora.apply_lora(tiny_llama(), spec(dropout=0.5), seed=0)
+    drops = [m for m in model.modules() if isinstance(m, lora.GradOnlyDropout)]
+    assert drops and all(d.p == 0.5 for d in drops)
+    model.train()
+    x = torch.ones(4, 1000)
+    with torch.no_grad():
+        assert torch.equal(drops[0](x), x)
+    y = drops[0](x.requires_grad_())
+    assert (y == 0).any() and torch.allclose(y[y != 0], torch.full_like(y[y != 0], 2.0))
+
+
+# ---------------------------------------------------------------------------------------------- reference
+
+
+def test_adapters_off_reference_scores_the_base_model():
+    from verl_ds.models import PolicyModel
+    from verl_ds.models.policy import AdaptersOffReferenceModel, ReferenceModel
+
+    base = tiny_llama()
+    model = lora.apply_lora(tiny_llama(), spec(), seed=0)
+    randomize_adapters(model)
+    ref, actor, plain = AdaptersOffReferenceModel(model), PolicyModel(model), ReferenceModel(base)
+    x = ids(B=2, T=9)
+    R = 4
+    with torch.no_grad():
+        ref_lp = ref.get_logprob(x, x[:, -R:])
+        base_lp = plain.get_logprob(x, x[:, -R:])
+        actor_lp = actor.get_logprob(x, x[:, -R:])
+        # float64 reference: log softmax of the base model's logits at the positions predicting the response
+        logits = base(input_ids=x).logits.double()[:, -R - 1:-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, x[:, -R:, None]).squeeze(-1)
+    torch.testing.assert_close(ref_lp.double(), expected, rtol=0, atol=1e-5)
+    assert torch.equal(ref_lp, base_lp)
+    assert (actor_lp - ref_lp).abs().max() > 1e-3  # the actor does use its adapters
+    assert not any(m.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters for m in [model])
+    with pytest.raises(TypeError, match="peft model with LoRA adapters"):
+        AdaptersOffReferenceModel(base)
+
+
+# ---------------------------------------------------------------------------------------------- exports
+
+
+def test_export_merged_loads_as_a_plain_model_with_the_policy_outputs(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl_ds.export import export_hf
+
+    model = lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "down_proj", "lm_head"]), seed=0)
+    randomize_adapters(model)
+    export_hf(model, None, str(tmp_path / "merged"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert type(loaded).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in n or "base_layer" in n for n, _ in loaded.named_parameters())
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, model(input_ids=x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_export_adapter_with_and_without_a_base_path(tmp_path):
+    from peft import PeftModel
+
+    model = lora.apply_lora(tiny_llama(), spec(rank=2, targets=["k_proj", "up_proj"]), seed=0)
+    randomize_adapters(model)
+    x = ids()
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    # a model built from config: its frozen base is written beside the adapters
+    out = lora.export_adapter(model, None, str(tmp_path / "adapter"))
+    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert cfg["r"] == 2 and cfg["base_model_name_or_path"] == os.path.abspath(os.path.join(out, "base"))
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "base"))
+    loaded = PeftModel.from_pretrained(base, out).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-6, atol=1e-6)
+    # a base on disk: recorded, not copied
+    out2 = lora.export_adapter(model, None, str(tmp_path / "adapter2"), base_model_path="/models/base")
+    assert not os.path.exists(os.path.join(out2, "base"))
+    assert json.load(open(os.path.join(out2, "adapter_config.json")))["base_model_name_or_path"] == "/models/base"
+    with pytest.raises(TypeError, match="no LoRA adapters"):
+        lora.export_adapter(tiny_llama(), None, str(tmp_path / "x"))
