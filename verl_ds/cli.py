@@ -65,24 +65,10 @@ def cmd_train(args) -> int:
     install_from_env(trainer)  # VERL_DS_FAULT: tests break real runs at chosen points
     summary = trainer.fit()
     if launch.rank == 0:
+        from verl_ds.report import format_summary
+
         print(format_summary(summary), flush=True)
     return 0
-
-
-def format_summary(s: dict) -> str:
-    lines = ["", "=== verl_ds summary ===", f"steps: {s['steps']}   time: {s['elapsed_s']:.1f} s   "
-             f"throughput: {s['tokens_per_s']:.0f} tokens/s"]
-    if "reward_first10" in s:
-        lines.append(f"train reward: first 10% of steps {s['reward_first10']:.3f} -> last 10% {s['reward_last10']:.3f} "
-                     f"({s['reward_last10'] - s['reward_first10']:+.3f})")
-    if "val_before" in s:
-        lines.append(f"validation reward (greedy): {s['val_before']:.3f} -> {s['val_after']:.3f}")
-    lines.append(f"run directory: {s['output_dir']}")
-    if s.get("reward_curve"):
-        lines.append(f"reward curve: {s['reward_curve']}")
-    if s.get("export_dir"):
-        lines.append(f"HF export: {s['export_dir']}")
-    return "\n".join(lines)
 
 
 def cmd_config(args) -> int:

@@ -160,11 +160,15 @@ class Trainer:
                 with t("kl_ctrl"):
                     metrics.update(self._update_kl_controller(batch))
         rm = batch.response_mask
+        lp_diff = (batch.rollout_log_probs - batch.old_log_probs).abs() * rm  # sampler vs trainer (vLLM, bf16)
+        lp_diff_max = lp_diff.max().to(vdist.comm_device(), torch.float64)
+        if self.world > 1:  # the largest over every rank's tokens, not a mean of per-rank maxima
+            torch.distributed.all_reduce(lp_diff_max, op=torch.distributed.ReduceOp.MAX)
         metrics.update({
             "response_length/mean": batch.response_length.float().mean(),
             "response_length/clip_ratio": (~batch.done).float().mean(),
             "prompt_length/mean": batch.prompt_length.float().mean(),
-            "rollout/log_prob_diff_mean": ((batch.rollout_log_probs - batch.old_log_probs).abs() * rm).sum() / rm.sum(),
+            "rollout/log_prob_diff_mean": lp_diff.sum() / rm.sum(), "rollout/log_prob_diff_max": lp_diff_max,
             "actor/kl_coef": hot["kl_coef"], "state/temperature": temperature,
             "state/version": float(self.state.version), "state/reward_version": float(hot["reward_version"])})
         metrics = reduce_metrics(metrics)  # the step's one host sync of the metrics
@@ -313,7 +317,7 @@ class Trainer:
             self.close()
             raise
         summary = summarize(self.metrics.history(), self.state.get("global_step"), time.perf_counter() - t0, tokens,
-                            self.out_dir, export_dir, plot=cfg.trainer.plot, write=self.is_main)
+                            self.out_dir, export_dir, plot=cfg.trainer.plot, write=self.is_main, resumed_from=start)
         self.close()
         return summary
 

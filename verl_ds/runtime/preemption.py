@@ -24,7 +24,8 @@ class Preempted(SystemExit):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
         saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no step had finished)"
         self.message = (f"verl_ds: {signal_name} received: stopped after step {step}, {saved}; exiting with "
-                        f"{PREEMPTED_EXIT_CODE} so the job is requeued (trainer.resume=auto continues)")
+                        f"{PREEMPTED_EXIT_CODE} (the Slurm scripts requeue a preempted job on it, up to MAX_REQUEUES; "
+                        f"a restart with trainer.resume=auto continues)")
 
 
 class PreemptionHandler:
