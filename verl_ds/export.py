@@ -204,3 +204,21 @@ def export_hf(engine_module, tokenizer, directory: str, max_shard_size: Union[in
             tokenizer.save_pretrained(directory)
     vdist.barrier()
     return directory
+
+
+EXPORT_FORMATS = ("merged", "adapter")
+
+
+def export_actor(engine_module, tokenizer, directory: str, fmt: str = "merged",
+                 base_model_path: Optional[str] = None) -> str:
+    """The trained actor per ``trainer.export_format``: ``merged`` (``export_hf``: a plain HF model; a LoRA actor
+    with its adapters folded in) or ``adapter`` (``verl_ds.engines.lora.export_adapter``: peft's adapter files
+    recording ``base_model_path`` as the base, or with the base written to ``directory/base`` when it is None).
+    Every rank must call it; returns ``directory``."""
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"export format: expected one of {EXPORT_FORMATS}, got {fmt!r}")
+    if fmt == "adapter":
+        from verl_ds.engines.lora import export_adapter
+
+        return export_adapter(engine_module, tokenizer, directory, base_model_path=base_model_path)
+    return export_hf(engine_module, tokenizer, directory)

@@ -230,3 +230,16 @@ def test_export_adapter_with_and_without_a_base_path(tmp_path):
     assert json.load(open(os.path.join(out2, "adapter_config.json")))["base_model_name_or_path"] == "/models/base"
     with pytest.raises(TypeError, match="no LoRA adapters"):
         lora.export_adapter(tiny_llama(), None, str(tmp_path / "x"))
+
+
+def test_export_actor_dispatches_on_the_format(tmp_path):
+    from verl_ds.export import export_actor
+
+    model = lora.apply_lora(tiny_llama(), spec(rank=2, targets=["q_proj"]), seed=0)
+    export_actor(model, None, str(tmp_path / "m"))
+    assert os.path.isfile(tmp_path / "m" / "model.safetensors") and not os.path.exists(tmp_path / "m" / "base")
+    export_actor(model, None, str(tmp_path / "a"), fmt="adapter", base_model_path="/base")
+    assert os.path.isfile(tmp_path / "a" / "adapter_model.safetensors")
+    assert not os.path.exists(tmp_path / "a" / "model.safetensors")
+    with pytest.raises(ValueError, match="expected one of .*'merged', 'adapter'.*got 'lora'"):
+        export_actor(model, None, str(tmp_path / "x"), fmt="lora")
