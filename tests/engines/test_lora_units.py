@@ -243,3 +243,9 @@ def test_export_actor_dispatches_on_the_format(tmp_path):
     assert not os.path.exists(tmp_path / "a" / "model.safetensors")
     with pytest.raises(ValueError, match="expected one of .*'merged', 'adapter'.*got 'lora'"):
         export_actor(model, None, str(tmp_path / "x"), fmt="lora")
+
+
+def test_fused_lm_head_refuses_an_adapted_head():
+    lora.check_fused_head(lora.apply_lora(tiny_llama(), spec(), seed=0))  # all-linear leaves the head out
+    with pytest.raises(ConfigError, match="model.fused_lm_head.*actor.lora_target_modules"):
+        lora.check_fused_head(lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "lm_head"]), seed=0))

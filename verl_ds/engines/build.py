@@ -20,7 +20,7 @@ import torch
 
 from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
-from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, lora_spec
+from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
 from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
                                    partitioned_construction, release_free_memory)
 
@@ -301,6 +301,8 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
         del sft_engine, source
     if actor_model is not None and actor_lora is not None:  # adapters on the (warmed-up) actor; its base is frozen
         actor_model = apply_lora(actor_model, actor_lora, seed=cfg.model.init_seed + LORA_SEED_OFFSET["actor"])
+        if cfg.model.fused_lm_head:
+            check_fused_head(actor_model)
     if "critic" in models and critic_lora is not None:  # the backbone gets adapters, the value head trains whole
         models["critic"].backbone = apply_lora(models["critic"].backbone, critic_lora, task_type=None,
                                                seed=cfg.model.init_seed + LORA_SEED_OFFSET["critic"])

@@ -19,7 +19,9 @@ its value head always trains.
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -111,6 +113,16 @@ def check_target_modules(model: torch.nn.Module, targets, who: str) -> None:
                 raise ConfigError(f"{key}: {target!r} matches {n!r}, whose weight is tied to {[t for t in tied if t != n]} "
                                   "(tie_word_embeddings); an adapter there cannot be merged into a plain model: "
                                   "leave it out")
+
+
+def check_fused_head(peft_model) -> None:
+    """ConfigError when the LM head itself has adapters: the fused LM head (``model.fused_lm_head``) computes
+    log-probs from the head's weight, which would silently skip the adapter's delta."""
+    head = peft_model.get_output_embeddings() if hasattr(peft_model, "get_output_embeddings") else None
+    if isinstance(head, _lora_layer_class()):
+        raise ConfigError("model.fused_lm_head=true reads the LM head's weight directly, but actor.lora_target_modules "
+                          "gives the LM head adapters (their update would be skipped): leave the head out of "
+                          "actor.lora_target_modules or set model.fused_lm_head=false")
 
 
 class GradOnlyDropout(torch.nn.Dropout):
@@ -285,6 +297,7 @@ class MergedLoraReplica:
         return self.model
 
 
+@functools.lru_cache(maxsize=None)
 def rollout_engine_class():
     """``HFRolloutEngine`` whose generation replica merges the actor's adapters at every refresh."""
     from verl_ds.generation import HFRolloutEngine
@@ -341,7 +354,7 @@ def export_adapter(engine_module, tokenizer, directory: str, base_model_path: Op
     sd = adapter_state_dict(module)
     if vdist.rank() == 0:
         os.makedirs(directory, exist_ok=True)
-        config = module.peft_config[ADAPTER_NAME]
+        config = copy.copy(module.peft_config[ADAPTER_NAME])
         config.base_model_name_or_path = base_model_path
         config.save_pretrained(directory)
         save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(directory, "adapter_model.safetensors"),
