@@ -43,15 +43,21 @@ def run_ranks(script: str, world: int, tmp_path, args=(), timeout: int = 600, en
         procs.append(subprocess.Popen([sys.executable, path, pattern, *map(str, args)], env=env, stdout=log,
                                       stderr=subprocess.STDOUT))
     failed = []
-    for rank, proc in enumerate(procs):
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
+    try:
+        for rank, proc in enumerate(procs):
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+                for p in procs:
+                    p.kill()
+            if rc != 0:
+                failed.append((rank, rc))
+    finally:  # interrupted (pytest-timeout, Ctrl-C): never leave ranks behind
+        for p in procs:
+            if p.poll() is None:
                 p.kill()
-            rc = "timeout"
-        if rc != 0:
-            failed.append((rank, rc))
+                p.wait()
     outputs = []
     for log in logs:
         log.seek(0)

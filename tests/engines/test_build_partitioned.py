@@ -75,6 +75,7 @@ json.dump(out, open(sys.argv[1] % rank, "w"))
 '''
 
 
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("stage,sft", [(3, "none"), (3, "sft"), (2, "none")])
 def test_engines_built_partitioned_on_two_ranks(tmp_path, stage, sft):
     reward = "-"

@@ -118,6 +118,7 @@ json.dump(res, open(sys.argv[1] % rank, "w"))
 '''
 
 
+@pytest.mark.timeout(1200)
 def test_replica_and_export_on_two_ranks(tmp_path):
     results = run_ranks(WORKER, 2, tmp_path, args=(tmp_path,), timeout=900)
     for rank, r in enumerate(results):

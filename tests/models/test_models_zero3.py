@@ -8,6 +8,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -77,6 +79,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.timeout(1200)
 def test_models_over_zero3_engines():
     with tempfile.TemporaryDirectory() as tmp:
         script, result = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
