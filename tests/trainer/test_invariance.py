@@ -29,13 +29,17 @@ def _probe(tmp_path, name: str, overrides: list, nproc: int = 1, **env) -> dict:
 
 
 def _assert_same_update(a: dict, b: dict, rtol: float = 1e-5) -> None:
-    """Each parameter's update (after - before) agrees to ``rtol`` in norm: ||dA - dB|| <= rtol ||dA||. (Adam's
-    first step is lr * g / (|g| + eps) per element, so single elements with |g| near eps amplify float noise; the
-    tensor's update as a whole is what the invariance is about.)"""
+    """Each role's update (after - before, all its parameters as one vector) agrees to ``rtol`` in norm:
+    ||dA - dB|| <= rtol ||dA||, and every single tensor's to 5 * rtol. (Adam's first step is lr * g / (|g| + eps)
+    per element, so elements with |g| near eps amplify float noise of a different summation order.)"""
     for role in ("actor", "critic"):
         assert a[role].keys() == b[role].keys()
+        da = torch.cat([a[role][k].flatten() for k in sorted(a[role])])
+        db = torch.cat([b[role][k].flatten() for k in sorted(a[role])])
+        rel = float((da - db).norm() / da.norm())
+        assert rel <= rtol, f"{role}: updates differ by {rel:.2e} (relative, in norm)"
         worst = max((float((a[role][k] - b[role][k]).norm() / a[role][k].norm().clamp(min=1e-30)), k) for k in a[role])
-        assert worst[0] <= rtol, f"{role}.{worst[1]}: updates differ by {worst[0]:.2e} (relative, in norm)"
+        assert worst[0] <= 5 * rtol, f"{role}.{worst[1]}: updates differ by {worst[0]:.2e} (relative, in norm)"
         assert all(float(a[role][k].norm()) > 0 for k in a[role]), f"{role}: a parameter did not move"
 
 
