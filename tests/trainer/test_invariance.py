@@ -17,9 +17,9 @@ BASE = ["rollout.batch_size=8", "actor.mini_batch_size=8", "actor.ppo_epochs=1",
         "algo.kl_ctrl=fixed", "trainer.resume=none"]
 
 
-def _probe(tmp_path, name: str, overrides: list, nproc: int = 1, **env) -> dict:
-    result = tmp_path / f"{name}.pt"
-    args = [str(result), f"trainer.output_dir={tmp_path / name}", *BASE, *overrides]
+def _probe(root, name: str, overrides: list, nproc: int = 1, **env) -> dict:
+    result = root / f"{name}.pt"
+    args = [str(result), f"trainer.output_dir={root / name}", *BASE, *overrides]
     cmd = [sys.executable, PROBE, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
          PROBE, *args]
@@ -43,40 +43,56 @@ def _assert_same_update(a: dict, b: dict, rtol: float = 1e-5) -> None:
         assert all(float(a[role][k].norm()) > 0 for k in a[role]), f"{role}: a parameter did not move"
 
 
-def test_micro_batch_split_does_not_change_the_update(tmp_path):
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """Probe runs by name, each run once for the module (``probes(name, overrides, nproc, **env)``)."""
+    root, done = tmp_path_factory.mktemp("probes"), {}
+
+    def get(name: str, overrides: list, nproc: int = 1, **env) -> dict:
+        if name not in done:
+            done[name] = _probe(root, name, overrides, nproc, **env)
+        return done[name]
+    return get
+
+
+# the baseline: one rank, the whole mini-batch of 8 in one micro-batch, the torch kernels
+ONE = ("one", ["actor.micro_batch_size=8", "critic.micro_batch_size=8"])
+
+
+def test_micro_batch_split_does_not_change_the_update(probes):
     """1 x 8 and 8 x 1 micro-batches of one mini-batch: the exact global token mean makes them one update."""
-    one = _probe(tmp_path, "one", ["actor.micro_batch_size=8", "critic.micro_batch_size=8"])
-    eight = _probe(tmp_path, "eight", ["actor.micro_batch_size=1", "critic.micro_batch_size=1"])
+    one = probes(*ONE, VERL_DS_KERNELS="torch")
+    eight = probes("eight", ["actor.micro_batch_size=1", "critic.micro_batch_size=1"], VERL_DS_KERNELS="torch")
     _assert_same_update(one, eight)
     for key in ("actor/grad_norm", "critic/grad_norm"):  # one optimizer step each: the same global gradient
         assert one["metrics"][key] == pytest.approx(eight["metrics"][key], rel=1e-4), key
 
 
-def test_one_rank_and_two_ranks_give_the_same_update(tmp_path):
-    """The same global batch on 1 rank (micro 4) and split over 2 ranks (micro 4 each): DP-global whitening and the
-    global token-mean normaliser make the update identical."""
-    single = _probe(tmp_path, "single", ["actor.micro_batch_size=4", "critic.micro_batch_size=4"])
-    double = _probe(tmp_path, "double", ["actor.micro_batch_size=4", "critic.micro_batch_size=4"], nproc=2)
-    _assert_same_update(single, double)
-    assert single["metrics"]["actor/grad_norm"] == pytest.approx(double["metrics"]["actor/grad_norm"], rel=1e-4)
+def test_one_rank_and_two_ranks_give_the_same_update(probes):
+    """The same global batch on 1 rank and split over 2 ranks (4 samples each, in one micro-batch): DP-global
+    whitening and the global token-mean normaliser make the update identical."""
+    one = probes(*ONE, VERL_DS_KERNELS="torch")
+    double = probes("double", ["actor.micro_batch_size=4", "critic.micro_batch_size=4"], nproc=2,
+                    VERL_DS_KERNELS="torch")
+    _assert_same_update(one, double)
+    assert one["metrics"]["actor/grad_norm"] == pytest.approx(double["metrics"]["actor/grad_norm"], rel=1e-4)
 
 
-def test_group_statistics_on_two_ranks_equal_one_rank(tmp_path):
+def test_group_statistics_on_two_ranks_equal_one_rank(probes):
     """GRPO with 4 samples per prompt: a prompt's samples stay on one rank, so each rank's group means and stds (the
     advantages they give) equal a 1-rank run on the same prompts, with no collective for them."""
     grpo = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=2", "algo.kl_placement=loss",
             "actor.micro_batch_size=4"]
-    single = _probe(tmp_path, "grpo1", grpo)
-    double = _probe(tmp_path, "grpo2", grpo, nproc=2)
+    single = probes("grpo1", grpo)
+    double = probes("grpo2", grpo, nproc=2)
     torch.testing.assert_close(double["advantages"], single["advantages"], rtol=0, atol=1e-6)
     assert "critic" not in single and single["advantages"].abs().sum() > 0
 
 
-def test_torch_and_triton_kernels_give_the_same_update(tmp_path):
+def test_torch_and_triton_kernels_give_the_same_update(probes):
     """The log-prob kernels through Triton's interpreter and through torch: the same losses and update."""
-    torch_run = _probe(tmp_path, "torch", ["actor.micro_batch_size=8"], VERL_DS_KERNELS="torch")
-    triton_run = _probe(tmp_path, "triton", ["actor.micro_batch_size=8"], VERL_DS_KERNELS="triton",
-                        TRITON_INTERPRET="1")
+    torch_run = probes(*ONE, VERL_DS_KERNELS="torch")
+    triton_run = probes("triton", ONE[1], VERL_DS_KERNELS="triton", TRITON_INTERPRET="1")
     _assert_same_update(torch_run, triton_run)
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy"):
         assert triton_run["metrics"][key] == pytest.approx(torch_run["metrics"][key], rel=1e-5, abs=1e-7), key
