@@ -308,14 +308,15 @@ def main(argv=None) -> None:
         job = {"model_dir": model_dir, "prompts": prompts, "steps": steps, "prompts_per_step": a.prompts_per_step,
                "n": a.n, "micro_batch": a.micro_batch, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
                "seed": a.seed, "threads": a.threads}
-        sides = [(f"trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
+        sides = [("trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
         sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
                                                                  a.timeout)) for z in stages]
         for side, fn in sides:
             rows, wall = fn()
             s = results[size, side] = summarise(rows, a.warmup)
-            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} {s['cpu_tokens_per_s']:9.0f} "
-                  f"{s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}", flush=True)
+            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} "
+                  f"{s['cpu_tokens_per_s']:9.0f} {s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}",
+                  flush=True)
         trl_s, ours = results[size, "trl"], results[size, f"verl_ds ZeRO-{stages[0]}"]
         key = "tiny" if size == "tiny" else "big"
         ratios[f"{key}_step_ratio"] = ours["step_s"] / trl_s["step_s"]

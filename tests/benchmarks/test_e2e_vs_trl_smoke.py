@@ -40,7 +40,8 @@ def test_summarise_by_hand():
 def test_summarise_profile_and_short_runs():
     mod = _load()
     zero = {p: 0.0 for p in mod.PHASES} | {f"cpu_{p}": 0.0 for p in mod.PHASES}
-    rows = [{"step_s": t, "cpu_s": c, "tokens": 4, "score": 0.5, **zero} for t, c in ((3.0, 0.5), (1.0, 0.9), (2.2, 2.0))]
+    rows = [{"step_s": t, "cpu_s": c, "tokens": 4, "score": 0.5, **zero}
+            for t, c in ((3.0, 0.5), (1.0, 0.9), (2.2, 2.0))]
     rows[0].update(gen=2.0, update_actor=0.5, cpu_gen=0.25)
     rows[1].update(cpu_gen=0.5, cpu_update_actor=0.25)
     rows[2].update(gen=0.7, update_actor=1.1, ref=0.3)
