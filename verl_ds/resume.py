@@ -68,11 +68,20 @@ def resume_from(trainer, step_dir: str) -> int:
 def maybe_resume(trainer) -> int:
     """Resume per ``trainer.resume`` (auto: the latest complete checkpoint); returns the step (0: fresh start)."""
     mode = trainer.cfg.trainer.resume
-    if mode == "none":
-        return 0
-    step_dir = ckpt.find_resumable(trainer.ckpt_root) if mode == "auto" else mode
-    step_dir = vdist.broadcast_object(step_dir)
-    return 0 if step_dir is None else resume_from(trainer, step_dir)
+    step_dir = None
+    if mode != "none":
+        step_dir = ckpt.find_resumable(trainer.ckpt_root) if mode == "auto" else mode
+        step_dir = vdist.broadcast_object(step_dir)
+    if step_dir is not None:
+        return resume_from(trainer, step_dir)
+    if trainer.is_main:  # a fresh run in a used directory: the previous run's logs must not mix in, nor be lost
+        for name in ("metrics.jsonl", "state_changes.jsonl"):
+            path = os.path.join(trainer.out_dir, name)
+            if os.path.isfile(path):
+                os.replace(path, path + ".prev")
+                log.info("fresh start in %s: the previous run's %s is kept as %s.prev", trainer.out_dir, name, name)
+    vdist.barrier()
+    return 0
 
 
 def previous_checkpoint(trainer, before_step: int) -> Optional[str]:

@@ -121,3 +121,15 @@ def test_a_run_ended_by_non_finite_values_checkpoints_first(tmp_path):
     assert proc.returncode != 0 and "NonFiniteError" in log, log[-3000:]
     assert "the run is ending on a fault at step 3: checkpoint" in log
     assert os.path.isfile(os.path.join(out, "checkpoints", "global_step_3", "COMPLETE"))
+
+
+def test_a_fresh_run_in_a_used_directory_does_not_mix_in_the_old_metrics(tmp_path):
+    """trainer.resume=none into a directory with a finished run: the new metrics.jsonl holds the new run only (the
+    old one is kept as metrics.jsonl.prev), so the summary covers this run."""
+    out = str(tmp_path / "run")
+    common = ["trainer.export_hf=false", "trainer.val_every=0"]
+    run_train(out, [*common, "trainer.total_steps=3"])
+    run_train(out, [*common, "trainer.total_steps=2", "trainer.resume=none"])
+    assert [m["step"] for m in read_metrics(out) if "rollout/score/mean" in m] == [1, 2]
+    previous = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl.prev"))]
+    assert [s for s in previous if s > 0] == [1, 2, 3]
