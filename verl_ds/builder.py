@@ -46,13 +46,14 @@ def kl_needs_reference(cfg: Config) -> bool:
 def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) -> Components:
     """Tokenizer, data, engines, SharedState, models and registry, on every rank (collective)."""
     from verl_ds.data import DistributedPromptSampler
-    from verl_ds.generation import HFRolloutEngine
-    from verl_ds.engines.lora import lora_spec, rollout_engine_class
+    from verl_ds.engines.lora import lora_spec
     from verl_ds.models import PolicyModel, PPOModel, ReferenceModel, ValueModel
     from verl_ds.models.policy import AdaptersOffReferenceModel
     from verl_ds.registry import ModelRegistry
+    from verl_ds.rollout_engines import build_rollout_engine, check_rollout_engine
     from verl_ds.state import SharedState
 
+    check_rollout_engine(cfg)  # e.g. rollout.engine=vllm without vLLM: refused before any model is built
     tok = load_tokenizer(cfg)
     train_set, val_set = build_datasets(cfg, tok, write_report=rank == 0, out_dir=out_dir)
     sampler = DistributedPromptSampler(len(train_set), derived.prompts_per_rank, rank, world, seed=cfg.trainer.seed)
@@ -81,9 +82,8 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     packed = cfg.model.remove_padding and all(_varlen_attention(e, role, rank == 0) for role, e in engines.items())
     fused = cfg.model.fused_lm_head
 
-    rollout_cls = HFRolloutEngine if actor_lora is None else rollout_engine_class()  # replica: adapters merged
-    rollout_engine = rollout_cls(engines["actor"], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                     bos_token_id=tok.bos_token_id, gather_params=cfg.rollout.gather_params)
+    # rollout.engine from the registry in verl_ds.rollout_engines (hf: a LoRA actor's replica has its adapters merged)
+    rollout_engine = build_rollout_engine(cfg, engines["actor"], tok, state=state, rank=rank, lora=actor_lora)
     models = {"actor": PolicyModel(engines["actor"], state=state, rollout_engine=rollout_engine, tokenizer=tok,
                                    remove_padding=packed, fused_lm_head=fused),
               "reward": build_reward(cfg, tok, derived, state=state)}
@@ -97,7 +97,8 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     registry = ModelRegistry()
     for role, model in models.items():
         registry.register(role, model, aliases=ALIASES[role])
-    ppo = PPOModel(state=state, algo=cfg.algo, registry=registry, **models)
+    ppo = PPOModel(state=state, algo=cfg.algo, registry=registry,
+                   is_cap=cfg.rollout.is_cap if cfg.rollout.is_correction else None, **models)
     registry.register("ppo", ppo)
     if rank == 0:
         state.set("reward_name", reward_name(cfg.reward.functions, cfg.reward.model_path))

@@ -22,9 +22,35 @@ def _check_btensors(ref_name, ref, **others):
         check_same_shape(ref, ref_name, t, name)
 
 
+def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                         cap: float = 2.0):
+    """Truncated importance sampling weights (TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+    You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; verl's ``tis_imp_ratio_cap``):
+    w = min(exp(old_log_probs - rollout_log_probs), cap) per token, the trainer's probability of a sampled token
+    over the sampler's (vLLM, a bf16 rollout), capped to bound the variance. All (B, R); cap >= 1.
+
+    Returns (weights (B, R) float32 without grad, 0 on padding; metrics with 0-d float32 is_weight_mean (masked
+    mean of the capped weights) and is_capped_frac (share of valid tokens whose ratio exceeded the cap))."""
+    _check_btensors("old_log_probs", old_log_probs, rollout_log_probs=rollout_log_probs)
+    m = as_bool_mask(response_mask, "response_mask", old_log_probs.shape, "old_log_probs")
+    cap = check_positive_number(cap, "cap")
+    if cap < 1.0:
+        raise ValueError(f"cap must be >= 1 (a weight is capped at cap; below 1 every on-policy token is "
+                         f"down-weighted), got {cap!r}")
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=torch.float32, device=old_log_probs.device)
+        # padding first: the sampler reports 0 there, and a NaN past the end must not reach a weight
+        log_ratio = torch.where(m, old_log_probs.float() - rollout_log_probs.float(), zero)
+        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        weights = torch.where(m, ratio.clamp(max=cap), zero)
+        metrics = {"is_weight_mean": masked_mean(weights, m), "is_capped_frac": masked_mean((ratio > cap).float(), m)}
+    return weights, metrics
+
+
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
-                clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean", normalizer=None):
+                clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean", normalizer=None,
+                is_weights: torch.Tensor | None = None):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip (Ye et al. 2019,
     arXiv:1912.09729), as verl's ``vanilla``.
 
@@ -34,8 +60,12 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     with ``loss_agg_mode``/``normalizer`` (see :func:`agg_loss`). Returns (loss 0-d float32, metrics) with
     0-d detached float32 metrics pg_clipfrac (share of valid tokens where the clipped term is the
     larger), pg_clipfrac_lower (share where the dual clip caps a negative-advantage token) and ppo_kl
-    (masked mean of old_log_probs - log_probs)."""
+    (masked mean of old_log_probs - log_probs). ``is_weights`` (B, R) (``truncated_is_weights``) multiply each
+    token's loss before aggregation, as verl's vanilla loss does with its truncated IS ratio; no gradient flows
+    through them."""
     _check_btensors("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    if is_weights is not None:
+        _check_btensors("log_probs", log_probs, is_weights=is_weights)
     m = as_bool_mask(response_mask, "response_mask", log_probs.shape, "log_probs")
     low = check_positive_number(clip_ratio_low, "clip_ratio_low", allow_zero=True)
     high = check_positive_number(clip_ratio_high, "clip_ratio_high", allow_zero=True)
@@ -61,6 +91,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     else:
         lower = torch.zeros_like(m)
         losses = clipped
+    if is_weights is not None:
+        losses = losses * torch.where(m, is_weights.detach().to(torch.float32), zero)
     loss = agg_loss(losses, m, loss_agg_mode, normalizer)
     with torch.no_grad():
         metrics = {

@@ -35,6 +35,12 @@ def _adv_estimators() -> tuple:
     return tuple(ADV_ESTIMATOR_NAMES)
 
 
+def _rollout_engines() -> tuple:
+    from verl_ds.rollout_engines import ROLLOUT_ENGINES  # local: the engines import torch
+
+    return tuple(ROLLOUT_ENGINES.names())
+
+
 def _loss_agg_modes() -> tuple:
     from verl_ds.algos import LOSS_AGG_MODES
 
@@ -85,6 +91,14 @@ class RolloutConfig:
     log_prob_micro_batch_size: int = _f(64, "Samples per rank in one no-grad forward (old/ref log-probs, values, validation).", min=1)
     log_prob_max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one no-grad forward (old/ref log-probs); null: log_prob_micro_batch_size samples. Micro-batches are formed by total tokens, the same count on every rank.", min=1)
     gather_params: bool = _f(True, "Gather the actor's ZeRO-3 parameters once per generate call into a replica (fast); False: per-token gathering under synced_gpus.")
+    engine: str = _f("hf", "Rollout engine: hf (HF generate on the actor, see gather_params) or vllm (a colocated in-process vLLM engine per rank, weights synced from the actor after every update; install with scripts/install_vllm.sh, see docs/vllm.md).", choices=_rollout_engines)
+    vllm_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "vLLM's weight and compute dtype; auto: model.dtype. A dtype other than the trainer's makes the rollout slightly off-policy (see is_correction).")
+    vllm_gpu_memory_utilization: float = _f(0.5, "vLLM on a GPU: the fraction of the GPU's memory vLLM may take for its weights and KV cache (it reserves it up front; leave room for the DeepSpeed engines). Unused on CPU, where vllm_kv_cache_bytes sizes the cache.", gt=0.0, max=1.0)
+    vllm_kv_cache_bytes: Optional[int] = _f(None, "vLLM's KV cache in bytes; null: 256 MiB on CPU, the room vllm_gpu_memory_utilization leaves on a GPU.", min=1 << 20)
+    vllm_enforce_eager: Optional[bool] = _f(None, "vLLM without torch.compile and CUDA graphs; null: true on CPU (compiling costs about a minute there), false on a GPU.")
+    vllm_sleep: bool = _f(False, "GPU only: put vLLM to sleep after each generate call (KV cache freed, weights offloaded to CPU memory) and wake it for the next generate or weight sync, so the update phases get its GPU memory.")
+    is_correction: bool = _f(False, "Truncated importance sampling (Yao et al. 2025, 'Your Efficient RL Framework Secretly Brings You Off-Policy RL Training'; verl's tis_imp_ratio_cap): weight each token's policy-gradient loss by min(exp(old_log_probs - rollout_log_probs), is_cap), correcting for a sampler whose log-probs differ from the trainer's (vLLM, a bf16 rollout).")
+    is_cap: float = _f(2.0, "The cap C of the truncated importance weight min(ratio, C) (is_correction).", min=1.0, max=1e6)
 
 
 @dataclass
@@ -95,6 +109,7 @@ class ActorConfig:
     ppo_epochs: int = _f(1, "Passes over each rollout batch.", min=1)
     mini_batch_size: int = _f(32, "Samples per optimizer step, summed over ranks; divides rollout.batch_size * rollout.n.", min=1)
     micro_batch_size: int = _f(16, "Samples per forward/backward on one rank (gradient accumulation fills the mini-batch).", min=1)
+    reuse_on_policy_log_probs: bool = _f(True, "When every actor update is on-policy (actor.ppo_epochs=1, one mini-batch per step) and no KL term is in the reward, skip the old-log-prob forward: the loss's old log-probs are its own, detached (the ratio is exactly 1), as TRL's GRPOTrainer does.")
     max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one actor forward/backward (prompt + response tokens); null: micro_batch_size samples. Micro-batches are formed by total tokens and balanced, the same count on every rank; the loss stays the exact global token mean.", min=1)
     sft_warmup_steps: int = _f(0, "Supervised warm-up steps on the task's reference responses before PPO (built-in task only).", min=0)
     lora_rank: int = _f(0, "LoRA rank of the actor's adapters (peft, pip install 'verl_ds[lora]'); 0: full fine-tuning. With LoRA only the adapters train, and no reference model is built: the reference is the actor with its adapters off. Adapters learn more slowly per step: raise actor.lr (1e-2 on the built-in task).", min=0)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from verl_ds import algos
+from verl_ds.algos.losses import truncated_is_weights
 from verl_ds.batch import RolloutBatch
 from verl_ds.models.base import MissingModuleError, TrainableRole
 from verl_ds.models.policy import PolicyModel, ReferenceModel
@@ -45,6 +46,8 @@ class PPOModel(TrainableRole):
     the role) and are looked up at every call: ``swap("reward", new_reward)`` takes effect at the next call.
     A critic is required exactly when the advantage estimator needs one; a reference when a KL term needs
     one (``kl_coef > 0`` or an adaptive controller). All components share this model's SharedState.
+    ``is_cap``: truncated importance sampling in the policy loss (``algos.losses.truncated_is_weights``: each
+    token weighted by min(exp(old_log_probs - rollout_log_probs), is_cap)); None: off.
     """
 
     required_modules = ("actor", "reward")
@@ -52,7 +55,12 @@ class PPOModel(TrainableRole):
 
     def __init__(self, actor: PolicyModel, reward: RewardModel, critic: ValueModel | None = None,
                  ref: ReferenceModel | None = None, state: SharedState | None = None, algo: Any = None,
-                 registry: ModelRegistry | None = None, names: dict[str, str] | None = None):
+                 registry: ModelRegistry | None = None, names: dict[str, str] | None = None,
+                 is_cap: float | None = None):
+        if is_cap is not None and (isinstance(is_cap, bool) or not isinstance(is_cap, (int, float)) or not is_cap >= 1):
+            raise ValueError(f"PPOModel: is_cap must be None (no importance sampling correction) or a number >= 1, "
+                             f"got {is_cap!r}")
+        self.is_cap = None if is_cap is None else float(is_cap)
         if state is None and actor is not None:
             state = actor.state
         super().__init__(state=state, actor=actor, critic=critic, reward=reward, ref=ref)
@@ -200,12 +208,16 @@ class PPOModel(TrainableRole):
         [+ kl_coef * agg(kl_penalty(log_probs, ref_log_probs, kl_kind)) when the KL is in the loss].
 
         The actor runs WITH grad (get_logprob at the state's temperature); batch.old_log_probs are the rollout
-        policy's. ``normalizer`` goes to every agg_loss (the global token count for DP and accumulation).
+        policy's, or, when the trainer skipped that pass because the update is on-policy, the actor's own log-probs
+        detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss (the global token count for DP and
+        accumulation).
         """
         who = "PPOModel.compute_policy_loss"
         batch = RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
         _need(batch, ("observation", "action", "mask", "response_mask", "old_log_probs", "advantages"), who)
+        if self.is_cap is not None:
+            _need(batch, ("rollout_log_probs",), who)
         kl_in_loss = self.kl_in_loss(hot)
         if kl_in_loss:
             _need(batch, ("ref_log_probs",), who)
@@ -213,9 +225,15 @@ class PPOModel(TrainableRole):
         mode = self.algo.loss_agg_mode
         log_probs, entropy = self.actor.get_logprob(batch.observation, batch.action, mask=batch.mask,
                                                     temperature=hot["temperature"], return_entropy=True)
-        pg_loss, pg_metrics = algos.policy_loss(log_probs, batch.old_log_probs, batch.advantages, mask,
+        is_weights, is_metrics = None, {}
+        if self.is_cap is not None:  # the sampler's log-probs differ from the trainer's (vLLM, bf16): TIS
+            is_weights, is_metrics = truncated_is_weights(batch.old_log_probs, batch.rollout_log_probs, mask,
+                                                          self.is_cap)
+        old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
+        pg_loss, pg_metrics = algos.policy_loss(log_probs, old, batch.advantages, mask,
                                                 hot["clip_ratio_low"], hot["clip_ratio_high"], self.algo.clip_ratio_c,
-                                                mode, normalizer=normalizer)
+                                                mode, normalizer=normalizer, is_weights=is_weights)
+        pg_metrics.update(is_metrics)
         coef = hot["entropy_coef"]
         loss = pg_loss
         if coef:
