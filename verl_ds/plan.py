@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from verl_ds.config import Config, Derived, validate
 
 GiB = 2**30
+VLLM_CPU_KV_BYTES = 256 << 20  # VLLMRolloutEngine's KV cache on CPU when rollout.vllm_kv_cache_bytes is null
 BUFFER_FACTOR = 1.5  # DeepSpeed's default additional_buffer_factor for CPU memory
 # Used on the command lines; each launcher has its own default (29500), which collides between jobs.
 DEFAULT_PORT = 29500
@@ -190,7 +191,31 @@ def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: in
     out["need"] = states + out["rollout_replica"] + max(out["kv_cache"], out["logits"])
     # per-token gathering instead: no replica, one gathered layer while generating
     out["need_without_replica"] = states + max(out["kv_cache"] + bpp * actor.largest_layer, out["logits"])
+    if cfg.rollout.engine == "vllm":
+        _vllm_memory(cfg, actor, out, states, gpus_per_node)
     return out
+
+
+def _vllm_memory(cfg: Config, actor: ModelSize, out: dict, states: int, gpus_per_node: int) -> None:
+    """rollout.engine=vllm: vLLM's own copy of the weights (rollout.vllm_dtype) and the KV cache it reserves at
+    start-up (rollout.vllm_kv_cache_bytes; 256 MiB on CPU when null), both held through the update phases
+    unless rollout.vllm_sleep moves them out (weights to CPU memory, cache freed). On a GPU with no explicit
+    cache size vLLM takes rollout.vllm_gpu_memory_utilization of the GPU in total: ``vllm_fraction``, which
+    ``fit_advice`` adds once the GPU's memory is known."""
+    r = cfg.rollout
+    dtype = cfg.model.dtype if r.vllm_dtype == "auto" else r.vllm_dtype
+    weights = (4 if dtype == "fp32" else 2) * actor.total
+    kv = r.vllm_kv_cache_bytes or (VLLM_CPU_KV_BYTES if cfg.trainer.device == "cpu" else None)
+    out["rollout_replica"], out["kv_cache"] = weights, kv or 0
+    out["vllm_fraction"] = None if kv is not None else r.vllm_gpu_memory_utilization
+    reserved = 0 if kv is None else weights + kv
+    out["steady"] = states + reserved
+    if r.vllm_sleep:  # asleep during the update: the logits' peak and vLLM's never meet
+        out["need"] = states + max(reserved, out["logits"])
+        out["cpu_per_node"] += weights * gpus_per_node  # sleep level 1 keeps the weights in CPU memory
+    else:
+        out["need"] = states + reserved + out["logits"]
+    out["need_without_replica"], out["states"] = out["need"], states
 
 
 def device_memory(cfg: Config, memory_gib: Optional[float] = None) -> Optional[int]:
@@ -210,6 +235,8 @@ def device_memory(cfg: Config, memory_gib: Optional[float] = None) -> Optional[i
 def fit_advice(cfg: Config, mem: dict, capacity: Optional[int], unit: str) -> list:
     """Lines saying whether the busiest moment fits ``capacity`` and what to change when it does not."""
     need, lean = mem["need"], mem["need_without_replica"]
+    if cfg.rollout.engine == "vllm":
+        return _vllm_fit_advice(cfg, mem, capacity, unit)
     if capacity is None:
         lines = [f"busiest moment: {_fmt(need)} per {unit} (states + replica + max(KV cache, logits)); device "
                  "memory unknown: pass it (plan(memory_gib=...)) for a verdict"]
@@ -226,6 +253,28 @@ def fit_advice(cfg: Config, mem: dict, capacity: Optional[int], unit: str) -> li
     if lean > capacity:
         lines.append("  also consider: deepspeed.offload_optimizer=true / offload_param=true, more ranks, a smaller "
                      "rollout.batch_size or data.max_prompt_length")
+    return lines
+
+
+def _vllm_fit_advice(cfg: Config, mem: dict, capacity: Optional[int], unit: str) -> list:
+    frac, need = mem.get("vllm_fraction"), mem["need"]
+    what = "states + vLLM weights and KV cache + logits"
+    if frac is not None:
+        what = f"states + logits, plus vLLM's rollout.vllm_gpu_memory_utilization={frac} of the GPU"
+        if capacity is not None:  # asleep during the update, vLLM's share and the logits never meet
+            vllm, logits = int(frac * capacity), mem["logits"]
+            need = mem["states"] + (max(vllm, logits) if cfg.rollout.vllm_sleep else vllm + logits)
+    if capacity is None:
+        return [f"busiest moment: {_fmt(need)} per {unit} ({what}); device memory unknown: pass it "
+                "(plan(memory_gib=...)) for a verdict"]
+    if need <= capacity:
+        return [f"fits: {_fmt(need)} of {_fmt(capacity)} per {unit} at the busiest moment ({what}, before "
+                "activations)"]
+    lines = [f"does NOT fit: {_fmt(need)} needed ({what}), {_fmt(capacity)} per {unit}"]
+    if not cfg.rollout.vllm_sleep and unit == "GPU":
+        lines.append("  consider: rollout.vllm_sleep=true (vLLM's weights and cache leave the GPU during the update)")
+    lines.append("  consider: a smaller rollout.vllm_kv_cache_bytes or vllm_gpu_memory_utilization, "
+                 "rollout.vllm_dtype=bf16, or rollout.engine=hf with rollout.gather_params=false")
     return lines
 
 
@@ -315,11 +364,20 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
         m = mem[role]
         off = ",".join(k for k, on in (("optim", m.offload_optimizer), ("param", m.offload_param)) if on) or "none"
         lines.append(f"{role:<18}{m.zero_stage:>4}  {off:<13}{_fmt(m.gpu_bytes):>12}{_fmt(m.cpu_bytes_per_node):>15}")
-    if mem["rollout_replica"]:
-        lines.append(f"{'rollout replica':<18}{'':>4}  {'':<13}{_fmt(mem['rollout_replica']):>12}"
-                     "   (rollout.gather_params=true: a whole actor copy for generate)")
-    lines.append(f"{'KV cache':<18}{'':>4}  {'':<13}{_fmt(mem['kv_cache']):>12}   (generate: {derived.prompts_per_rank} "
-                 f"prompt(s) per {unit} x {seq} tokens x {act.num_layers} layers x K,V of {act.kv_dim})")
+    if r.engine == "vllm":
+        kv = (f"rollout.vllm_kv_cache_bytes{'' if r.vllm_kv_cache_bytes else ', the CPU default'}, reserved at start"
+              if mem.get("vllm_fraction") is None else
+              f"not counted: with the weights, vLLM takes {mem['vllm_fraction']} of the GPU")
+        lines += [f"{'vLLM weights':<18}{'':>4}  {'':<13}{_fmt(mem['rollout_replica']):>12}"
+                  f"   (rollout.engine=vllm: its own copy, rollout.vllm_dtype={r.vllm_dtype})",
+                  f"{'vLLM KV cache':<18}{'':>4}  {'':<13}{_fmt(mem['kv_cache']):>12}   ({kv})"]
+    else:
+        if mem["rollout_replica"]:
+            lines.append(f"{'rollout replica':<18}{'':>4}  {'':<13}{_fmt(mem['rollout_replica']):>12}"
+                         "   (rollout.gather_params=true: a whole actor copy for generate)")
+        lines.append(f"{'KV cache':<18}{'':>4}  {'':<13}{_fmt(mem['kv_cache']):>12}   (generate: "
+                     f"{derived.prompts_per_rank} prompt(s) per {unit} x {seq} tokens x {act.num_layers} layers x "
+                     f"K,V of {act.kv_dim})")
     build = ("each trained model is built whole (ZeRO stage < 3), the reference partitioned"
              if mem["actor"].zero_stage < 3 else "every model is created partitioned (ZeRO-3), one layer gathered at a time")
     lines += [f"{'total':<18}{'':>4}  {'':<13}{_fmt(mem['steady']):>12}{_fmt(mem['cpu_per_node']):>15}",

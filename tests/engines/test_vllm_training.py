@@ -101,6 +101,37 @@ def test_cpu_limits_are_config_errors():
     check_rollout_engine(load_config(None, ["rollout.engine=vllm", *MODEL]))
 
 
+def test_plan_counts_vllms_weights_and_cache(tmp_path, monkeypatch):
+    """verl-ds plan with rollout.engine=vllm on Qwen2.5-0.5B (8 GPUs): vLLM's bf16 weights and the cache it
+    reserves are held through the update (added to the logits, not max'ed with them) unless vllm_sleep; without an
+    explicit cache size vLLM takes vllm_gpu_memory_utilization of the GPU."""
+    from launch_testutil import GPU_CONFIG, QWEN25_05B, config_only_dir
+
+    from verl_ds.config import validate
+    from verl_ds.plan import estimate_memory, plan
+
+    monkeypatch.chdir(ROOT)
+    path = config_only_dir(tmp_path / "q05", **QWEN25_05B)
+    cfg = lambda *o: load_config(GPU_CONFIG, [f"model.path={path}", "rollout.engine=vllm", *o])  # noqa: E731
+    p, GiB = 494_032_768, 2**30
+    mem = estimate_memory(cfg("rollout.vllm_kv_cache_bytes=1073741824"), validate(cfg(), 8), 1, 8)
+    states = sum(mem[r].gpu_bytes for r in ("actor", "critic", "ref"))
+    assert mem["rollout_replica"] == 2 * p and mem["kv_cache"] == GiB  # bf16 (model.dtype), the given cache
+    assert mem["need"] == states + 2 * p + GiB + mem["logits"]
+    asleep = estimate_memory(cfg("rollout.vllm_kv_cache_bytes=1073741824", "rollout.vllm_sleep=true"),
+                             validate(cfg(), 8), 1, 8)
+    assert asleep["need"] == states + max(2 * p + GiB, mem["logits"])
+    assert asleep["cpu_per_node"] == mem["cpu_per_node"] + 8 * 2 * p  # each rank's weights wait in CPU memory
+    fp32 = estimate_memory(cfg("rollout.vllm_dtype=fp32"), validate(cfg(), 8), 1, 8)
+    assert fp32["rollout_replica"] == 4 * p and fp32["vllm_fraction"] == 0.5 and fp32["kv_cache"] == 0
+    text = plan(cfg("rollout.vllm_gpu_memory_utilization=0.3"), 8, memory_gib=80)
+    need = (states + int(0.3 * 80 * GiB) + mem["logits"]) / GiB
+    assert f"fits: {need:.2f} GiB of 80.00 GiB per GPU" in text, text
+    assert "vllm_gpu_memory_utilization=0.3 of the GPU" in text and re.search(r"^vLLM weights\s", text, re.M)
+    tight = plan(cfg("rollout.vllm_gpu_memory_utilization=0.9"), 8, memory_gib=16)
+    assert "does NOT fit" in tight and "rollout.vllm_sleep=true" in tight
+
+
 # ------------------------------------------------------------------------------------------------ real runs
 
 STEPS = 3
