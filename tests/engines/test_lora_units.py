@@ -249,3 +249,32 @@ def test_fused_lm_head_refuses_an_adapted_head():
     lora.check_fused_head(lora.apply_lora(tiny_llama(), spec(), seed=0))  # all-linear leaves the head out
     with pytest.raises(ConfigError, match="model.fused_lm_head.*actor.lora_target_modules"):
         lora.check_fused_head(lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "lm_head"]), seed=0))
+
+
+@pytest.mark.parametrize("remove_padding, fused_lm_head", [(True, False), (True, True)])
+def test_packed_and_fused_paths_score_a_lora_actor_and_its_reference(remove_padding, fused_lm_head):
+    """The packed (varlen attention) and fused-LM-head forwards give the padded path's log-probs, for the actor
+    (adapters on) and the adapters-off reference (the base model)."""
+    from verl_ds.models import PolicyModel, ReferenceModel
+    from verl_ds.models.policy import AdaptersOffReferenceModel
+    from verl_ds.models.varlen_attention import use_varlen_attention
+
+    model = lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "v_proj", "down_proj"]), seed=0)
+    randomize_adapters(model)
+    x = ids(B=3, T=10)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[1, :2] = False
+    R = 4
+    with torch.no_grad():
+        want_actor = PolicyModel(model).get_logprob(x, x[:, -R:], mask)
+        want_ref = ReferenceModel(tiny_llama()).get_logprob(x, x[:, -R:], mask)
+        if remove_padding:
+            use_varlen_attention(model)
+        kw = dict(remove_padding=remove_padding, fused_lm_head=fused_lm_head)
+        got_actor = PolicyModel(model, **kw).get_logprob(x, x[:, -R:], mask)
+        got_ref = AdaptersOffReferenceModel(model, **kw).get_logprob(x, x[:, -R:], mask)
+    rm = x[:, -R:] >= 0  # every response column is a real token here
+    torch.testing.assert_close(got_actor[rm], want_actor[rm], rtol=0, atol=2e-5)
+    torch.testing.assert_close(got_ref[rm], want_ref[rm], rtol=0, atol=2e-5)
+    assert (want_actor - want_ref).abs().max() > 1e-3
