@@ -123,9 +123,11 @@ class Trainer:
         with torch.no_grad():
             r = cfg.rollout
             log_prob_chunks = micro_batch_groups(batch, r.log_prob_micro_batch_size, r.log_prob_max_tokens_per_micro_batch)
-            with t("old_log_prob"):
-                batch.old_log_probs = self._no_grad_pass("actor", batch, log_prob_chunks, lambda m, b: m.get_logprob(
-                    b.observation, b.action, b.mask, temperature))
+            shortcut = self._on_policy_shortcut(hot)
+            if not shortcut:  # else the loss uses its own log-probs, detached
+                with t("old_log_prob"):
+                    batch.old_log_probs = self._no_grad_pass("actor", batch, log_prob_chunks, lambda m, b: m.get_logprob(
+                        b.observation, b.action, b.mask, temperature))
             if self.ppo.ref is not None:
                 with t("ref"):
                     batch.ref_log_probs = self._no_grad_pass("ref", batch, log_prob_chunks, lambda m, b: m.get_logprob(
@@ -142,7 +144,7 @@ class Trainer:
                 baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
         updates = self.derived.mini_batches_per_epoch * (cfg.actor.ppo_epochs + cfg.critic.ppo_epochs * self.ppo.needs_critic)
         if not self.guard.check_batch(batch, planned_updates=updates):  # non-finite on any rank: no update anywhere
-            batch.validate(tok.pad_token_id, required=self._required_fields())
+            batch.validate(tok.pad_token_id, required=self._required_fields(old_log_probs=not shortcut))
             if self.ppo.needs_critic:
                 with t("update_critic"):
                     metrics.update(self._update("critic", batch, self.ppo.compute_value_loss, cfg.critic.ppo_epochs,
@@ -160,15 +162,11 @@ class Trainer:
                 with t("kl_ctrl"):
                     metrics.update(self._update_kl_controller(batch))
         rm = batch.response_mask
-        lp_diff = (batch.rollout_log_probs - batch.old_log_probs).abs() * rm  # sampler vs trainer (vLLM, bf16)
-        lp_diff_max = lp_diff.max().to(vdist.comm_device(), torch.float64)
-        if self.world > 1:  # the largest over every rank's tokens, not a mean of per-rank maxima
-            torch.distributed.all_reduce(lp_diff_max, op=torch.distributed.ReduceOp.MAX)
         metrics.update({
+            **self._sampler_mismatch(batch),
             "response_length/mean": batch.response_length.float().mean(),
             "response_length/clip_ratio": (~batch.done).float().mean(),
             "prompt_length/mean": batch.prompt_length.float().mean(),
-            "rollout/log_prob_diff_mean": lp_diff.sum() / rm.sum(), "rollout/log_prob_diff_max": lp_diff_max,
             "actor/kl_coef": hot["kl_coef"], "state/temperature": temperature,
             "state/version": float(self.state.version), "state/reward_version": float(hot["reward_version"])})
         metrics = reduce_metrics(metrics)  # the step's one host sync of the metrics
@@ -189,10 +187,30 @@ class Trainer:
         device = self.actor_engine.device
         return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
 
-    def _required_fields(self) -> tuple:
-        fields = ["observation", "action", "mask", "response_mask", "old_log_probs", "token_rewards", "advantages",
+    def _sampler_mismatch(self, batch) -> dict:
+        """|sampler log-prob - trainer log-prob| over the response tokens (mean, and max over every rank's tokens);
+        nothing when the old-log-prob pass was skipped."""
+        if batch.old_log_probs is None:
+            return {}
+        rm = batch.response_mask
+        diff = (batch.rollout_log_probs - batch.old_log_probs).abs() * rm  # vLLM, bf16, KV-cache numerics
+        top = diff.max().to(vdist.comm_device(), torch.float64)
+        if self.world > 1:  # the largest over every rank's tokens, not a mean of per-rank maxima
+            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+        return {"rollout/log_prob_diff_mean": diff.sum() / rm.sum(), "rollout/log_prob_diff_max": top}
+
+    def _on_policy_shortcut(self, hot: dict) -> bool:
+        """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch)
+        and no KL term in the reward needs the old log-probs before the update."""
+        a = self.cfg.actor
+        return a.reuse_on_policy_log_probs and a.ppo_epochs == 1 and self.derived.mini_batches_per_epoch == 1 \
+            and not self.ppo.kl_in_reward(hot)
+
+    def _required_fields(self, old_log_probs: bool) -> tuple:
+        fields = ["observation", "action", "mask", "response_mask", "token_rewards", "advantages",
                   "prompt_length", "response_length", "done", "next_observation"]
-        return tuple(fields + (["values", "returns"] if self.ppo.needs_critic else []))
+        return tuple(fields + (["values", "returns"] if self.ppo.needs_critic else [])
+                     + (["old_log_probs"] if old_log_probs else []))
 
     def _no_grad_pass(self, role: str, batch, groups: list, fn) -> torch.Tensor:
         """``fn(model, micro_batch)`` over the row groups, put back in the batch's row order."""
@@ -244,7 +262,8 @@ class Trainer:
         """Feed the global token-mean KL (``algos.observed_kl``, summed over ranks) to the controller on rank 0."""
         from verl_ds.algos import kl_penalty, observed_kl
 
-        kl = kl_penalty(batch.old_log_probs, batch.ref_log_probs, self.state.get("kl_kind"))
+        before = batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs  # the sampler's
+        kl = kl_penalty(before, batch.ref_log_probs, self.state.get("kl_kind"))
         s, n = vdist.all_reduce_sum(torch.stack(observed_kl(kl, batch.response_mask))).tolist()
         current = s / max(n, 1.0)
         if self.is_main and math.isfinite(current):  # a NaN KL would poison kl_coef for good

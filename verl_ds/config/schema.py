@@ -115,7 +115,7 @@ class ActorConfig:
     lora_rank: int = _f(0, "LoRA rank of the actor's adapters (peft, pip install 'verl_ds[lora]'); 0: full fine-tuning. With LoRA only the adapters train, and no reference model is built: the reference is the actor with its adapters off. Adapters learn more slowly per step: raise actor.lr (1e-2 on the built-in task).", min=0)
     lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' product B A is scaled by lora_alpha / lora_rank.", gt=0.0)
     lora_dropout: float = _f(0.0, "Dropout on the adapters' input, in the update's forwards only (sampling and log-prob passes stay deterministic).", min=0.0, lt=1.0)
-    lora_target_modules: list = _f(["all-linear"], "Modules given adapters: names or dotted suffixes (e.g. [q_proj, v_proj]), checked against the model; ['all-linear']: every linear layer except the LM head.", items=str, nonempty=True)
+    lora_target_modules: list = _f(["all-linear", "output-head"], "Modules given adapters: names or dotted suffixes (e.g. [q_proj, v_proj]), checked against the model; 'all-linear': every linear layer except the LM head; 'output-head': the LM head unless it is tied to the input embedding (a frozen head caps how sharp the policy can get when the base's logits are weak, as in the built-in task's random model).", items=str, nonempty=True)
 
 
 @dataclass

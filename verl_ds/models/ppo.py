@@ -215,7 +215,7 @@ class PPOModel(TrainableRole):
         who = "PPOModel.compute_policy_loss"
         batch = RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
-        _need(batch, ("observation", "action", "mask", "response_mask", "old_log_probs", "advantages"), who)
+        _need(batch, ("observation", "action", "mask", "response_mask", "advantages"), who)
         if self.is_cap is not None:
             _need(batch, ("rollout_log_probs",), who)
         kl_in_loss = self.kl_in_loss(hot)
@@ -225,11 +225,10 @@ class PPOModel(TrainableRole):
         mode = self.algo.loss_agg_mode
         log_probs, entropy = self.actor.get_logprob(batch.observation, batch.action, mask=batch.mask,
                                                     temperature=hot["temperature"], return_entropy=True)
+        old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
         is_weights, is_metrics = None, {}
         if self.is_cap is not None:  # the sampler's log-probs differ from the trainer's (vLLM, bf16): TIS
-            is_weights, is_metrics = truncated_is_weights(batch.old_log_probs, batch.rollout_log_probs, mask,
-                                                          self.is_cap)
-        old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
+            is_weights, is_metrics = truncated_is_weights(old, batch.rollout_log_probs, mask, self.is_cap)
         pg_loss, pg_metrics = algos.policy_loss(log_probs, old, batch.advantages, mask,
                                                 hot["clip_ratio_low"], hot["clip_ratio_high"], self.algo.clip_ratio_c,
                                                 mode, normalizer=normalizer, is_weights=is_weights)
