@@ -51,6 +51,9 @@ def test_config_keys_default_off_and_flat():
     s = lora.lora_spec(cfg.actor, "actor")
     assert (s.rank, s.alpha, s.dropout, s.target_modules) == (8, 16.0, 0.0, ("q_proj", "v_proj"))
     assert s.scaling == 2.0
+    defaults = load_config()
+    assert defaults.actor.lora_target_modules == ["all-linear", "output-head"]
+    assert defaults.critic.lora_target_modules == ["all-linear"]
     assert load_config().trainer.export_format == "merged"
 
 
@@ -73,17 +76,19 @@ def test_bad_config_values_are_named(override, key, why):
 def test_unknown_target_module_names_the_key_and_suggests():
     model = tiny_llama()
     with pytest.raises(ConfigError) as err:
-        lora.check_target_modules(model, ["q_proj", "v_prj"], "actor")
+        lora.resolve_target_modules(model, ["q_proj", "v_prj"], "actor")
     msg = str(err.value)
     assert "actor.lora_target_modules" in msg and "'v_prj'" in msg and "did you mean 'v_proj'" in msg
     assert "down_proj" in msg and "all-linear" in msg  # the model's adaptable names are listed
-    with pytest.raises(ConfigError, match="use it alone"):
-        lora.check_target_modules(model, ["all-linear", "q_proj"], "critic")
+    linear = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]  # not the LM head
+    assert lora.resolve_target_modules(model, ["all-linear"], "actor") == linear
+    assert lora.resolve_target_modules(model, ["all-linear", "output-head"], "actor") == [*linear, "lm_head"]
+    assert lora.resolve_target_modules(model, ["q_proj", "all-linear"], "actor") == linear
     with pytest.raises(ConfigError, match="at least one"):
-        lora.check_target_modules(model, [], "actor")
-    lora.check_target_modules(model, ["self_attn.q_proj", "lm_head", "embed_tokens"], "actor")  # suffixes are fine
+        lora.resolve_target_modules(model, [], "actor")
+    lora.resolve_target_modules(model, ["self_attn.q_proj", "lm_head", "embed_tokens"], "actor")  # suffixes are fine
     with pytest.raises(ConfigError, match="critic.lora_target_modules.*'mlp'"):  # a container is not adaptable
-        lora.check_target_modules(model, ["mlp"], "critic")
+        lora.resolve_target_modules(model, ["mlp"], "critic")
 
 
 # ---------------------------------------------------------------------------------------------- adapters
@@ -128,6 +133,23 @@ def test_merged_weight_matches_a_float64_loop():
     # plain HF names only, every base parameter once
     names = [n for _, group in groups for n, *_ in group]
     assert names == [n for n, _ in tiny_llama().named_parameters()]
+
+
+def test_output_head_symbol(caplog):
+    from transformers import LlamaModel
+
+    tied = tiny_llama(tied=True)
+    with caplog.at_level("WARNING", logger="verl_ds.engines.lora"):
+        got = lora.resolve_target_modules(tied, ["all-linear", "output-head"], "actor")
+    assert "lm_head" not in got and "o_proj" in got
+    assert "output head 'lm_head' is tied to ['model.embed_tokens']" in caplog.text
+    with pytest.raises(ConfigError, match=r"actor.lora_target_modules: \['output-head'\] leaves no module"):
+        lora.resolve_target_modules(tied, ["output-head"], "actor")
+    backbone = LlamaModel(tiny_llama().config)  # a critic's backbone: no LM head
+    with pytest.raises(ConfigError, match="critic.lora_target_modules: 'output-head': the critic model has no output"):
+        lora.resolve_target_modules(backbone, ["all-linear", "output-head"], "critic")
+    wrapped = lora.apply_lora(tiny_llama(), spec(targets=["all-linear", "output-head"]), seed=0)
+    assert isinstance(wrapped.get_output_embeddings(), lora._lora_layer_class())
 
 
 def test_merged_groups_respect_disabled_adapters_and_tied_heads():
@@ -248,7 +270,7 @@ def test_export_actor_dispatches_on_the_format(tmp_path):
 def test_fused_lm_head_refuses_an_adapted_head():
     lora.check_fused_head(lora.apply_lora(tiny_llama(), spec(), seed=0))  # all-linear leaves the head out
     with pytest.raises(ConfigError, match="model.fused_lm_head.*actor.lora_target_modules"):
-        lora.check_fused_head(lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "lm_head"]), seed=0))
+        lora.check_fused_head(lora.apply_lora(tiny_llama(), spec(targets=["all-linear", "output-head"]), seed=0))
 
 
 @pytest.mark.parametrize("remove_padding, fused_lm_head", [(True, False), (True, True)])
@@ -259,7 +281,8 @@ def test_packed_and_fused_paths_score_a_lora_actor_and_its_reference(remove_padd
     from verl_ds.models.policy import AdaptersOffReferenceModel
     from verl_ds.models.varlen_attention import use_varlen_attention
 
-    model = lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "v_proj", "down_proj"]), seed=0)
+    head = [] if fused_lm_head else ["output-head"]  # the fused head refuses adapters on the head (tested above)
+    model = lora.apply_lora(tiny_llama(), spec(targets=["q_proj", "v_proj", "down_proj", *head]), seed=0)
     randomize_adapters(model)
     x = ids(B=3, T=10)
     mask = torch.ones_like(x, dtype=torch.bool)

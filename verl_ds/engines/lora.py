@@ -22,6 +22,7 @@ import contextlib
 import copy
 import difflib
 import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -29,9 +30,12 @@ from typing import Callable, Optional
 import torch
 
 from verl_ds.config import ConfigError
+
+log = logging.getLogger(__name__)
 from verl_ds.engines.zero3 import full_shape, is_partitioned, persistent_buffers
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear/Conv1D layer except the output (LM) head
+OUTPUT_HEAD = "output-head"  # the output (LM) head, whatever its name, when it is not tied to the input embedding
 ADAPTER_NAME = "default"
 LORA_SEED_OFFSET = {"actor": 101, "critic": 102}  # adapter init seeds: model.init_seed + offset, fixed per role
 
@@ -83,36 +87,66 @@ def adaptable_module_names(model: torch.nn.Module) -> list:
     return [name for name, m in model.named_modules() if name and isinstance(m, kinds)]
 
 
-def check_target_modules(model: torch.nn.Module, targets, who: str) -> None:
-    """ConfigError unless every target names modules of ``model`` (peft matches a name or a dotted suffix)."""
+def resolve_target_modules(model: torch.nn.Module, targets, who: str) -> list:
+    """The module names peft should adapt (it matches a name or a dotted suffix), from ``{who}.lora_target_modules``:
+    ``all-linear`` expands to the leaf names of every Linear/Conv1D layer except the output head (peft's meaning),
+    ``output-head`` to the output head's name (skipped, with a warning, when it is tied to the input embedding).
+    A name that matches nothing is a ConfigError naming the key, with close names and the model's adaptable ones;
+    so is a tied module named explicitly (an adapter there cannot be merged into a plain model)."""
     key = f"{who}.lora_target_modules"
     targets = list(targets)
     if not targets:
         raise ConfigError(f"{key}: expected at least one module name (or ['{ALL_LINEAR}']), got []")
-    if ALL_LINEAR in targets:
-        if len(targets) > 1:
-            raise ConfigError(f"{key}: '{ALL_LINEAR}' already means every linear layer; use it alone, got {targets}")
-        return
     names = adaptable_module_names(model)
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-    owners: dict = {}  # weight -> the modules holding it (more than one: tied, e.g. an LM head and the embedding)
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.nn.Parameter):
-            owners.setdefault(id(weight), []).append(name)
+    tied = _tied_modules(model)
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    head_name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+    out = []
+    if ALL_LINEAR in targets:
+        from transformers.pytorch_utils import Conv1D
+
+        out += sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                       if isinstance(m, (torch.nn.Linear, Conv1D)) and n and n != head_name})
+    if OUTPUT_HEAD in targets:
+        if head_name is None:
+            raise ConfigError(f"{key}: '{OUTPUT_HEAD}': the {who} model has no output head (get_output_embeddings() "
+                              "is None); leave it out")
+        if head_name in tied:
+            log.warning("%s: the output head %r is tied to %s (tie_word_embeddings): it gets no adapters", key,
+                        head_name, tied[head_name])
+        else:
+            out.append(head_name)
     for target in targets:
+        if target in (ALL_LINEAR, OUTPUT_HEAD):
+            continue
         matched = [n for n in names if n == target or n.endswith("." + target)]
         if not matched:
             close = difflib.get_close_matches(target, leaves, n=3, cutoff=0.5)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
             raise ConfigError(f"{key}: no module named {target!r} in the {who} model{hint} (its adaptable modules: "
-                              f"{', '.join(leaves)}; or use '{ALL_LINEAR}')")
+                              f"{', '.join(leaves)}; or use '{ALL_LINEAR}', '{OUTPUT_HEAD}')")
         for n in matched:
-            tied = owners.get(id(getattr(model.get_submodule(n), "weight", None)), [n])
-            if len(tied) > 1:
-                raise ConfigError(f"{key}: {target!r} matches {n!r}, whose weight is tied to {[t for t in tied if t != n]} "
+            if n in tied:
+                raise ConfigError(f"{key}: {target!r} matches {n!r}, whose weight is tied to {tied[n]} "
                                   "(tie_word_embeddings); an adapter there cannot be merged into a plain model: "
                                   "leave it out")
+        out.append(target)
+    out = list(dict.fromkeys(out))
+    if not out:
+        raise ConfigError(f"{key}: {targets} leaves no module to adapt in the {who} model")
+    return out
+
+
+def _tied_modules(model: torch.nn.Module) -> dict:
+    """{module name: [the other modules sharing its weight]} for weights held by more than one module."""
+    owners: dict = {}
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")  # its own parameter (a peft wrapper's .weight is its base layer's)
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(name)
+    return {n: [o for o in group if o != n] for group in owners.values() if len(group) > 1 for n in group}
 
 
 def check_fused_head(peft_model) -> None:
@@ -140,8 +174,7 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int, task_type: Opt
     peft's default (A Kaiming-uniform, B zero: the wrapped model computes exactly the base model), drawn from a
     generator seeded by ``seed`` so every rank and every run gets the same adapters."""
     peft = _require_peft()
-    check_target_modules(model, spec.target_modules, spec.who)
-    targets = ALL_LINEAR if spec.target_modules == (ALL_LINEAR,) else list(spec.target_modules)
+    targets = resolve_target_modules(model, spec.target_modules, spec.who)
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,
                              bias="none", task_type=task_type)
     with torch.random.fork_rng(devices=[]):
@@ -151,6 +184,13 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int, task_type: Opt
         except ValueError as exc:  # e.g. a target of a kind LoRA cannot wrap
             raise ConfigError(f"{spec.who}.lora_target_modules={list(spec.target_modules)}: peft refused them: "
                               f"{str(exc).splitlines()[0]}") from None
+    LoraLayer = _lora_layer_class()
+    tied = _tied_modules(wrapped)
+    for name, module in wrapped.named_modules():  # a suffix may also have matched a tied module
+        if isinstance(module, LoraLayer) and f"{name}.base_layer" in tied:
+            raise ConfigError(f"{spec.who}.lora_target_modules={list(spec.target_modules)} adapts {name!r}, whose "
+                              f"weight is tied to {tied[f'{name}.base_layer']}: an adapter there cannot be merged "
+                              "into a plain model; leave it out")
     for module in wrapped.modules():
         dropouts = getattr(module, "lora_dropout", None)
         if isinstance(dropouts, torch.nn.ModuleDict):
