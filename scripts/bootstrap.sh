@@ -20,4 +20,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 # DeepSpeed JIT-compiles its CPU shared-memory comm op on first use (30-60 s): warm the cache once.
 export DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.torch_ext}
-.venv/bin/python -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 || true
+# With the venv's bin first on PATH, as in the tests (tests/conftest.py): the venv's ninja (1.13, build log v7) and
+# a system ninja (1.11, log v5) each discard the other's log, so a warm-up by the system one is rebuilt in the tests.
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" >/dev/null 2>&1 || true

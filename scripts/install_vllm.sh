@@ -39,8 +39,10 @@ step "verl_ds[dev]"
 # fail here, not in the tests, if the in-process import path is broken
 $VENV/bin/python -c "from verl_ds.engines.vllm_engine import import_vllm; import_vllm()"
 step "import check"
-# DeepSpeed JIT-builds its CPU comm op on first use (30 s to minutes); the cache is per venv (the tests use it)
-DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" $VENV/bin/python -c \
+# DeepSpeed JIT-builds its CPU comm op on first use (30 s to minutes); the cache is per venv (the tests use it).
+# The venv's bin goes first on PATH, as in the tests (tests/conftest.py): its ninja (1.13, log v7) and a system
+# ninja (1.11, log v5) each discard the other's build log, so a warm-up by the other one is rebuilt in the tests.
+PATH="$(cd "$VENV" && pwd)/bin:$PATH" DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR="$VENV/torch_extensions" $VENV/bin/python -c \
   "from deepspeed.accelerator import get_accelerator as g; g().create_op_builder('ShareMemCommBuilder').load()" \
   >/dev/null
 step "DeepSpeed CPU comm op"
