@@ -19,6 +19,8 @@ import pytest
 from launch_testutil import (CPU_ACCELERATE, FAST, GPU_CONFIG, ROOT, base_env, dump, free_port, read_metrics,
                              step_metrics, tiny_qwen_dir)
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 BIN = os.path.dirname(sys.executable)
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 CONFIG = os.path.join(ROOT, "configs", "default.yaml")

@@ -198,6 +198,8 @@ def test_run_step_stops_requeueing_after_max_requeues(tmp_path):
 # A stand-in rank for the deepspeed launcher: records its rank and the signal, exits 75 like the trainer.
 FAKE_RANK = r'''
 import os, signal, sys
+
+pytestmark = pytest.mark.slow  # real training runs / several processes
 out = os.environ["OUTPUT_DIR_FOR_TEST"]
 def stop(sig, frame):
     open(os.path.join(out, f"rank{os.environ['RANK']}.signal"), "w").write(str(sig)); sys.exit(75)

@@ -11,7 +11,7 @@ import pytest
 from slurm_cluster import metric_rows, slurm, slurm_cluster, train_steps  # noqa: F401  (fixtures)
 from verl_ds.report import score_of
 
-pytestmark = pytest.mark.timeout(3600)  # a job starts 2 ranks (DeepSpeed, 3 engines) once or twice
+pytestmark = [pytest.mark.timeout(3600), pytest.mark.slow]  # a job starts 2 ranks (DeepSpeed, 3 engines) once or twice
 
 GUARD_S = 1500  # failure guard of one wait (a rank start takes ~20 s idle, minutes on a loaded machine)
 TRAIN = "slurm/train.sbatch"

@@ -10,6 +10,8 @@ import tempfile
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 

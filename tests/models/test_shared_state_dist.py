@@ -1,5 +1,6 @@
 """Two processes (gloo, started by hand as torchrun would: RANK/WORLD_SIZE/MASTER_* env): sync() gives every
 rank rank 0's values; a write on rank 1 is refused; SharedState.from_config agrees on every rank."""
+import pytest
 import os
 import socket
 import sys
@@ -28,6 +29,8 @@ s.sync()
 # a state built from the config holds the same step-0 values and limits on every rank, without a collective
 from verl_ds.config import load_config
 from verl_ds.state import StateValidationError
+
+pytestmark = pytest.mark.slow  # real training runs / several processes
 t = SharedState.from_config(load_config(None, ["algo.kl_placement=loss", "data.max_prompt_length=200"]))
 out["from_config"] = [t.snapshot(), t.version]
 if rank == 0:

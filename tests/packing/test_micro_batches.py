@@ -118,6 +118,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_count_with_two_gloo_ranks():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

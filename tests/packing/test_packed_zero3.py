@@ -1,6 +1,7 @@
 """Packed forwards through real DeepSpeed ZeRO-3 engines (1 rank, gloo, in a subprocess): with the fused LM
 head the partitioned head weight is gathered for the forward and the backward and its gradient reduced by
 DeepSpeed's module hooks, so one SGD step gives the same weights as the logits path and as plain torch."""
+import pytest
 import json
 import os
 import socket
@@ -21,6 +22,8 @@ from packing_testutil import padded_batch, tiny_critic, tiny_lm
 from verl_ds.models.packed_forward import packed_logprobs, packed_values
 from verl_ds.models.varlen_attention import use_varlen_attention
 from verl_ds.packing import pack
+
+pytestmark = pytest.mark.slow  # real training runs / several processes
 
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")

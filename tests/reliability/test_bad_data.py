@@ -78,6 +78,7 @@ def test_overlong_rows_are_skipped_when_configured(tmp_path, tokenizer):
     assert _dataset(path, tokenizer, overlong="skip").report() == {"overlong": 1}
 
 
+@pytest.mark.slow
 def test_a_run_over_a_file_with_bad_rows_trains_and_reports_the_counts(tmp_path):
     """Also a real run with pad == eos (model.pad_is_eos): masks come from lengths, never from token != pad."""
     lines = list(GOOD)

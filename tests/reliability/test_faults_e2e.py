@@ -21,6 +21,8 @@ import pytest
 from reliability_testutil import launch, metric_steps
 from verl_ds.checkpoint import find_resumable, verify
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 COMMON = ["trainer.save_every=1", "trainer.keep_last=3", "trainer.total_steps=30"]
 START_TIMEOUT = 900  # start-up on a loaded 2-core machine can take minutes
 

@@ -139,6 +139,7 @@ def probe(tmp_path_factory):
     return json.load(open(result))
 
 
+@pytest.mark.slow
 def test_pad_equal_to_eos_keeps_the_eos_inside_the_response_mask(probe):
     assert probe["pad_is_eos"]
     rows = probe["pad_eos_rows"]
@@ -149,6 +150,7 @@ def test_pad_equal_to_eos_keeps_the_eos_inside_the_response_mask(probe):
         assert r["last_token_is_eos"] == r["done"], r  # the EOS (== pad) itself is a response token
 
 
+@pytest.mark.slow
 def test_dropout_is_off_in_the_real_engines(probe):
     assert probe["engines_training"] == {"actor": True, "critic": True}  # train mode, and still deterministic
     assert probe["dropout_repeatable"] == {"actor": True, "ref": True, "critic": True, "actor_update": True}
@@ -162,6 +164,7 @@ def test_dropout_is_off_in_the_real_engines(probe):
     ("wrong_shape", r"reward function 'wrong_shape': returned 7 values for 8 samples; expected one per sample"),
     ("nan_reward", r"reward function 'nan_reward' \(sample 2\): returned a non-finite reward \(nan\)"),
 ])
+@pytest.mark.slow
 def test_a_failing_reward_function_in_a_real_step_names_the_function_and_sample(probe, name, message):
     import re
 

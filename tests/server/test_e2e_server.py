@@ -14,6 +14,8 @@ from server_testutil import TOKEN, call
 from verl_ds import client
 from verl_ds.server import URL_FILE
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 TOTAL_STEPS = 8  # room for the changes to land mid-run even when steps take under a second
 CONST_REWARD = 0.123  # no parity score is this, so the swapped reward is unmistakable
 

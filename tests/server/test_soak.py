@@ -9,9 +9,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics
 from hostile_requests import CORPUS, Case, send
 from server_testutil import TOKEN
+
+pytestmark = pytest.mark.slow  # real training runs / several processes
 
 # requests that were accepted (202) and then killed the run at the next step boundary (issue 12)
 ONCE_FATAL = [

@@ -7,6 +7,8 @@ import torch
 
 from e2e_utils import read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 
 def _params(path: str) -> dict:
     from safetensors.torch import load_file

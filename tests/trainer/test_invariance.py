@@ -9,6 +9,8 @@ import torch
 
 from e2e_utils import base_env, free_port, read_metrics, run_group, run_train
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 PROBE = os.path.join(os.path.dirname(__file__), "update_probe.py")
 # one mini-batch of 8 samples per update: the whole fixed batch; no clipping so the update is a pure function
 BASE = ["rollout.batch_size=8", "actor.mini_batch_size=8", "actor.ppo_epochs=1", "critic.ppo_epochs=1",

@@ -4,6 +4,8 @@ import pytest
 
 from e2e_utils import read_metrics, run_train
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 # the default job's model and batch sizes (configs/default.yaml), fewer steps
 LEARN = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.export_hf=false", "trainer.val_every=0",
          "trainer.resume=none", "data.num_val_prompts=8"]

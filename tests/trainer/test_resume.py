@@ -1,6 +1,7 @@
 """Resume follows what the run did, not what the config says: the KL controller of the checkpointed kind, a reward
 swapped over HTTP, hot changes applied after the checkpoint (replayed at their steps), and a run that goes
 non-finite right after resuming falls back once to the previous checkpoint. Real runs, real HTTP, real files."""
+import pytest
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ import time
 import urllib.request
 
 from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics, run_train
+
+pytestmark = pytest.mark.slow  # real training runs / several processes
 
 TOKEN = "resume-test-token"
 CONST = 0.25

@@ -10,7 +10,11 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from e2e_utils import FAST, ROOT, TRAIN, base_env
+
+pytestmark = pytest.mark.slow  # real training runs / several processes
 
 TOKEN = "tok-9f3a1c77e2d54b0b8d6e"
 
