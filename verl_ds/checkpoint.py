@@ -314,8 +314,10 @@ def save(ckpt_root: str, step: int, engines: dict, trainer_state: dict, keep_las
             shutil.rmtree(step_dir)
         os.makedirs(step_dir, exist_ok=True)
     vdist.barrier()
+    from verl_ds.engines.universal import client_state
+
     for role, engine in trained.items():  # a frozen base (LoRA) is rebuilt from the model, never saved
-        engine.save_checkpoint(os.path.join(step_dir, role), tag=TAG, save_latest=False,
+        engine.save_checkpoint(os.path.join(step_dir, role), tag=TAG, save_latest=False, client_state=client_state(),
                                exclude_frozen_parameters=_has_frozen(engine))
         hook(f"after_{role}")
     torch.save(rng_state(), os.path.join(step_dir, f"rng_rank{vdist.rank()}.pt"))

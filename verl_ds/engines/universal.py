@@ -25,6 +25,15 @@ log = logging.getLogger(__name__)
 DONE = "CONVERTED"
 
 
+def client_state() -> dict:
+    """What ``save_checkpoint`` must record for a ZeRO-1/2 checkpoint to be convertible (data parallelism only:
+    no tensor or pipeline slices to describe); ZeRO-3 conversion does not read it."""
+    from deepspeed.checkpoint.constants import (UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY,
+                                                UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+
+    return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+
+
 def convert(src_tag_dir: str, dst_tag_dir: str) -> str:
     """Convert the DeepSpeed checkpoint in ``src_tag_dir`` (``<dir>/<tag>``) to the universal format in
     ``dst_tag_dir`` unless a complete conversion is already there; one process (rank 0) calls this."""
