@@ -55,8 +55,10 @@ def main() -> None:
             times[mode] = _best_of(args.repeats, lambda: ckpt.verify(step_dir, mode))
         gib = size / 2**30
         for mode, t in times.items():
-            print(f"verify mode={mode:<5} {t * 1e3:9.1f} ms  ({gib / t:7.2f} GiB/s)  x{t / times['edges']:.1f} vs edges")
-        print(f"save(digest='full') extra: {t_save_full:.2f} s for {gib:.2f} GiB (shared over the ranks in a real save)")
+            print(f"verify mode={mode:<5} {t * 1e3:9.1f} ms  ({gib / t:7.2f} GiB/s)  "
+                  f"x{t / times['edges']:.1f} vs edges")
+        print(f"save(digest='full') extra: {t_save_full:.2f} s for {gib:.2f} GiB "
+              "(shared over the ranks in a real save)")
         print(f"checkpoint_verify gib={gib:.2f} edges_s={times['edges']:.4f} full_s={times['full']:.3f} "
               f"full_over_edges={times['full'] / times['edges']:.0f}")
 

@@ -14,7 +14,6 @@ whole state dict. A tied LM head is written once, under the embedding's name, as
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
@@ -24,7 +23,7 @@ from typing import Optional, Union
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.engines.zero3 import full_shape, is_partitioned, persistent_buffers
+from verl_ds.engines.zero3 import full_shape, persistent_buffers
 
 INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,

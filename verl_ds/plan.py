@@ -379,7 +379,8 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
                      f"{derived.prompts_per_rank} prompt(s) per {unit} x {seq} tokens x {act.num_layers} layers x "
                      f"K,V of {act.kv_dim})")
     build = ("each trained model is built whole (ZeRO stage < 3), the reference partitioned"
-             if mem["actor"].zero_stage < 3 else "every model is created partitioned (ZeRO-3), one layer gathered at a time")
+             if mem["actor"].zero_stage < 3 else
+             "every model is created partitioned (ZeRO-3), one layer gathered at a time")
     lines += [f"{'total':<18}{'':>4}  {'':<13}{_fmt(mem['steady']):>12}{_fmt(mem['cpu_per_node']):>15}",
               f"plus: fp32 logits of one micro-batch ({a.micro_batch_size} x {seq} tokens x {act.vocab_size:,}) "
               f"{_fmt(mem['logits'])} per {unit}, and activations",

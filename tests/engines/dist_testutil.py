@@ -64,7 +64,8 @@ def run_ranks(script: str, world: int, tmp_path, args=(), timeout: int = 600, en
         outputs.append(log.read())
         log.close()
     if failed:
-        raise AssertionError(f"ranks failed {failed}:\n" + "\n".join(f"--- rank {r}\n{o[-6000:]}" for r, o in enumerate(outputs)))
+        raise AssertionError(f"ranks failed {failed}:\n"
+                             + "\n".join(f"--- rank {r}\n{o[-6000:]}" for r, o in enumerate(outputs)))
     results = []
     for rank in range(world):
         with open(pattern % rank) as fh:

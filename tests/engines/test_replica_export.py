@@ -82,7 +82,8 @@ with torch.no_grad():
     res["same_logits"] = bool(torch.allclose(rep.model(input_ids=prompt).logits, actor.module(input_ids=prompt).logits,
                                              atol=1e-5, rtol=1e-5))
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=2)
-    res["same_greedy"] = rep.model.generate(prompt, **kw).tolist() == actor.module.generate(prompt, synced_gpus=True, **kw).tolist()
+    greedy = actor.module.generate(prompt, synced_gpus=True, **kw)
+    res["same_greedy"] = rep.model.generate(prompt, **kw).tolist() == greedy.tolist()
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 def n_gathered():
     return sum(p.ds_status == ZeroParamStatus.AVAILABLE for p in actor.module.parameters())

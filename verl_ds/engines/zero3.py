@@ -79,7 +79,8 @@ def _shard_bounds(param) -> tuple[int, int]:
 def copy_param(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst <- src (same full shape); either side plain or ZeRO-3 partitioned (dst must not be gathered now)."""
     if tuple(full_shape(src)) != tuple(full_shape(dst)):
-        raise ValueError(f"copy_param: shapes differ: source {tuple(full_shape(src))}, destination {tuple(full_shape(dst))}")
+        raise ValueError(f"copy_param: shapes differ: source {tuple(full_shape(src))}, "
+                         f"destination {tuple(full_shape(dst))}")
     if is_partitioned(dst):
         start, count = _shard_bounds(dst)
         shard = dst.ds_tensor.data
