@@ -12,6 +12,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "engines"))
 from dist_testutil import run_ranks  # noqa: E402
 
+pytestmark = pytest.mark.slow  # several DeepSpeed ranks
+
 WORKER = r'''
 import json, os, sys
 import torch

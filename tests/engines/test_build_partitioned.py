@@ -6,6 +6,8 @@ import pytest
 
 from dist_testutil import run_ranks
 
+pytestmark = pytest.mark.slow  # several DeepSpeed ranks
+
 WORKER = r'''
 import json, sys
 import torch
