@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ from typing import Any, Callable, Iterable
 from uvicorn.config import Config as UvicornConfig
 from uvicorn.server import ServerState
 
+from verl_ds.config import TOKEN_ENV, is_loopback  # one definition for the config gate and the server
 from verl_ds.registry import ModelRegistry
 from verl_ds.server.app import ControlApp, WorkerPool
 from verl_ds.server.jsonio import HTTPError
@@ -27,32 +27,11 @@ __all__ = ["ControlServer", "TOKEN_ENV", "URL_FILE", "is_loopback", "MAX_HEADER_
 
 log = logging.getLogger("verl_ds.server")
 
-TOKEN_ENV = "VERL_DS_SERVER_TOKEN"
 URL_FILE = "server_url.txt"
 _WORKERS = 4  # threads running views; more requests wait in the queue (up to max_connections in progress)
 _ENABLE_HINT = (f"mutating routes are disabled because no token is configured; start the run with "
                 f"server.token=<secret> or set {TOKEN_ENV}=<secret>, then send 'Authorization: Bearer <secret>'")
 _REDACTED = "<redacted>"
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` only reaches this machine (127.0.0.0/8, ::1, or a name resolving only there).
-
-    '' and '0.0.0.0' / '::' mean every interface and are not loopback.
-    """
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    if host == "localhost":
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 class _RedactToken(logging.Filter):
