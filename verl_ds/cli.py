@@ -91,7 +91,7 @@ def cmd_plan(args) -> int:
     world = args.world_size or args.nodes * (args.gpus_per_node or 1)
     try:
         print(plan(cfg, world, nodes=args.nodes, gpus_per_node=args.gpus_per_node, config_path=config_path,
-                   overrides=tuple(args.overrides)))
+                   overrides=tuple(args.overrides), memory_gib=args.memory_gib))
     except ValueError as exc:
         print(f"verl_ds: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=None)
     p.add_argument("--world-size", type=int, default=None, help="default: nodes x gpus-per-node")
+    p.add_argument("--memory-gib", type=float, default=None, help="memory per GPU (default: the config's device's, "
+                   "or 80 GiB): plan says whether the busiest moment fits")
     p.set_defaults(func=cmd_plan)
     sub.add_parser("state", help="read or change a running job's SharedState over HTTP (get | set key=value ...)")
     return parser

@@ -127,6 +127,8 @@ class HFRolloutEngine:
         stats = SampledTokenStats(1.0 if greedy else temperature)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(), generation_config=gen_cfg,
                              logits_processor=LogitsProcessorList([stats]), synced_gpus=synced)
+        if not self.gather_params and hasattr(self.lm, "empty_partition_cache"):
+            self.lm.empty_partition_cache()  # ZeRO-3 keeps every layer gathered after a direct module call
         responses = out[:, input_ids.shape[1]:]
         log_probs, entropy = stats.finish(responses)
         width = responses.shape[1]

@@ -30,14 +30,17 @@ def save_checkpoint(trainer) -> str:
     """A complete checkpoint of the current step (collective); the checkpoint's points reach the listeners."""
     step = trainer.state.get("global_step")
     return ckpt.save(trainer.ckpt_root, step, trainer.c.engines, trainer_state(trainer),
-                     keep_last=trainer.cfg.trainer.keep_last, on_event=lambda point: trainer._emit(point, step))
+                     keep_last=trainer.cfg.trainer.keep_last, on_event=lambda point: trainer._emit(point, step),
+                     digest=trainer.cfg.trainer.checkpoint_digest)
 
 
 def resume_from(trainer, step_dir: str) -> int:
     """Restore everything from ``step_dir`` (collective); returns its step."""
     from verl_ds.config import initial_state
 
-    saved = ckpt.load(step_dir, trainer.c.engines, verify=trainer.cfg.trainer.verify_checkpoint)
+    # another world size is fine (DeepSpeed's universal checkpoint; data order and RNG policy: verl_ds.checkpoint)
+    saved = ckpt.load(step_dir, trainer.c.engines, verify=trainer.cfg.trainer.verify_checkpoint,
+                      seed=trainer.cfg.trainer.seed)
     st = trainer.state
     st.load_state_dict(saved["shared_state"])
     if trainer.is_main:
