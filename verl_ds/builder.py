@@ -45,7 +45,7 @@ def kl_needs_reference(cfg: Config) -> bool:
 
 def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) -> Components:
     """Tokenizer, data, engines, SharedState, models and registry, on every rank (collective)."""
-    from verl_ds.data import DistributedPromptSampler
+    from verl_ds.sampler import DistributedPromptSampler
     from verl_ds.engines.lora import lora_spec
     from verl_ds.models import PolicyModel, PPOModel, ReferenceModel, ValueModel
     from verl_ds.models.policy import AdaptersOffReferenceModel

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from verl_ds.data import DistributedPromptSampler, collate_prompts
+from verl_ds.data import collate_prompts
+from verl_ds.sampler import DistributedPromptSampler
 
 
 def reference_batches(n, bs, world, seed, steps, drop_last=True):
