@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One-shot GPU check for the fused kernels (issue 4), sized to finish in under 8 minutes on one
+# One-shot GPU check for the fused kernels, sized to finish in under 8 minutes on one
 # H200: (1) the kernel tests on CUDA tensors with the compiled kernels (VERL_DS_KERNELS=triton,
-# no interpreter), (2) the benchmark at the issue's shapes with forward+backward and a launch-shape
+# no interpreter), (2) the benchmark at its default (large) shapes with forward+backward and a launch-shape
 # sweep. Output goes to stdout and to $OUT (or runs/gpu_check/) as text and JSON.
 #
 #   bash benchmarks/gpu_check.sh                 # PYTHON=... to pick the interpreter

@@ -1,6 +1,6 @@
 """Side-by-side CPU benchmark of the verl_ds.algos torch paths against the naive formulas and the peers.
 
-    python benchmarks/numerics.py            # the issue's shapes: [8192, 32000] logits, GAE at B=256, T=2048
+    python benchmarks/numerics.py            # the default shapes: [8192, 32000] logits, GAE at B=256, T=2048
     python benchmarks/numerics.py --quick    # tiny shapes, a smoke run (what the test runs)
 
 Rows: median (and min) wall time, GB/s of the input read once, peak extra memory (VmHWM - VmRSS around

@@ -1,6 +1,6 @@
 """Throughput building blocks on CPU, each against its baseline timed in the same run.
 
-    python benchmarks/throughput.py            # the issue's shapes (a few minutes on 2 cores)
+    python benchmarks/throughput.py            # the default shapes (a few minutes on 2 cores)
     python benchmarks/throughput.py --quick    # tiny shapes, a smoke run (what the test runs)
 
 1. The update phase: forward + backward of the actor (a tiny Llama) and the critic (CriticLM on the same

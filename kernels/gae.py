@@ -1,6 +1,6 @@
 """Masked GAE over (B, T) in verl's semantics, as a per-row reverse loop or an associative scan.
 
-verl (``compute_gae_advantage_return``, peers.md 2.3) walks t = T-1 .. 0 carrying the next valid
+verl (``compute_gae_advantage_return`` in ``verl/trainer/ppo/core_algos.py``) walks t = T-1 .. 0 carrying the next valid
 value v+ and the running advantage g (both 0 at the start):
     g' = r_t + gamma v+ - V_t + gamma lam g
     if mask_t: v+ <- V_t, g <- g'        (a masked position passes both through unchanged)

@@ -161,7 +161,7 @@ def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperatur
 # Fused token-level variant: log-prob, entropy and a KL estimator of delta = logprob - ref_logprob in
 # the same single pass over the actor logits (the estimator is an epilogue on two scalars per row).
 
-# the names of verl_ds.algos.kl.kl_penalty (peers.md 2.2) -> the kernel's KL_KIND
+# the names of verl_ds.algos.kl.kl_penalty (Schulman, "Approximating KL Divergence", 2020) -> the kernel's KL_KIND
 KL_KINDS = {"k1": 1, "kl": 1, "abs": 2, "k2": 3, "mse": 3, "k3": 4, "low_var_kl": 4, "symmetric": 5}
 KL_KIND_CHOICES = tuple(KL_KINDS) + tuple(k + "+" for k in KL_KINDS)
 
@@ -175,7 +175,7 @@ def _logprob_entropy_kl_fwd_kernel(
     # 1. The log-prob and entropy pass of logprob.py.
     active, logprob, entropy, m, log_s = row_logprob_entropy(logits_ptr, logits_row_stride, labels_ptr, row, n_cols,
                                                              inv_temperature, ignore_index, True, BLOCK_V)
-    # 2. The estimator on delta = logprob - ref (peers.md 2.2; k3 with verl's clamps; the torch twin
+    # 2. The estimator on delta = logprob - ref (Schulman 2020; k3 with verl's clamps; the torch twin
     #    is verl_ds.algos.kl.kl_penalty).
     delta = logprob - tl.load(ref_logprob_ptr + row).to(tl.float32)
     if KL_KIND == 1:

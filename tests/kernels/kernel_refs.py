@@ -56,7 +56,7 @@ def ref_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature
 
 
 def ref_kl_estimator(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """peers.md 2.2: k1 delta, abs |delta|, k2 delta^2/2, k3 verl's clamped e^{-delta} - 1 + delta,
+    """Schulman, "Approximating KL Divergence" (2020): k1 delta, abs |delta|, k2 delta^2/2, k3 verl's clamped e^{-delta} - 1 + delta,
     symmetric delta (1 - e^{-delta}) / 2 with delta clamped to [-20, 20];
     a trailing '+' keeps the value and takes the gradient of k2 (straight-through)."""
     delta = logprob - ref_logprob

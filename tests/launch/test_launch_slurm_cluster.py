@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.timeout(3600), pytest.mark.slow]  # a job starts 2 ran
 GUARD_S = 1500  # failure guard of one wait (a rank start takes ~20 s idle, minutes on a loaded machine)
 TRAIN = "slurm/train.sbatch"
 DEEPSPEED = "slurm/train_deepspeed.sbatch"
-# the command line: 2 ranks of 1 CPU on the one node, no GPU
+# the documented command line (docs/launch.md): 2 ranks of 1 CPU on the one node, no GPU
 SRUN_OPTIONS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--partition=debug"]
 CPU = ["trainer.device=cpu", "trainer.progress_bar=false"]
 # for jobs that are stopped early: nothing to export or plot at the end

@@ -1,4 +1,4 @@
-"""vLLM as the rollout engine: one colocated, in-process vLLM engine per rank (issue 19, part 1).
+"""vLLM as the rollout engine: one colocated, in-process vLLM engine per rank.
 
 ``VLLMRolloutEngine`` holds a vLLM ``LLM`` in the trainer's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 vLLM's uni-process executor, tensor parallel size 1), so new weights go in from memory, one module at a time
