@@ -175,10 +175,8 @@ def test_two_ranks_greedy_equals_hf_after_each_step_and_log_probs_agree(tmp_path
     assert compared >= 0.75 * (compared + ties), f"{ties} of {compared + ties} rows had a near-tie"
 
 
-# the default job (configs/default.yaml) at hidden 256, except the KL controller: at this size the band controller
-# multiplies kl_coef by 1.5 every step once the policy has learned (KL > 0.15) and the score then collapses, with
-# either engine (docs/vllm.md quotes both runs); the fixed kl_coef 0.01 keeps the learned policy
-LEARN = ["rollout.engine=vllm", *MODEL, "algo.kl_ctrl=fixed", "rollout.batch_size=32", "actor.mini_batch_size=32",
+# the default job (configs/default.yaml: the band KL controller with target_kl 1.0) at hidden 256
+LEARN = ["rollout.engine=vllm", *MODEL, "algo.target_kl=1.0", "rollout.batch_size=32", "actor.mini_batch_size=32",
          "actor.micro_batch_size=16", "rollout.max_new_tokens=8", "data.num_train_prompts=4096",
          "data.num_val_prompts=8", "trainer.val_every=0", *QUIET]
 GRPO = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=8", "algo.kl_placement=loss"]
@@ -194,9 +192,10 @@ def _scores(rows: list) -> list:
 @needs_vllm
 @pytest.mark.parametrize("name,extra", [("ppo", []), ("grpo", GRPO)])
 def test_the_default_task_is_learned_and_resume_is_exact(tmp_path, name, extra):
-    """12 steps lift the mean score of the last 3 steps 0.3 above the first 3 (30 steps, measured: +0.43 PPO,
-    +0.45 GRPO). PPO also saves at step 6; a second run resumed from that checkpoint logs steps 7-12 exactly as
-    the uninterrupted run did (same weights, same per-step sampling seeds)."""
+    """12 steps lift the mean score of the last 3 steps 0.3 above the first 3 (measured: +0.51 PPO, +0.52 GRPO;
+    docs/vllm.md has the 30-step runs). PPO also saves at step 6; a second run resumed from that checkpoint logs
+    steps 7-12 exactly as the uninterrupted run did (same weights, same per-step sampling seeds). GRPO's updates
+    are on-policy, so the trainer skips its old-log-prob pass and logs no sampler/trainer log-prob gap."""
     out = str(tmp_path / name)
     save = ["trainer.save_every=6", "trainer.keep_last=2"] if name == "ppo" else []
     run_train(out, [*LEARN, *extra, *save, f"trainer.total_steps={LEARN_STEPS}"], env=vllm_env(), timeout=1500)
@@ -205,7 +204,9 @@ def test_the_default_task_is_learned_and_resume_is_exact(tmp_path, name, extra):
     assert len(scores) == LEARN_STEPS
     rise = sum(scores[-K:]) / K - sum(scores[:K]) / K
     assert rise > MARGIN, f"{name}: the mean score of the last {K} steps rose by only {rise:.3f}: {scores}"
-    assert max(m["rollout/log_prob_diff_mean"] for m in rows if "rollout/score/mean" in m) < 1e-4
+    gaps = [m.get("rollout/log_prob_diff_mean") for m in rows if "rollout/score/mean" in m]
+    if name == "ppo":  # the KL is in the reward: the old-log-prob pass runs, vLLM's log-probs are checked
+        assert None not in gaps and max(gaps) < 1e-4, gaps
     if name != "ppo":
         return
     resumed = str(tmp_path / "resumed")
