@@ -1,10 +1,16 @@
-"""End-to-end PPO throughput: the default job and a larger tiny model, gathered vs per-token generation.
+"""End-to-end PPO throughput: the default job and a larger tiny model, gathered vs per-token generation; and
+full fine-tuning vs LoRA (actor and critic adapters, no reference engine) on the larger model: step time and
+the peak RSS of the training process.
 
 Runs ``launch/train.py`` (ZeRO-3, world size 1 unless --nproc) for a few steps per case and reads the
-per-step timings the trainer logs (``timing_s/*``). The first steps are warm-up and dropped.
+per-step timings the trainer logs (``timing_s/*``). The first steps are warm-up and dropped. Peak RSS is
+the largest VmHWM among the run's Python processes (each rank with --nproc > 1), and CPU s/run their user +
+system CPU seconds (start-up included), both polled from /proc: CPU seconds change less than wall time on a
+shared machine.
 
-    python benchmarks/e2e.py               # ~3-5 min on 2 CPU cores
+    python benchmarks/e2e.py               # ~5-8 min on 2 CPU cores
     python benchmarks/e2e.py --steps 6 --nproc 2
+    python benchmarks/e2e.py --cases lora  # only full fine-tuning vs LoRA
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,11 +31,64 @@ CASES = {
     "larger tiny model (h256 L4)": ["model.hidden_size=256", "model.intermediate_size=768", "model.num_layers=4",
                                     "model.num_heads=8", "model.num_kv_heads=4"],
 }
+LORA_MODEL = "larger tiny model (h256 L4)"
+LORA = {"full fine-tuning": [], "LoRA r=8 (actor + critic)": ["actor.lora_rank=8", "critic.lora_rank=8"]}
 PHASES = {"gen": ["timing_s/gen"], "log-probs/values": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv"],
           "update": ["timing_s/update_actor", "timing_s/update_critic"]}
 
 
-def run_case(overrides: list, steps: int, nproc: int, threads: int) -> list[dict]:
+class ProcessWatch:
+    """Polls a process tree in /proc (Linux): each Python process's peak RSS (VmHWM) and CPU seconds
+    (utime + stime). Compilers or other non-Python children (a JIT build) are not counted."""
+
+    def __init__(self, pid: int, every_s: float = 0.25):
+        self.pid, self.every_s = pid, every_s
+        self.hwm_kib: dict = {}
+        self.cpu_s: dict = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list:
+        pids, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as fh:
+                        todo += [int(c) for c in fh.read().split()]
+            except OSError:
+                pass
+        return pids
+
+    def _sample(self) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid in self._tree():
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    status = dict(line.split(":", 1) for line in fh if ":" in line)
+                with open(f"/proc/{pid}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if "python" not in status.get("Name", "") or "VmHWM" not in status:
+                continue
+            self.hwm_kib[pid] = max(self.hwm_kib.get(pid, 0), int(status["VmHWM"].split()[0]))
+            self.cpu_s[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"rss_mib": max(self.hwm_kib.values(), default=0) / 1024, "cpu_s": sum(self.cpu_s.values())}
+
+
+def run_case(overrides: list, steps: int, nproc: int, threads: int) -> tuple[list[dict], dict]:
+    """(per-step metrics, {"rss_mib": the largest Python process's peak RSS, "cpu_s": their CPU seconds})."""
     out = tempfile.mkdtemp(prefix="verl_ds_bench_")
     args = [f"trainer.output_dir={out}", "trainer.resume=none", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
             "trainer.plot=false", "trainer.export_hf=false", "trainer.val_every=0", *overrides]
@@ -36,11 +96,16 @@ def run_case(overrides: list, steps: int, nproc: int, threads: int) -> list[dict
     cmd = [sys.executable, train, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", train, *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed ({' '.join(overrides)}):\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        watch = ProcessWatch(proc.pid)
+        proc.wait()
+        stats = watch.stop()
+        if proc.returncode != 0:
+            log.seek(0)
+            raise SystemExit(f"run failed ({' '.join(overrides)}):\n{log.read()[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
-        return [m for m in map(json.loads, fh) if "timing_s/step" in m]
+        return [m for m in map(json.loads, fh) if "timing_s/step" in m], stats
 
 
 def summarise(rows: list[dict], warmup: int) -> dict:
@@ -57,10 +122,20 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--rounds", type=int, default=1, help="LoRA cases: rounds of (full, LoRA), medians reported")
+    p.add_argument("--cases", choices=("all", "gen", "lora"), default="all",
+                   help="gen: gathered vs per-token generation; lora: full fine-tuning vs LoRA")
     args = p.parse_args()
     print(f"verl_ds e2e benchmark: ZeRO-3, {args.nproc} rank(s), OMP_NUM_THREADS={args.threads}, {args.steps} steps per case "
           f"(median over steps after {args.warmup} warm-up), CPU")
     header = f"{'case':44s} {'step s':>7s} {'steps/s':>8s} {'tok/s':>8s} {'gen s':>7s} {'lp/val s':>9s} {'update s':>9s}"
+    if args.cases in ("all", "gen"):
+        gen_cases(args, header)
+    if args.cases in ("all", "lora"):
+        lora_cases(args)
+
+
+def gen_cases(args, header: str) -> None:
     print(header)
     print("-" * len(header))
     results = {}
@@ -68,8 +143,9 @@ def main() -> None:
         for gather in (True, False):
             label = f"{name}, {'gathered' if gather else 'per-token'} gen"
             t0 = time.perf_counter()
-            s = summarise(run_case([*overrides, f"rollout.gather_params={str(gather).lower()}"], args.steps, args.nproc,
-                                   args.threads), args.warmup)
+            rows, _ = run_case([*overrides, f"rollout.gather_params={str(gather).lower()}"], args.steps, args.nproc,
+                               args.threads)
+            s = summarise(rows, args.warmup)
             results[label] = s
             print(f"{label:44s} {s['step_s']:7.3f} {s['steps_per_s']:8.2f} {s['tokens_per_s']:8.0f} {s['gen']:7.3f} "
                   f"{s['log-probs/values']:9.3f} {s['update']:9.3f}   ({time.perf_counter() - t0:.0f} s wall)", flush=True)
@@ -79,6 +155,29 @@ def main() -> None:
         print(f"{name}: generation with gathered parameters is {t['gen'] / g['gen']:.1f}x faster than per-token "
               f"gathering; the whole step {t['step_s'] / g['step_s']:.2f}x")
 
+
+
+def lora_cases(args) -> None:
+    """Full fine-tuning (actor, critic, a frozen reference) vs LoRA (adapters on actor and critic, the reference is
+    the actor with adapters off) on the same model, both with gathered generation; ``--rounds`` alternates them."""
+    print(f"\n{LORA_MODEL}: full fine-tuning vs LoRA, {args.rounds} round(s) alternating, medians")
+    header = f"{'case':44s} {'step s':>7s} {'update s':>9s} {'lp/val s':>9s} {'CPU s/run':>10s} {'peak RSS MiB':>13s}"
+    print(header)
+    print("-" * len(header))
+    runs = {name: [] for name in LORA}
+    for _ in range(args.rounds):
+        for name, overrides in LORA.items():
+            t0 = time.perf_counter()
+            rows, stats = run_case([*CASES[LORA_MODEL], *overrides], args.steps, args.nproc, args.threads)
+            s = {**summarise(rows, args.warmup), **stats}
+            runs[name].append(s)
+            print(f"{name:44s} {s['step_s']:7.3f} {s['update']:9.3f} {s['log-probs/values']:9.3f} {s['cpu_s']:10.1f} "
+                  f"{s['rss_mib']:13.0f}   ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    full, lo = med["full fine-tuning"], med["LoRA r=8 (actor + critic)"]
+    print(f"LoRA vs full fine-tuning: step time x{lo['step_s'] / full['step_s']:.2f}, update x"
+          f"{lo['update'] / full['update']:.2f}, CPU seconds per run x{lo['cpu_s'] / full['cpu_s']:.2f}, peak RSS x"
+          f"{lo['rss_mib'] / full['rss_mib']:.2f} ({lo['rss_mib'] - full['rss_mib']:+.0f} MiB)")
 
 if __name__ == "__main__":
     main()

@@ -6,9 +6,10 @@ and the frozen reference costs nothing: it is the actor with its adapters switch
 ``disable_adapter()``), not a second model. ``critic.lora_rank > 0`` does the same for the critic's backbone;
 its value head always trains.
 
-- ``apply_lora(model, spec, seed)``: wrap a HF model in a peft model after checking the target module names
-  (a name that matches nothing is a ConfigError with the model's close names); the adapters start the same on
-  every rank (their init runs under a forked RNG seeded from the model seed: the global RNG is untouched).
+- ``apply_lora(model, spec, seed)``: wrap a HF model in a peft model after resolving the target module names
+  (``all-linear``, ``output-head``, names; one that matches nothing is a ConfigError with the model's close
+  names); the adapters start the same on every rank (their init runs under a forked RNG seeded from the model
+  seed: the global RNG is untouched).
 - ``merged_groups(peft_model)``: the base model's parameters under their plain HF names, each LoRA layer's
   weight merged (W + B A * alpha / r) while its parameters are gathered: the generation replica
   (``MergedLoraReplica``, refreshed after every update) and the merged HF export use it, so neither ever
@@ -30,9 +31,9 @@ from typing import Callable, Optional
 import torch
 
 from verl_ds.config import ConfigError
+from verl_ds.engines.zero3 import full_shape, is_partitioned, persistent_buffers
 
 log = logging.getLogger(__name__)
-from verl_ds.engines.zero3 import full_shape, is_partitioned, persistent_buffers
 
 ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear/Conv1D layer except the output (LM) head
 OUTPUT_HEAD = "output-head"  # the output (LM) head, whatever its name, when it is not tied to the input embedding
@@ -59,7 +60,7 @@ def lora_spec(section, who: str) -> Optional[LoraSpec]:
     rank = int(getattr(section, "lora_rank", 0) or 0)
     if rank == 0:
         return None
-    targets = tuple(getattr(section, "lora_target_modules", None) or (ALL_LINEAR,))
+    targets = tuple(getattr(section, "lora_target_modules", (ALL_LINEAR,)))  # [] is refused when resolved
     return LoraSpec(rank=rank, alpha=float(section.lora_alpha), dropout=float(section.lora_dropout),
                     target_modules=targets, who=who)
 
