@@ -11,6 +11,12 @@ shared machine.
     python benchmarks/e2e.py               # ~5-8 min on 2 CPU cores
     python benchmarks/e2e.py --steps 6 --nproc 2
     python benchmarks/e2e.py --cases lora  # only full fine-tuning vs LoRA
+    python benchmarks/e2e.py --cases engine --steps 4  # HF vs vLLM generation (needs the vLLM venv)
+
+The engine cases run the 21M-parameter model (hidden 512, 8 layers, head_dim 64: vLLM's CPU attention refuses
+the default head_dim 16) on 32 prompts x 4 samples x 64 new tokens (GRPO: no critic), once with HF ``generate``
+and once with ``rollout.engine=vllm`` under the vLLM venv's interpreter (``--vllm-python``, default
+$VERL_DS_VLLM_PYTHON or .venv-vllm/bin/python; ``bash scripts/install_vllm.sh`` makes it).
 """
 from __future__ import annotations
 
@@ -33,6 +39,9 @@ CASES = {
 }
 LORA_MODEL = "larger tiny model (h256 L4)"
 LORA = {"full fine-tuning": [], "LoRA r=8 (actor + critic)": ["actor.lora_rank=8", "critic.lora_rank=8"]}
+ENGINE_MODEL = ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_layers=8", "model.num_heads=8",
+                "model.num_kv_heads=4", "rollout.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=64",
+                "algo.adv_estimator=grpo", "actor.mini_batch_size=128", "actor.micro_batch_size=32"]
 PHASES = {"gen": ["timing_s/gen"], "log-probs/values": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv"],
           "update": ["timing_s/update_actor", "timing_s/update_critic"]}
 
@@ -87,15 +96,18 @@ class ProcessWatch:
         return {"rss_mib": max(self.hwm_kib.values(), default=0) / 1024, "cpu_s": sum(self.cpu_s.values())}
 
 
-def run_case(overrides: list, steps: int, nproc: int, threads: int) -> tuple[list[dict], dict]:
+def run_case(overrides: list, steps: int, nproc: int, threads: int, python: str = sys.executable
+             ) -> tuple[list[dict], dict]:
     """(per-step metrics, {"rss_mib": the largest Python process's peak RSS, "cpu_s": their CPU seconds})."""
     out = tempfile.mkdtemp(prefix="verl_ds_bench_")
     args = [f"trainer.output_dir={out}", "trainer.resume=none", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
             "trainer.plot=false", "trainer.export_hf=false", "trainer.val_every=0", *overrides]
     train = os.path.join(ROOT, "launch", "train.py")
-    cmd = [sys.executable, train, *args] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", train, *args]
+    cmd = [python, train, *args] if nproc == 1 else \
+        [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", train, *args]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore::FutureWarning")
+    if python != sys.executable:  # DeepSpeed's JIT-built CPU comm op is rebuilt when another venv built it last
+        env["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.dirname(os.path.dirname(python)), "torch_extensions")
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
         watch = ProcessWatch(proc.pid)
@@ -123,8 +135,11 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--rounds", type=int, default=1, help="LoRA cases: rounds of (full, LoRA), medians reported")
-    p.add_argument("--cases", choices=("all", "gen", "lora"), default="all",
-                   help="gen: gathered vs per-token generation; lora: full fine-tuning vs LoRA")
+    p.add_argument("--cases", choices=("all", "gen", "lora", "engine"), default="all",
+                   help="gen: gathered vs per-token generation; lora: full fine-tuning vs LoRA; engine: HF vs vLLM "
+                        "generation (not in 'all': it needs the vLLM venv)")
+    p.add_argument("--vllm-python", default=os.environ.get("VERL_DS_VLLM_PYTHON") or
+                   os.path.join(ROOT, ".venv-vllm", "bin", "python"), help="the vLLM venv's interpreter")
     args = p.parse_args()
     print(f"verl_ds e2e benchmark: ZeRO-3, {args.nproc} rank(s), OMP_NUM_THREADS={args.threads}, {args.steps} steps per case "
           f"(median over steps after {args.warmup} warm-up), CPU")
@@ -133,6 +148,8 @@ def main() -> None:
         gen_cases(args, header)
     if args.cases in ("all", "lora"):
         lora_cases(args)
+    if args.cases == "engine":
+        engine_cases(args)
 
 
 def gen_cases(args, header: str) -> None:
@@ -178,6 +195,31 @@ def lora_cases(args) -> None:
     print(f"LoRA vs full fine-tuning: step time x{lo['step_s'] / full['step_s']:.2f}, update x"
           f"{lo['update'] / full['update']:.2f}, CPU seconds per run x{lo['cpu_s'] / full['cpu_s']:.2f}, peak RSS x"
           f"{lo['rss_mib'] / full['rss_mib']:.2f} ({lo['rss_mib'] - full['rss_mib']:+.0f} MiB)")
+
+def engine_cases(args) -> None:
+    """Generation time per step, HF generate vs vLLM (in-process, weights synced after every update), same run."""
+    if not os.path.exists(args.vllm_python):
+        raise SystemExit(f"no vLLM interpreter at {args.vllm_python}: bash scripts/install_vllm.sh, or --vllm-python")
+    print("\n21M-parameter model (h512 L8), 32 prompts x 4 samples x 64 new tokens, GRPO: generation per step")
+    header = f"{'engine':44s} {'step s':>7s} {'gen s':>7s} {'sync s':>7s} {'gen tok/s':>10s} {'|lp diff|':>10s}"
+    print(header)
+    print("-" * len(header))
+    res = {}
+    for engine, python in (("hf", sys.executable), ("vllm", args.vllm_python)):
+        t0 = time.perf_counter()
+        rows, _ = run_case([*ENGINE_MODEL, f"rollout.engine={engine}"], args.steps, args.nproc, args.threads, python)
+        s = summarise(rows, args.warmup)
+        kept = rows[args.warmup:] or rows
+        s["sync"] = statistics.median(r.get("timing_s/weight_sync", 0.0) for r in kept)
+        s["gen_tok_s"] = statistics.median(r.get("response_length/mean", 0.0) * 128 / r["timing_s/gen"] for r in kept)
+        diff = [r["rollout/log_prob_diff_mean"] for r in kept if "rollout/log_prob_diff_mean" in r]
+        res[engine] = s
+        print(f"{engine:44s} {s['step_s']:7.3f} {s['gen']:7.3f} {s['sync']:7.3f} {s['gen_tok_s']:10.0f} "
+              f"{(f'{statistics.mean(diff):.1e}' if diff else '-'):>10s}   ({time.perf_counter() - t0:.0f} s wall)",
+              flush=True)
+    print(f"vLLM vs HF generate: generation per step x{res['vllm']['gen'] / res['hf']['gen']:.2f} "
+          f"({res['hf']['gen'] / res['vllm']['gen']:.2f}x faster), whole step x{res['vllm']['step_s'] / res['hf']['step_s']:.2f}")
+
 
 if __name__ == "__main__":
     main()

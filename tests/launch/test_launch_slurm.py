@@ -13,6 +13,8 @@ import pytest
 
 from launch_testutil import ROOT, base_env, free_port
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 SLURM = os.path.join(ROOT, "slurm")
 SCRIPTS = ["train.sbatch", "train_deepspeed.sbatch", "task.sh", "deepspeed_node.sh", "common.sh"]
 
@@ -199,7 +201,6 @@ def test_run_step_stops_requeueing_after_max_requeues(tmp_path):
 FAKE_RANK = r'''
 import os, signal, sys
 
-pytestmark = pytest.mark.slow  # real training runs / several processes
 out = os.environ["OUTPUT_DIR_FOR_TEST"]
 def stop(sig, frame):
     open(os.path.join(out, f"rank{os.environ['RANK']}.signal"), "w").write(str(sig)); sys.exit(75)

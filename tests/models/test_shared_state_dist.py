@@ -6,6 +6,8 @@ import socket
 import sys
 import tempfile
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 WORKER = r'''
 import json, os, sys
 import torch.distributed as dist
@@ -30,7 +32,6 @@ s.sync()
 from verl_ds.config import load_config
 from verl_ds.state import StateValidationError
 
-pytestmark = pytest.mark.slow  # real training runs / several processes
 t = SharedState.from_config(load_config(None, ["algo.kl_placement=loss", "data.max_prompt_length=200"]))
 out["from_config"] = [t.snapshot(), t.version]
 if rank == 0:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tempfile
 
+pytestmark = pytest.mark.slow  # real training runs / several processes
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 
@@ -23,7 +25,6 @@ from verl_ds.models.packed_forward import packed_logprobs, packed_values
 from verl_ds.models.varlen_attention import use_varlen_attention
 from verl_ds.packing import pack
 
-pytestmark = pytest.mark.slow  # real training runs / several processes
 
 torch.set_num_threads(1)
 deepspeed.init_distributed(dist_backend="gloo")

@@ -184,20 +184,22 @@ def test_5_nan_logits_skip_updates_on_every_rank_then_stop_after_max_bad_steps(c
             assert isinstance(rows[st][k], float) and rows[st][k] == rows[st][k], (st, k, rows[st][k])
 
     rollout = json.load(open(os.path.join(c.out, "nonfinite", f"step_{s + 1}.json")))
-    assert rollout["kind"] == "batch" and rollout["origin"] == "logprob" and rollout["world_size"] == 2
+    assert rollout["kind"] == "batch" and rollout["origin"] == "old_log_probs" and rollout["world_size"] == 2
     first = rollout["samples"][0]
-    assert (first["rank"], first["index"], first["nonfinite"]["logprob"]) == (1, 0, [0])
+    assert (first["rank"], first["index"], first["nonfinite"]["old_log_probs"]) == (1, 0, [0])
     assert isinstance(first["score"], float) and first["prompt"] and "response" in first
-    assert rollout["fields"]["logprob"] == {"samples": 1, "tokens": 1}
+    assert rollout["fields"]["old_log_probs"] == {"samples": 1, "tokens": 1}
     update = json.load(open(os.path.join(c.out, "nonfinite", f"step_{s + 3}.json")))
     assert update["kind"] == "update" and update["fields"] == {}
     events = [e for e in update["update_events"] if e["role"] == "actor"]
     assert {e["rank"] for e in events} == {0, 1} and all(e["skipped"] for e in events)
     assert any(e["nonfinite_losses"] for e in events if e["rank"] == 1)
     assert os.path.isfile(record)
-    assert find_resumable(c.ckpts) == c.step_dir(s + 5)  # the stopping step was not saved
+    # the stopping step is saved before the run ends (its updates were skipped: the weights are the finite ones)
+    assert find_resumable(c.ckpts) == c.step_dir(s + 6)
+    assert "the run is ending on a fault at step" in job.text(0)
     c.figures["nan"] = {"bad_steps": 4, "skipped_updates": sum(rows[st]["training/skipped_updates"] for st in rows)}
-    c.record("NaN logits, then max_bad_steps", last_done=s + 6, resumed_next=s + 5, survived=True,
+    c.record("NaN logits, then max_bad_steps", last_done=s + 6, resumed_next=s + 6, survived=True,
              note="3 bad steps skipped in place; the job stopped on the 2nd consecutive one as configured")
     c.broken = False
 
@@ -208,7 +210,7 @@ def test_6_corrupt_newest_checkpoint_is_skipped_and_the_job_finishes(chain):
         pytest.skip("an earlier link failed")
     c.broken = True
     s = c.s
-    newest = c.step_dir(s + 5)
+    newest = c.step_dir(s + 6)
     assert find_resumable(c.ckpts) == newest
     victim = max((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(newest, "actor")) for f in fs),
                  key=os.path.getsize)
@@ -217,10 +219,10 @@ def test_6_corrupt_newest_checkpoint_is_skipped_and_the_job_finishes(chain):
     job, codes = _run_link(c, "final", "", [f"trainer.total_steps={s + 7}"])
     assert codes == [0, 0], job.tail()
     assert f"skipping checkpoint {newest}: file actor/" in job.text(0)
-    assert _resumed_from(job.text(0)) == s + 4
+    assert _resumed_from(job.text(0)) == s + 5
     assert metric_steps(c.out) == list(range(1, s + 8))  # every step logged exactly once, none missing
     assert verify(c.step_dir(s + 7)) is None and open(os.path.join(c.ckpts, "latest")).read() == f"global_step_{s + 7}"
-    c.record("corrupt newest checkpoint (truncated shard)", last_done=s + 5, resumed_next=s + 4)
+    c.record("corrupt newest checkpoint (truncated shard)", last_done=s + 6, resumed_next=s + 5)
     c.figures["faults_injected"] = len(c.figures["faults"])
     c.figures["faults_survived"] = sum(f["survived"] for f in c.figures["faults"])
     c.broken = False

@@ -136,3 +136,16 @@ def test_a_fresh_run_in_a_used_directory_does_not_mix_in_the_old_metrics(tmp_pat
     assert [m["step"] for m in read_metrics(out) if "rollout/score/mean" in m] == [1, 2]
     previous = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl.prev"))]
     assert [s for s in previous if s > 0] == [1, 2, 3]
+
+
+def test_a_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path):
+    """Elastic resume through the trainer: 2 steps on 2 ranks, then steps 3-4 on 1 rank from that checkpoint (the
+    engines through DeepSpeed's universal checkpoint, the same global batches split over the new world size)."""
+    out = str(tmp_path / "run")
+    common = ["trainer.export_hf=false", "trainer.val_every=0"]
+    run_train(out, [*common, "trainer.total_steps=2"], nproc=2)
+    proc = run_train(out, [*common, "trainer.total_steps=4"])
+    assert "resumed from" in proc.stdout + proc.stderr
+    steps = [m for m in read_metrics(out) if "rollout/score/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert all(m["training/nonfinite_steps"] == 0 for m in steps)

@@ -58,7 +58,8 @@ class ReferenceModel(LogProbRole):
     def __init__(self, lm: Any, state: SharedState | None = None, remove_padding: bool = False,
                  fused_lm_head: bool = False):
         super().__init__(state=state, lm=lm)
-        self.remove_padding, self.fused_lm_head = bool(remove_padding), bool(fused_lm_head)
+        # run-time switches from the config, not state: private so a checkpoint never overrides them
+        self._remove_padding, self._fused_lm_head = bool(remove_padding), bool(fused_lm_head)
         if not callable(lm):
             raise TypeError(f"{type(self).__name__}: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
                             f"{type(lm).__name__}")
@@ -107,13 +108,13 @@ class ReferenceModel(LogProbRole):
             raise ValueError(f"{who}: action must equal the last R={R} columns of observation; rows {rows} differ")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"{who}: temperature must be a float > 0, got {temperature!r}")
-        if self.remove_padding:  # the real tokens only, packed in one row (verl_ds.packing)
+        if self._remove_padding:  # the real tokens only, packed in one row (verl_ds.packing)
             from verl_ds.models.packed_forward import packed_logprobs
             from verl_ds.packing import pack
 
             log_probs, entropy = packed_logprobs(self.lm, pack(observation, mask), R, temperature,
-                                                 compute_entropy=return_entropy, fused_lm_head=self.fused_lm_head)
-        elif self.fused_lm_head:
+                                                 compute_entropy=return_entropy, fused_lm_head=self._fused_lm_head)
+        elif self._fused_lm_head:
             log_probs, entropy = self._fused_padded(observation, mask, action.long(), temperature, return_entropy)
         else:  # (B, R+1, V): position t predicts response token t; read in place (no (B, R, V) copy for backward)
             log_probs, entropy = response_logprobs(self._logits(observation, mask, R + 1), action.long(), temperature,

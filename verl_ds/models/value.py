@@ -99,7 +99,7 @@ class ValueModel(ValueRole, TrainableRole):
     def __init__(self, net: nn.Module | Callable[[torch.Tensor], torch.Tensor], state: SharedState | None = None,
                  optimizer: torch.optim.Optimizer | None = None, lr_key: str = "critic_lr", remove_padding: bool = False):
         super().__init__(state=state, net=net)
-        self.remove_padding = bool(remove_padding)
+        self._remove_padding = bool(remove_padding)  # a config switch, not state (never from a checkpoint)
         if not callable(net):
             raise TypeError(f"ValueModel: net must be an nn.Module or a callable fn(observation) -> Tensor, got "
                             f"{type(net).__name__}")
@@ -164,7 +164,7 @@ class ValueModel(ValueRole, TrainableRole):
         if isinstance(response_length, bool) or not isinstance(response_length, int) or not 1 <= response_length < T:
             raise ValueError(f"{who}: response_length (the response width R) must be an int with 1 <= R < T={T}, "
                              f"got {response_length!r}")
-        if self.remove_padding and self._is_network:  # the real tokens only, packed in one row (verl_ds.packing)
+        if self._remove_padding and self._is_network:  # the real tokens only, packed in one row (verl_ds.packing)
             from verl_ds.models.packed_forward import packed_values
             from verl_ds.packing import pack
 
