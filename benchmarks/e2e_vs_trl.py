@@ -7,8 +7,9 @@ max_new_tokens, sampling (temperature 1, no top-k/top-p), learning rate (constan
 one optimizer step per step (one PPO epoch, on-policy), k3 KL in the loss at a fixed coefficient (TRL ``beta``),
 token-mean loss aggregation (TRL ``loss_type="dapo"``) and float32, each side in its own interpreter with the same
 OMP_NUM_THREADS. Differences that remain (see benchmarks/README.md): the prompt order (each side's own seeded
-shuffle), the group-std epsilon (verl_ds 1e-6, TRL 1e-4), verl_ds's recomputed old log-probs (TRL reuses the
-detached current ones when on-policy), the KL clamp of verl_ds's k3, and the engine (DeepSpeed vs plain torch).
+shuffle), the group-std epsilon (verl_ds 1e-6, TRL 1e-4), the KL clamp of verl_ds's k3, and the engine
+(DeepSpeed vs plain torch). Both skip the old-log-prob pass on an on-policy step (verl_ds:
+``actor.reuse_on_policy_log_probs``).
 
     python benchmarks/e2e_vs_trl.py                          # both sizes: ~10-20 min on 2 loaded CPU cores
     python benchmarks/e2e_vs_trl.py --sizes tiny --steps-tiny 20

@@ -301,3 +301,33 @@ def test_packed_and_fused_paths_score_a_lora_actor_and_its_reference(remove_padd
     torch.testing.assert_close(got_actor[rm], want_actor[rm], rtol=0, atol=2e-5)
     torch.testing.assert_close(got_ref[rm], want_ref[rm], rtol=0, atol=2e-5)
     assert (want_actor - want_ref).abs().max() > 1e-3
+
+
+def test_v1_models_shows_the_reference_as_the_actor_with_adapters_off():
+    """A LoRA run registers no reference model of its own: /v1/models (a real server on 127.0.0.1) lists the
+    reference as the adapters-off view of the actor's peft model, frozen, counting only the base weights."""
+    import urllib.request
+
+    from verl_ds.models import PolicyModel
+    from verl_ds.models.policy import AdaptersOffReferenceModel
+    from verl_ds.registry import ModelRegistry
+    from verl_ds.server import ControlServer
+    from verl_ds.state import SharedState
+
+    model = lora.apply_lora(tiny_llama(), spec(), seed=0)
+    base_params = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    adapter_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    registry = ModelRegistry()
+    registry.register("actor", PolicyModel(model))
+    registry.register("ref", AdaptersOffReferenceModel(model))
+    srv = ControlServer(SharedState(rank=0), registry, host="127.0.0.1", port=0)
+    url = srv.start()
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+            entries = {e["id"]: e for e in json.loads(r.read())["data"]}
+    finally:
+        srv.stop()
+    ref = entries["ref"]
+    assert (ref["role"], ref["class"], ref["trainable"]) == ("ref", "AdaptersOffReferenceModel", False)
+    assert ref["num_parameters"] == base_params and adapter_params > 0
+    assert entries["actor"]["trainable"] is True
