@@ -1,0 +1,117 @@
+"""verl_ds.rollout.collect on a real tiny Llama, the built-in tokenizer and real reward functions: DAPO's dynamic
+sampling (groups without signal dropped, more rounds drawn, capped, topped up), its overlong penalty against the
+paper's formula by hand, and ReMax's greedy baseline against HF greedy decoding done separately."""
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from verl_ds.data import collate_prompts
+from verl_ds.metrics import Timings
+from verl_ds.models import PolicyModel, RewardModel
+from verl_ds.rollout import collect
+from verl_ds.tasks import parity
+from verl_ds.tokenizer import build_tokenizer
+
+N, B = 4, 3  # samples per prompt, prompts per round
+SAMPLING = {"max_new_tokens": 6, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+
+
+@pytest.fixture(scope="module")
+def parts():
+    tok = build_tokenizer(parity.VOCAB)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id)
+    torch.manual_seed(1)  # a seed whose greedy responses differ between the prompts (ReMax test)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    return tok, model, PolicyModel(model, tokenizer=tok)
+
+
+def rounds_of_prompts(tok):
+    """draw_prompts for collect: round r holds B prompts tagged r (a counter of the calls made)."""
+    calls = itertools.count()
+    texts = ["odd : 3 =>", "even : 2 4 =>", "odd : 1 5 7 =>", "even : 8 =>", "odd : 9 2 =>", "even : 6 6 =>"]
+
+    def draw():
+        r = next(calls)
+        items = [{"input_ids": tok(t)["input_ids"], "prompt": f"{r}|{t}"} for t in texts[r * B % 6:][:B]]
+        return collate_prompts(items, tok.pad_token_id)
+
+    draw.calls = calls
+    return draw
+
+
+def reward_of(fn):
+    reward = RewardModel()
+    reward.register_reward_fn(fn, name="test_reward")
+    return reward
+
+
+def test_groups_without_signal_are_dropped_until_the_cap_then_topped_up(parts):
+    tok, _, policy = parts
+    draw = rounds_of_prompts(tok)
+    ro = collect(draw, policy, reward_of(lambda prompts, responses, batch: [1.0] * len(responses)), tok,
+                 sampling=SAMPLING, n=N, timings=Timings(), dynamic=True, max_rounds=3)
+    assert next(draw.calls) == 3  # every round had no signal: the cap of 3 rounds was reached
+    m = {k: float(v) for k, v in ro.metrics.items() if k.startswith("rollout/")}
+    assert (m["rollout/sampling_rounds"], m["rollout/groups_dropped"], m["rollout/groups_filled"]) == (3, 3 * B, B)
+    assert len(ro.batch) == B * N and len(ro.responses) == B * N
+
+
+def test_rounds_are_drawn_until_every_group_carries_signal(parts):
+    tok, _, policy = parts
+    draw = rounds_of_prompts(tok)
+
+    def score(prompts, responses, batch):  # round 0: all equal (no signal); later: alternating 0/1 in each group
+        return [0.5 if p.startswith("0|") else float(i % 2) for i, p in enumerate(prompts)]
+
+    ro = collect(draw, policy, reward_of(score), tok, sampling=SAMPLING, n=N, timings=Timings(), dynamic=True,
+                 max_rounds=5)
+    assert next(draw.calls) == 2
+    m = {k: float(v) for k, v in ro.metrics.items() if k.startswith("rollout/")}
+    assert (m["rollout/sampling_rounds"], m["rollout/groups_dropped"], m["rollout/groups_filled"]) == (2, B, 0)
+    assert len(ro.batch) == B * N
+    assert all(p.startswith("1|") for p in ro.batch.extras["prompt"])  # only round 1's groups are kept
+    assert ro.batch.group_index.tolist() == [B + g for g in range(B) for _ in range(N)]  # unique over rounds
+    scores = ro.batch.scores.sum(-1).view(B, N)
+    assert bool((scores.max(1).values > scores.min(1).values).all())
+
+
+def test_overlong_penalty_is_dapos_soft_penalty_by_hand(parts):
+    tok, _, policy = parts
+    buffer, factor, L = 4, 0.5, SAMPLING["max_new_tokens"]
+    torch.manual_seed(11)
+    ro = collect(rounds_of_prompts(tok), policy, reward_of(lambda p, r, b: [1.0] * len(r)), tok, sampling=SAMPLING,
+                 n=N, timings=Timings(), overlong=(buffer, factor))
+    lengths = ro.batch.response_length.tolist()
+    assert len(set(lengths)) > 1  # several lengths, so the penalty is checked on more than one branch
+    for row, length in zip(ro.batch.scores, lengths):
+        # DAPO (Yu et al. 2025, eq. 13): 0 up to L - buffer, then -(length - (L - buffer)) / buffer, x factor
+        penalty = 0.0 if length <= L - buffer else ((L - buffer) - length) / buffer * factor
+        assert row[length - 1].item() == pytest.approx(1.0 + penalty)
+        assert row.sum().item() == pytest.approx(1.0 + penalty)
+
+
+def test_remax_baseline_is_the_score_of_the_greedy_response(parts):
+    tok, model, policy = parts
+
+    def score(prompts, responses, batch):  # a score that depends on the response text
+        return [float(sum(map(ord, r)) % 97) for r in responses]
+
+    draw = rounds_of_prompts(tok)
+    ro = collect(draw, policy, reward_of(score), tok, sampling=SAMPLING, n=N, timings=Timings(),
+                 greedy_baseline=True)
+    prompts = rounds_of_prompts(tok)()  # the same first round, drawn again
+    with torch.no_grad():
+        out = model.generate(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"].long(),
+                             do_sample=False, max_new_tokens=SAMPLING["max_new_tokens"], pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+    expected = []
+    for row in out[:, prompts["input_ids"].shape[1]:].tolist():
+        if tok.eos_token_id in row:
+            row = row[:row.index(tok.eos_token_id)]
+        expected.append(float(sum(map(ord, tok.decode(row, skip_special_tokens=True))) % 97))
+    assert len(set(expected)) > 1  # the greedy responses differ, so the baseline is matched prompt by prompt
+    assert ro.batch.extras["baseline_score"] == [s for s in expected for _ in range(N)]
