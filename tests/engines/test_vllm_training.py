@@ -175,8 +175,8 @@ def test_two_ranks_greedy_equals_hf_after_each_step_and_log_probs_agree(tmp_path
     assert compared >= 0.75 * (compared + ties), f"{ties} of {compared + ties} rows had a near-tie"
 
 
-# the default job (configs/default.yaml: the band KL controller with target_kl 1.0) at hidden 256
-LEARN = ["rollout.engine=vllm", *MODEL, "algo.target_kl=1.0", "rollout.batch_size=32", "actor.mini_batch_size=32",
+# the default job (configs/default.yaml: the band KL controller with target_kl 2.0) at hidden 256
+LEARN = ["rollout.engine=vllm", *MODEL, "algo.target_kl=2.0", "rollout.batch_size=32", "actor.mini_batch_size=32",
          "actor.micro_batch_size=16", "rollout.max_new_tokens=8", "data.num_train_prompts=4096",
          "data.num_val_prompts=8", "trainer.val_every=0", *QUIET]
 GRPO = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=8", "algo.kl_placement=loss"]

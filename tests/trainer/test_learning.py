@@ -1,5 +1,5 @@
-"""The default task is learned: PPO with a critic and GRPO (no critic) raise the train score by a clear margin within a
-CI-sized run (seeded, one rank, the default model)."""
+"""The default task is learned: PPO with a critic, GRPO (no critic) and PPO with a LoRA actor (no reference engine)
+raise the train score by a clear margin within a CI-sized run (seeded, one rank, the default model)."""
 import pytest
 
 from e2e_utils import read_metrics, run_train
@@ -20,6 +20,7 @@ def _rise(out: str, k: int) -> float:
     ("ppo", [], 40, 0.15),
     ("grpo", ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=8", "actor.mini_batch_size=32",
               "algo.kl_placement=loss"], 40, 0.15),
+    ("lora", ["actor.lora_rank=8", "actor.lr=2e-3"], 40, 0.15),  # the learning rate docs/config.md gives for LoRA
 ])
 def test_the_default_task_is_learned(tmp_path, name, overrides, steps, margin):
     out = str(tmp_path / name)
