@@ -42,7 +42,8 @@ LORA = {"full fine-tuning": [], "LoRA r=8 (actor + critic)": ["actor.lora_rank=8
 ENGINE_MODEL = ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_layers=8", "model.num_heads=8",
                 "model.num_kv_heads=4", "rollout.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=64",
                 "algo.adv_estimator=grpo", "actor.mini_batch_size=128", "actor.micro_batch_size=32"]
-PHASES = {"gen": ["timing_s/gen"], "log-probs/values": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv"],
+PHASES = {"gen": ["timing_s/gen"],
+          "log-probs/values": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv"],
           "update": ["timing_s/update_actor", "timing_s/update_critic"]}
 
 
@@ -218,7 +219,8 @@ def engine_cases(args) -> None:
               f"{(f'{statistics.mean(diff):.1e}' if diff else '-'):>10s}   ({time.perf_counter() - t0:.0f} s wall)",
               flush=True)
     print(f"vLLM vs HF generate: generation per step x{res['vllm']['gen'] / res['hf']['gen']:.2f} "
-          f"({res['hf']['gen'] / res['vllm']['gen']:.2f}x faster), whole step x{res['vllm']['step_s'] / res['hf']['step_s']:.2f}")
+          f"({res['hf']['gen'] / res['vllm']['gen']:.2f}x faster), "
+          f"whole step x{res['vllm']['step_s'] / res['hf']['step_s']:.2f}")
 
 
 if __name__ == "__main__":
