@@ -52,7 +52,9 @@ from verl_ds.packing import count_micro_batches, pack, token_budget_micro_batche
 
 FULL = dict(B=64, P=32, R=128, mb=8, hidden=128, layers=4, vocab=2000, repeat=2,
             lp_n=8192, lp_h=1024, lp_v=32000, lp_repeat=1)
-QUICK = dict(B=8, P=6, R=16, mb=2, hidden=32, layers=2, vocab=100, repeat=1, lp_n=256, lp_h=32, lp_v=1000,
+# the quick log-prob shapes keep the logits at 16 MiB: a 1 MiB allocation can land in pages already resident and
+# read as 0 bytes of peak, which made the quick run's peak ratio a division by zero
+QUICK = dict(B=8, P=6, R=16, mb=2, hidden=32, layers=2, vocab=100, repeat=1, lp_n=1024, lp_h=32, lp_v=4096,
              lp_repeat=1)
 
 
@@ -281,6 +283,9 @@ def bench_logprob(cfg):
         print(f"| {name} | {min(w_):.2f} ({statistics.median(w_):.2f}) | {min(c_):.2f} | "
               f"{peaks[name] / 2 ** 20:.1f} | {diffs[name][0]:.1e} / {diffs[name][1]:.1e} |")
     lg, fu = rows[0][0], rows[1][0]
+    if not peaks[lg] > 0:  # nothing measurable (or NaN: no /proc): say so rather than divide by it
+        raise SystemExit(f"throughput: the logits path's peak extra memory read as {peaks[lg]} bytes; the log-prob "
+                         f"shapes are too small to measure (N={n}, V={v})")
     peak_ratio, time_ratio = peaks[fu] / peaks[lg], min(wall[fu]) / min(wall[lg])
     print(f"fused / logits path: peak extra {peak_ratio:.3f}x, wall time {time_ratio:.2f}x, CPU time "
           f"{min(cpu[fu]) / min(cpu[lg]):.2f}x (the logits alone are {n * v * 4 / 2 ** 20:.0f} MiB)")
