@@ -39,9 +39,11 @@ CASES = {
 }
 LORA_MODEL = "larger tiny model (h256 L4)"
 LORA = {"full fine-tuning": [], "LoRA r=8 (actor + critic)": ["actor.lora_rank=8", "critic.lora_rank=8"]}
+ENGINE_PROMPTS, ENGINE_N = 32, 4  # samples per step: ENGINE_PROMPTS * ENGINE_N
 ENGINE_MODEL = ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_layers=8", "model.num_heads=8",
-                "model.num_kv_heads=4", "rollout.batch_size=32", "rollout.n=4", "rollout.max_new_tokens=64",
-                "algo.adv_estimator=grpo", "actor.mini_batch_size=128", "actor.micro_batch_size=32"]
+                "model.num_kv_heads=4", f"rollout.batch_size={ENGINE_PROMPTS}", f"rollout.n={ENGINE_N}",
+                "rollout.max_new_tokens=64", "algo.adv_estimator=grpo",
+                f"actor.mini_batch_size={ENGINE_PROMPTS * ENGINE_N}", "actor.micro_batch_size=32"]
 PHASES = {"gen": ["timing_s/gen"],
           "log-probs/values": ["timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv"],
           "update": ["timing_s/update_actor", "timing_s/update_critic"]}
@@ -212,7 +214,8 @@ def engine_cases(args) -> None:
         s = summarise(rows, args.warmup)
         kept = rows[args.warmup:] or rows
         s["sync"] = statistics.median(r.get("timing_s/weight_sync", 0.0) for r in kept)
-        s["gen_tok_s"] = statistics.median(r.get("response_length/mean", 0.0) * 128 / r["timing_s/gen"] for r in kept)
+        samples = ENGINE_PROMPTS * ENGINE_N
+        s["gen_tok_s"] = statistics.median(r.get("response_length/mean", 0.0) * samples / r["timing_s/gen"] for r in kept)
         diff = [r["rollout/log_prob_diff_mean"] for r in kept if "rollout/log_prob_diff_mean" in r]
         res[engine] = s
         print(f"{engine:44s} {s['step_s']:7.3f} {s['gen']:7.3f} {s['sync']:7.3f} {s['gen_tok_s']:10.0f} "
