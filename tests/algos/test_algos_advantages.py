@@ -18,7 +18,9 @@ from verl_ds.algos import (
     compute_reinforce_pp_baseline_advantage,
     compute_remax_advantage,
     compute_rloo_advantage,
+    get_advantage_estimator,
     masked_whiten,
+    register_advantage_estimator,
 )
 
 TOL = dict(atol=2e-6, rtol=1e-5)
@@ -114,6 +116,20 @@ def test_grpo_hand_cases():
     assert (adv[3:] == 0).all()  # all-equal group: exactly 0 (float64 statistics), not eps noise
     dr, _ = compute_grpo_advantage(rewards, mask, ids, norm_by_std=False)  # Dr.GRPO: no std division
     torch.testing.assert_close(dr, torch.tensor([0.5, -0.5, 3.0, 0.0, 0.0, 0.0])[:, None].expand(6, 3))
+
+
+def test_why_grpo_keeps_its_kl_out_of_the_rewards():
+    # Two correct answers whose KL penalties (in the reward) differ by 1e-5: GRPO's std division makes that noise an
+    # advantage of +-0.62 (hand: mean 1 - 5e-6, unbiased std 1e-5 / sqrt 2; 5e-6 / (7.0711e-6 + 1e-6) = 0.61950),
+    # as large as a real success/failure signal. So algo.kl_placement=auto puts GRPO's KL term in the loss.
+    rewards = torch.tensor([[0.0, 1.0], [0.0, 1.0 - 1e-5]], dtype=torch.float64)  # float32 would round the 1e-5
+    adv, _ = compute_grpo_advantage(rewards, torch.ones(2, 2, dtype=torch.bool), [0, 0])
+    assert adv[0, 0].item() == pytest.approx(0.61950, abs=1e-4) and adv[1, 0].item() == pytest.approx(-0.61950, abs=1e-4)
+    assert get_advantage_estimator("grpo").kl_placement == get_advantage_estimator("dr_grpo").kl_placement == "loss"
+    assert {get_advantage_estimator(n).kl_placement for n in ("gae", "rloo", "reinforce_plus_plus",
+                                                              "reinforce_plus_plus_baseline", "remax")} == {"reward"}
+    with pytest.raises(ValueError, match=r"kl_placement: expected 'reward' or 'loss', got 'critic'"):
+        register_advantage_estimator("never_registered", kl_placement="critic")
 
 
 def test_score_is_the_sum_over_the_response_only():

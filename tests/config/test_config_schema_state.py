@@ -130,6 +130,30 @@ def test_kl_kind_auto_resolves_for_the_placement():
     assert validate(load_config(None, ["algo.kl_placement=loss", "algo.kl_kind=k2"])).kl_kind == "k2"
 
 
+@pytest.mark.parametrize("estimator, n, placement", [("gae", 1, "reward"), ("grpo", 4, "loss"), ("dr_grpo", 4, "loss"),
+                                                     ("rloo", 4, "reward"), ("reinforce_plus_plus", 1, "reward"),
+                                                     ("reinforce_plus_plus_baseline", 4, "reward"),
+                                                     ("remax", 1, "reward")])
+def test_kl_placement_auto_follows_the_estimator(estimator, n, placement):
+    cfg = load_config(None, [f"algo.adv_estimator={estimator}", f"rollout.n={n}"])
+    assert cfg.algo.kl_placement == "auto"
+    derived = validate(cfg)
+    assert derived.kl_placement == placement
+    assert derived.kl_kind == ("low_var_kl" if placement == "loss" else "k1") == initial_state(cfg)["kl_kind"]
+    assert run_limits(cfg).kl_placement == placement
+    other = "reward" if placement == "loss" else "loss"  # an explicit placement wins
+    assert validate(load_config(None, [f"algo.adv_estimator={estimator}", f"rollout.n={n}",
+                                       f"algo.kl_placement={other}"])).kl_placement == other
+
+
+def test_grpo_refuses_k1_with_its_auto_placement_in_the_loss():
+    with pytest.raises(ConfigError, match=r"algo.kl_kind: 'k1' in the loss"):
+        validate(load_config(None, ["algo.adv_estimator=grpo", "rollout.n=4", "algo.kl_kind=k1"]))
+    state = SharedState.from_config(load_config(None, ["algo.adv_estimator=grpo", "rollout.n=4"]), rank=0)
+    with pytest.raises(StateValidationError):
+        state.stage({"kl_kind": "k1"})
+
+
 @pytest.mark.parametrize("kind", ["k1", "kl"])
 def test_a_zero_gradient_estimator_in_the_loss_is_refused_in_config_and_hot_path(kind):
     with pytest.raises(ConfigError, match=rf"algo.kl_kind: '{kind}' in the loss .*regularises nothing.*low_var_kl"):

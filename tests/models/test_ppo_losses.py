@@ -53,6 +53,14 @@ def test_entropy_bonus_normalizer_and_agg_mode():
     assert loss.item() == pytest.approx((-1.2 - 1.0 + 0.8 + 3.0) / 2, abs=1e-6)  # row sums -2.2 and 3.8, averaged
 
 
+def test_auto_kl_placement_is_the_estimators():
+    grpo, gae = make_ppo("grpo", critic=False), make_ppo()
+    assert grpo.algo.kl_placement == gae.algo.kl_placement == "auto"
+    assert grpo.kl_in_loss() and not grpo.kl_in_reward()
+    assert gae.kl_in_reward() and not gae.kl_in_loss()
+    assert make_ppo("grpo", critic=False, kl_placement="reward").kl_in_reward()
+
+
 def test_kl_in_loss_hand_case_and_gradient():
     ppo = make_ppo(kl_placement="loss")
     ppo.state.update({"kl_coef": 0.5, "kl_kind": "k3", "kl_ctrl_type": "fixed", "entropy_coef": 0.0})

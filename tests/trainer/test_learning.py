@@ -18,8 +18,8 @@ def _rise(out: str, k: int) -> float:
 
 @pytest.mark.parametrize("name, overrides, steps, margin", [
     ("ppo", [], 40, 0.15),
-    ("grpo", ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=8", "actor.mini_batch_size=32",
-              "algo.kl_placement=loss"], 40, 0.15),
+    ("grpo", ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=8", "actor.mini_batch_size=32"], 40,
+     0.15),  # algo.kl_placement=auto: GRPO's KL term goes in the loss
     ("lora", ["actor.lora_rank=8", "actor.lr=2e-3"], 40, 0.15),  # the learning rate docs/config.md gives for LoRA
 ])
 def test_the_default_task_is_learned(tmp_path, name, overrides, steps, margin):
@@ -30,5 +30,7 @@ def test_the_default_task_is_learned(tmp_path, name, overrides, steps, margin):
                     "rollout.max_new_tokens=8", "data.num_train_prompts=4096", *overrides], timeout=900)
     rise = _rise(out, k=5)
     assert rise > margin, f"{name}: the mean score of the last 5 steps rose by only {rise:.3f} over the first 5"
-    if name == "grpo":  # no critic engine, no critic metrics
+    if name == "grpo":  # no critic engine, no critic metrics; the KL in the loss, not in the rewards
         assert not any(k.startswith("critic/") for m in read_metrics(out) for k in m)
+        assert all("actor/kl_loss" in m and "actor/reward_kl_penalty" not in m
+                   for m in read_metrics(out) if "rollout/score/mean" in m)

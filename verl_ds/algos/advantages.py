@@ -165,12 +165,13 @@ def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Te
 @dataclass(frozen=True)
 class AdvantageEstimator:
     """A registered estimator: call it with the uniform signature (module docstring); the flags say
-    which optional inputs it needs."""
+    which optional inputs it needs; ``kl_placement`` is where ``algo.kl_placement=auto`` puts the KL term."""
     name: str
     fn: Callable
     needs_critic: bool = False
     needs_groups: bool = False
     needs_baseline: bool = False
+    kl_placement: str = "reward"
 
     def __call__(self, token_rewards, response_mask, *, values=None, group_index=None, baseline_scores=None,
                  gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6, whiten_fn: Callable | None = None):
@@ -189,12 +190,16 @@ ADV_ESTIMATOR_NAMES = ADVANTAGE_ESTIMATORS.view()
 
 
 def register_advantage_estimator(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
-                                 needs_baseline: bool = False, aliases: tuple = ()):
+                                 needs_baseline: bool = False, kl_placement: str = "reward", aliases: tuple = ()):
     """Decorator registering ``fn(token_rewards, response_mask, *, values, group_index, baseline_scores,
-    gamma, lam, eps, whiten_fn) -> (advantages, returns)`` under ``name``; a taken name raises."""
+    gamma, lam, eps, whiten_fn) -> (advantages, returns)`` under ``name``; a taken name raises.
+    ``kl_placement`` ("reward" or "loss") is the estimator's convention for the KL term (``algo.kl_placement=auto``)."""
+    if kl_placement not in ("reward", "loss"):
+        raise ValueError(f"kl_placement: expected 'reward' or 'loss', got {kl_placement!r}")
+
     def add(fn):
         ADVANTAGE_ESTIMATORS.register(name, aliases=aliases)(
-            AdvantageEstimator(name, fn, bool(needs_critic), bool(needs_groups), bool(needs_baseline)))
+            AdvantageEstimator(name, fn, bool(needs_critic), bool(needs_groups), bool(needs_baseline), kl_placement))
         return fn
     return add
 
@@ -212,12 +217,14 @@ def _gae(token_rewards, response_mask, *, values, gamma, lam, **_):
     return torch.where(m, adv, zero), torch.where(m, ret, zero)
 
 
-@register_advantage_estimator("grpo", needs_groups=True)
+# GRPO keeps its KL term in the loss (Shao et al. 2024, DeepSeekMath, eq. 3): in the reward, dividing by the group's
+# std turns the tiny KL differences between equally rewarded samples into advantages of order 1.
+@register_advantage_estimator("grpo", needs_groups=True, kl_placement="loss")
 def _grpo(token_rewards, response_mask, *, group_index, eps, **_):
     return compute_grpo_advantage(token_rewards, response_mask, group_index, eps=eps, norm_by_std=True)
 
 
-@register_advantage_estimator("dr_grpo", needs_groups=True)
+@register_advantage_estimator("dr_grpo", needs_groups=True, kl_placement="loss")
 def _dr_grpo(token_rewards, response_mask, *, group_index, eps, **_):
     return compute_grpo_advantage(token_rewards, response_mask, group_index, eps=eps, norm_by_std=False)
 

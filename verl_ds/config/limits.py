@@ -29,6 +29,16 @@ def kl_placement_rule(kl_placement: str, kl_kind: str) -> Optional[str]:
     return None
 
 
+def resolve_kl_placement(kl_placement: str, adv_estimator: str) -> str:
+    """``auto`` -> the advantage estimator's convention (in the loss for grpo and dr_grpo, in the reward for the
+    others); ``reward`` and ``loss`` are returned as they are."""
+    if kl_placement != "auto":
+        return kl_placement
+    from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
+
+    return get_advantage_estimator(adv_estimator).kl_placement
+
+
 def resolve_kl_kind(kl_kind: str, kl_placement: str) -> str:
     """``auto`` -> k1 in the reward, low_var_kl in the loss; any other name is returned as it is."""
     if kl_kind != "auto":
@@ -99,4 +109,4 @@ def run_limits(cfg) -> RunLimits:
         prompt = cfg.data.max_prompt_length
         upper["max_new_tokens"] = Bound(tokens - prompt, f"{where}={tokens} - data.max_prompt_length={prompt}: "
                                                           "prompt and response must fit the model's context")
-    return RunLimits(upper=upper, kl_placement=cfg.algo.kl_placement)
+    return RunLimits(upper=upper, kl_placement=resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator))

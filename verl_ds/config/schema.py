@@ -138,7 +138,7 @@ class AlgoConfig:
     adv_estimator: str = _f("gae", "Advantage estimator from the registry in verl_ds.algos (gae needs the critic; the others are critic-free).", choices=_adv_estimators)
     gamma: float = _f(1.0, "Discount.", min=0.0, max=1.0, hot="gamma")
     lam: float = _f(0.95, "GAE lambda.", min=0.0, max=1.0, hot="lam")
-    kl_placement: Literal["reward", "loss"] = _f("reward", "Where the KL penalty goes: subtracted from the token rewards, or added to the actor loss.")
+    kl_placement: Literal["auto", "reward", "loss"] = _f("auto", "Where the KL penalty goes: subtracted from the token rewards, or added to the actor loss; auto = the estimator's convention: the loss for grpo and dr_grpo (GRPO's std normalisation would turn KL noise between equally rewarded samples into unit advantages), the reward for the others.")
     use_kl_penalty: bool = _f(True, "Apply the KL penalty at all (it is off when kl_coef is 0 with the fixed controller).", hot="use_kl_penalty")
     kl_kind: str = _f("auto", "KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, symmetric; auto = k1 in the reward, low_var_kl in the loss (k1 in the loss has a zero-mean gradient and is refused).", choices=_kl_kinds, config_only=("auto",), hot="kl_kind")
     kl_coef: float = _f(0.01, "KL coefficient beta (the KL controller rewrites it after each update).", min=0.0, max=1e3, hot="kl_coef")

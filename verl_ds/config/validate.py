@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from .fields import ConfigError, show
-from .limits import kl_placement_rule, resolve_kl_kind, run_limits
+from .limits import kl_placement_rule, resolve_kl_kind, resolve_kl_placement, run_limits
 from .loader import read_text_file
 from .schema import Config, hot_fields
 
@@ -29,7 +29,8 @@ class Derived:
     samples_per_rank: int = 0
     critic_micro_batch: int = 0  # critic.micro_batch_size capped at the per-rank mini-batch
     critic_grad_accum: int = 0
-    kl_kind: str = "k1"  # algo.kl_kind with 'auto' resolved for algo.kl_placement
+    kl_kind: str = "k1"  # algo.kl_kind with 'auto' resolved for the KL placement
+    kl_placement: str = "reward"  # algo.kl_placement with 'auto' resolved for the advantage estimator
 
 
 def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
@@ -57,7 +58,12 @@ def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
                    mini_batches_per_epoch=samples // a.mini_batch_size, mini_batch_per_rank=per_rank,
                    grad_accum=per_rank // a.micro_batch_size, samples_per_rank=samples // world_size,
                    critic_micro_batch=critic_micro, critic_grad_accum=per_rank // critic_micro,
-                   kl_kind=resolve_kl_kind(cfg.algo.kl_kind, cfg.algo.kl_placement))
+                   kl_kind=resolve_kl_kind(cfg.algo.kl_kind, kl_placement_of(cfg)), kl_placement=kl_placement_of(cfg))
+
+
+def kl_placement_of(cfg: Config) -> str:
+    """Where this config puts the KL term: ``algo.kl_placement`` with ``auto`` resolved ("reward" or "loss")."""
+    return resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator)
 
 
 def _check_estimator(cfg: Config) -> None:
@@ -107,7 +113,7 @@ def initial_state(cfg: Config) -> dict:
     for key, dotted in STATE_FROM_CONFIG.items():
         section, name = dotted.split(".")
         out[key] = getattr(getattr(cfg, section), name)
-    out["kl_kind"] = resolve_kl_kind(cfg.algo.kl_kind, cfg.algo.kl_placement)
+    out["kl_kind"] = resolve_kl_kind(cfg.algo.kl_kind, kl_placement_of(cfg))
     out["use_kl_penalty"] = cfg.algo.use_kl_penalty and (cfg.algo.kl_coef > 0 or cfg.algo.kl_ctrl != "fixed")
     return out
 
@@ -127,7 +133,7 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
         if m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
     _check_estimator(cfg)
-    why = kl_placement_rule(cfg.algo.kl_placement, cfg.algo.kl_kind)
+    why = kl_placement_rule(kl_placement_of(cfg), cfg.algo.kl_kind)
     if why is not None:
         raise ConfigError(f"algo.kl_kind: {why}")
     limits = run_limits(cfg)

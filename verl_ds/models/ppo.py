@@ -68,8 +68,11 @@ class PPOModel(TrainableRole):
             from verl_ds.config import AlgoConfig
 
             algo = AlgoConfig()
+        from verl_ds.config.limits import resolve_kl_placement
+
         self.algo = algo
         self._estimator = algos.get_advantage_estimator(algo.adv_estimator)
+        self._kl_placement = resolve_kl_placement(algo.kl_placement, algo.adv_estimator)  # "reward" or "loss"
         if self._estimator.needs_critic and critic is None:
             raise MissingModuleError(f"Missing required module: critic (algo.adv_estimator={algo.adv_estimator!r} "
                                      f"estimates advantages with a critic; the critic-free estimators are "
@@ -140,11 +143,11 @@ class PPOModel(TrainableRole):
     # ---- advantages -------------------------------------------------------------------------------
     def kl_in_reward(self, hot: dict | None = None) -> bool:
         hot = self._state.snapshot() if hot is None else hot
-        return self.algo.kl_placement == "reward" and _kl_active(hot)
+        return self._kl_placement == "reward" and _kl_active(hot)
 
     def kl_in_loss(self, hot: dict | None = None) -> bool:
         hot = self._state.snapshot() if hot is None else hot
-        return self.algo.kl_placement == "loss" and _kl_active(hot)
+        return self._kl_placement == "loss" and _kl_active(hot)
 
     def compute_advantage(self, batch: Any,
                           whiten_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
