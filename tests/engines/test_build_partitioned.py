@@ -57,6 +57,8 @@ def gathered(module):
             res[name] = p.detach().clone()
     return res
 
+# DeepSpeed replaces F.linear process-wide while building a ZeRO-3 model unless memory_efficient_linear is off
+out["torch_linear"] = torch.nn.functional.linear is torch._C._nn.linear
 a, r, c = gathered(actor.module), gathered(ref.module), gathered(critic.module)
 out["ref_equals_actor"] = sorted(a) == sorted(r) and all(torch.equal(a[k], r[k]) for k in a)
 out["critic_backbone_equals_actor"] = all(torch.equal(c["backbone." + k[len("model."):]], a[k])
@@ -95,6 +97,7 @@ def test_engines_built_partitioned_on_two_ranks(tmp_path, stage, sft):
         assert out["ref_equals_actor"] and out["same_logits"], (rank, out)
         assert out["critic_backbone_equals_actor"], (rank, out)
         assert out["rng_untouched"]
+        assert out["torch_linear"], "torch.nn.functional.linear was left replaced by DeepSpeed's ZeRO-3 linear"
         assert out["actor_moved_by_sft"] == (sft == "sft")
         assert out["partitioned"] == {"actor": stage == 3, "ref": True, "critic": stage == 3}
         # half the model stays on each rank; the construction's peak adds about one gathered module, never

@@ -109,6 +109,9 @@ def test_ds_config_is_derived_from_the_job_config():
     assert actor["bf16"]["enabled"] and actor["gradient_clipping"] == 1.0
     ref = make_ds_config(cfg, d, "ref")
     assert ref["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in ref["zero_optimization"]
+    # DeepSpeed's process-wide replacement of F.linear is off wherever ZeRO-3 builds a model
+    assert ref["zero_optimization"]["memory_efficient_linear"] is False
+    assert actor["zero_optimization"]["memory_efficient_linear"] is False
     cfg0 = load_config(None, ["deepspeed.zero_stage=0"])
     assert make_ds_config(cfg0, validate(cfg0), "critic")["zero_optimization"] == {"stage": 0}
 
