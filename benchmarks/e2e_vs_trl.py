@@ -44,9 +44,10 @@ ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore::FutureWarning", "TRAN
        "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
 
 
-def prepare(work: str, size: str, n_prompts: int, seed: int) -> tuple[str, str, int]:
+def prepare(work: str, size: str, n_prompts: int, seed: int) -> tuple[str, str, int, int]:
     """Save the size's tiny Llama (verl_ds's own construction and init) with its tokenizer, and the prompt file;
-    returns (model_dir, prompts_file, number of parameters)."""
+    returns (model_dir, prompts_file, number of parameters, parameters in matrix products: every 2-D weight but
+    the input embedding, a lookup)."""
     os.environ.update(ENV)  # quiet HF progress bars and DeepSpeed's accelerator warning here too
     from verl_ds.config import load_config
     from verl_ds.engines.build import build_actor_model, load_tokenizer
@@ -62,7 +63,9 @@ def prepare(work: str, size: str, n_prompts: int, seed: int) -> tuple[str, str, 
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     prompts = parity.write_jsonl(os.path.join(work, "prompts.jsonl"), n_prompts, seed)
-    return model_dir, prompts, sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    matmul = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p is not embedding)
+    return model_dir, prompts, sum(p.numel() for p in model.parameters()), matmul
 
 
 def _run(cmd: list, threads: int, what: str, timeout: float) -> float:
@@ -100,6 +103,7 @@ def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float) -> tuple[l
             if "timing_s/step" in m:
                 c = cpu[len(rows)]
                 rows.append({"step_s": m["timing_s/step"], "tokens": m["perf/total_num_tokens"],
+                             "prompt_len": m["prompt_length/mean"], "response_len": m["response_length/mean"],
                              "score": m["rollout/score/mean"], "cpu_s": c["cpu_s"],
                              **{p: m.get(f"timing_s/{p}", 0.0) for p in PHASES},
                              **{f"cpu_{p}": c.get(f"cpu_{p}", 0.0) for p in PHASES}})
@@ -235,6 +239,40 @@ def summarise(rows: list[dict], warmup: int) -> dict:
     return out
 
 
+def gemm_rate(m: int, k: int, n: int, threads: int, seconds: float = 1.0) -> float:
+    """FLOP/s of a float32 (m, k) @ (k, n) matrix product on ``threads`` threads: the best of several timed runs."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        for _ in range(3):
+            a @ b
+        best, end = float("inf"), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * m * k * n / best
+
+
+def arithmetic_floor(rows: list[dict], warmup: int, samples: int, matmul_params: int, beta: float,
+                     rate: float) -> dict:
+    """The seconds per step that the matrix products alone take at ``rate`` FLOP/s: forward 2 x params x tokens
+    for the generation (prefill and decode), for the reference (when beta > 0) and in the update, whose backward
+    adds 4 x params x tokens; tokens = samples x (prompt + response length) of verl_ds's measured steps. Attention
+    scores, norms and activations are left out (sequences of ~16 tokens), so no implementation of the same job
+    can run faster than this."""
+    measured = rows[warmup:] or rows
+    tokens = samples * statistics.fmean(r["prompt_len"] + r["response_len"] for r in measured)
+    passes = 2 + (2 if beta > 0 else 0) + 6  # generation, reference, update (forward + backward)
+    flop = passes * matmul_params * tokens
+    return {"flop": flop, "tokens": tokens, "passes": passes, "floor_s": flop / rate}
+
+
 def _revision() -> str:
     """The checkout's commit, '+changes' when verl_ds/ has uncommitted edits (the figures belong to that tree)."""
     try:
@@ -299,21 +337,25 @@ def main(argv=None) -> None:
     header = f"{'size':5s} {'side':16s} {'steps':>5s} {'s/step':>7s} {'cpu s/step':>10s} {'tok/s':>7s} " \
              f"{'tok/cpu-s':>9s} {'score first':>11s} {'score last':>10s} {'wall s':>7s}"
     print(header + "\n" + "-" * len(header), flush=True)
-    results, ratios = {}, {}
+    results, ratios, floors = {}, {}, {}
     for size in sizes:
         steps = a.steps_tiny if size == "tiny" else a.steps_30m
         if steps <= a.warmup:
             raise SystemExit(f"--steps-{size} must exceed --warmup ({a.warmup}); got {steps}")
         size_dir = os.path.join(work, size)
-        model_dir, prompts, n_params = prepare(size_dir, size, max(4096, steps * a.prompts_per_step), a.seed)
+        model_dir, prompts, n_params, matmul_params = prepare(size_dir, size, max(4096, steps * a.prompts_per_step),
+                                                              a.seed)
         job = {"model_dir": model_dir, "prompts": prompts, "steps": steps, "prompts_per_step": a.prompts_per_step,
                "n": a.n, "micro_batch": a.micro_batch, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
                "seed": a.seed, "threads": a.threads}
         sides = [("trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
+        verl_rows = {}
         sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
                                                                  a.timeout)) for z in stages]
         for side, fn in sides:
             rows, wall = fn()
+            if side != "trl":
+                verl_rows[side] = rows
             s = results[size, side] = summarise(rows, a.warmup)
             print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} "
                   f"{s['cpu_tokens_per_s']:9.0f} {s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}",
@@ -326,14 +368,30 @@ def main(argv=None) -> None:
         ratios[f"{key}_cpu_tokens_per_s_ratio"] = ours["cpu_tokens_per_s"] / trl_s["cpu_tokens_per_s"]
         ratios[f"{key}_score_last_diff"] = ours["score_last"] - trl_s["score_last"]
         print(f"      ({size}: {n_params / 1e6:.2f}M parameters)", flush=True)
+        cfg = SIZES[size]  # the update's products: a micro-batch's tokens x hidden x MLP width, the best-fed shape
+        m_tokens = a.micro_batch * (a.max_new_tokens + 8)
+        rate = max(gemm_rate(m_tokens, cfg["hidden_size"], cfg["intermediate_size"], a.threads),
+                   gemm_rate(m_tokens, cfg["intermediate_size"], cfg["hidden_size"], a.threads))
+        floor = floors[size] = arithmetic_floor(verl_rows[f"verl_ds ZeRO-{stages[0]}"], a.warmup, samples,
+                                                matmul_params, a.beta, rate)
+        floor["rate"] = rate
+        ratios[f"{key}_best_possible_step_ratio"] = floor["floor_s"] / trl_s["step_s"]
     print("\nverl_ds per-phase profile of one step (the measured step nearest the median), in wall and CPU seconds:")
     for (size, side), s in results.items():
         for clock in ("wall", "cpu"):
             if f"profile_{clock}" in s:
                 print(_profile(f"{size} {side} {clock}", s[f"profile_{clock}"]))
+    print("\nArithmetic floor: the matrix products alone (passes x matmul parameters x tokens per step) at the measured "
+          f"float32 GEMM rate on {a.threads} thread(s); no implementation of this job can step faster:")
+    for size, f in floors.items():
+        trl_s, ours = results[size, "trl"]["step_s"], results[size, f"verl_ds ZeRO-{stages[0]}"]["step_s"]
+        print(f"  {size}: {f['flop']:.3g} FLOP per step ({f['passes']} x params x {f['tokens']:.0f} tokens) at "
+              f"{f['rate'] / 1e9:.1f} GFLOP/s = {f['floor_s']:.3f} s/step; verl_ds ZeRO-{stages[0]} {ours:.3f} s "
+              f"({100 * f['floor_s'] / ours:.0f}% of the rate), TRL {trl_s:.3f} s ({100 * f['floor_s'] / trl_s:.0f}%); "
+              f"at the floor a step would take {f['floor_s'] / trl_s:.2f} x TRL's")
     print(f"\nratios use verl_ds ZeRO-{stages[0]}; step ratio = verl_ds s/step / TRL s/step (< 1: verl_ds faster), "
           "tokens/s ratio = verl_ds / TRL (wall), cpu step ratio = the same in process CPU seconds (less sensitive to "
-          "other load), score diff = verl_ds - TRL (last 10% of steps)")
+          "other load), score diff = verl_ds - TRL (last 10% of steps), best possible step ratio = arithmetic floor / TRL s/step")
     print("e2e_vs_trl " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()) + f" load={load:.1f}")
 
 

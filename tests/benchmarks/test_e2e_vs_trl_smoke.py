@@ -58,6 +58,18 @@ def test_summarise_profile_and_short_runs():
     assert s["score_first"] == s["score_last"] == 0.5  # 10% of 3 steps rounds up to one step
 
 
+def test_arithmetic_floor_by_hand():
+    rows = [{"prompt_len": 9.0, "response_len": 9.0}, {"prompt_len": 7.0, "response_len": 8.0},
+            {"prompt_len": 6.0, "response_len": 7.0}]
+    f = _load().arithmetic_floor(rows, warmup=1, samples=128, matmul_params=1000, beta=0.01, rate=1e9)
+    # measured steps 2-3: 15 and 13 tokens per sample, mean 14, x 128 samples = 1792 tokens;
+    # generation 2 + reference 2 + update 6 = 10 passes x 1000 params x 1792 tokens = 1.792e7 FLOP, at 1e9 FLOP/s
+    assert f["tokens"] == pytest.approx(1792) and f["passes"] == 10
+    assert f["flop"] == pytest.approx(1.792e7) and f["floor_s"] == pytest.approx(0.01792)
+    assert _load().arithmetic_floor(rows, 1, 128, 1000, beta=0.0, rate=1e9)["passes"] == 8  # no reference pass
+    assert _load().gemm_rate(64, 32, 48, threads=1, seconds=0.05) > 1e6  # FLOP/s of a real product
+
+
 @pytest.mark.parametrize("args, message", [
     (["--sizes", "huge"], "--sizes must name sizes from"),
     (["--zero-stages", "4"], "stages 0-3"),
@@ -88,7 +100,8 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
     assert final, lines[-1]
     figures = dict(kv.split("=") for kv in final.group(1).split())
     assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_cpu_step_ratio", "tiny_cpu_tokens_per_s_ratio",
-            "tiny_score_last_diff", "load"} <= set(figures)
+            "tiny_score_last_diff", "tiny_best_possible_step_ratio", "load"} <= set(figures)
+    assert any(ln.startswith("  tiny: ") and "FLOP per step" in ln for ln in lines), proc.stdout
     assert all(math.isfinite(float(v)) for v in figures.values())
     for clock in ("wall", "cpu"):
         assert any(f"tiny verl_ds ZeRO-0 {clock}: step" in ln and "update_actor" in ln for ln in lines), clock
