@@ -363,14 +363,26 @@ class RolloutBatch:
     def split(self, mini_batch_size: int, generator: torch.Generator | None = None,
               shuffle: bool = True) -> list["RolloutBatch"]:
         """Equal mini-batches (B must be divisible by mini_batch_size), rows shuffled with
-        ``generator`` unless shuffle=False."""
+        ``generator`` unless shuffle=False. With ``group_index`` naming groups of several samples (rollout.n > 1)
+        the groups are shuffled and each keeps its rows together, in batch order (as verl splits its interleaved
+        batches), so micro-batches hold whole groups and their shared prompts (``verl_ds.prompt_sharing``)."""
         B = len(self)
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
             raise ValueError(f"split: mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
         if B % mini_batch_size:
             raise ValueError(f"split: batch size {B} is not divisible by mini_batch_size {mini_batch_size}; "
                              f"mini-batches must be equal for the loss normalisation to be right")
-        order = torch.randperm(B, generator=generator) if shuffle else torch.arange(B)
+        order = torch.arange(B)
+        if shuffle:
+            groups = self.group_index
+            if groups is not None and groups.unique().numel() < B:
+                # a random order of the groups; rows of a group stay adjacent, in batch order
+                ids, inverse = torch.unique(groups.cpu(), return_inverse=True)
+                rank = torch.empty_like(ids).scatter_(0, torch.randperm(ids.numel(), generator=generator),
+                                                      torch.arange(ids.numel()))
+                order = torch.sort(rank[inverse] * B + torch.arange(B)).indices
+            else:
+                order = torch.randperm(B, generator=generator)
         return [self.select(order[i:i + mini_batch_size]) for i in range(0, B, mini_batch_size)]
 
     @staticmethod

@@ -60,14 +60,18 @@ def test_summarise_profile_and_short_runs():
 
 def test_arithmetic_floor_by_hand():
     rows = [{"prompt_len": 9.0, "response_len": 9.0}, {"prompt_len": 7.0, "response_len": 8.0},
-            {"prompt_len": 6.0, "response_len": 7.0}]
-    f = _load().arithmetic_floor(rows, warmup=1, samples=128, matmul_params=1000, beta=0.01, rate=1e9)
-    # measured steps 2-3: 15 and 13 tokens per sample, mean 14, x 128 samples = 1792 tokens;
-    # generation 2 + reference 2 + update 6 = 10 passes x 1000 params x 1792 tokens = 1.792e7 FLOP, at 1e9 FLOP/s
-    assert f["tokens"] == pytest.approx(1792) and f["passes"] == 10
+            {"prompt_len": 7.0, "response_len": 6.0}]
+    mod = _load()
+    f = mod.arithmetic_floor(rows, warmup=1, samples=128, matmul_params=1000, beta=0.01, rate=1e9)
+    # measured steps 2-3: prompts of 7, responses of 7 tokens on average: 128 x 14 = 1792 tokens in every pass;
+    # 1000 params x (2 x 1792 generation + (2 reference + 6 update) x 1792) = 1.792e7 FLOP, at 1e9 FLOP/s
+    assert f["tokens"] == f["scored_tokens"] == pytest.approx(1792)
     assert f["flop"] == pytest.approx(1.792e7) and f["floor_s"] == pytest.approx(0.01792)
-    assert _load().arithmetic_floor(rows, 1, 128, 1000, beta=0.0, rate=1e9)["passes"] == 8  # no reference pass
-    assert _load().gemm_rate(64, 32, 48, threads=1, seconds=0.05) > 1e6  # FLOP/s of a real product
+    # shared prompts, n = 4: the reference and update passes see 32 x 7 + 128 x 7 = 1120 tokens
+    sh = mod.arithmetic_floor(rows, 1, 128, 1000, beta=0.01, rate=1e9, n=4, shared=True)
+    assert sh["scored_tokens"] == pytest.approx(1120) and sh["flop"] == pytest.approx(1000 * (2 * 1792 + 8 * 1120))
+    assert mod.arithmetic_floor(rows, 1, 128, 1000, beta=0.0, rate=1e9)["flop"] == pytest.approx(1000 * 8 * 1792)
+    assert mod.gemm_rate(64, 32, 48, threads=1, seconds=0.05) > 1e6  # FLOP/s of a real product
 
 
 @pytest.mark.parametrize("args, message", [
@@ -100,7 +104,7 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
     assert final, lines[-1]
     figures = dict(kv.split("=") for kv in final.group(1).split())
     assert {"tiny_step_ratio", "tiny_tokens_per_s_ratio", "tiny_cpu_step_ratio", "tiny_cpu_tokens_per_s_ratio",
-            "tiny_score_last_diff", "tiny_best_possible_step_ratio", "load"} <= set(figures)
+            "tiny_score_last_diff", "tiny_floor_step_ratio", "load"} <= set(figures)
     assert any(ln.startswith("  tiny: ") and "FLOP per step" in ln for ln in lines), proc.stdout
     assert all(math.isfinite(float(v)) for v in figures.values())
     for clock in ("wall", "cpu"):

@@ -237,6 +237,23 @@ def test_select_and_split_slice_extras():
     assert ordered[0].extras["answer"] == [0, 1, 2]
     with pytest.raises(ValueError, match="batch size 6 is not divisible by mini_batch_size 4"):
         b.split(4)
+    b.group_index = torch.tensor([7, 3, 7, 3, 9, 9])  # groups of two, interleaved: shuffled as units
+    for seed in range(5):
+        for size, per in ((2, 1), (6, 3)):
+            parts = b.split(size, generator=torch.Generator().manual_seed(seed))
+            for p in parts:  # whole groups, each group's rows adjacent and in batch order
+                g = p.group_index.tolist()
+                assert [g[i] for i in range(0, size, 2)] == [g[i] for i in range(1, size, 2)]
+                assert len(set(g)) == per and all(a < c for a, c in zip(p.extras["answer"][::2],
+                                                                         p.extras["answer"][1::2]))
+            assert sorted(x for p in parts for x in p.extras["answer"]) == list(range(6))
+    orders = {tuple(x for p in b.split(2, generator=torch.Generator().manual_seed(s)) for x in p.extras["answer"])
+              for s in range(20)}
+    assert len(orders) == 6  # every order of the three groups occurs
+    b.group_index = torch.arange(6)  # one sample per group: the plain row shuffle
+    rows = torch.randperm(6, generator=torch.Generator().manual_seed(0)).tolist()
+    assert [p.extras["answer"] for p in b.split(2, generator=torch.Generator().manual_seed(0))] == \
+        [rows[0:2], rows[2:4], rows[4:6]]
     with pytest.raises(IndexError, match=r"indices must be in \[0, 6\)"):
         b.select([6])
 

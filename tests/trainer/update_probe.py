@@ -28,7 +28,8 @@ def fixed_batch(trainer, global_size: int = 8, R: int = 6):
     scores = torch.rand(global_size, generator=g)
     n = global_size // world
     rows = slice(rank * n, (rank + 1) * n)
-    prompts = collate_prompts([trainer.c.train_set[i] for i in range(global_size)], tok.pad_token_id)
+    k = trainer.cfg.rollout.n  # the samples of a group answer the same prompt, as in a real rollout
+    prompts = collate_prompts([trainer.c.train_set[i // k] for i in range(global_size)], tok.pad_token_id)
     batch = RolloutBatch.from_generation(prompts["input_ids"][rows], prompts["attention_mask"][rows], responses[rows],
                                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                                          extras={"prompt": prompts["prompts"][rows]})
@@ -80,7 +81,8 @@ def main(result_path: str, overrides: list) -> None:
     metrics.update(trainer._update("actor", batch, ppo.compute_policy_loss, 1, cfg.actor.micro_batch_size,
                                    cfg.actor.max_tokens_per_micro_batch)[0])
     metrics = reduce_metrics(metrics)
-    out = {"metrics": metrics, "advantages": advantages}
+    out = {"metrics": metrics, "advantages": advantages,
+           "share_prompts": trainer.registry.get("actor")._share_prompts}  # one copy per prompt in packed rows
     for role, params in before.items():  # the update itself: after - before
         after = gathered(engines[role].module)
         out[role] = {k: after[k] - params[k] for k in params}

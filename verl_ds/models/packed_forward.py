@@ -27,6 +27,7 @@ from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
 from verl_ds.algos.fused_lm_head import fused_linear_logprobs
 from verl_ds.models.base import unwrap_module
 from verl_ds.packing import Packed
+from verl_ds.prompt_sharing import SharedPacked
 
 __all__ = ["ResponseIndex", "response_index", "packed_logprobs", "packed_values", "lm_head_returns_logprobs"]
 
@@ -44,11 +45,16 @@ class ResponseIndex(NamedTuple):
     out: torch.Tensor
 
 
-def response_index(packed: Packed, response_width: int) -> ResponseIndex:
+def response_index(packed: Packed | SharedPacked, response_width: int) -> ResponseIndex:
     """The real tokens in the last ``response_width`` columns of the padded batch; each must follow a real
     token of its row (the prompt's last token predicts the first response token)."""
     B, T = packed.shape
     R = response_width
+    if isinstance(packed, SharedPacked):  # shared prompts: the packing knows its predictors (verl_ds.prompt_sharing)
+        if R != packed.response_width:
+            raise ValueError(f"response_width R={response_width} differs from the width the prompts were shared "
+                             f"with ({packed.response_width})")
+        return ResponseIndex(labels=packed.labels, preds=packed.preds, out=packed.out)
     if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R < T:
         raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
     col = packed.indices % T

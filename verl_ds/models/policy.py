@@ -56,10 +56,11 @@ class ReferenceModel(LogProbRole):
     required_modules = ("lm",)
 
     def __init__(self, lm: Any, state: SharedState | None = None, remove_padding: bool = False,
-                 fused_lm_head: bool = False):
+                 fused_lm_head: bool = False, share_prompts: bool = False):
         super().__init__(state=state, lm=lm)
         # run-time switches from the config, not state: private so a checkpoint never overrides them
         self._remove_padding, self._fused_lm_head = bool(remove_padding), bool(fused_lm_head)
+        self._share_prompts = bool(share_prompts) and self._remove_padding  # a packed-row layout
         if not callable(lm):
             raise TypeError(f"{type(self).__name__}: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
                             f"{type(lm).__name__}")
@@ -112,7 +113,13 @@ class ReferenceModel(LogProbRole):
             from verl_ds.models.packed_forward import packed_logprobs
             from verl_ds.packing import pack
 
-            log_probs, entropy = packed_logprobs(self.lm, pack(observation, mask), R, temperature,
+            if self._share_prompts:  # one copy of each prompt for all its samples (verl_ds.prompt_sharing)
+                from verl_ds.prompt_sharing import pack_shared_prompts
+
+                packed = pack_shared_prompts(observation, mask, R)
+            else:
+                packed = pack(observation, mask)
+            log_probs, entropy = packed_logprobs(self.lm, packed, R, temperature,
                                                  compute_entropy=return_entropy, fused_lm_head=self._fused_lm_head)
         elif self._fused_lm_head:
             log_probs, entropy = self._fused_padded(observation, mask, action.long(), temperature, return_entropy)
@@ -169,8 +176,9 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
 
     def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
                  lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None,
-                 remove_padding: bool = False, fused_lm_head: bool = False):
-        super().__init__(lm, state=state, remove_padding=remove_padding, fused_lm_head=fused_lm_head)
+                 remove_padding: bool = False, fused_lm_head: bool = False, share_prompts: bool = False):
+        super().__init__(lm, state=state, remove_padding=remove_padding, fused_lm_head=fused_lm_head,
+                         share_prompts=share_prompts)
         self._optimizer = optimizer
         self.lr_key = lr_key
         self._rollout_engine = rollout_engine

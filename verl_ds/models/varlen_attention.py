@@ -17,7 +17,9 @@ run on each sequence of a packed row (bounds from the ``cu_seq_lens_q`` kwarg th
 ``Packed.attention_kwargs()`` supplies, else from ``position_ids`` by transformers' rule), and its mask
 function skips the dense mask for a packed row. Padded batches (an attention mask given) take the
 plain sdpa path with sdpa's mask, unchanged. Sliding-window layers (Qwen2 ``use_sliding_window``) get
-a per-sequence window mask.
+a per-sequence window mask. A row packed with shared prompts (``verl_ds.prompt_sharing``, its layout in the
+``verl_ds_prompt_groups`` keyword) is attended group by group: each prompt causally, its responses with one
+(r, p + r) mask that shows them the whole prompt and their own earlier tokens.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verl_ds.models.base import unwrap_module
+from verl_ds.prompt_sharing import PROMPT_GROUPS_KWARG
 
 __all__ = ["VARLEN_ATTENTION", "varlen_sdpa_attention", "register_varlen_attention", "use_varlen_attention",
            "sequence_bounds"]
@@ -67,6 +70,12 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     row -> ((1, N, heads, d), None), sdpa run per sequence; anything else goes to sdpa unchanged."""
     packed_row = attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1
     window = kwargs.get("sliding_window")
+    groups = kwargs.pop(PROMPT_GROUPS_KWARG, None)
+    if groups is not None and packed_row:
+        if window:
+            raise ValueError(f"{PROMPT_GROUPS_KWARG}: shared prompts need full attention; this layer has a sliding "
+                             f"window of {window} (set model.share_prompts=false)")
+        return _shared_prompt_attention(module, query, key, value, groups, dropout, scaling, kwargs), None
     bounds = None
     if packed_row:  # no position ids either: one sequence (a sliding window still needs its mask here)
         n = query.shape[2]
@@ -82,6 +91,30 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                         dropout=dropout, scaling=scaling, is_causal=seg_mask is None, **kw)
         outs.append(out)
     return torch.cat(outs, dim=1), None
+
+
+def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling, kwargs) -> torch.Tensor:
+    """Attention over a ``verl_ds.prompt_sharing`` row (``layout``: its ``PromptGroups``): per group, the prompt
+    attends causally to itself; its responses, in one sdpa call, to the whole prompt and causally to their own
+    tokens (the layout's (r, p + r) mask)."""
+    kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "cu_seq_lens_q", "cu_seq_lens_k")}
+    outs, n = [], query.shape[2]
+    for (start, p, lengths), mask in zip(layout.groups, layout.masks):
+        r = sum(lengths)
+        end = start + p + r
+        if end > n:
+            raise ValueError(f"{PROMPT_GROUPS_KWARG}: a group ends at {end}, past the packed row's {n} tokens")
+        if p:
+            s, e = start, start + p
+            out, _ = sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
+                                            dropout=dropout, scaling=scaling, is_causal=True, **kw)
+            outs.append(out)
+        if r:
+            out, _ = sdpa_attention_forward(module, query[:, :, start + p:end], key[:, :, start:end],
+                                            value[:, :, start:end], mask, dropout=dropout, scaling=scaling,
+                                            is_causal=False, **kw)
+            outs.append(out)
+    return torch.cat(outs, dim=1)
 
 
 def _varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,

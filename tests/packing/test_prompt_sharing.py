@@ -1,0 +1,114 @@
+"""Shared prompts (verl_ds.prompt_sharing): the layout by hand, and log-probs, entropies and gradients equal to
+every sequence run alone (float64 reference) on tiny Llama and Qwen2 models, with groups of several samples,
+a prompt seen once, 1-token and empty responses, left- and right-padded prompts, with and without the fused LM
+head; the padded path's micro-batch sizes never change the result."""
+import pytest
+import torch
+
+from packing_testutil import per_sequence_reference, tiny_lm
+from verl_ds.models import PolicyModel
+from verl_ds.models.packed_forward import packed_logprobs
+from verl_ds.models.varlen_attention import use_varlen_attention
+from verl_ds.packing import pack
+from verl_ds.prompt_sharing import PROMPT_GROUPS_KWARG, pack_shared_prompts
+
+T_SAMPLE = 0.7
+
+
+def grouped_batch(prompts, responses, P, R, side="left"):
+    """(observation (B, P + R), mask): the given prompt and response token lists, prompts padded on ``side``."""
+    B = len(responses)
+    obs = torch.zeros(B, P + R, dtype=torch.long)
+    mask = torch.zeros(B, P + R, dtype=torch.bool)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        cols = range(P - len(p), P) if side == "left" else range(len(p))
+        for c, t in zip(cols, p):
+            obs[b, c], mask[b, c] = t, True
+        for j, t in enumerate(r):
+            obs[b, P + j], mask[b, P + j] = t, True
+    return obs, mask
+
+
+def test_layout_by_hand():
+    a, b = [5, 6, 7], [8, 9]
+    obs, mask = grouped_batch([a, b, a, a], [[10, 11], [12], [13, 14, 15], []], P=3, R=3)
+    p = pack_shared_prompts(obs, mask, 3)
+    # prompt a once, then the responses of rows 0, 2, 3 (row 3's is empty); then prompt b and row 1's response
+    assert p.input_ids.tolist() == [[5, 6, 7, 10, 11, 13, 14, 15, 8, 9, 12]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2]]
+    assert p.groups.groups == ((0, 3, (2, 3, 0)), (8, 2, (1,)))
+    mask_a = p.groups.masks[0][0, 0].int().tolist()  # 5 response tokens x (3 prompt + 5 response) columns
+    assert mask_a == [[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0],  # row 0's two tokens
+                      [1, 1, 1, 0, 0, 1, 0, 0], [1, 1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 1, 1, 1]]  # row 2's three
+    assert p.groups.masks[1][0, 0].int().tolist() == [[1, 1, 1]]
+    assert p.labels.tolist() == [3, 4, 5, 6, 7, 10]
+    assert p.preds.tolist() == [2, 3, 2, 5, 6, 9]  # a response's first token is predicted by its prompt's last
+    assert p.out.tolist() == [0 * 3 + 0, 0 * 3 + 1, 2 * 3 + 0, 2 * 3 + 1, 2 * 3 + 2, 1 * 3 + 0]
+    assert p.num_tokens == 11 < pack(obs, mask).num_tokens == 17
+    assert p.attention_kwargs() == {PROMPT_GROUPS_KWARG: p.groups}
+
+
+def test_errors_name_what_is_wrong():
+    obs, mask = grouped_batch([[5], [5]], [[6], [7]], P=1, R=1)
+    with pytest.raises(ValueError, match=r"response_width \(R\) must be an int with 1 <= R < T=2, got 2"):
+        pack_shared_prompts(obs, mask, 2)
+    mask[:, 0] = False  # no prompt token: nothing predicts the first response token
+    with pytest.raises(ValueError, match=r"rows \[0, 1\] have no real token before their response"):
+        pack_shared_prompts(obs, mask, 1)
+
+
+def _batch(side):
+    g = torch.Generator().manual_seed(3)
+    prompt = [lambda n: torch.randint(3, 151, (n,), generator=g).tolist()][0]
+    pa, pb, pc = prompt(6), prompt(2), prompt(4)
+    responses = [prompt(n) for n in (5, 1, 3, 5, 2, 4, 1)]
+    return grouped_batch([pa, pa, pb, pa, pc, pb, pb], responses, P=6, R=5, side=side)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_prompts_equal_each_sequence_alone(kind, side, fused):
+    lm = tiny_lm(kind, seed=1)
+    obs, mask = _batch(side)
+    R = 5
+    rmask = mask[:, -R:]
+    w_lp, w_ent = torch.randn(obs.shape[0], R), torch.randn(obs.shape[0], R)
+    ref_lp, ref_ent, _ = per_sequence_reference(lm, None, obs, mask, R, T_SAMPLE)
+    lm.zero_grad()
+    ((ref_lp * w_lp + ref_ent * w_ent) * rmask).sum().backward()
+    want = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+    use_varlen_attention(lm)
+    shared = pack_shared_prompts(obs, mask, R)
+    assert shared.num_tokens == 12 + 21  # prompts of 6, 2 and 4 tokens once, the 21 response tokens
+    lm.zero_grad()
+    lp, ent = packed_logprobs(lm, shared, R, T_SAMPLE, compute_entropy=True, fused_lm_head=fused)
+    ((lp * w_lp + ent * w_ent) * rmask).sum().backward()
+    for name, got, ref in (("log-probs", lp, ref_lp), ("entropy", ent, ref_ent)):
+        torch.testing.assert_close(got.double() * rmask, ref.detach() * rmask, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
+        assert bool((got[~rmask] == 0).all()), name
+    got = {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_policy_model_switch_gives_the_unshared_numbers():
+    lm = use_varlen_attention(tiny_lm("llama", seed=2))
+    obs, mask = _batch("left")
+    R = 5
+    plain = PolicyModel(lm, remove_padding=True).get_logprob(obs, obs[:, -R:], mask, T_SAMPLE)
+    shared_model = PolicyModel(lm, remove_padding=True, share_prompts=True)
+    shared = shared_model.get_logprob(obs, obs[:, -R:], mask, T_SAMPLE)
+    rmask = mask[:, -R:]
+    torch.testing.assert_close(shared * rmask, plain * rmask, atol=1e-5, rtol=1e-5)
+    assert not PolicyModel(lm, share_prompts=True)._share_prompts  # a packed-row layout: needs remove_padding
+
+
+def test_sliding_window_layers_are_refused():
+    lm = use_varlen_attention(tiny_lm("qwen2", seed=0, use_sliding_window=True, sliding_window=4,
+                                      max_window_layers=0, layer_types=["sliding_attention"] * 2))
+    obs, mask = _batch("left")
+    with pytest.raises(ValueError, match=r"shared prompts need full attention; this layer has a sliding window of 4"):
+        packed_logprobs(lm, pack_shared_prompts(obs, mask, 5), 5)

@@ -1,0 +1,138 @@
+"""One copy of a prompt for all the samples that answer it: pack a micro-batch with shared prompts.
+
+With ``rollout.n`` samples per prompt, a micro-batch of whole groups holds each prompt n times. Every forward
+over it (the update's, the reference's, the old log-probs') computes the same prompt hidden states n times:
+they depend on the prompt tokens only (causal attention). ``pack_shared_prompts`` keeps one copy per distinct
+prompt and puts the responses after it::
+
+    [prompt A | response A1 | response A2 | ... | prompt B | response B1 | ...]
+
+Positions restart at 0 for each prompt and continue from the prompt length in each of its responses, so every
+token keeps the position it has in its own (prompt + response) sequence. A response token attends to its
+prompt and to the earlier tokens of its own response only (``verl_ds.models.varlen_attention`` reads the layout
+from the ``verl_ds_prompt_groups`` keyword), so each token's hidden state, log-prob and gradient are those of the
+unshared packed row; the prompt's hidden states receive the gradient of all its responses, as the n copies'
+gradients would add up. The saving is (n - 1) / n of the prompt tokens in every forward and backward. The
+first response token of each sample is predicted by the shared last prompt token. The same idea as "Prefix
+Grouper" (Liu et al. 2025, https://arxiv.org/abs/2506.05433), for packed rows.
+
+Rows share a prompt when their prompt columns hold the same real tokens in the same places (the n copies of a prompt
+in a rollout batch are padded alike), whatever their group ids say; a row whose prompt appears once is packed as in
+``verl_ds.packing.pack``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SharedPacked", "PromptGroups", "pack_shared_prompts", "PROMPT_GROUPS_KWARG"]
+
+PROMPT_GROUPS_KWARG = "verl_ds_prompt_groups"
+
+
+@dataclass(frozen=True, eq=False)
+class PromptGroups:
+    """The layout ``verl_ds_varlen_sdpa`` reads: ``groups`` ((start, prompt_len, (response_len, ...)), ...) and,
+    per group, the (1, 1, r, p + r) bool mask of its responses (each sees the whole prompt and its own earlier
+    tokens), built once per packed row rather than in every layer. An object, not a tuple: DeepSpeed's ZeRO-3
+    module hooks walk every tuple and list in a forward's arguments, in every submodule."""
+
+    groups: tuple
+    masks: tuple
+
+
+def _response_masks(groups: list, device) -> tuple:
+    """Per group, the (1, 1, r, p + r) bool mask of its responses: all of the prompt, then block-diagonal lower
+    triangles (each response sees its own earlier tokens); None for a group without response tokens. Slices of
+    one triangle and one block of ones, so two operations per group."""
+    longest = max((max(lengths, default=0) for _, _, lengths in groups), default=0)
+    widest = max((p for _, p, _ in groups), default=0)
+    most = max((sum(lengths) for _, _, lengths in groups), default=0)
+    tril = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
+    ones = torch.ones(most, widest, dtype=torch.bool, device=device)
+    masks = []
+    for _, p, lengths in groups:
+        r = sum(lengths)
+        own = torch.block_diag(*[tril[:k, :k] for k in lengths if k])
+        masks.append(torch.cat([ones[:r, :p], own], dim=1).view(1, 1, r, p + r) if r else None)
+    return tuple(masks)
+
+
+@dataclass(frozen=True)
+class SharedPacked:
+    """A padded (B, T) batch of prompt + response rows packed with one copy per distinct prompt.
+
+    input_ids, position_ids: (1, N) int64. groups: the ``PromptGroups`` layout, groups in packed order, each
+    group's responses right after its prompt. labels / preds / out: (n,) int64, for each real
+    response token: its packed index, the packed index of the token that predicts it (the previous real token
+    of its own sequence), and its flat index row * R + column in the (B, R) response block. shape: (B, T).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    groups: PromptGroups
+    labels: torch.Tensor
+    preds: torch.Tensor
+    out: torch.Tensor
+    shape: tuple[int, int]
+    response_width: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def attention_kwargs(self) -> dict:
+        """The keyword ``verl_ds_varlen_sdpa`` reads the layout from (passed through the model's forward)."""
+        return {PROMPT_GROUPS_KWARG: self.groups}
+
+
+def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int) -> SharedPacked:
+    """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are the responses, with rows of identical
+    prompts (the same real tokens in the same places of the first T - R columns) sharing one copy of it (see the
+    module docstring). Groups come in the order of their first row, rows in batch order within a group."""
+    from verl_ds.packing import _check_batch  # the same input checks as pack()
+
+    mask = _check_batch(input_ids, attention_mask)
+    B, T = input_ids.shape
+    R = response_width
+    if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R < T:
+        raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
+    P, dev = T - R, input_ids.device
+    ids, rows = input_ids.long(), torch.arange(B, device=dev)
+    plen, rlen = mask[:, :P].sum(1), mask[:, P:].sum(1)
+    empty = ((plen == 0) & (rlen > 0)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"rows {empty} have no real token before their response (an empty prompt): nothing "
+                         f"predicts the first response token")
+    _, group = torch.unique(torch.where(mask[:, :P], ids[:, :P], -1), dim=0, return_inverse=True)
+    first = torch.full((int(group.max()) + 1,), B, device=dev).scatter_reduce(0, group, rows, "amin")
+    group = torch.argsort(torch.argsort(first))[group]  # renumbered by first appearance
+    first = first.sort().values  # first row of each renumbered group
+    order = torch.argsort(group * B + rows)  # groups in turn, rows in batch order within one
+    leads = first[group] == rows  # the row that brings its group's prompt
+    emit = mask & ((torch.arange(T, device=dev) >= P)[None, :] | leads[:, None])  # (B, T): what goes in the row
+    sel = emit[order].reshape(-1)
+    src_rows = order.repeat_interleave(T)[sel]  # each packed token's row and column in the padded batch
+    src_cols = torch.arange(T, device=dev).repeat(B)[sel]
+    input_ids_packed = ids[src_rows, src_cols]
+    positions = (mask.long().cumsum(1) - 1)[src_rows, src_cols]  # its place in its own prompt + response
+    counts = emit[order].sum(1)
+    row_start = torch.empty_like(counts).scatter_(0, order, counts.cumsum(0) - counts)  # by row
+    is_label = (src_cols >= P).nonzero().flatten()
+    lrows = src_rows[is_label]
+    opens = positions[is_label] == plen[lrows]  # a response's first token: predicted by its prompt's last
+    preds = torch.where(opens, row_start[first[group[lrows]]] + plen[lrows] - 1, is_label - 1)
+    out = lrows * R + (src_cols[is_label] - P)
+    # the attention layout: one (start, prompt_len, response lengths) per group
+    g_sorted, start_sorted = group[order].tolist(), row_start[order].tolist()
+    plen_l, rlen_sorted = plen.tolist(), rlen[order].tolist()
+    groups: list = []
+    for g, start, r, b in zip(g_sorted, start_sorted, rlen_sorted, order.tolist()):
+        if len(groups) == g:
+            groups.append((start, plen_l[b], []))
+        groups[g][2].append(r)
+    groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
+    layout = PromptGroups(groups=tuple(groups), masks=_response_masks(groups, dev))
+    return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
+                        labels=is_label, preds=preds, out=out, shape=(B, T), response_width=R)
