@@ -375,11 +375,10 @@ class RolloutBatch:
         order = torch.arange(B)
         if shuffle:
             groups = self.group_index
-            if groups is not None and groups.unique().numel() < B:
+            ids, inverse = torch.unique(groups.cpu(), return_inverse=True) if groups is not None else (None, None)
+            if ids is not None and ids.numel() < B:
                 # a random order of the groups; rows of a group stay adjacent, in batch order
-                ids, inverse = torch.unique(groups.cpu(), return_inverse=True)
-                rank = torch.empty_like(ids).scatter_(0, torch.randperm(ids.numel(), generator=generator),
-                                                      torch.arange(ids.numel()))
+                rank = torch.argsort(torch.randperm(ids.numel(), generator=generator))
                 order = torch.sort(rank[inverse] * B + torch.arange(B)).indices
             else:
                 order = torch.randperm(B, generator=generator)

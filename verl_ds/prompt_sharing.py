@@ -54,8 +54,11 @@ def _response_masks(groups: list, device) -> tuple:
     masks = []
     for _, p, lengths in groups:
         r = sum(lengths)
+        if not r:
+            masks.append(None)
+            continue
         own = torch.block_diag(*[tril[:k, :k] for k in lengths if k])
-        masks.append(torch.cat([ones[:r, :p], own], dim=1).view(1, 1, r, p + r) if r else None)
+        masks.append(torch.cat([ones[:r, :p], own], dim=1).view(1, 1, r, p + r))
     return tuple(masks)
 
 
@@ -105,8 +108,8 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     if empty:
         raise ValueError(f"rows {empty} have no real token before their response (an empty prompt): nothing "
                          f"predicts the first response token")
-    _, group = torch.unique(torch.where(mask[:, :P], ids[:, :P], -1), dim=0, return_inverse=True)
-    first = torch.full((int(group.max()) + 1,), B, device=dev).scatter_reduce(0, group, rows, "amin")
+    distinct, group = torch.unique(torch.where(mask[:, :P], ids[:, :P], -1), dim=0, return_inverse=True)
+    first = torch.full((distinct.shape[0],), B, device=dev).scatter_reduce(0, group, rows, "amin")
     group = torch.argsort(torch.argsort(first))[group]  # renumbered by first appearance
     first = first.sort().values  # first row of each renumbered group
     order = torch.argsort(group * B + rows)  # groups in turn, rows in batch order within one
@@ -124,13 +127,11 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     opens = positions[is_label] == plen[lrows]  # a response's first token: predicted by its prompt's last
     preds = torch.where(opens, row_start[first[group[lrows]]] + plen[lrows] - 1, is_label - 1)
     out = lrows * R + (src_cols[is_label] - P)
-    # the attention layout: one (start, prompt_len, response lengths) per group
-    g_sorted, start_sorted = group[order].tolist(), row_start[order].tolist()
-    plen_l, rlen_sorted = plen.tolist(), rlen[order].tolist()
+    # the attention layout: one (start, prompt_len, response lengths) per group, read from the host at once
     groups: list = []
-    for g, start, r, b in zip(g_sorted, start_sorted, rlen_sorted, order.tolist()):
+    for g, start, p, r in torch.stack([group, row_start, plen, rlen])[:, order].T.tolist():
         if len(groups) == g:
-            groups.append((start, plen_l[b], []))
+            groups.append((start, p, []))
         groups[g][2].append(r)
     groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
     layout = PromptGroups(groups=tuple(groups), masks=_response_masks(groups, dev))

@@ -52,6 +52,11 @@ def test_errors_name_what_is_wrong():
     obs, mask = grouped_batch([[5], [5]], [[6], [7]], P=1, R=1)
     with pytest.raises(ValueError, match=r"response_width \(R\) must be an int with 1 <= R < T=2, got 2"):
         pack_shared_prompts(obs, mask, 2)
+    from verl_ds.models.packed_forward import response_index
+
+    three, three_mask = grouped_batch([[5], [5]], [[6], [7, 8]], P=1, R=2)
+    with pytest.raises(ValueError, match=r"response_width R=1 differs from the width the prompts were shared with \(2\)"):
+        response_index(pack_shared_prompts(three, three_mask, 2), 1)
     mask[:, 0] = False  # no prompt token: nothing predicts the first response token
     with pytest.raises(ValueError, match=r"rows \[0, 1\] have no real token before their response"):
         pack_shared_prompts(obs, mask, 1)
@@ -92,6 +97,16 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused):
     assert got.keys() == want.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_group_without_response_tokens_attends_its_prompt_only():
+    lm = use_varlen_attention(tiny_lm("llama", seed=4))
+    obs, mask = grouped_batch([[5, 6], [5, 6], [7, 8, 9]], [[], [], [10, 11]], P=3, R=2)
+    shared = pack_shared_prompts(obs, mask, 2)
+    assert shared.groups.groups == ((0, 2, (0, 0)), (2, 3, (2,))) and shared.groups.masks[0] is None
+    lp, _ = packed_logprobs(lm, shared, 2)
+    ref, _, _ = per_sequence_reference(lm, None, obs, mask, 2, 1.0)
+    torch.testing.assert_close(lp.double(), ref.detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_policy_model_switch_gives_the_unshared_numbers():

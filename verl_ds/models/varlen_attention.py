@@ -97,19 +97,16 @@ def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling
     """Attention over a ``verl_ds.prompt_sharing`` row (``layout``: its ``PromptGroups``): per group, the prompt
     attends causally to itself; its responses, in one sdpa call, to the whole prompt and causally to their own
     tokens (the layout's (r, p + r) mask)."""
-    kw = {k: v for k, v in kwargs.items() if k not in ("is_causal", "cu_seq_lens_q", "cu_seq_lens_k")}
-    outs, n = [], query.shape[2]
+    kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    outs = []
     for (start, p, lengths), mask in zip(layout.groups, layout.masks):
-        r = sum(lengths)
-        end = start + p + r
-        if end > n:
-            raise ValueError(f"{PROMPT_GROUPS_KWARG}: a group ends at {end}, past the packed row's {n} tokens")
+        end = start + p + sum(lengths)
         if p:
             s, e = start, start + p
             out, _ = sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
                                             dropout=dropout, scaling=scaling, is_causal=True, **kw)
             outs.append(out)
-        if r:
+        if mask is not None:  # the group has response tokens
             out, _ = sdpa_attention_forward(module, query[:, :, start + p:end], key[:, :, start:end],
                                             value[:, :, start:end], mask, dropout=dropout, scaling=scaling,
                                             is_causal=False, **kw)
