@@ -30,3 +30,21 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: only the drivers that will run
+def pytest_collection_modifyitems(config, items):
+    """The vLLM venv's test runs (tests/engines/vllm_testutil.py) start now, in the background at a lower CPU
+    priority, and their driver tests move to the end of the session, where they await them."""
+    drivers = [item for item in items if getattr(getattr(item, "function", None), "vllm_venv_file", None)]
+    if not drivers:
+        return
+    from vllm_testutil import start_in_background
+
+    items[:] = [item for item in items if item not in drivers] + drivers
+    start_in_background([item.function.vllm_venv_file for item in drivers])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "vllm_testutil" in sys.modules:
+        sys.modules["vllm_testutil"].stop_background()

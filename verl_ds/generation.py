@@ -18,6 +18,12 @@ temperature/top-k/top-p warpers (``GenerationMixin._get_logits_processor``).
 
 The response mask comes from real lengths (up to and including the first EOS), never from ``token != pad``:
 pad == eos is common.
+
+Shared prefill (``share_prefill``, on by default): with ``rollout.n`` samples per prompt the batch holds each
+prompt n times in a row. The prompt is then run once (all but its last token), its key/value cache copied to
+its samples, and ``generate`` continues from that cache: the prefill costs 1/n of its arithmetic, the tokens
+drawn are the same (the same logits up to float summation order). Only on the replica or a single rank:
+under ``synced_gpus`` every rank must run the same forwards.
 """
 from __future__ import annotations
 
@@ -73,10 +79,11 @@ class HFRolloutEngine:
     """HF ``generate`` on a causal LM or a DeepSpeed engine around one (see the module docstring)."""
 
     def __init__(self, lm, *, pad_token_id: int, eos_token_id: int, bos_token_id: Optional[int] = None,
-                 gather_params: bool = True):
+                 gather_params: bool = True, share_prefill: bool = True):
         self.lm = lm
         self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_token_id, eos_token_id, bos_token_id
         self.gather_params = gather_params
+        self.share_prefill = share_prefill
         self._replica = None
 
     @property
@@ -125,8 +132,9 @@ class HFRolloutEngine:
             max_new_tokens=int(max_new_tokens), num_beams=1, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id, use_cache=True)
         stats = SampledTokenStats(1.0 if greedy else temperature)
+        extra = shared_prefill(model, input_ids, attention_mask) if self.share_prefill and not synced else {}
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(), generation_config=gen_cfg,
-                             logits_processor=LogitsProcessorList([stats]), synced_gpus=synced)
+                             logits_processor=LogitsProcessorList([stats]), synced_gpus=synced, **extra)
         if not self.gather_params and hasattr(self.lm, "empty_partition_cache"):
             self.lm.empty_partition_cache()  # ZeRO-3 keeps every layer gathered after a direct module call
         responses = out[:, input_ids.shape[1]:]
@@ -147,3 +155,39 @@ class HFRolloutEngine:
                           log_probs=torch.where(valid, log_probs.to(responses.device), zero),
                           entropy=torch.where(valid, entropy.to(responses.device), zero))
 
+
+
+def _forward_params(model) -> set:
+    """Parameter names of the HF model's own forward (under a peft wrapper, the base model's)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return set(inspect.signature(base.forward).parameters)
+
+
+@torch.no_grad()
+def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+    """Prefill each run of identical consecutive prompt rows once; returns the ``generate`` keyword holding the
+    cache of every row's prompt but its last token (``{}`` when no row repeats or a prompt has one token).
+
+    Positions follow ``generate``'s own rule (cumulative mask - 1, pads at 0), so the cached keys are those
+    ``generate`` would compute; its first step then runs the last prompt token of every row on that cache."""
+    b, width = input_ids.shape
+    if b < 2 or width < 2:
+        return {}
+    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+    unique, inverse = torch.unique_consecutive(rows, dim=0, return_inverse=True)
+    if unique.shape[0] == b:
+        return {}
+    ids, mask = unique[:, :width - 1], unique[:, width:2 * width - 1]
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    params = _forward_params(model)
+    name = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.20
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # only the cache is wanted
+    from transformers import DynamicCache
+
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{name: DynamicCache(config=model.config)}, **extra)
+    cache = getattr(out, name)
+    cache.batch_select_indices(inverse.to(input_ids.device))
+    return {name: cache}

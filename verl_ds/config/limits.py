@@ -30,8 +30,8 @@ def kl_placement_rule(kl_placement: str, kl_kind: str) -> Optional[str]:
 
 
 def resolve_kl_placement(kl_placement: str, adv_estimator: str) -> str:
-    """``auto`` -> the advantage estimator's convention (in the loss for grpo and dr_grpo, in the reward for the
-    others); ``reward`` and ``loss`` are returned as they are."""
+    """``auto`` -> the advantage estimator's convention (in the loss for grpo, dr_grpo and the REINFORCE++ pair, in
+    the reward for gae, rloo and remax); ``reward`` and ``loss`` are returned as they are."""
     if kl_placement != "auto":
         return kl_placement
     from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch

@@ -1,0 +1,99 @@
+"""Shared prefill in the HF rollout engine: the n samples of a prompt reuse one prefill of it. The reference is HF
+generate's own prefill of every row (share_prefill=False), on float64 models so any difference is ours."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from verl_ds.generation import HFRolloutEngine, shared_prefill
+from verl_ds.tasks import parity
+from verl_ds.tokenizer import build_tokenizer
+
+TOK = build_tokenizer(parity.VOCAB)
+
+
+def _model(kind: str):
+    common = dict(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=TOK.pad_token_id,
+                  eos_token_id=TOK.eos_token_id)
+    cfg = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # a spread next-token distribution: sampling differences would show
+    return model
+
+
+def _batch(groups):
+    """Left-padded rows: each (prompt, count) pair repeated count times in a row."""
+    texts = [text for text, count in groups for _ in range(count)]
+    enc = TOK(texts, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"].bool()
+
+
+GROUPS = [("odd : 3 =>", 3), ("even : 2 4 6 8 =>", 4), ("odd : 1 =>", 1), ("odd : 3 =>", 2)]
+
+
+def _generate(model, ids, mask, share, seed, **kw):
+    engine = HFRolloutEngine(model, pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
+                             gather_params=False, share_prefill=share)
+    torch.manual_seed(seed)
+    return engine.generate(ids, mask, max_new_tokens=7, **kw)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, greedy):
+    model = _model(kind)
+    ids, mask = _batch(GROUPS)
+    kw = {"greedy": True} if greedy else {"temperature": 0.8}
+    plain, shared = (_generate(model, ids, mask, share, seed=11, **kw) for share in (False, True))
+    assert torch.equal(plain.responses, shared.responses)
+    assert torch.equal(plain.response_length, shared.response_length)
+    torch.testing.assert_close(shared.log_probs, plain.log_probs, atol=1e-10, rtol=0)
+    torch.testing.assert_close(shared.entropy, plain.entropy, atol=1e-10, rtol=0)
+    if not greedy:  # the samples of a group differ: the cache copies are independent
+        assert len({tuple(r) for r in shared.responses[3:7].tolist()}) > 1
+
+
+def test_the_prompt_runs_once_per_group():
+    """Tokens through the model: the prefill takes each run of equal rows once, without its last token, and
+    generate's first step then takes one token per row (instead of every row's whole prompt)."""
+    model = _model("llama")
+    ids, mask = _batch(GROUPS)
+    calls = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    try:
+        _generate(model, ids, mask, True, seed=0, greedy=True)
+        shared_calls = list(calls)
+        calls.clear()
+        _generate(model, ids, mask, False, seed=0, greedy=True)
+    finally:
+        hook.remove()
+    width = ids.shape[1]
+    assert shared_calls[0] == (4, width - 1)  # 4 runs of equal rows (the last group repeats the first prompt)
+    assert shared_calls[1] == (10, 1)
+    assert calls[0] == (10, width)
+
+
+def test_nothing_to_share_adds_no_forward():
+    model = _model("llama")
+    ids, mask = _batch([("odd : 3 =>", 1), ("even : 2 4 =>", 1), ("odd : 3 =>", 1)])  # equal rows, not adjacent
+    assert shared_prefill(model, ids, mask) == {}
+    assert shared_prefill(model, ids[:, -1:], mask[:, -1:]) == {}  # a one-token prompt has nothing to cache
+    assert shared_prefill(model, ids[:1], mask[:1]) == {}
+
+
+def test_rows_with_equal_tokens_but_other_masks_are_not_merged():
+    """pad == a real token id: the masks tell the rows apart, so each gets its own prefill."""
+    model = _model("llama")
+    ids, mask = _batch([("odd : 3 =>", 2)])
+    mask = mask.clone()
+    mask[1, 0] = ~mask[1, 0]  # same ids, another mask
+    assert shared_prefill(model, ids, mask) == {}
+    calls = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    try:
+        shared_prefill(model, torch.cat([ids, ids[1:]]), torch.cat([mask, mask[1:]]))
+    finally:
+        hook.remove()
+    assert calls == [(2, ids.shape[1] - 1)]  # rows 1 and 2 merged, row 0 apart
