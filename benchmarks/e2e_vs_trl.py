@@ -264,8 +264,8 @@ def arithmetic_floor(rows: list[dict], warmup: int, samples: int, matmul_params:
     """The seconds per step that the matrix products alone take at ``rate`` FLOP/s: forward 2 x params x tokens
     for the generation (prefill and decode of every sample), for the reference (when beta > 0) and in the update,
     whose backward adds 4 x params x tokens. Tokens per sample: the prompt and response lengths of verl_ds's
-    measured steps; with ``shared`` (``model.share_prompts``) the reference and update passes compute each
-    prompt once for its ``n`` samples. Attention scores, norms and activations are left out (sequences of ~16
+    measured steps; with ``shared`` (``model.share_prompts`` and ``rollout.share_prefill``) the generation's
+    prefill, the reference and the update compute each prompt once for its ``n`` samples. Attention scores, norms and activations are left out (sequences of ~16
     tokens), so no implementation doing that arithmetic can run faster."""
     measured = rows[warmup:] or rows
     prompt = statistics.fmean(r["prompt_len"] for r in measured)
@@ -273,7 +273,7 @@ def arithmetic_floor(rows: list[dict], warmup: int, samples: int, matmul_params:
     every = samples * (prompt + response)
     scored = samples / n * prompt + samples * response if shared else every  # the reference and update passes
     passes = (2 if beta > 0 else 0) + 6
-    flop = matmul_params * (2 * every + passes * scored)
+    flop = matmul_params * (2 * scored + passes * scored)
     return {"flop": flop, "tokens": every, "scored_tokens": scored, "floor_s": flop / rate}
 
 
@@ -388,14 +388,15 @@ def main(argv=None) -> None:
                 print(_profile(f"{size} {side} {clock}", s[f"profile_{clock}"]))
     print("\nArithmetic floor: the matrix products alone at the measured float32 GEMM rate on "
           f"{a.threads} thread(s), computing every sample's prompt in every pass (as TRL does), and with each "
-          "prompt once per group in the reference and update passes (verl_ds's model.share_prompts):")
+          "prompt once per group in the generation, reference and update passes (verl_ds's model.share_prompts and "
+          "rollout.share_prefill):")
     for size, f in floors.items():
         trl_s, ours = results[size, "trl"]["step_s"], results[size, f"verl_ds ZeRO-{stages[0]}"]["step_s"]
         sh = f["shared"]
         print(f"  {size}: {f['flop']:.3g} FLOP per step ({f['tokens']:.0f} tokens per pass) at {f['rate'] / 1e9:.1f} "
               f"GFLOP/s = {f['floor_s']:.3f} s/step, {f['floor_s'] / trl_s:.2f} x TRL's {trl_s:.3f} s "
               f"({100 * f['floor_s'] / trl_s:.0f}% of the rate); shared prompts: {sh['flop']:.3g} FLOP "
-              f"({sh['scored_tokens']:.0f} tokens in the reference and update passes) = {sh['floor_s']:.3f} s/step, "
+              f"({sh['scored_tokens']:.0f} tokens per pass) = {sh['floor_s']:.3f} s/step, "
               f"verl_ds ZeRO-{stages[0]} {ours:.3f} s ({100 * sh['floor_s'] / ours:.0f}% of the rate)")
     print(f"\nratios use verl_ds ZeRO-{stages[0]}; step ratio = verl_ds s/step / TRL s/step (< 1: verl_ds faster), "
           "tokens/s ratio = verl_ds / TRL (wall), cpu step ratio = the same in process CPU seconds (less sensitive to "
