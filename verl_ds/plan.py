@@ -143,8 +143,12 @@ def trained_engine_memory(role: str, size: ModelSize, stage: int, offload_optimi
 
 
 def inference_engine_memory(role: str, size: ModelSize, bytes_per_param: int, offload_param: bool,
-                            nodes: int, gpus_per_node: int) -> RoleMemory:
-    """A frozen ZeRO-3 engine (the reference): its parameters split over the ranks plus one gathered layer."""
+                            nodes: int, gpus_per_node: int, zero_stage: int = 3) -> RoleMemory:
+    """A frozen engine (the reference): under ZeRO-3 its parameters split over the ranks plus one gathered layer;
+    at stage 0 (the reference of an actor below ZeRO-3) the whole model on every rank."""
+    if zero_stage < 3:
+        return RoleMemory(role, 0, False, False, bytes_per_param * size.total, 0,
+                          "inference stage 0: the whole model on every rank")
     n = nodes * gpus_per_node
     layer = bytes_per_param * size.largest_layer
     shard = 0 if offload_param else math.ceil(bytes_per_param * size.total / n)
@@ -169,8 +173,8 @@ def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: in
     for role in ("actor", "critic"):
         stage, off_opt, off_param = _zero_settings(make_ds_config(cfg, derived, role))
         out[role] = trained_engine_memory(role, sizes[role], stage, off_opt, off_param, nodes, gpus_per_node)
-    _, _, ref_off = _zero_settings(make_ds_config(cfg, derived, "ref"))
-    out["ref"] = inference_engine_memory("ref", sizes["actor"], bpp, ref_off, nodes, gpus_per_node)
+    ref_stage, _, ref_off = _zero_settings(make_ds_config(cfg, derived, "ref"))
+    out["ref"] = inference_engine_memory("ref", sizes["actor"], bpp, ref_off, nodes, gpus_per_node, ref_stage)
     actor = sizes["actor"]
     seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
     out["rollout_replica"] = bpp * actor.total if cfg.rollout.gather_params else 0

@@ -99,10 +99,14 @@ def test_engines_built_partitioned_on_two_ranks(tmp_path, stage, sft):
         assert out["rng_untouched"]
         assert out["torch_linear"], "torch.nn.functional.linear was left replaced by DeepSpeed's ZeRO-3 linear"
         assert out["actor_moved_by_sft"] == (sft == "sft")
-        assert out["partitioned"] == {"actor": stage == 3, "ref": True, "critic": stage == 3}
+        # the reference is partitioned with a ZeRO-3 actor only; below, it is whole like the actor (DeepSpeed-Chat)
+        assert out["partitioned"] == {"actor": stage == 3, "ref": stage == 3, "critic": stage == 3}
+        whole = out["model_bytes"]
+        if stage < 3:
+            assert out["probe_live"] >= whole, out
+            continue
         # half the model stays on each rank; the construction's peak adds about one gathered module, never
         # a whole model (the builds of today held 100% before partitioning)
-        whole = out["model_bytes"]
         assert out["probe_live"] <= 0.5 * whole + 1024, out
         assert out["probe_peak"] <= 0.5 * whole + 3 * out["largest_param_bytes"] + 64 * 1024, out
         assert out["probe_peak"] < 0.75 * whole, out

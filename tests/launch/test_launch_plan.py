@@ -108,15 +108,18 @@ def test_reference_memory_hand_computed():
     assert m.gpu_bytes == 2 * L + 2 * P // 8 and m.cpu_bytes_per_node == 0
     off = inference_engine_memory("ref", SIZE, 2, True, 2, 8)
     assert off.gpu_bytes == 2 * L and off.cpu_bytes_per_node == int(2 * P / 2 * 1.5)
+    whole = inference_engine_memory("ref", SIZE, 2, False, 1, 8, zero_stage=0)  # an actor below ZeRO-3
+    assert (whole.gpu_bytes, whole.cpu_bytes_per_node, whole.zero_stage) == (2 * P, 0, 0)
 
 
 def test_estimate_memory_reads_stage_and_offload_from_the_generated_deepspeed_config(tmp_path):
     cfg = _qwen05_cfg(tmp_path, "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=true")
     mem = estimate_memory(cfg, validate(cfg, 8), 1, 8)
     assert (mem["actor"].zero_stage, mem["actor"].offload_optimizer) == (2, True)
-    assert (mem["ref"].zero_stage, mem["ref"].offload_optimizer) == (3, False)  # the reference is always ZeRO-3
+    assert (mem["ref"].zero_stage, mem["ref"].offload_optimizer) == (0, False)  # ZeRO-3 only with a ZeRO-3 actor
     p = 494_032_768
     assert mem["actor"].gpu_bytes == 2 * p
+    assert mem["ref"].gpu_bytes == 2 * p  # unpartitioned: the whole bf16 model on every rank
     assert mem["rollout_replica"] == 2 * p  # bf16 replica for generate
     assert mem["logits"] == 4 * 2 * (256 + 256) * 151936
     # K and V x 24 layers x (2 kv heads x 64) x bf16 x 8 prompts per rank x (256 + 256) tokens

@@ -114,6 +114,10 @@ def test_ds_config_is_derived_from_the_job_config():
     assert actor["zero_optimization"]["memory_efficient_linear"] is False
     cfg0 = load_config(None, ["deepspeed.zero_stage=0"])
     assert make_ds_config(cfg0, validate(cfg0), "critic")["zero_optimization"] == {"stage": 0}
+    # the reference is partitioned only with a ZeRO-3 actor (DeepSpeed-Chat's rule): below it is stage 0
+    for stage in (0, 1, 2):
+        cfg_s = load_config(None, [f"deepspeed.zero_stage={stage}"])
+        assert make_ds_config(cfg_s, validate(cfg_s), "ref")["zero_optimization"] == {"stage": 0}
 
 
 def test_user_ds_config_merges_but_batch_sizes_stay_derived(tmp_path):

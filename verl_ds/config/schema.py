@@ -171,7 +171,7 @@ class RewardConfig:
 
 @dataclass
 class DeepSpeedConfig:
-    zero_stage: int = _f(3, "ZeRO stage of actor and critic (0-3); the reference is always an inference engine.", min=0, max=3)
+    zero_stage: int = _f(3, "ZeRO stage of actor and critic (0-3); the reference (an inference engine) is ZeRO-3 when this is 3, else unpartitioned (as DeepSpeed-Chat).", min=0, max=3)
     offload_optimizer: bool = _f(False, "Offload optimizer state to CPU.")
     offload_param: bool = _f(False, "Offload parameters to CPU (ZeRO-3 only).")
     stage3_max_live_parameters: int = _f(1_000_000_000, "ZeRO-3 max_live_parameters.", min=0)

@@ -346,7 +346,8 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
 
 
 def build_reward_engine(cfg: Config, derived: Derived, model_path: str):
-    """A frozen ZeRO-3 engine around a HF sequence classifier (one label), created already partitioned."""
+    """A frozen engine around a HF sequence classifier (one label), partitioned like the reference (created already
+    partitioned under ZeRO-3)."""
     from transformers import AutoModelForSequenceClassification
 
     if not os.path.isdir(model_path):

@@ -20,7 +20,10 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
                    gpu: Optional[bool] = None) -> dict:
     """DeepSpeed config for ``role`` in {"actor", "critic", "ref"}; batch sizes are derived, never patched later.
 
-    The reference (and a neural reward model) is an inference engine: ZeRO-3, no optimizer.
+    The reference (and a neural reward model) is an inference engine, no optimizer: ZeRO-3 when the actor is
+    ZeRO-3, else stage 0 (unpartitioned), as DeepSpeed-Chat's ``_init_ref`` (microsoft/DeepSpeedExamples,
+    ``dschat/rlhf/rlhf_engine.py``: below stage 3 every rank holds the actor's weights whole, so a frozen copy fits
+    too, and ZeRO-3's per-module gather hooks cost the default tiny job's step 20%).
     The optimizer itself is passed to ``deepspeed.initialize`` (``engines.build.optimizer_name``): a torch
     AdamW on CPU runs (DeepSpeed's own "AdamW" type becomes FusedAdam and JIT-compiles for a minute on CPU),
     DeepSpeed's CPU Adam over pinned memory when the optimizer is offloaded from a GPU (``gpu``: None
@@ -30,7 +33,7 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
     gpu = uses_gpu(cfg) if gpu is None else gpu
     pin = bool(gpu)  # pinned host buffers speed up GPU<->CPU copies; on a CPU-only run they only cost
     train = role in ("actor", "critic")
-    stage = ds.zero_stage if train else 3
+    stage = ds.zero_stage if train else (3 if ds.zero_stage == 3 else 0)  # the reference: see above
     zero: dict = {"stage": stage}
     if stage == 3:
         zero.update({
@@ -39,7 +42,7 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
             # deepspeed/runtime/zero/partition_parameters.py): every linear, the generation replica's and a ZeRO-0
             # actor's included, then runs through a Python autograd Function. With torch's own linear the update is
             # the same to the bit (ZeRO-3 re-gathers a weight before its backward either way) and the default job's
-            # step 9-14% faster, a ZeRO-0 actor's (the reference still ZeRO-3) 22%. A deepspeed.config_file may
+            # step 9-14% faster, a ZeRO-0 actor's (its reference then still ZeRO-3) 22%. A deepspeed.config_file may
             # turn it back on.
             "memory_efficient_linear": False,
             "stage3_max_live_parameters": ds.stage3_max_live_parameters,
