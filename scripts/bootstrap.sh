@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install verl_ds with its test extras; idempotent (a stamp records the install).
+# Create .venv and install verl_ds with its test extras and TRL (the `bench` extra: the e2e_vs_trl smoke test runs
+# TRL's GRPOTrainer); idempotent (a stamp records the install).
 # CPU torch goes in first, with pip (pip's configuration knows where the CPU wheel is), and is pinned to
 # exactly that build for the rest: a plain `torch` requirement would pull a multi-GB CUDA build. The rest
 # goes in with uv (https://docs.astral.sh/uv/), several times faster than pip on 2 cores.
@@ -11,12 +12,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.bootstrap-stamp
-want="torch=$TORCH_VERSION $(sha1sum setup.py | cut -c1-12)"
+EXTRAS=dev,bench
+want="torch=$TORCH_VERSION extras=$EXTRAS $(sha1sum setup.py | cut -c1-12)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip uv
   .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
   .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > .venv/constraints.txt
-  .venv/bin/uv pip install --quiet --python .venv/bin/python -c .venv/constraints.txt -e '.[dev]'
+  .venv/bin/uv pip install --quiet --python .venv/bin/python -c .venv/constraints.txt -e ".[$EXTRAS]"
   echo "$want" > "$stamp"
 fi
 # DeepSpeed JIT-compiles its CPU shared-memory comm op on first use (30-60 s): warm the cache once.
