@@ -264,16 +264,21 @@ def arithmetic_floor(rows: list[dict], warmup: int, samples: int, matmul_params:
     """The seconds per step that the matrix products alone take at ``rate`` FLOP/s: forward 2 x params x tokens
     for the generation (prefill and decode of every sample), for the reference (when beta > 0) and in the update,
     whose backward adds 4 x params x tokens. Tokens per sample: the prompt and response lengths of verl_ds's
-    measured steps; with ``shared`` (``model.share_prompts`` and ``rollout.share_prefill``) the generation's
-    prefill, the reference and the update compute each prompt once for its ``n`` samples. Attention scores, norms and activations are left out (sequences of ~16
-    tokens), so no implementation doing that arithmetic can run faster."""
+    measured steps; the generation feeds every token but the last sampled one. Unshared (TRL's arithmetic), the
+    reference and the update feed every sample's whole prompt and response; with ``shared``
+    (``model.share_prompts`` and ``rollout.share_prefill``) the generation's prefill, the reference and the update
+    compute each prompt once for its ``n`` samples, and the scoring passes leave out each response's last token
+    (it predicts nothing). Attention scores, norms and activations are left out (sequences of ~16 tokens), so no
+    implementation doing that arithmetic can run faster."""
     measured = rows[warmup:] or rows
     prompt = statistics.fmean(r["prompt_len"] for r in measured)
     response = statistics.fmean(r["response_len"] for r in measured)
     every = samples * (prompt + response)
-    scored = samples / n * prompt + samples * response if shared else every  # the reference and update passes
+    prompts = samples / n * prompt if shared else samples * prompt
+    generated = prompts + samples * max(response - 1, 0)
+    scored = prompts + samples * max(response - 1, 0) if shared else every  # the reference and update passes
     passes = (2 if beta > 0 else 0) + 6
-    flop = matmul_params * (2 * scored + passes * scored)
+    flop = matmul_params * (2 * generated + passes * scored)
     return {"flop": flop, "tokens": every, "scored_tokens": scored, "floor_s": flop / rate}
 
 
@@ -389,7 +394,7 @@ def main(argv=None) -> None:
     print("\nArithmetic floor: the matrix products alone at the measured float32 GEMM rate on "
           f"{a.threads} thread(s), computing every sample's prompt in every pass (as TRL does), and with each "
           "prompt once per group in the generation, reference and update passes (verl_ds's model.share_prompts and "
-          "rollout.share_prefill):")
+          "rollout.share_prefill), each response's last token left out of the scoring passes:")
     for size, f in floors.items():
         trl_s, ours = results[size, "trl"]["step_s"], results[size, f"verl_ds ZeRO-{stages[0]}"]["step_s"]
         sh = f["shared"]

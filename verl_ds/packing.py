@@ -8,6 +8,12 @@ any other padding pattern work: the position of a token is the number of real to
 its row, the ids ``verl_ds.models.base.position_ids_from_mask`` gives the padded path. How a model
 keeps sequences apart in the packed row is in ``verl_ds.models.varlen_attention``.
 
+Scoring responses (``pack(..., response_width=R)``): the output at a token predicts the next one, so the
+last real token of a response is read (as a label) but never needs to go through the model; it is left
+out of the row, which saves one token per sample in every forward and backward. ``Packed.targets`` then says,
+for each real response token, its id, the packed index whose output predicts it and its place in the (B, R)
+response block (``ResponseIndex``).
+
 Token budget (``actor.max_tokens_per_micro_batch``). Every rank computes its local count with
 ``count_micro_batches`` (first-fit decreasing), the ranks agree on the largest
 (``agree_num_micro_batches``: an all-reduce MAX), then each rank splits its samples into exactly that
@@ -24,12 +30,22 @@ accumulation steps k and averages gradients over W ranks, pass ``normalizer=G / 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
-__all__ = ["Packed", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
+__all__ = ["Packed", "ResponseIndex", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
            "agree_num_micro_batches"]
+
+
+class ResponseIndex(NamedTuple):
+    """The real response tokens of a packed batch: ``label_ids`` (n,) their token ids, ``preds`` (n,) the packed
+    indices whose outputs predict them (the previous real token of the same sequence), ``out`` (n,) their flat
+    index row * R + column in the (B, R) response block."""
+
+    label_ids: torch.Tensor
+    preds: torch.Tensor
+    out: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,8 @@ class Packed:
     cu_seqlens: (B + 1,) int32 offsets of the sequences in the row (flash-attn's varlen layout).
     indices: (N,) int64 flat index (row * T + column) of each packed token in the padded batch.
     lengths: (B,) int64 real tokens per row; max_seqlen: their max; shape: (B, T).
+    targets, response_width: with ``pack(..., response_width=R)``, the ``ResponseIndex`` of the response tokens
+    and R (each row's last real response token is then not in the row); else None.
     """
 
     input_ids: torch.Tensor
@@ -49,6 +67,8 @@ class Packed:
     lengths: torch.Tensor
     max_seqlen: int
     shape: tuple[int, int]
+    targets: ResponseIndex | None = None
+    response_width: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -89,20 +109,58 @@ def _check_batch(input_ids, attention_mask) -> torch.Tensor:
     return attention_mask
 
 
-def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+def check_response_width(response_width, T: int) -> int:
+    if isinstance(response_width, bool) or not isinstance(response_width, int) or not 1 <= response_width < T:
+        raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
+    return response_width
+
+
+def last_response_token(mask: torch.Tensor, response_width: int) -> torch.Tensor:
+    """(B, T) bool: each row's last real token where it lies in the last ``response_width`` columns (a token
+    whose output predicts nothing: scoring needs it as a label only)."""
+    T = mask.shape[1]
+    counts = mask.long().cumsum(1)
+    last = mask & (counts == counts[:, -1:])
+    return last & (torch.arange(T, device=mask.device) >= T - response_width)[None, :]
+
+
+def _no_prompt_rows(mask: torch.Tensor, response_width: int) -> None:
+    P = mask.shape[1] - response_width
+    empty = (~mask[:, :P].any(1) & mask[:, P:].any(1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"rows {empty} have no real token before their response (an empty prompt): nothing "
+                         f"predicts the first response token")
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int | None = None) -> Packed:
     """Remove the padding of ``input_ids`` (B, T): the real tokens (``attention_mask`` True), row by
-    row in column order, as one (1, N) row with per-sequence position ids (see ``Packed``)."""
+    row in column order, as one (1, N) row with per-sequence position ids (see ``Packed``). With
+    ``response_width`` R (the last R columns hold responses), each row's last real response token is left out
+    and ``targets`` locates every response token (see the module docstring)."""
     mask = _check_batch(input_ids, attention_mask)
     B, T = input_ids.shape
+    full = mask
+    if response_width is not None:
+        R = check_response_width(response_width, T)
+        _no_prompt_rows(mask, R)
+        mask = mask & ~last_response_token(mask, R)
     lengths = mask.sum(-1)
     indices = mask.reshape(-1).nonzero().flatten()
     cu = torch.zeros(B + 1, dtype=torch.int64, device=input_ids.device)
     torch.cumsum(lengths, 0, out=cu[1:])
     # a token's position = its index in the row minus where its sequence starts
     positions = torch.arange(indices.numel(), device=input_ids.device) - cu[:-1].repeat_interleave(lengths)
+    targets = None
+    if response_width is not None:
+        rows, cols = full[:, T - R:].nonzero().unbind(1)  # row-major: the packed order
+        cols = cols + (T - R)
+        local = (full.long().cumsum(1) - 1)[rows, cols]  # its index among its row's real tokens
+        targets = ResponseIndex(label_ids=input_ids[rows, cols].long(), preds=cu[:-1][rows] + local - 1,
+                                out=rows * R + cols - (T - R))
     return Packed(input_ids=input_ids.reshape(-1)[indices].long().unsqueeze(0),
                   position_ids=positions.unsqueeze(0), cu_seqlens=cu.to(torch.int32), indices=indices,
-                  lengths=lengths, max_seqlen=int(lengths.max()), shape=(B, T))
+                  lengths=lengths, max_seqlen=int(lengths.max()), shape=(B, T), targets=targets,
+                  response_width=response_width)
 
 
 def unpack(packed: Packed, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:

@@ -67,15 +67,16 @@ class SharedPacked:
     """A padded (B, T) batch of prompt + response rows packed with one copy per distinct prompt.
 
     input_ids, position_ids: (1, N) int64. groups: the ``PromptGroups`` layout, groups in packed order, each
-    group's responses right after its prompt. labels / preds / out: (n,) int64, for each real
-    response token: its packed index, the packed index of the token that predicts it (the previous real token
-    of its own sequence), and its flat index row * R + column in the (B, R) response block. shape: (B, T).
+    group's responses right after its prompt, each without its last token (it predicts nothing; scoring reads it
+    as a label only). label_ids / preds / out: (n,) int64, for each real response token: its id, the packed
+    index of the token that predicts it (the previous real token of its own sequence), and its flat index
+    row * R + column in the (B, R) response block. shape: (B, T).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     groups: PromptGroups
-    labels: torch.Tensor
+    label_ids: torch.Tensor
     preds: torch.Tensor
     out: torch.Tensor
     shape: tuple[int, int]
@@ -94,27 +95,23 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are the responses, with rows of identical
     prompts (the same real tokens in the same places of the first T - R columns) sharing one copy of it (see the
     module docstring). Groups come in the order of their first row, rows in batch order within a group."""
-    from verl_ds.packing import _check_batch  # the same input checks as pack()
+    from verl_ds.packing import _check_batch, _no_prompt_rows, check_response_width, last_response_token
 
     mask = _check_batch(input_ids, attention_mask)
     B, T = input_ids.shape
-    R = response_width
-    if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R < T:
-        raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
+    R = check_response_width(response_width, T)
+    _no_prompt_rows(mask, R)
     P, dev = T - R, input_ids.device
     ids, rows = input_ids.long(), torch.arange(B, device=dev)
     plen, rlen = mask[:, :P].sum(1), mask[:, P:].sum(1)
-    empty = ((plen == 0) & (rlen > 0)).nonzero().flatten().tolist()
-    if empty:
-        raise ValueError(f"rows {empty} have no real token before their response (an empty prompt): nothing "
-                         f"predicts the first response token")
     distinct, group = torch.unique(torch.where(mask[:, :P], ids[:, :P], -1), dim=0, return_inverse=True)
     first = torch.full((distinct.shape[0],), B, device=dev).scatter_reduce(0, group, rows, "amin")
     group = torch.argsort(torch.argsort(first))[group]  # renumbered by first appearance
     first = first.sort().values  # first row of each renumbered group
     order = torch.argsort(group * B + rows)  # groups in turn, rows in batch order within one
     leads = first[group] == rows  # the row that brings its group's prompt
-    emit = mask & ((torch.arange(T, device=dev) >= P)[None, :] | leads[:, None])  # (B, T): what goes in the row
+    # what goes in the row: the lead's prompt and every response but its last token (it predicts nothing)
+    emit = mask & ~last_response_token(mask, R) & ((torch.arange(T, device=dev) >= P)[None, :] | leads[:, None])
     sel = emit[order].reshape(-1)
     src_rows = order.repeat_interleave(T)[sel]  # each packed token's row and column in the padded batch
     src_cols = torch.arange(T, device=dev).repeat(B)[sel]
@@ -122,11 +119,16 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     positions = (mask.long().cumsum(1) - 1)[src_rows, src_cols]  # its place in its own prompt + response
     counts = emit[order].sum(1)
     row_start = torch.empty_like(counts).scatter_(0, order, counts.cumsum(0) - counts)  # by row
-    is_label = (src_cols >= P).nonzero().flatten()
-    lrows = src_rows[is_label]
-    opens = positions[is_label] == plen[lrows]  # a response's first token: predicted by its prompt's last
-    preds = torch.where(opens, row_start[first[group[lrows]]] + plen[lrows] - 1, is_label - 1)
-    out = lrows * R + (src_cols[is_label] - P)
+    response_start = row_start + torch.where(leads, plen, 0)  # where a row's response tokens begin in the row
+    # every real response token (the last ones included), in packed order, and the index that predicts it
+    lab = mask[:, P:][order].reshape(-1)
+    lrows = order.repeat_interleave(R)[lab]
+    lcols = torch.arange(R, device=dev).repeat(B)[lab]
+    j = (mask[:, P:].long().cumsum(1) - 1)[lrows, lcols]  # its index in its own response
+    preds = torch.where(j == 0, row_start[first[group[lrows]]] + plen[lrows] - 1,  # the prompt's last token
+                        response_start[lrows] + j - 1)
+    out = lrows * R + lcols
+    rlen = (rlen - 1).clamp(min=0)  # the response tokens in the row
     # the attention layout: one (start, prompt_len, response lengths) per group, read from the host at once
     groups: list = []
     for g, start, p, r in torch.stack([group, row_start, plen, rlen])[:, order].T.tolist():
@@ -136,4 +138,4 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
     layout = PromptGroups(groups=tuple(groups), masks=_response_masks(groups, dev))
     return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
-                        labels=is_label, preds=preds, out=out, shape=(B, T), response_width=R)
+                        label_ids=ids[lrows, lcols + P], preds=preds, out=out, shape=(B, T), response_width=R)

@@ -63,14 +63,15 @@ def test_arithmetic_floor_by_hand():
             {"prompt_len": 7.0, "response_len": 6.0}]
     mod = _load()
     f = mod.arithmetic_floor(rows, warmup=1, samples=128, matmul_params=1000, beta=0.01, rate=1e9)
-    # measured steps 2-3: prompts of 7, responses of 7 tokens on average: 128 x 14 = 1792 tokens in every pass;
-    # 1000 params x (2 x 1792 generation + (2 reference + 6 update) x 1792) = 1.792e7 FLOP, at 1e9 FLOP/s
+    # measured steps 2-3: prompts of 7, responses of 7 tokens on average: 128 x 14 = 1792 tokens in the reference
+    # and update passes; the generation feeds all but the last sampled token: 128 x 13 = 1664;
+    # 1000 params x (2 x 1664 + (2 reference + 6 update) x 1792) = 1.7664e7 FLOP, at 1e9 FLOP/s
     assert f["tokens"] == f["scored_tokens"] == pytest.approx(1792)
-    assert f["flop"] == pytest.approx(1.792e7) and f["floor_s"] == pytest.approx(0.01792)
-    # shared prompts and prefill, n = 4: every pass (generation, reference, update) sees 32 x 7 + 128 x 7 = 1120 tokens
+    assert f["flop"] == pytest.approx(1.7664e7) and f["floor_s"] == pytest.approx(0.017664)
+    # shared prompts and prefill, n = 4, no last response token: every pass sees 32 x 7 + 128 x 6 = 992 tokens
     sh = mod.arithmetic_floor(rows, 1, 128, 1000, beta=0.01, rate=1e9, n=4, shared=True)
-    assert sh["scored_tokens"] == pytest.approx(1120) and sh["flop"] == pytest.approx(1000 * (2 + 8) * 1120)
-    assert mod.arithmetic_floor(rows, 1, 128, 1000, beta=0.0, rate=1e9)["flop"] == pytest.approx(1000 * 8 * 1792)
+    assert sh["scored_tokens"] == pytest.approx(992) and sh["flop"] == pytest.approx(1000 * (2 + 8) * 992)
+    assert mod.arithmetic_floor(rows, 1, 128, 1000, beta=0.0, rate=1e9)["flop"] == pytest.approx(1000 * (2 * 1664 + 6 * 1792))
     assert mod.gemm_rate(64, 32, 48, threads=1, seconds=0.05) > 1e6  # FLOP/s of a real product
 
 

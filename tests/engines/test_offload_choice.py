@@ -46,3 +46,26 @@ def test_device_is_read_from_the_config_when_not_given():
     assert make_ds_config(cfg, d, "actor")["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
     cfg, d = _cfg("deepspeed.offload_optimizer=true", "trainer.device=cpu")
     assert make_ds_config(cfg, d, "actor")["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
+
+
+def test_torch_adamw_is_fused_and_steps_as_the_textbook_formula():
+    """Floating tensors on one device type get torch's fused AdamW; its steps equal AdamW (Loshchilov & Hutter
+    2019, Algorithm 2) written out in float64."""
+    import torch
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(7, 5))
+    opt = OPTIMIZERS["torch_adamw"]([w], 1e-2, 0.1)
+    assert opt.defaults["fused"] is True
+    ref, m, v = w.detach().double().clone(), torch.zeros(7, 5, dtype=torch.float64), torch.zeros(7, 5, dtype=torch.float64)
+    for t in range(1, 4):
+        g = torch.randn(7, 5)
+        w.grad = g.clone()
+        opt.step()
+        ref *= 1 - 1e-2 * 0.1  # decoupled weight decay
+        m = 0.9 * m + 0.1 * g.double()
+        v = 0.999 * v + 0.001 * g.double() ** 2
+        ref -= 1e-2 * (m / (1 - 0.9 ** t)) / ((v / (1 - 0.999 ** t)).sqrt() + 1e-8)
+    torch.testing.assert_close(w.detach().double(), ref, atol=1e-6, rtol=1e-6)
+    # parameters on a device fused AdamW does not run on: torch's default implementation
+    assert OPTIMIZERS["torch_adamw"]([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-2, 0.0).defaults["fused"] is None

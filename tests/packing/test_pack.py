@@ -49,6 +49,41 @@ def test_pack_matches_the_loop_and_the_padded_position_ids():
                                     "max_length_q": 6, "max_length_k": 6}
 
 
+def _loop_scoring_pack(ids, mask, R):
+    """The rows without each one's last real token when it is a response token, and for every real response
+    token (row-major): its id, the packed index of the previous real token of its row, row * R + column."""
+    B, T = ids.shape
+    kept, where, targets = [], {}, []
+    for b in range(B):
+        real = [t for t in range(T) if bool(mask[b, t])]
+        for t in real[:-1] if real[-1] >= T - R else real:
+            where[(b, t)] = len(kept)
+            kept.append(int(ids[b, t]))
+        for i, t in enumerate(real):
+            if t >= T - R:
+                targets.append((int(ids[b, t]), where[(b, real[i - 1])], b * R + t - (T - R)))
+    return kept, targets
+
+
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_scoring_pack_leaves_out_each_last_response_token(R):
+    ids, mask = _batch()
+    mask[4, 1] = True  # a prompt for the one-token row
+    p = pack(ids, mask, R)
+    kept, targets = _loop_scoring_pack(ids, mask, R)
+    assert p.input_ids[0].tolist() == kept and p.num_tokens == len(kept) < int(mask.sum())
+    got = list(zip(p.targets.label_ids.tolist(), p.targets.preds.tolist(), p.targets.out.tolist()))
+    assert got == targets and p.response_width == R
+    # positions and sequence bounds are those of the rows without their last token
+    assert p.position_ids[0].tolist() == [i for n in p.lengths.tolist() for i in range(n)]
+    assert p.cu_seqlens.tolist() == [0] + torch.cumsum(p.lengths, 0).tolist()
+    with pytest.raises(ValueError, match=r"response_width \(R\) must be an int with 1 <= R < T=6, got 6"):
+        pack(ids, mask, 6)
+    mask[4, 1] = False
+    with pytest.raises(ValueError, match=r"rows \[4\] have no real token before their response"):
+        pack(ids, mask, 1)
+
+
 def test_transformers_reads_one_sequence_per_row():
     ids, mask = _batch()
     p = pack(ids, mask)

@@ -33,18 +33,19 @@ def test_layout_by_hand():
     a, b = [5, 6, 7], [8, 9]
     obs, mask = grouped_batch([a, b, a, a], [[10, 11], [12], [13, 14, 15], []], P=3, R=3)
     p = pack_shared_prompts(obs, mask, 3)
-    # prompt a once, then the responses of rows 0, 2, 3 (row 3's is empty); then prompt b and row 1's response
-    assert p.input_ids.tolist() == [[5, 6, 7, 10, 11, 13, 14, 15, 8, 9, 12]]
-    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2]]
-    assert p.groups.groups == ((0, 3, (2, 3, 0)), (8, 2, (1,)))
-    mask_a = p.groups.masks[0][0, 0].int().tolist()  # 5 response tokens x (3 prompt + 5 response) columns
-    assert mask_a == [[1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0, 0],  # row 0's two tokens
-                      [1, 1, 1, 0, 0, 1, 0, 0], [1, 1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 1, 1, 1]]  # row 2's three
-    assert p.groups.masks[1][0, 0].int().tolist() == [[1, 1, 1]]
-    assert p.labels.tolist() == [3, 4, 5, 6, 7, 10]
-    assert p.preds.tolist() == [2, 3, 2, 5, 6, 9]  # a response's first token is predicted by its prompt's last
+    # prompt a once, then the responses of rows 0, 2, 3 (row 3's is empty), then prompt b and row 1's response,
+    # each response without its last token (an output there would predict nothing)
+    assert p.input_ids.tolist() == [[5, 6, 7, 10, 13, 14, 8, 9]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]
+    assert p.groups.groups == ((0, 3, (1, 2, 0)), (6, 2, (0,)))
+    mask_a = p.groups.masks[0][0, 0].int().tolist()  # 3 response tokens x (3 prompt + 3 response) columns
+    assert mask_a == [[1, 1, 1, 1, 0, 0],  # row 0's first token
+                      [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]]  # row 2's first two
+    assert p.groups.masks[1] is None  # row 1's one token is a label only
+    assert p.label_ids.tolist() == [10, 11, 13, 14, 15, 12]  # every response token is scored
+    assert p.preds.tolist() == [2, 3, 2, 4, 5, 7]  # a response's first token is predicted by its prompt's last
     assert p.out.tolist() == [0 * 3 + 0, 0 * 3 + 1, 2 * 3 + 0, 2 * 3 + 1, 2 * 3 + 2, 1 * 3 + 0]
-    assert p.num_tokens == 11 < pack(obs, mask).num_tokens == 17
+    assert p.num_tokens == 8 < pack(obs, mask, 3).num_tokens == 14 < pack(obs, mask).num_tokens == 17
     assert p.attention_kwargs() == {PROMPT_GROUPS_KWARG: p.groups}
 
 
@@ -85,7 +86,7 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused):
     want = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
     use_varlen_attention(lm)
     shared = pack_shared_prompts(obs, mask, R)
-    assert shared.num_tokens == 12 + 21  # prompts of 6, 2 and 4 tokens once, the 21 response tokens
+    assert shared.num_tokens == 12 + 21 - 7  # prompts of 6, 2 and 4 tokens once, 21 response tokens but 7 last ones
     lm.zero_grad()
     lp, ent = packed_logprobs(lm, shared, R, T_SAMPLE, compute_entropy=True, fused_lm_head=fused)
     ((lp * w_lp + ent * w_ent) * rmask).sum().backward()
@@ -103,7 +104,7 @@ def test_a_group_without_response_tokens_attends_its_prompt_only():
     lm = use_varlen_attention(tiny_lm("llama", seed=4))
     obs, mask = grouped_batch([[5, 6], [5, 6], [7, 8, 9]], [[], [], [10, 11]], P=3, R=2)
     shared = pack_shared_prompts(obs, mask, 2)
-    assert shared.groups.groups == ((0, 2, (0, 0)), (2, 3, (2,))) and shared.groups.masks[0] is None
+    assert shared.groups.groups == ((0, 2, (0, 0)), (2, 3, (1,))) and shared.groups.masks[0] is None
     lp, _ = packed_logprobs(lm, shared, 2)
     ref, _, _ = per_sequence_reference(lm, None, obs, mask, 2, 1.0)
     torch.testing.assert_close(lp.double(), ref.detach(), atol=1e-5, rtol=1e-5)

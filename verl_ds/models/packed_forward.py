@@ -8,8 +8,9 @@ The packed row goes in as ``input_ids`` and ``position_ids`` (1, N) with no atte
 ``verl_ds.models.varlen_attention`` for how each attention implementation keeps the sequences apart).
 
 Response column j of row b (token ``observation[b, T - R + j]``) is predicted by the hidden state of
-the previous real token of its row: packed index i - 1 for the token at packed index i (the padded
-path's ``logits[:, -R-1:-1]``). Only those n <= B * R hidden states reach the LM head
+the previous real token of its row (the padded path's ``logits[:, -R-1:-1]``); a batch packed with
+``pack(..., response_width=R)`` or shared prompts leaves each row's last response token out of the row
+and says where the predictors are (``ResponseIndex``). Only those n <= B * R hidden states reach the LM head
 (``logits_to_keep`` as an index tensor). With ``fused_lm_head=True`` the LM head itself returns the
 log-probs and entropies (``verl_ds.algos.fused_lm_head``) inside its own forward call, so under
 ZeRO-3 DeepSpeed's module hooks gather its partitioned weight for the forward and for the backward,
@@ -19,14 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
 from verl_ds.algos.fused_lm_head import fused_linear_logprobs
 from verl_ds.models.base import unwrap_module
-from verl_ds.packing import Packed
+from verl_ds.packing import Packed, ResponseIndex
 from verl_ds.prompt_sharing import SharedPacked
 
 __all__ = ["ResponseIndex", "response_index", "packed_logprobs", "packed_values", "lm_head_returns_logprobs"]
@@ -36,25 +37,19 @@ __all__ = ["ResponseIndex", "response_index", "packed_logprobs", "packed_values"
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-class ResponseIndex(NamedTuple):
-    """Where the real response tokens are: ``labels`` (n,) their packed indices, ``preds`` (n,) the packed
-    indices whose outputs predict them (labels - 1), ``out`` (n,) their flat index in the (B, R) result."""
-
-    labels: torch.Tensor
-    preds: torch.Tensor
-    out: torch.Tensor
-
-
 def response_index(packed: Packed | SharedPacked, response_width: int) -> ResponseIndex:
     """The real tokens in the last ``response_width`` columns of the padded batch; each must follow a real
     token of its row (the prompt's last token predicts the first response token)."""
     B, T = packed.shape
     R = response_width
-    if isinstance(packed, SharedPacked):  # shared prompts: the packing knows its predictors (verl_ds.prompt_sharing)
+    if isinstance(packed, SharedPacked) or packed.targets is not None:  # the packing located them
         if R != packed.response_width:
-            raise ValueError(f"response_width R={response_width} differs from the width the prompts were shared "
-                             f"with ({packed.response_width})")
-        return ResponseIndex(labels=packed.labels, preds=packed.preds, out=packed.out)
+            what = "the prompts were shared" if isinstance(packed, SharedPacked) else "the batch was packed"
+            raise ValueError(f"response_width R={response_width} differs from the width {what} with "
+                             f"({packed.response_width})")
+        if isinstance(packed, SharedPacked):
+            return ResponseIndex(label_ids=packed.label_ids, preds=packed.preds, out=packed.out)
+        return packed.targets
     if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R < T:
         raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
     col = packed.indices % T
@@ -65,7 +60,7 @@ def response_index(packed: Packed | SharedPacked, response_width: int) -> Respon
         raise ValueError(f"rows {rows} have no real token before their response (an empty prompt): nothing "
                          f"predicts the first response token")
     out = (packed.indices[labels] // T) * R + (col[labels] - (T - R))
-    return ResponseIndex(labels=labels, preds=labels - 1, out=out)
+    return ResponseIndex(label_ids=packed.input_ids[0, labels], preds=labels - 1, out=out)
 
 
 def _scatter(values: torch.Tensor, idx: ResponseIndex, shape: tuple[int, int]) -> torch.Tensor:
@@ -145,7 +140,7 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
     keep_arg = "logits_to_keep" in names
     if keep_arg:
         kwargs["logits_to_keep"] = idx.preds
-    labels = packed.input_ids[0, idx.labels]
+    labels = idx.label_ids
     if fused_lm_head:
         ctx = lm_head_returns_logprobs(lm, labels, temperature, compute_entropy,
                                        keep=None if keep_arg else idx.preds, **chunks)

@@ -118,7 +118,7 @@ class ReferenceModel(LogProbRole):
 
                 packed = pack_shared_prompts(observation, mask, R)
             else:
-                packed = pack(observation, mask)
+                packed = pack(observation, mask, R)
             log_probs, entropy = packed_logprobs(self.lm, packed, R, temperature,
                                                  compute_entropy=return_entropy, fused_lm_head=self._fused_lm_head)
         elif self._fused_lm_head:

@@ -168,7 +168,7 @@ class ValueModel(ValueRole, TrainableRole):
             from verl_ds.models.packed_forward import packed_values
             from verl_ds.packing import pack
 
-            return packed_values(self.net, pack(observation, mask), response_length)
+            return packed_values(self.net, pack(observation, mask, response_length), response_length)
         values = self._raw(observation, mask)
         if values.dim() != 2:
             raise ValueError(f"{who}: per-token values need a (B, T) output; the value function returned "
