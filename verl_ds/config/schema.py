@@ -62,7 +62,7 @@ class ModelConfig:
     pad_is_eos: bool = _f(False, "Built-in tokenizer only: make pad == eos (a common real-world setup) to exercise that path.")
     dtype: Literal["fp32", "bf16"] = _f("fp32", "Parameter / compute dtype of actor, critic and reference engines.")
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in actor and critic (HF gradient_checkpointing_enable).")
-    remove_padding: bool = _f(True, "Pack each micro-batch's real tokens into one row (position ids restart per sequence, attention never crosses sequences) for log-prob, value and update forwards; models whose attention cannot do it fall back to padded batches, with a log line.")
+    remove_padding: bool = _f(True, "Pack each micro-batch's real tokens into one row (position ids restart per sequence, attention never crosses sequences) for log-prob, value and update forwards, each response's last token read as a label only (its output would predict nothing); models whose attention cannot do it fall back to padded batches, with a log line.")
     share_prompts: bool = _f(True, "With remove_padding and rollout.n > 1: the samples of one prompt in a micro-batch share one copy of its tokens in the packed row (their responses attend to it), so log-prob and update forwards skip (n-1)/n of the prompt tokens; the same log-probs and gradients.")
     fused_lm_head: bool = _f(False, "Log-probs and entropy from the final hidden states and the LM-head weight in chunks (online log-sum-exp), never building the (N, V) logits.")
     init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).")
