@@ -13,7 +13,8 @@ prompt and to the earlier tokens of its own response only (``verl_ds.models.varl
 from the ``verl_ds_prompt_groups`` keyword), so each token's hidden state, log-prob and gradient are those of the
 unshared packed row; the prompt's hidden states receive the gradient of all its responses, as the n copies'
 gradients would add up. The saving is (n - 1) / n of the prompt tokens in every forward and backward. The
-first response token of each sample is predicted by the shared last prompt token. The same idea as "Prefix
+first response token of each sample is predicted by the shared last prompt token; a response's last token is
+scored but not fed (its output would predict nothing), as in ``verl_ds.packing.pack(..., response_width=R)``. The same idea as "Prefix
 Grouper" (Liu et al. 2025, https://arxiv.org/abs/2506.05433), for packed rows.
 
 Rows share a prompt when their prompt columns hold the same real tokens in the same places (the n copies of a prompt
