@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from verl_ds.batch import RolloutBatch
+from verl_ds.models.base import forward_params
 
 
 @dataclass
@@ -156,14 +157,6 @@ class HFRolloutEngine:
                           entropy=torch.where(valid, entropy.to(responses.device), zero))
 
 
-def _forward_params(model) -> set:
-    """Parameter names of the HF model's own forward (under a peft wrapper, the base model's)."""
-    import inspect
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return set(inspect.signature(base.forward).parameters)
-
-
 @torch.no_grad()
 def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
     """Prefill each run of identical consecutive prompt rows once; returns the ``generate`` keyword holding the
@@ -180,7 +173,7 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
         return {}
     ids, mask = unique[:, :width - 1], unique[:, width:2 * width - 1]
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    params = _forward_params(model)
+    params = forward_params(model)
     name = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 says cache, 5.19 past_key_values
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # only the cache is wanted
     from transformers import DynamicCache

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_ds.packing import ResponseIndex, _check_batch, _no_prompt_rows, check_response_width, last_response_token
+
 __all__ = ["SharedPacked", "PromptGroups", "pack_shared_prompts", "PROMPT_GROUPS_KWARG"]
 
 PROMPT_GROUPS_KWARG = "verl_ds_prompt_groups"
@@ -69,17 +71,14 @@ class SharedPacked:
 
     input_ids, position_ids: (1, N) int64. groups: the ``PromptGroups`` layout, groups in packed order, each
     group's responses right after its prompt, each without its last token (it predicts nothing; scoring reads it
-    as a label only). label_ids / preds / out: (n,) int64, for each real response token: its id, the packed
-    index of the token that predicts it (the previous real token of its own sequence), and its flat index
-    row * R + column in the (B, R) response block. shape: (B, T).
+    as a label only). targets: the ``ResponseIndex`` of every real response token (its id, the packed index of
+    the token that predicts it, its place in the (B, R) response block), as ``Packed.targets``. shape: (B, T).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     groups: PromptGroups
-    label_ids: torch.Tensor
-    preds: torch.Tensor
-    out: torch.Tensor
+    targets: ResponseIndex
     shape: tuple[int, int]
     response_width: int
 
@@ -96,8 +95,6 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are the responses, with rows of identical
     prompts (the same real tokens in the same places of the first T - R columns) sharing one copy of it (see the
     module docstring). Groups come in the order of their first row, rows in batch order within a group."""
-    from verl_ds.packing import _check_batch, _no_prompt_rows, check_response_width, last_response_token
-
     mask = _check_batch(input_ids, attention_mask)
     B, T = input_ids.shape
     R = check_response_width(response_width, T)
@@ -139,4 +136,5 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
     layout = PromptGroups(groups=tuple(groups), masks=_response_masks(groups, dev))
     return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
-                        label_ids=ids[lrows, lcols + P], preds=preds, out=out, shape=(B, T), response_width=R)
+                        targets=ResponseIndex(label_ids=ids[lrows, lcols + P], preds=preds, out=out), shape=(B, T),
+                        response_width=R)

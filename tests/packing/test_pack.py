@@ -121,3 +121,12 @@ def test_bad_input_is_named():
     p = pack(ids, mask)
     with pytest.raises(ValueError, match=r"N = 17 packed tokens, got \(16,\)"):
         unpack(p, torch.zeros(16))
+
+
+def test_scoring_with_another_width_than_packed_is_refused():
+    from verl_ds.models.packed_forward import response_index
+
+    ids, mask = _batch()
+    mask[4, 1] = True
+    with pytest.raises(ValueError, match=r"response_width R=1 differs from the width the batch was packed with \(2\)"):
+        response_index(pack(ids, mask, 2), 1)

@@ -42,9 +42,9 @@ def test_layout_by_hand():
     assert mask_a == [[1, 1, 1, 1, 0, 0],  # row 0's first token
                       [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]]  # row 2's first two
     assert p.groups.masks[1] is None  # row 1's one token is a label only
-    assert p.label_ids.tolist() == [10, 11, 13, 14, 15, 12]  # every response token is scored
-    assert p.preds.tolist() == [2, 3, 2, 4, 5, 7]  # a response's first token is predicted by its prompt's last
-    assert p.out.tolist() == [0 * 3 + 0, 0 * 3 + 1, 2 * 3 + 0, 2 * 3 + 1, 2 * 3 + 2, 1 * 3 + 0]
+    assert p.targets.label_ids.tolist() == [10, 11, 13, 14, 15, 12]  # every response token is scored
+    assert p.targets.preds.tolist() == [2, 3, 2, 4, 5, 7]  # a response's first token is predicted by its prompt's last
+    assert p.targets.out.tolist() == [0 * 3 + 0, 0 * 3 + 1, 2 * 3 + 0, 2 * 3 + 1, 2 * 3 + 2, 1 * 3 + 0]
     assert p.num_tokens == 8 < pack(obs, mask, 3).num_tokens == 14 < pack(obs, mask).num_tokens == 17
     assert p.attention_kwargs() == {PROMPT_GROUPS_KWARG: p.groups}
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -28,7 +29,7 @@ from verl_ds.registry import register_model_class
 from verl_ds.state import SharedState
 
 __all__ = ["BaseModel", "MissingModuleError", "ActionRole", "LogProbRole", "ValueRole", "RewardRole", "TrainableRole",
-           "check_observation", "check_mask", "position_ids_from_mask", "unwrap_module", "optimizer_step"]
+           "check_observation", "check_mask", "position_ids_from_mask", "unwrap_module", "forward_params", "optimizer_step"]
 
 
 class MissingModuleError(ValueError):
@@ -54,6 +55,18 @@ def unwrap_module(m: Any) -> Any:
     while isinstance(m, nn.Module) and hasattr(m, "module") and isinstance(m.module, nn.Module) and seen < 4:
         m, seen = m.module, seen + 1
     return m
+
+
+def forward_params(module: Any) -> set[str]:
+    """Parameter names of a HF model's forward (a peft model's: its base model's, which receives the keywords);
+    empty when the signature cannot be read."""
+    if callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config"):
+        module = module.get_base_model()  # a peft model passes keyword arguments on to its base model's forward
+    fwd = getattr(module, "forward", module)
+    try:
+        return set(inspect.signature(fwd).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def check_observation(observation: Any, who: str) -> torch.Tensor:

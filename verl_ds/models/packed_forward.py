@@ -42,13 +42,11 @@ def response_index(packed: Packed | SharedPacked, response_width: int) -> Respon
     token of its row (the prompt's last token predicts the first response token)."""
     B, T = packed.shape
     R = response_width
-    if isinstance(packed, SharedPacked) or packed.targets is not None:  # the packing located them
+    if packed.targets is not None:  # the packing located them (response_width given, or shared prompts)
         if R != packed.response_width:
             what = "the prompts were shared" if isinstance(packed, SharedPacked) else "the batch was packed"
             raise ValueError(f"response_width R={response_width} differs from the width {what} with "
                              f"({packed.response_width})")
-        if isinstance(packed, SharedPacked):
-            return ResponseIndex(label_ids=packed.label_ids, preds=packed.preds, out=packed.out)
         return packed.targets
     if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R < T:
         raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")

@@ -4,14 +4,13 @@
 (``get_action``, through its rollout engine: HF generate by default) and trains (``update``).""" 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
 from verl_ds.kernels.response_logprob import response_logprobs
-from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_mask, check_observation, optimizer_step,
-                                 position_ids_from_mask, unwrap_module)
+from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_mask, check_observation, forward_params,
+                                 optimizer_step, position_ids_from_mask, unwrap_module)
 from verl_ds.state import SharedState
 
 __all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "filter_logits"]
@@ -65,7 +64,7 @@ class ReferenceModel(LogProbRole):
             raise TypeError(f"{type(self).__name__}: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
                             f"{type(lm).__name__}")
         # Decided once here: which optional HF kwargs the wrapped model's forward accepts.
-        params = _forward_params(unwrap_module(lm))
+        params = forward_params(unwrap_module(lm))
         self._extra_kwargs = {"use_cache": False} if "use_cache" in params else {}
         self._keep_logits = "logits_to_keep" in params
 
@@ -238,13 +237,3 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
         get = config.get if isinstance(config, dict) else (lambda k, d=None: d)
         return optimizer_step(self.lm, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
                               skip=bool(get("skip", False)), boundary=get("boundary"))
-
-
-def _forward_params(module: Any) -> set[str]:
-    if callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config"):
-        module = module.get_base_model()  # a peft model passes keyword arguments on to its base model's forward
-    fwd = getattr(module, "forward", module)
-    try:
-        return set(inspect.signature(fwd).parameters)
-    except (TypeError, ValueError):
-        return set()
