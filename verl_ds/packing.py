@@ -19,7 +19,9 @@ Token budget (``actor.max_tokens_per_micro_batch``). Every rank computes its loc
 (``agree_num_micro_batches``: an all-reduce MAX), then each rank splits its samples into exactly that
 many micro-batches with ``token_budget_micro_batches`` (longest first onto the least-loaded
 micro-batch that still fits), so the forward/backward calls, and the ZeRO-3 collectives inside them,
-line up across ranks. A micro-batch exceeds the budget only when it holds one sample that does.
+line up across ranks. A micro-batch exceeds the budget only when it holds one sample that does. When the
+model shares prompts (``model.share_prompts``), ``micro_batch_groups`` keeps the samples of a prompt together
+and counts the prompt once, as the packed row holds it.
 
 Loss normalisation with variable micro-batches: aggregate each micro-batch with
 ``agg_loss(..., "token-mean", normalizer=G)`` where G is the global token count of the mini-batch
@@ -35,7 +37,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 __all__ = ["Packed", "ResponseIndex", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
-           "agree_num_micro_batches"]
+           "agree_num_micro_batches", "micro_batch_groups", "prompt_runs"]
 
 
 class ResponseIndex(NamedTuple):
@@ -317,10 +319,64 @@ def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int 
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def micro_batch_groups(batch, size: int, budget: int | None) -> list[list[int]]:
-    """Row groups of a RolloutBatch: ``size`` rows each, or by a token budget (prompt + response tokens per row)
-    with the same number of groups on every rank (a collective: ZeRO-3 forwards must line up)."""
+def prompt_runs(observation: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> list[list[int]]:
+    """Runs of consecutive rows whose prompt columns (the first ``prompt_width``) hold the same tokens in the
+    same places: the rows ``verl_ds.prompt_sharing`` packs with one copy of their prompt."""
+    P, B = int(prompt_width), observation.shape[0]
+    ids = observation[:, :P].masked_fill(~mask[:, :P].bool(), -1)  # padding compares equal whatever its id
+    same = (ids[1:] == ids[:-1]).all(dim=1).tolist() if B > 1 else []
+    runs = [[0]] if B else []
+    for row, joins in enumerate(same, start=1):
+        if joins:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
+
+
+def _shared_units(batch, budget: int) -> tuple[list[list[int]], list[int]]:
+    """Rows grouped as the shared packing puts them (a prompt once, then its responses), each unit's cost its
+    tokens in the packed row, units over ``budget`` cut into consecutive pieces that fit (each piece pays the
+    prompt: apart they would not share it)."""
+    prompt = batch.prompt_length.tolist()
+    response = batch.response_length.tolist()
+    units, costs = [], []
+    for run in prompt_runs(batch.observation, batch.mask, batch.prompt_width):
+        piece, cost = [], 0
+        for row in run:
+            if piece and cost + response[row] > budget:
+                units.append(piece)
+                costs.append(cost)
+                piece, cost = [], 0
+            cost += response[row] + (0 if piece else prompt[row])
+            piece.append(row)
+        units.append(piece)
+        costs.append(cost)
+    return units, costs
+
+
+def micro_batch_groups(batch, size: int, budget: int | None, share_prompts: bool = False) -> list[list[int]]:
+    """Row groups of a RolloutBatch: ``size`` rows each, or by a token budget with the same number of groups on
+    every rank (a collective: ZeRO-3 forwards must line up).
+
+    A row costs its prompt and response tokens. With ``share_prompts`` (the model packs each prompt once for
+    its consecutive samples, ``verl_ds.prompt_sharing``) the samples of a prompt stay in one micro-batch and
+    cost the prompt once, as the packed row holds them; a group over the budget is cut into pieces that fit."""
     if budget is None:
         return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
-    lengths = batch.mask.sum(-1).tolist()
-    return token_budget_micro_batches(lengths, budget, agree_num_micro_batches(count_micro_batches(lengths, budget)))
+    if not share_prompts:
+        lengths = batch.mask.sum(-1).tolist()
+        return token_budget_micro_batches(lengths, budget, agree_num_micro_batches(count_micro_batches(lengths, budget)))
+    units, costs = _shared_units(batch, budget)
+    k = agree_num_micro_batches(count_micro_batches(costs, budget))
+    while len(units) < k:  # another rank needs more micro-batches than this one has groups: cut the largest
+        i = max(range(len(units)), key=lambda u: (len(units[u]), costs[u]))
+        if len(units[i]) < 2:
+            break  # fewer rows than micro-batches: token_budget_micro_batches says so
+        rows, half = units[i], len(units[i]) // 2
+        prompt = int(batch.prompt_length[rows[0]])
+        units[i:i + 1] = [rows[:half], rows[half:]]
+        costs[i:i + 1] = [prompt + int(batch.response_length[rows[:half]].sum()),
+                          prompt + int(batch.response_length[rows[half:]].sum())]
+    bins = token_budget_micro_batches(costs, budget, k)
+    return [[row for u in b for row in units[u]] for b in bins]

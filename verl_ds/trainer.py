@@ -31,6 +31,7 @@ from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, check_startup, write_run_config
 from verl_ds.control import StepBoundary, start_control_server
 from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics
+from verl_ds.models.ppo import LOSS_SHARE_METRICS
 from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
 from verl_ds.rewards import parse_reward_swap
@@ -122,7 +123,8 @@ class Trainer:
         temperature = hot["temperature"]  # this step's value, identical on every rank
         with torch.no_grad():
             r = cfg.rollout
-            log_prob_chunks = micro_batch_groups(batch, r.log_prob_micro_batch_size, r.log_prob_max_tokens_per_micro_batch)
+            log_prob_chunks = micro_batch_groups(batch, r.log_prob_micro_batch_size, r.log_prob_max_tokens_per_micro_batch,
+                                                 share_prompts=self._shares_prompts("actor", "ref"))
             shortcut = self._on_policy_shortcut(hot)
             if not shortcut:  # else the loss uses its own log-probs, detached
                 with t("old_log_prob"):
@@ -231,8 +233,9 @@ class Trainer:
             # the same order on every run of this step (resume-exact), different per step/epoch/role
             gen = torch.Generator().manual_seed(((cfg.trainer.seed * 1_000_003 + step) * 101 + epoch) * 2 + (role == "actor"))
             for mini in batch.split(self.derived.mini_batch_per_rank, generator=gen, shuffle=True):
-                groups = micro_batch_groups(mini, micro, budget)
+                groups = micro_batch_groups(mini, micro, budget, share_prompts=self._shares_prompts(role))
                 normalizer = self._normalizer(mini)
+                shares = {}  # this mini-batch's loss metrics: the sum of the micro-batches' shares
                 for i, group in enumerate(groups):
                     mic = mini.select(group)
                     loss, m = loss_fn(mic, normalizer=normalizer)
@@ -240,15 +243,26 @@ class Trainer:
                     skip = self.guard.skip_update(loss, at_boundary=last)
                     result = model.update(mic, {"loss": loss, "skip": skip, "boundary": last})  # backward + step
                     for k, v in m.items():
-                        metrics[k].append(v)
+                        if k in LOSS_SHARE_METRICS:
+                            shares[k] = shares.get(k, 0.0) + v
+                        else:
+                            metrics[k].append(v)
                     if result is not None:  # an optimizer step was due
                         self.guard.after_update(role, result, bad_loss=skip)
                         steps += not result["skipped"]
                         if result["grad_norm"] is not None:
                             metrics[f"{role}/grad_norm"].append(result["grad_norm"])
+                for k, v in shares.items():
+                    metrics[k].append(v)
         out = {k: torch.stack([torch.as_tensor(x, dtype=torch.float64) for x in v]).mean() for k, v in metrics.items()}
         out[f"{role}/lr"] = self.state.get(model.lr_key)
         return out, steps
+
+    def _shares_prompts(self, *roles: str) -> bool:
+        """Whether every registered model of ``roles`` packs shared prompts (then token budgets count a prompt once
+        and keep its samples together; a model that does not, e.g. the critic, is budgeted row by row)."""
+        models = [self.registry.get(r) for r in roles if r in self.registry]
+        return bool(models) and all(getattr(m, "shares_prompts", False) for m in models)
 
     def _normalizer(self, mini) -> torch.Tensor:
         """The global count (tokens or sequences) of this mini-batch divided by the data-parallel size: each

@@ -67,8 +67,11 @@ def test_micro_batch_split_does_not_change_the_update(probes):
     one = probes(*ONE, VERL_DS_KERNELS="torch")
     eight = probes("eight", ["actor.micro_batch_size=1", "critic.micro_batch_size=1"], VERL_DS_KERNELS="torch")
     _assert_same_update(one, eight)
-    for key in ("actor/grad_norm", "critic/grad_norm"):  # one optimizer step each: the same global gradient
-        assert one["metrics"][key] == pytest.approx(eight["metrics"][key], rel=1e-4), key
+    # one optimizer step each: the same global gradient; the loss metrics add up the micro-batches' shares (the
+    # policy loss is ~0 here, ratio 1 with whitened advantages: the value loss is the one that would show 1/8)
+    assert one["metrics"]["critic/vf_loss"] > 1e-3
+    for key in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "critic/vf_loss"):
+        assert one["metrics"][key] == pytest.approx(eight["metrics"][key], rel=1e-4, abs=1e-6), key
 
 
 def test_one_rank_and_two_ranks_give_the_same_update(probes):
@@ -106,6 +109,26 @@ def test_shared_prompts_give_the_same_update(probes):
     # the same gradient (its norm above) summed in another order: the prompt's share arrives through one copy, not
     # four; Adam's first step (about lr * sign(g)) turns that float noise into 2.6e-5 here, hence 1e-4
     _assert_same_update(shared, unshared, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [200, 12])
+def test_token_budget_with_shared_prompts_gives_the_same_update(probes, tokens):
+    """GRPO micro-batches formed by a token budget (a prompt counted once, its samples kept together while they fit,
+    cut into pieces when they do not) give the update of fixed micro-batches of one group each: 200 tokens hold both
+    groups, 12 tokens cut them."""
+    grpo = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=2", "algo.kl_placement=loss",
+            "actor.micro_batch_size=4"]
+    fixed = probes("grpo1", grpo)
+    budget = probes(f"grpo1_budget{tokens}", [*grpo, f"actor.max_tokens_per_micro_batch={tokens}"])
+    assert budget["share_prompts"] and fixed["micro_batches"] == [[[0, 1, 2, 3], [4, 5, 6, 7]]]
+    (groups,) = budget["micro_batches"]  # one mini-batch; its rows 4g..4g+3 are one prompt's samples
+    if tokens == 200:
+        assert groups == [list(range(8))]
+    else:
+        assert len(groups) > 2 and all(g == list(range(g[0], g[-1] + 1)) for g in groups), groups
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
+        assert budget["metrics"][key] == pytest.approx(fixed["metrics"][key], rel=1e-5, abs=1e-7), key
+    _assert_same_update(budget, fixed, rtol=1e-4)
 
 
 def test_torch_and_triton_kernels_give_the_same_update(probes):

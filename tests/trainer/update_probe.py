@@ -78,11 +78,21 @@ def main(result_path: str, overrides: list) -> None:
     if ppo.needs_critic:
         metrics.update(trainer._update("critic", batch, ppo.compute_value_loss, 1, trainer.derived.critic_micro_batch,
                                        cfg.critic.max_tokens_per_micro_batch)[0])
+    import verl_ds.trainer as trainer_module
+
+    formed = []  # the actor's micro-batches (row indices of each mini-batch), as the trainer forms them
+
+    def recording(*args, **kwargs):
+        formed.append(micro_batch_groups(*args, **kwargs))
+        return formed[-1]
+
+    trainer_module.micro_batch_groups = recording
     metrics.update(trainer._update("actor", batch, ppo.compute_policy_loss, 1, cfg.actor.micro_batch_size,
                                    cfg.actor.max_tokens_per_micro_batch)[0])
+    trainer_module.micro_batch_groups = micro_batch_groups
     metrics = reduce_metrics(metrics)
-    out = {"metrics": metrics, "advantages": advantages,
-           "share_prompts": trainer.registry.get("actor")._share_prompts}  # one copy per prompt in packed rows
+    out = {"metrics": metrics, "advantages": advantages, "micro_batches": formed,
+           "share_prompts": trainer.registry.get("actor").shares_prompts}  # one copy per prompt in packed rows
     for role, params in before.items():  # the update itself: after - before
         after = gathered(engines[role].module)
         out[role] = {k: after[k] - params[k] for k in params}

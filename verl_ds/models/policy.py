@@ -68,6 +68,12 @@ class ReferenceModel(LogProbRole):
         self._extra_kwargs = {"use_cache": False} if "use_cache" in params else {}
         self._keep_logits = "logits_to_keep" in params
 
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether scoring packs each prompt once for its consecutive samples (``verl_ds.prompt_sharing``): a
+        token budget then counts the prompt once and keeps its samples in one micro-batch."""
+        return self._share_prompts
+
     # ---- forward ---------------------------------------------------------------------------------
     def _logits(self, observation: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
         """Logits of the last ``keep`` positions, (B, keep, V)."""
