@@ -34,35 +34,60 @@ __all__ = ["SharedPacked", "PromptGroups", "pack_shared_prompts", "PROMPT_GROUPS
 PROMPT_GROUPS_KWARG = "verl_ds_prompt_groups"
 
 
+# a block holds consecutive groups up to this many tokens and is attended in one sdpa call with its block-diagonal
+# mask: at most BLOCK_TOKENS x N attention scores for a row of N tokens, where one call per group costs more in
+# dispatch than in arithmetic for groups of tens of tokens (a group over the cap is a block alone)
+BLOCK_TOKENS = 256
+
+
 @dataclass(frozen=True, eq=False)
 class PromptGroups:
-    """The layout ``verl_ds_varlen_sdpa`` reads: ``groups`` ((start, prompt_len, (response_len, ...)), ...) and,
-    per group, the (1, 1, r, p + r) bool mask of its responses (each sees the whole prompt and its own earlier
-    tokens), built once per packed row rather than in every layer. An object, not a tuple: DeepSpeed's ZeRO-3
-    module hooks walk every tuple and list in a forward's arguments, in every submodule."""
+    """The layout ``verl_ds_varlen_sdpa`` reads: ``groups`` ((start, prompt_len, (response_len, ...)), ...) and
+    ``blocks`` ((start, end, mask), ...): runs of consecutive groups, each attended in one call with its (1, 1, L, L)
+    bool mask (each prompt causal on itself; each response sees its whole prompt and its own earlier tokens; nothing
+    crosses groups), built once per packed row rather than in every layer. An object, not a tuple: DeepSpeed's
+    ZeRO-3 module hooks walk every tuple and list in a forward's arguments, in every submodule."""
 
     groups: tuple
-    masks: tuple
+    blocks: tuple
 
 
-def _response_masks(groups: list, device) -> tuple:
-    """Per group, the (1, 1, r, p + r) bool mask of its responses: all of the prompt, then block-diagonal lower
-    triangles (each response sees its own earlier tokens); None for a group without response tokens. Slices of
-    one triangle and one block of ones, so two operations per group."""
-    longest = max((max(lengths, default=0) for _, _, lengths in groups), default=0)
-    widest = max((p for _, p, _ in groups), default=0)
-    most = max((sum(lengths) for _, _, lengths in groups), default=0)
-    tril = torch.ones(longest, longest, dtype=torch.bool, device=device).tril()
-    ones = torch.ones(most, widest, dtype=torch.bool, device=device)
-    masks = []
-    for _, p, lengths in groups:
-        r = sum(lengths)
-        if not r:
-            masks.append(None)
-            continue
-        own = torch.block_diag(*[tril[:k, :k] for k in lengths if k])
-        masks.append(torch.cat([ones[:r, :p], own], dim=1).view(1, 1, r, p + r))
-    return tuple(masks)
+def _group_mask(p: int, lengths, out: torch.Tensor) -> None:
+    """Write one group's (g, g) mask into ``out`` (zeros): the prompt causal, then each response after it seeing
+    the prompt and causally itself."""
+    out[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+    o = p
+    for k in lengths:
+        if k:
+            out[o:o + k, :p] = True
+            out[o:o + k, o:o + k] = torch.ones(k, k, dtype=torch.bool).tril()
+            o += k
+
+
+def _blocks(groups: list, device) -> tuple:
+    """Consecutive groups cut into blocks of at most ``BLOCK_TOKENS`` tokens (a longer group alone), each with its
+    mask, built on the host and moved to ``device`` once."""
+    cap, runs, current, size = BLOCK_TOKENS, [], [], 0
+    for g in groups:
+        n = g[1] + sum(g[2])
+        if current and size + n > cap:
+            runs.append(current)
+            current, size = [], 0
+        current.append(g)
+        size += n
+    if current:
+        runs.append(current)
+    blocks = []
+    for run in runs:
+        start = run[0][0]
+        end = run[-1][0] + run[-1][1] + sum(run[-1][2])
+        mask = torch.zeros(end - start, end - start, dtype=torch.bool)
+        for s, p, lengths in run:
+            o = s - start
+            g = p + sum(lengths)
+            _group_mask(p, lengths, mask[o:o + g, o:o + g])
+        blocks.append((start, end, mask.view(1, 1, end - start, end - start).to(device)))
+    return tuple(blocks)
 
 
 @dataclass(frozen=True)
@@ -134,7 +159,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
             groups.append((start, p, []))
         groups[g][2].append(r)
     groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
-    layout = PromptGroups(groups=tuple(groups), masks=_response_masks(groups, dev))
+    layout = PromptGroups(groups=tuple(groups), blocks=_blocks(groups, dev))
     return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
                         targets=ResponseIndex(label_ids=ids[lrows, lcols + P], preds=preds, out=out), shape=(B, T),
                         response_width=R)

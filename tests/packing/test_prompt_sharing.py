@@ -38,10 +38,16 @@ def test_layout_by_hand():
     assert p.input_ids.tolist() == [[5, 6, 7, 10, 13, 14, 8, 9]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1]]
     assert p.groups.groups == ((0, 3, (1, 2, 0)), (6, 2, (0,)))
-    mask_a = p.groups.masks[0][0, 0].int().tolist()  # 3 response tokens x (3 prompt + 3 response) columns
-    assert mask_a == [[1, 1, 1, 1, 0, 0],  # row 0's first token
-                      [1, 1, 1, 0, 1, 0], [1, 1, 1, 0, 1, 1]]  # row 2's first two
-    assert p.groups.masks[1] is None  # row 1's one token is a label only
+    ((start, end, block),) = p.groups.blocks  # both groups fit one block: one attention call
+    assert (start, end) == (0, 8)
+    assert block[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0, 0, 0],  # prompt a, causal
+                                          [1, 1, 0, 0, 0, 0, 0, 0],
+                                          [1, 1, 1, 0, 0, 0, 0, 0],
+                                          [1, 1, 1, 1, 0, 0, 0, 0],  # row 0's first token: prompt a and itself
+                                          [1, 1, 1, 0, 1, 0, 0, 0],  # row 2's first two: prompt a and their own
+                                          [1, 1, 1, 0, 1, 1, 0, 0],
+                                          [0, 0, 0, 0, 0, 0, 1, 0],  # prompt b (row 1's one token is a label only)
+                                          [0, 0, 0, 0, 0, 0, 1, 1]]
     assert p.targets.label_ids.tolist() == [10, 11, 13, 14, 15, 12]  # every response token is scored
     assert p.targets.preds.tolist() == [2, 3, 2, 4, 5, 7]  # a response's first token is predicted by its prompt's last
     assert p.targets.out.tolist() == [0 * 3 + 0, 0 * 3 + 1, 2 * 3 + 0, 2 * 3 + 1, 2 * 3 + 2, 1 * 3 + 0]
@@ -104,7 +110,7 @@ def test_a_group_without_response_tokens_attends_its_prompt_only():
     lm = use_varlen_attention(tiny_lm("llama", seed=4))
     obs, mask = grouped_batch([[5, 6], [5, 6], [7, 8, 9]], [[], [], [10, 11]], P=3, R=2)
     shared = pack_shared_prompts(obs, mask, 2)
-    assert shared.groups.groups == ((0, 2, (0, 0)), (2, 3, (1,))) and shared.groups.masks[0] is None
+    assert shared.groups.groups == ((0, 2, (0, 0)), (2, 3, (1,)))
     lp, _ = packed_logprobs(lm, shared, 2)
     ref, _, _ = per_sequence_reference(lm, None, obs, mask, 2, 1.0)
     torch.testing.assert_close(lp.double(), ref.detach(), atol=1e-5, rtol=1e-5)
@@ -119,7 +125,7 @@ def test_policy_model_switch_gives_the_unshared_numbers():
     shared = shared_model.get_logprob(obs, obs[:, -R:], mask, T_SAMPLE)
     rmask = mask[:, -R:]
     torch.testing.assert_close(shared * rmask, plain * rmask, atol=1e-5, rtol=1e-5)
-    assert not PolicyModel(lm, share_prompts=True)._share_prompts  # a packed-row layout: needs remove_padding
+    assert not PolicyModel(lm, share_prompts=True).shares_prompts  # a packed-row layout: needs remove_padding
 
 
 def test_sliding_window_layers_are_refused():
@@ -128,3 +134,21 @@ def test_sliding_window_layers_are_refused():
     obs, mask = _batch("left")
     with pytest.raises(ValueError, match=r"shared prompts need full attention; this layer has a sliding window of 4"):
         packed_logprobs(lm, pack_shared_prompts(obs, mask, 5), 5)
+
+
+def test_groups_over_the_block_cap_are_attended_in_several_blocks(monkeypatch):
+    """Blocks hold whole groups up to BLOCK_TOKENS tokens (a longer group alone): with a cap of 6 tokens the three
+    groups below take three calls, and the log-probs still equal each sequence alone."""
+    import verl_ds.prompt_sharing as sharing
+
+    monkeypatch.setattr(sharing, "BLOCK_TOKENS", 6)
+    lm = use_varlen_attention(tiny_lm("llama", seed=5))
+    obs, mask = grouped_batch([[5, 6], [5, 6], [7, 8, 9], [4]], [[10, 11, 12], [13, 14], [15, 16], [17, 18, 19, 20]],
+                              P=3, R=4)
+    shared = pack_shared_prompts(obs, mask, 4)
+    # group sizes: 2 + (2 + 1) = 5, 3 + 1 = 4, 1 + 3 = 4: no two fit in 6 tokens
+    assert [(s, e) for s, e, _ in shared.groups.blocks] == [(0, 5), (5, 9), (9, 13)]
+    lp, _ = packed_logprobs(lm, shared, 4)
+    ref, _, _ = per_sequence_reference(lm, None, obs, mask, 4, 1.0)
+    rmask = mask[:, -4:]
+    torch.testing.assert_close(lp.double() * rmask, ref.detach() * rmask, atol=1e-5, rtol=1e-5)

@@ -18,8 +18,9 @@ run on each sequence of a packed row (bounds from the ``cu_seq_lens_q`` kwarg th
 function skips the dense mask for a packed row. Padded batches (an attention mask given) take the
 plain sdpa path with sdpa's mask, unchanged. Sliding-window layers (Qwen2 ``use_sliding_window``) get
 a per-sequence window mask. A row packed with shared prompts (``verl_ds.prompt_sharing``, its layout in the
-``verl_ds_prompt_groups`` keyword) is attended group by group: each prompt causally, its responses with one
-(r, p + r) mask that shows them the whole prompt and their own earlier tokens.
+``verl_ds_prompt_groups`` keyword) is attended block by block (runs of whole groups up to
+``prompt_sharing.BLOCK_TOKENS`` tokens, one sdpa call each): each prompt causally, its responses seeing the whole
+prompt and their own earlier tokens.
 """
 from __future__ import annotations
 
@@ -94,24 +95,17 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
 
 def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling, kwargs) -> torch.Tensor:
-    """Attention over a ``verl_ds.prompt_sharing`` row (``layout``: its ``PromptGroups``): per group, the prompt
-    attends causally to itself; its responses, in one sdpa call, to the whole prompt and causally to their own
-    tokens (the layout's (r, p + r) mask)."""
+    """Attention over a ``verl_ds.prompt_sharing`` row (``layout``: its ``PromptGroups``): one sdpa call per block of
+    consecutive groups with the block's mask (each prompt causal on itself; its responses see the whole prompt and
+    their own earlier tokens; no token sees another group)."""
     kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
     outs = []
-    for (start, p, lengths), mask in zip(layout.groups, layout.masks):
-        end = start + p + sum(lengths)
-        if p:
-            s, e = start, start + p
-            out, _ = sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None,
-                                            dropout=dropout, scaling=scaling, is_causal=True, **kw)
-            outs.append(out)
-        if mask is not None:  # the group has response tokens
-            out, _ = sdpa_attention_forward(module, query[:, :, start + p:end], key[:, :, start:end],
-                                            value[:, :, start:end], mask, dropout=dropout, scaling=scaling,
-                                            is_causal=False, **kw)
-            outs.append(out)
-    return torch.cat(outs, dim=1)
+    for start, end, mask in layout.blocks:
+        whole = start == 0 and end == query.shape[2]
+        q, k, v = (query, key, value) if whole else (query[:, :, start:end], key[:, :, start:end], value[:, :, start:end])
+        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False, **kw)
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def _varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,
