@@ -69,3 +69,14 @@ def test_torch_adamw_is_fused_and_steps_as_the_textbook_formula():
     torch.testing.assert_close(w.detach().double(), ref, atol=1e-6, rtol=1e-6)
     # parameters on a device fused AdamW does not run on: torch's default implementation
     assert OPTIMIZERS["torch_adamw"]([torch.nn.Parameter(torch.zeros(2, device="meta"))], 1e-2, 0.0).defaults["fused"] is None
+
+
+@pytest.mark.parametrize("stage,world,role,reduce_scatter", [
+    (3, 1, "actor", False), (3, 1, "critic", False), (3, 2, "actor", None), (3, 1, "ref", None), (2, 1, "actor", None)])
+def test_zero3_on_one_rank_reduces_buckets_in_place(stage, world, role, reduce_scatter):
+    """One rank: ZeRO-3 reduces its contiguous gradient buckets in place (no flatten and split per micro-batch);
+    with more ranks DeepSpeed's reduce-scatter (half the bytes) stays; the frozen reference has no gradients."""
+    cfg = load_config(None, [f"deepspeed.zero_stage={stage}", "rollout.batch_size=4", "actor.mini_batch_size=4",
+                             "actor.micro_batch_size=2"])
+    zero = make_ds_config(cfg, validate(cfg, world), role)["zero_optimization"]
+    assert zero.get("reduce_scatter") is reduce_scatter
