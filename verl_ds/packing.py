@@ -321,7 +321,8 @@ def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int 
 
 def prompt_runs(observation: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> list[list[int]]:
     """Runs of consecutive rows whose prompt columns (the first ``prompt_width``) hold the same tokens in the
-    same places: the rows ``verl_ds.prompt_sharing`` packs with one copy of their prompt."""
+    same places. ``verl_ds.prompt_sharing`` packs each run with one copy of its prompt (it also merges equal prompts
+    that are not adjacent: a budget counted by runs can only overestimate its packed row)."""
     P, B = int(prompt_width), observation.shape[0]
     ids = observation[:, :P].masked_fill(~mask[:, :P].bool(), -1)  # padding compares equal whatever its id
     same = (ids[1:] == ids[:-1]).all(dim=1).tolist() if B > 1 else []

@@ -38,10 +38,10 @@ def _need(batch: Any, fields: tuple[str, ...], who: str) -> None:
             raise ValueError(f"{who}: batch.{f} is missing (None)")
 
 
-
 # metrics whose micro-batch value is that micro-batch's share of its mini-batch's loss (every agg_loss divides by
 # the mini-batch's global count): the trainer adds them up per mini-batch, so they do not depend on the split
 LOSS_SHARE_METRICS = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")
+
 
 class PPOModel(TrainableRole):
     """The algorithm over its components (see the module docstring).
