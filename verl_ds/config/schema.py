@@ -179,6 +179,7 @@ class DeepSpeedConfig:
     stage3_prefetch_bucket_size: int = _f(50_000_000, "ZeRO-3 prefetch bucket size.", min=0)
     stage3_param_persistence_threshold: int = _f(100_000, "ZeRO-3 parameter persistence threshold.", min=0)
     config_file: Optional[str] = _f(None, "A DeepSpeed JSON object whose entries override the generated ones (batch sizes stay derived).", nonempty=True)
+    grad_accumulation_fusion: bool = _f(True, "ZeRO-0 engines with a plain torch optimizer (fp32): each Linear weight's gradient is added into .grad by its matrix product (addmm_) instead of a fresh product that AccumulateGrad then adds, as Megatron-LM's --gradient-accumulation-fusion (verl_ds.engines.grad_accum); the same sums. Stages 1-3 and fp16/bf16 optimizers hook each gradient as it arrives and keep autograd's path.")
 
 
 @dataclass

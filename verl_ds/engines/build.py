@@ -22,6 +22,7 @@ import torch
 
 from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
+from verl_ds.engines.grad_accum import fuse_grad_accumulation
 from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
 from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
                                    partitioned_construction, release_free_memory)
@@ -269,6 +270,8 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
         engine.train()
         skip_lone_rank_allreduce(engine)
+        if cfg.deepspeed.grad_accumulation_fusion:
+            fuse_grad_accumulation(engine)  # a no-op where ZeRO or DeepSpeed's optimizer hooks the gradients
     else:
         for p in model.parameters():
             p.requires_grad_(False)
