@@ -172,6 +172,10 @@ def trl_worker(spec_path: str) -> None:
 
     with open(spec_path, encoding="utf-8") as fh:
         job = json.load(fh)
+    if job.get("keep_freed_memory"):
+        from verl_ds.runtime.malloc import keep_freed_memory
+
+        keep_freed_memory()
     torch.set_num_threads(job["threads"])
     with open(job["prompts"], encoding="utf-8") as fh:
         data = Dataset.from_list([json.loads(line) for line in fh])
@@ -221,9 +225,10 @@ def trl_worker(spec_path: str) -> None:
         json.dump(rows, fh)
 
 
-def summarise(rows: list[dict], warmup: int) -> dict:
-    """s/step (median after warm-up), generated tokens/s over the measured steps, score of the first/last 10%."""
-    measured = rows[warmup:] or rows
+def summarise(rows: list[dict], warmup: int, repeats: tuple = ()) -> dict:
+    """s/step (median after warm-up), generated tokens/s over the measured steps, score of the first/last 10% (of
+    ``rows``). ``repeats``: the rows of further runs of the same job, whose measured steps join the timing."""
+    measured = [r for run in (rows, *repeats) for r in (run[warmup:] or run)]
     k = max(1, math.ceil(len(rows) / 10))
     out = {"step_s": statistics.median(r["step_s"] for r in measured),
            "cpu_s": statistics.median(r["cpu_s"] for r in measured),
@@ -315,6 +320,10 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.01, help="KL coefficient (k3 in the loss; 0: no reference)")
     p.add_argument("--zero-stages", default="0,3", help="verl_ds ZeRO stages to run; the first is the headline")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each side, interleaved; the timing pools their "
+                   "measured steps (a shared machine's speed drifts by 2x from one hour to the next)")
+    p.add_argument("--trl-keep-freed-memory", action="store_true",
+                   help="also run TRL with verl_ds's CPU malloc setting (trainer.cpu_keep_freed_memory), a row of its own")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per side and size")
@@ -328,6 +337,8 @@ def main(argv=None) -> None:
     bad = [s for s in sizes if s not in SIZES] + [z for z in stages if z not in (0, 1, 2, 3)]
     if bad or not sizes or not stages:
         raise SystemExit(f"--sizes must name sizes from {sorted(SIZES)} and --zero-stages stages 0-3; got {bad or a}")
+    if a.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1; got {a.repeats}")
     samples = a.prompts_per_step * a.n
     if a.micro_batch < 1 or samples % a.micro_batch:
         raise SystemExit(f"--micro-batch must divide prompts per step x n = {samples}; got {a.micro_batch}")
@@ -342,7 +353,7 @@ def main(argv=None) -> None:
     print(f"e2e_vs_trl: GRPO, {a.prompts_per_step} prompts x n={a.n} per step, micro-batch {a.micro_batch}, "
           f"max_new_tokens {a.max_new_tokens}, lr {a.lr}, beta {a.beta}, 1 process, CPU, OMP_NUM_THREADS={a.threads}, "
           f"TRL {trl.__version__}, transformers {transformers.__version__}, verl_ds {_revision()}, "
-          f"load average {load:.1f}, work dir {work}")
+          f"load average {load:.1f}, {a.repeats} run(s) of each side, work dir {work}")
     header = f"{'size':5s} {'side':16s} {'steps':>5s} {'s/step':>7s} {'cpu s/step':>10s} {'tok/s':>7s} " \
              f"{'tok/cpu-s':>9s} {'score first':>11s} {'score last':>10s} {'wall s':>7s}"
     print(header + "\n" + "-" * len(header), flush=True)
@@ -358,14 +369,21 @@ def main(argv=None) -> None:
                "n": a.n, "micro_batch": a.micro_batch, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
                "seed": a.seed, "threads": a.threads}
         sides = [("trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
+        if a.trl_keep_freed_memory:  # what verl_ds's CPU malloc setting would give TRL (not used in the ratios)
+            sides.append(("trl kept memory", lambda: run_trl({**job, "keep_freed_memory": True},
+                                                             os.path.join(size_dir, "trl_kept"), a.timeout)))
         verl_rows = {}
         sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
                                                                  a.timeout)) for z in stages]
+        runs = {side: [] for side, _ in sides}
+        for _ in range(a.repeats - 1):  # the sides in turn, so that a slower hour weighs on each of them alike
+            for side, fn in sides:
+                runs[side].append(fn()[0])
         for side, fn in sides:
             rows, wall = fn()
-            if side != "trl":
+            if side.startswith("verl_ds"):
                 verl_rows[side] = rows
-            s = results[size, side] = summarise(rows, a.warmup)
+            s = results[size, side] = summarise(rows, a.warmup, tuple(runs[side]))
             print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} "
                   f"{s['cpu_tokens_per_s']:9.0f} {s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}",
                   flush=True)

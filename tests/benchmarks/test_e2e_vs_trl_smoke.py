@@ -39,6 +39,15 @@ def test_summarise_by_hand():
     assert "profile_wall" not in s and "profile_cpu" not in s
 
 
+def test_summarise_pools_the_measured_steps_of_repeated_runs():
+    run = lambda times, score: [{"step_s": t, "cpu_s": t, "tokens": 10, "score": score} for t in times]  # noqa: E731
+    s = _load().summarise(run([9.0, 1.0, 2.0], 0.1), warmup=1, repeats=(run([8.0, 4.0, 5.0], 0.9),
+                                                                       run([7.0, 3.0, 6.0], 0.9)))
+    # each run's first step is warm-up: measured 1 2 | 4 5 | 3 6 -> median (3 + 4) / 2; 60 tokens over 21 s
+    assert s["step_s"] == 3.5 and s["tokens_per_s"] == pytest.approx(60 / 21)
+    assert s["score_first"] == s["score_last"] == 0.1  # the scores are the first run's
+
+
 def test_summarise_profile_and_short_runs():
     mod = _load()
     zero = {p: 0.0 for p in mod.PHASES} | {f"cpu_{p}": 0.0 for p in mod.PHASES}
@@ -79,6 +88,7 @@ def test_arithmetic_floor_by_hand():
     (["--sizes", "huge"], "--sizes must name sizes from"),
     (["--zero-stages", "4"], "stages 0-3"),
     (["--micro-batch", "3"], "--micro-batch must divide prompts per step x n = 128; got 3"),
+    (["--repeats", "0"], "--repeats must be >= 1; got 0"),
 ])
 def test_bad_arguments_are_named(args, message):
     with pytest.raises(SystemExit) as exc:
