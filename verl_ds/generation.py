@@ -20,10 +20,13 @@ The response mask comes from real lengths (up to and including the first EOS), n
 pad == eos is common.
 
 Shared prefill (``share_prefill``, on by default): with ``rollout.n`` samples per prompt the batch holds each
-prompt n times in a row. The prompt is then run once (all but its last token), its key/value cache copied to
-its samples, and ``generate`` continues from that cache: the prefill costs 1/n of its arithmetic, the tokens
-drawn are the same (the same logits up to float summation order). Only on the replica or a single rank:
-under ``synced_gpus`` every rank must run the same forwards.
+prompt n times in a row. The prompt is then run once, whole: its key/value cache is copied to its samples, and
+its last token's logits, the distribution of every sample's first response token, give each sample its first
+token, drawn as ``generate`` would draw it (its logits processors, then softmax and one ``torch.multinomial``
+over all rows, or argmax); ``generate`` continues from there. The prefill costs 1/n of its arithmetic and
+generate has one step fewer, whose forward would have run the last prompt token once per sample; the tokens
+drawn are the same (the same logits up to float summation order, the same random numbers). Only on the replica
+or a single rank: under ``synced_gpus`` every rank must run the same forwards.
 """
 from __future__ import annotations
 
@@ -133,9 +136,18 @@ class HFRolloutEngine:
             max_new_tokens=int(max_new_tokens), num_beams=1, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id, use_cache=True)
         stats = SampledTokenStats(1.0 if greedy else temperature)
-        extra = shared_prefill(model, input_ids, attention_mask) if self.share_prefill and not synced else {}
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask.long(), generation_config=gen_cfg,
-                             logits_processor=LogitsProcessorList([stats]), synced_gpus=synced, **extra)
+        shared = shared_prefill(model, input_ids, attention_mask) if self.share_prefill and not synced else None
+        ids, mask = input_ids, attention_mask.long()
+        if shared is not None:  # each row's first token from its prompt's logits; generate goes on from there
+            first = sample_like_generate(shared.logits, input_ids, stats, gen_cfg)
+            ids, mask = torch.cat([ids, first[:, None]], 1), torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
+            gen_cfg.max_new_tokens = int(max_new_tokens) - 1
+        if gen_cfg.max_new_tokens > 0:
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                 logits_processor=LogitsProcessorList([stats]), synced_gpus=synced,
+                                 **(shared.cache if shared is not None else {}))
+        else:
+            out = ids
         if not self.gather_params and hasattr(self.lm, "empty_partition_cache"):
             self.lm.empty_partition_cache()  # ZeRO-3 keeps every layer gathered after a direct module call
         responses = out[:, input_ids.shape[1]:]
@@ -157,29 +169,62 @@ class HFRolloutEngine:
                           entropy=torch.where(valid, entropy.to(responses.device), zero))
 
 
+@dataclass
+class SharedPrefill:
+    """What ``shared_prefill`` computed: the ``generate`` keyword holding every row's prompt cache, and the float32
+    (B, V) logits of each row's next token (its prompt's last position)."""
+    cache: dict
+    logits: torch.Tensor
+
+
 @torch.no_grad()
-def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
-    """Prefill each run of identical consecutive prompt rows once; returns the ``generate`` keyword holding the
-    cache of every row's prompt but its last token (``{}`` when no row repeats or a prompt has one token).
+def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[SharedPrefill]:
+    """Prefill each run of identical consecutive prompt rows once (None when no row repeats).
 
     Positions follow ``generate``'s own rule (cumulative mask - 1, pads at 0), so the cached keys are those
-    ``generate`` would compute; its first step then runs the last prompt token of every row on that cache."""
+    ``generate`` would compute; a row's cache and logits are those of its run's prompt."""
     b, width = input_ids.shape
-    if b < 2 or width < 2:
-        return {}
+    if b < 2:
+        return None
     rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
     unique, inverse = torch.unique_consecutive(rows, dim=0, return_inverse=True)
     if unique.shape[0] == b:
-        return {}
-    ids, mask = unique[:, :width - 1], unique[:, width:2 * width - 1]
+        return None
+    ids, mask = unique[:, :width], unique[:, width:]
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     params = forward_params(model)
     name = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 says cache, 5.19 past_key_values
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # only the cache is wanted
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the next token's logits only
     from transformers import DynamicCache
 
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 **{name: DynamicCache(config=model.config)}, **extra)
     cache = getattr(out, name)
-    cache.batch_select_indices(inverse.to(input_ids.device))
-    return {name: cache}
+    index = inverse.to(input_ids.device)
+    cache.batch_select_indices(index)
+    # generate's own copy: float32 logits of the last position (a prompt's last column is never padding: left pads)
+    logits = out.logits[:, -1].to(dtype=torch.float32)[index]
+    return SharedPrefill(cache={name: cache}, logits=logits)
+
+
+def sample_like_generate(logits: torch.Tensor, input_ids: torch.Tensor, stats: SampledTokenStats,
+                         gen_cfg) -> torch.Tensor:
+    """(B,) next tokens from float32 ``logits`` (B, V) as one step of HF ``generate``'s sampling loop with
+    ``gen_cfg`` would draw them: the ``stats`` processor, then the warpers HF adds for sampling (temperature,
+    top-k, top-p; transformers ``GenerationMixin._get_logits_processor``, in its order), then softmax and
+    ``torch.multinomial`` over all rows at once (the same random numbers as that step), or argmax."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    scores = stats(input_ids, logits)
+    if not gen_cfg.do_sample:
+        return torch.argmax(scores, dim=-1)
+    warpers = []
+    if gen_cfg.temperature is not None and gen_cfg.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(gen_cfg.temperature))
+    if gen_cfg.top_k is not None and gen_cfg.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=gen_cfg.top_k, min_tokens_to_keep=1))
+    if gen_cfg.top_p is not None and gen_cfg.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=gen_cfg.top_p, min_tokens_to_keep=1))
+    for warp in warpers:
+        scores = warp(input_ids, scores)
+    return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)

@@ -1,5 +1,6 @@
-"""Shared prefill in the HF rollout engine: the n samples of a prompt reuse one prefill of it. The reference is HF
-generate's own prefill of every row (share_prefill=False), on float64 models so any difference is ours."""
+"""Shared prefill in the HF rollout engine: the n samples of a prompt reuse one prefill of it, and their first tokens
+are drawn from its logits. The reference is HF generate's own prefill and first step on every row
+(share_prefill=False), on float64 models so any difference is ours."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -33,19 +34,24 @@ def _batch(groups):
 GROUPS = [("odd : 3 =>", 3), ("even : 2 4 6 8 =>", 4), ("odd : 1 =>", 1), ("odd : 3 =>", 2)]
 
 
-def _generate(model, ids, mask, share, seed, **kw):
+def _generate(model, ids, mask, share, seed, max_new_tokens=7, **kw):
     engine = HFRolloutEngine(model, pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
                              gather_params=False, share_prefill=share)
     torch.manual_seed(seed)
-    return engine.generate(ids, mask, max_new_tokens=7, **kw)
+    return engine.generate(ids, mask, max_new_tokens=max_new_tokens, **kw)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("greedy", [True, False])
-def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, greedy):
+@pytest.mark.parametrize("sampling", ["greedy", "temperature", "top_k_top_p", "one_token"])
+def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, sampling):
     model = _model(kind)
     ids, mask = _batch(GROUPS)
+    greedy = sampling == "greedy"
     kw = {"greedy": True} if greedy else {"temperature": 0.8}
+    if sampling == "top_k_top_p":  # HF's warpers on the first token too, in HF's order
+        kw.update(top_k=6, top_p=0.7)
+    if sampling == "one_token":  # the first token alone: generate is not called at all
+        kw["max_new_tokens"] = 1
     plain, shared = (_generate(model, ids, mask, share, seed=11, **kw) for share in (False, True))
     assert torch.equal(plain.responses, shared.responses)
     assert torch.equal(plain.response_length, shared.response_length)
@@ -53,11 +59,16 @@ def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, gree
     torch.testing.assert_close(shared.entropy, plain.entropy, atol=1e-10, rtol=0)
     if not greedy:  # the samples of a group differ: the cache copies are independent
         assert len({tuple(r) for r in shared.responses[3:7].tolist()}) > 1
+    if not greedy:  # both paths drew the same random numbers: they leave the generator in the same state
+        after_shared = torch.rand(4)
+        _generate(model, ids, mask, False, seed=11, **kw)
+        assert torch.equal(torch.rand(4), after_shared)
 
 
 def test_the_prompt_runs_once_per_group():
-    """Tokens through the model: the prefill takes each run of equal rows once, without its last token, and
-    generate's first step then takes one token per row (instead of every row's whole prompt)."""
+    """Tokens through the model: the prefill takes each run of equal rows once, whole, and generate's first step
+    then takes each row's first sampled token (instead of every row's whole prompt): one forward as many as
+    generate alone makes, with n - 1 of every n prompts left out."""
     model = _model("llama")
     ids, mask = _batch(GROUPS)
     calls = []
@@ -70,17 +81,18 @@ def test_the_prompt_runs_once_per_group():
     finally:
         hook.remove()
     width = ids.shape[1]
-    assert shared_calls[0] == (4, width - 1)  # 4 runs of equal rows (the last group repeats the first prompt)
-    assert shared_calls[1] == (10, 1)
-    assert calls[0] == (10, width)
+    assert shared_calls[0] == (4, width)  # 4 runs of equal rows (the last group repeats the first prompt)
+    assert shared_calls[1:] == [(10, 1)] * 6  # tokens 1..6 of 7 (the 7th is sampled, never fed)
+    assert calls == [(10, width)] + [(10, 1)] * 6
 
 
 def test_nothing_to_share_adds_no_forward():
     model = _model("llama")
     ids, mask = _batch([("odd : 3 =>", 1), ("even : 2 4 =>", 1), ("odd : 3 =>", 1)])  # equal rows, not adjacent
-    assert shared_prefill(model, ids, mask) == {}
-    assert shared_prefill(model, ids[:, -1:], mask[:, -1:]) == {}  # a one-token prompt has nothing to cache
-    assert shared_prefill(model, ids[:1], mask[:1]) == {}
+    assert shared_prefill(model, ids, mask) is None
+    assert shared_prefill(model, ids[:1], mask[:1]) is None
+    one = shared_prefill(model, ids[:, -1:], mask[:, -1:])  # equal one-token prompts ("=>") are shared too
+    assert one is not None and one.logits.shape == (3, len(TOK)) and one.logits.dtype == torch.float32
 
 
 def test_rows_with_equal_tokens_but_other_masks_are_not_merged():
@@ -89,11 +101,11 @@ def test_rows_with_equal_tokens_but_other_masks_are_not_merged():
     ids, mask = _batch([("odd : 3 =>", 2)])
     mask = mask.clone()
     mask[1, 0] = ~mask[1, 0]  # same ids, another mask
-    assert shared_prefill(model, ids, mask) == {}
+    assert shared_prefill(model, ids, mask) is None
     calls = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
     try:
         shared_prefill(model, torch.cat([ids, ids[1:]]), torch.cat([mask, mask[1:]]))
     finally:
         hook.remove()
-    assert calls == [(2, ids.shape[1] - 1)]  # rows 1 and 2 merged, row 0 apart
+    assert calls == [(2, ids.shape[1])]  # rows 1 and 2 merged, row 0 apart
