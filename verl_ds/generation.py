@@ -199,7 +199,9 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
 
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                 **{name: DynamicCache(config=model.config)}, **extra)
-    cache = getattr(out, name)
+    cache = getattr(out, name, None)
+    if cache is None:  # a model without a key/value cache: nothing to share, generate runs every row
+        return None
     index = inverse.to(input_ids.device)
     cache.batch_select_indices(index)
     # generate's own copy: float32 logits of the last position (a prompt's last column is never padding: left pads)
