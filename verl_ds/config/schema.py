@@ -65,6 +65,7 @@ class ModelConfig:
     remove_padding: bool = _f(True, "Pack each micro-batch's real tokens into one row (position ids restart per sequence, attention never crosses sequences) for log-prob, value and update forwards, each response's last token read as a label only (its output would predict nothing); models whose attention cannot do it fall back to padded batches, with a log line.")
     share_prompts: bool = _f(True, "With remove_padding and rollout.n > 1: the samples of one prompt in a micro-batch share one copy of its tokens in the packed row (their responses attend to it), so log-prob and update forwards skip (n-1)/n of the prompt tokens; the same log-probs and gradients.")
     fused_lm_head: bool = _f(False, "Log-probs and entropy from the final hidden states and the LM-head weight in chunks (online log-sum-exp), never building the (N, V) logits.")
+    cpu_linear: Literal["auto", "onednn", "torch"] = _f("auto", "Backend of the Linear layers of float32 models on a CPU: onednn (torch's bundled oneDNN inner product for the forward and the input gradient; weight gradients stay torch products), torch (F.linear: MKL in the x86 wheels), auto (onednn on AMD CPUs with AVX-512, where MKL runs a generic code path and oneDNN measured ~20% faster products, ~10% off a GRPO step; torch elsewhere). Same sums in another order (last-bit differences); verl_ds.engines.cpu_linear.")
     init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from verl_ds.engines import cpu_linear
+
 __all__ = ["GradAccumLinear", "fuse_grad_accumulation", "can_fuse_grad_accumulation"]
 
 
@@ -29,20 +31,24 @@ def _add_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 class _LinearGradAccum(torch.autograd.Function):
-    """y = x W^T + b whose backward returns dx only and adds dW (and db) straight into the parameters' .grad."""
+    """y = x W^T + b whose backward returns dx only and adds dW (and db) straight into the parameters' .grad;
+    ``onednn``: the forward and dx on oneDNN (``verl_ds.engines.cpu_linear``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, onednn=False):
         ctx.save_for_backward(x, weight)
         # the parameters themselves, for their .grad: a saved tensor unpacks as another tensor object under
         # activation checkpointing (torch.utils.checkpoint's saved-tensor hooks), and a .grad set on it is lost
-        ctx.weight, ctx.bias = weight, bias
-        return F.linear(x, weight, bias)
+        ctx.weight, ctx.bias, ctx.onednn = weight, bias, onednn
+        return cpu_linear.linear(x, weight, bias) if onednn else F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[0]:
+            dx = None
+        else:
+            dx = cpu_linear.linear_input_grad(dy, weight) if ctx.onednn else dy @ weight
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         _add_product(ctx.weight, dy2.t(), x2)
         bias = ctx.bias
@@ -51,17 +57,20 @@ class _LinearGradAccum(torch.autograd.Function):
                 bias.grad = dy2.sum(0)
             else:
                 bias.grad.add_(dy2.sum(0))
-        return dx, None, None
+        return dx, None, None, None
 
 
 class GradAccumLinear(torch.nn.Linear):
     """``torch.nn.Linear`` whose trainable weight's gradient accumulates inside the product (module docstring); the
-    same parameters and state dict. Without grad, or with a frozen weight, it is ``F.linear``."""
+    same parameters and state dict. Without grad, or with a frozen weight, it is ``F.linear``. ``onednn`` (set by
+    ``cpu_linear.use_onednn_linears``): its forward and input gradient run on oneDNN."""
+
+    onednn = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and self.weight.requires_grad:
-            return _LinearGradAccum.apply(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return _LinearGradAccum.apply(x, self.weight, self.bias, self.onednn)
+        return cpu_linear.linear(x, self.weight, self.bias) if self.onednn else F.linear(x, self.weight, self.bias)
 
 
 def can_fuse_grad_accumulation(engine) -> bool:
@@ -71,9 +80,9 @@ def can_fuse_grad_accumulation(engine) -> bool:
 
 
 def fuse_grad_accumulation(module_or_engine) -> int:
-    """Turn every plain ``torch.nn.Linear`` with a trainable weight (and no post-accumulate-grad hooks) of a module,
-    or of a DeepSpeed engine that ``can_fuse_grad_accumulation``, into ``GradAccumLinear``; returns how many. Other
-    engines are left as they are (0)."""
+    """Turn every plain ``torch.nn.Linear`` (or ``OneDNNLinear``, which stays on oneDNN) with a trainable weight (and
+    no post-accumulate-grad hooks) of a module, or of a DeepSpeed engine that ``can_fuse_grad_accumulation``, into
+    ``GradAccumLinear``; returns how many. Other engines are left as they are (0)."""
     module = module_or_engine
     if hasattr(module_or_engine, "zero_optimization_stage"):
         if not can_fuse_grad_accumulation(module_or_engine):
@@ -81,8 +90,12 @@ def fuse_grad_accumulation(module_or_engine) -> int:
         module = module_or_engine.module
     count = 0
     for m in module.modules():
-        hooks = getattr(m.weight, "_post_accumulate_grad_hooks", None) if type(m) is torch.nn.Linear else None
-        if type(m) is torch.nn.Linear and m.weight.requires_grad and not hooks:
+        linear = type(m) in (torch.nn.Linear, cpu_linear.OneDNNLinear)
+        hooks = getattr(m.weight, "_post_accumulate_grad_hooks", None) if linear else None
+        if linear and m.weight.requires_grad and not hooks:
+            onednn = type(m) is cpu_linear.OneDNNLinear
             m.__class__ = GradAccumLinear  # the same object and parameters: optimizer and checkpoints are unaffected
+            if onednn:
+                m.onednn = True  # keeps its backend
             count += 1
     return count
