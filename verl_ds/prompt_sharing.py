@@ -29,7 +29,7 @@ import torch
 
 from verl_ds.packing import ResponseIndex, _check_batch, _no_prompt_rows, check_response_width, last_response_token
 
-__all__ = ["SharedPacked", "PromptGroups", "pack_shared_prompts", "PROMPT_GROUPS_KWARG"]
+__all__ = ["SharedPacked", "PromptGroups", "GroupBatch", "pack_shared_prompts", "PROMPT_GROUPS_KWARG"]
 
 PROMPT_GROUPS_KWARG = "verl_ds_prompt_groups"
 
@@ -45,11 +45,28 @@ class PromptGroups:
     """The layout ``verl_ds_varlen_sdpa`` reads: ``groups`` ((start, prompt_len, (response_len, ...)), ...) and
     ``blocks`` ((start, end, mask), ...): runs of consecutive groups, each attended in one call with its (1, 1, L, L)
     bool mask (each prompt causal on itself; each response sees its whole prompt and its own earlier tokens; nothing
-    crosses groups), built once per packed row rather than in every layer. An object, not a tuple: DeepSpeed's
-    ZeRO-3 module hooks walk every tuple and list in a forward's arguments, in every submodule."""
+    crosses groups), built once per packed row rather than in every layer. ``batched``, when it computes fewer
+    attention scores than the blocks: every group padded to the longest one and attended as one batch of groups
+    (``GroupBatch``). An object, not a tuple: DeepSpeed's ZeRO-3 module hooks walk every tuple and list in a
+    forward's arguments, in every submodule."""
 
     groups: tuple
     blocks: tuple
+    batched: "GroupBatch | None" = None
+
+
+@dataclass(frozen=True, eq=False)
+class GroupBatch:
+    """The groups of a packed row of N tokens as a batch of G groups of L (the longest group) slots.
+
+    index: (G * L,) int64, the packed token in each slot (a pad slot repeats its group's first token); valid:
+    (N,) int64, the slot of each packed token, in packed order; mask: (G, 1, L, L) bool, each group's mask on its
+    real slots, and each pad slot's query seeing its group's first slot only (a row with nothing to attend would
+    be NaN; pad outputs are dropped, so nothing flows back through them)."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    mask: torch.Tensor
 
 
 def _group_mask(p: int, lengths, out: torch.Tensor) -> None:
@@ -88,6 +105,28 @@ def _blocks(groups: list, device) -> tuple:
             _group_mask(p, lengths, mask[o:o + g, o:o + g])
         blocks.append((start, end, mask.view(1, 1, end - start, end - start).to(device)))
     return tuple(blocks)
+
+
+def _batch_is_cheaper(groups: list, blocks: tuple) -> bool:
+    """Whether attending ``groups`` as one padded batch scores fewer pairs than ``blocks`` do (G x L^2, L the
+    longest group, against the sum of the blocks' squared lengths); never for a row of one group."""
+    longest = max(p + sum(lengths) for _, p, lengths in groups)
+    return len(groups) > 1 and len(groups) * longest ** 2 < sum((e - s) ** 2 for s, e, _ in blocks)
+
+
+def _group_batch(groups: list, device) -> GroupBatch:
+    """``groups`` as a ``GroupBatch`` (each padded to the longest), built on the host and moved to ``device`` once."""
+    sizes = [p + sum(lengths) for _, p, lengths in groups]
+    G, L = len(groups), max(sizes)
+    index = torch.empty(G, L, dtype=torch.long)
+    mask = torch.zeros(G, 1, L, L, dtype=torch.bool)
+    for g, ((start, p, lengths), size) in enumerate(zip(groups, sizes)):
+        index[g, :size] = torch.arange(start, start + size)
+        index[g, size:] = start
+        _group_mask(p, lengths, mask[g, 0, :size, :size])
+        mask[g, 0, size:, 0] = True
+    valid = torch.cat([torch.arange(g * L, g * L + size) for g, size in enumerate(sizes)])
+    return GroupBatch(index=index.reshape(-1).to(device), valid=valid.to(device), mask=mask.to(device))
 
 
 @dataclass(frozen=True)
@@ -159,7 +198,9 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
             groups.append((start, p, []))
         groups[g][2].append(r)
     groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
-    layout = PromptGroups(groups=tuple(groups), blocks=_blocks(groups, dev))
+    blocks = _blocks(groups, dev)
+    batched = _group_batch(groups, dev) if _batch_is_cheaper(groups, blocks) else None
+    layout = PromptGroups(groups=tuple(groups), blocks=blocks, batched=batched)
     return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
                         targets=ResponseIndex(label_ids=ids[lrows, lcols + P], preds=preds, out=out), shape=(B, T),
                         response_width=R)

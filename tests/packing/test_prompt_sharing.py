@@ -77,10 +77,20 @@ def _batch(side):
     return grouped_batch([pa, pa, pb, pa, pc, pb, pb], responses, P=6, R=5, side=side)
 
 
+def _force_path(monkeypatch, path):
+    """Attend shared rows by blocks or as one batch of groups, whichever is cheaper ("auto") or as told."""
+    import verl_ds.prompt_sharing as sharing
+
+    if path != "auto":
+        monkeypatch.setattr(sharing, "_batch_is_cheaper", lambda groups, blocks: path == "batched" and len(groups) > 1)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_shared_prompts_equal_each_sequence_alone(kind, side, fused):
+@pytest.mark.parametrize("path", ["blocks", "batched"])
+def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monkeypatch):
+    _force_path(monkeypatch, path)
     lm = tiny_lm(kind, seed=1)
     obs, mask = _batch(side)
     R = 5
@@ -93,6 +103,7 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused):
     use_varlen_attention(lm)
     shared = pack_shared_prompts(obs, mask, R)
     assert shared.num_tokens == 12 + 21 - 7  # prompts of 6, 2 and 4 tokens once, 21 response tokens but 7 last ones
+    assert (shared.groups.batched is not None) == (path == "batched")
     lm.zero_grad()
     lp, ent = packed_logprobs(lm, shared, R, T_SAMPLE, compute_entropy=True, fused_lm_head=fused)
     ((lp * w_lp + ent * w_ent) * rmask).sum().backward()
@@ -106,7 +117,9 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused):
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
 
 
-def test_a_group_without_response_tokens_attends_its_prompt_only():
+@pytest.mark.parametrize("path", ["blocks", "batched"])
+def test_a_group_without_response_tokens_attends_its_prompt_only(path, monkeypatch):
+    _force_path(monkeypatch, path)
     lm = use_varlen_attention(tiny_lm("llama", seed=4))
     obs, mask = grouped_batch([[5, 6], [5, 6], [7, 8, 9]], [[], [], [10, 11]], P=3, R=2)
     shared = pack_shared_prompts(obs, mask, 2)
@@ -152,3 +165,42 @@ def test_groups_over_the_block_cap_are_attended_in_several_blocks(monkeypatch):
     ref, _, _ = per_sequence_reference(lm, None, obs, mask, 4, 1.0)
     rmask = mask[:, -4:]
     torch.testing.assert_close(lp.double() * rmask, ref.detach() * rmask, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_groups_layout_by_hand():
+    """Groups of 4 and 3 tokens padded to 4 slots: the gather index (a pad slot repeats its group's first token),
+    the slot of each packed token, and each group's mask with its pad query seeing its first slot only."""
+    import verl_ds.prompt_sharing as sharing
+
+    a, b = [5, 6], [8]
+    obs, mask = grouped_batch([a, b, a], [[10, 11], [12, 13, 14], [15, 16]], P=2, R=3)
+    groups = pack_shared_prompts(obs, mask, 3).groups.groups
+    assert groups == ((0, 2, (1, 1)), (4, 1, (2,)))  # [5, 6, 10, 15 | 8, 12, 13]
+    batch = sharing._group_batch(list(groups), "cpu")
+    assert batch.index.tolist() == [0, 1, 2, 3, 4, 5, 6, 4]
+    assert batch.valid.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert batch.mask.shape == (2, 1, 4, 4)
+    assert batch.mask[0, 0].int().tolist() == [[1, 0, 0, 0],  # prompt a
+                                               [1, 1, 0, 0],
+                                               [1, 1, 1, 0],  # row 0's response token: the prompt and itself
+                                               [1, 1, 0, 1]]  # row 2's: the prompt and itself, not row 0's
+    assert batch.mask[1, 0].int().tolist() == [[1, 0, 0, 0],  # prompt b
+                                               [1, 1, 0, 0],  # row 1's response tokens
+                                               [1, 1, 1, 0],
+                                               [1, 0, 0, 0]]  # the pad slot: its group's first slot only
+
+
+def test_batch_is_chosen_when_it_scores_fewer_pairs():
+    import verl_ds.prompt_sharing as sharing
+
+    # four groups of 35 tokens in one block: 4 x 35^2 = 4900 pairs against 140^2 = 19600
+    groups = [(35 * g, 7, (7, 7, 7, 7)) for g in range(4)]
+    blocks = sharing._blocks(groups, "cpu")
+    assert len(blocks) == 1 and sharing._batch_is_cheaper(groups, blocks)
+    # one long group and three short ones: 4 x 100^2 against 130^2
+    uneven = [(0, 40, (30, 30)), (100, 5, (5,)), (110, 5, (5,)), (120, 5, (5,))]
+    assert not sharing._batch_is_cheaper(uneven, sharing._blocks(uneven, "cpu"))
+    assert not sharing._batch_is_cheaper(groups[:1], sharing._blocks(groups[:1], "cpu"))  # one group: one call anyway
+    obs, mask = grouped_batch([[5, 6, 7]] * 2 + [[8, 9, 4]] * 2 + [[3, 2, 1]] * 2,
+                              [[10, 11, 12]] * 6, P=3, R=3)
+    assert pack_shared_prompts(obs, mask, 3).groups.batched is not None  # 3 x 7^2 < 21^2: the real packer agrees

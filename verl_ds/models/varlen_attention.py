@@ -95,10 +95,13 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
 
 
 def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling, kwargs) -> torch.Tensor:
-    """Attention over a ``verl_ds.prompt_sharing`` row (``layout``: its ``PromptGroups``): one sdpa call per block of
-    consecutive groups with the block's mask (each prompt causal on itself; its responses see the whole prompt and
-    their own earlier tokens; no token sees another group)."""
+    """Attention over a ``verl_ds.prompt_sharing`` row (``layout``: its ``PromptGroups``): each prompt causal on
+    itself, its responses seeing the whole prompt and their own earlier tokens, no token seeing another group. One
+    sdpa call over the groups padded to a batch (``layout.batched``) when that computes fewer scores, else one per
+    block of consecutive groups with the block's mask."""
     kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
+    if layout.batched is not None:
+        return _batched_group_attention(module, query, key, value, layout.batched, dropout, scaling, kw)
     outs = []
     for start, end, mask in layout.blocks:
         whole = start == 0 and end == query.shape[2]
@@ -106,6 +109,19 @@ def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling
         out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False, **kw)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def _batched_group_attention(module, query, key, value, batch, dropout, scaling, kw) -> torch.Tensor:
+    """(1, heads, N, d) packed query/key/value -> (1, N, heads, d): the row's groups gathered into (G, heads, L, d)
+    (``prompt_sharing.GroupBatch``), attended in one call with the (G, 1, L, L) mask, the real slots read back."""
+    G, L = batch.mask.shape[0], batch.mask.shape[-1]
+
+    def gather(t: torch.Tensor) -> torch.Tensor:  # (1, h, N, d) -> (G, h, L, d)
+        return t.index_select(2, batch.index).view(t.shape[1], G, L, t.shape[3]).transpose(0, 1)
+
+    out, _ = sdpa_attention_forward(module, gather(query), gather(key), gather(value), batch.mask, dropout=dropout,
+                                    scaling=scaling, is_causal=False, **kw)  # (G, L, heads, d)
+    return out.reshape(1, G * L, *out.shape[2:]).index_select(1, batch.valid)
 
 
 def _varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, attention_mask=None,
