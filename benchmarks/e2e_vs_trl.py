@@ -77,8 +77,9 @@ def _run(cmd: list, threads: int, what: str, timeout: float) -> float:
     return time.perf_counter() - t0
 
 
-def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float) -> tuple[list[dict], float]:
-    """launch/train.py on the job (1 process); returns (one row per step, process wall seconds)."""
+def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float, extra: tuple = ()) -> tuple[list[dict], float]:
+    """launch/train.py on the job (1 process), with ``extra`` overrides last; returns (one row per step, process
+    wall seconds)."""
     beta = job["beta"]
     args = [f"model.path={job['model_dir']}", f"data.train_files={job['prompts']}", "data.max_prompt_length=16",
             f"rollout.batch_size={job['prompts_per_step']}", f"rollout.n={job['n']}",
@@ -90,7 +91,7 @@ def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float) -> tuple[l
             "algo.clip_ratio_c=null", "algo.loss_agg_mode=token-mean", "algo.entropy_coef=0.0", "model.dtype=fp32",
             f"deepspeed.zero_stage={zero_stage}", f"trainer.total_steps={job['steps']}", f"trainer.seed={job['seed']}",
             f"trainer.output_dir={out}", "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false",
-            "trainer.export_hf=false", "trainer.val_every=0"]
+            "trainer.export_hf=false", "trainer.val_every=0", *extra]
     shutil.rmtree(out, ignore_errors=True)  # a fresh run appends to an old metrics.jsonl in its directory
     cpu_file = os.path.join(out, "cpu_s.json")
     wall = _run([sys.executable, os.path.abspath(__file__), "--verl-ds-worker", cpu_file, *args], job["threads"],
@@ -343,6 +344,9 @@ def main(argv=None) -> None:
     p.add_argument("--trl-onednn", action="store_true",
                    help="also run TRL with its Linear layers on verl_ds's oneDNN backend (model.cpu_linear=onednn), a row "
                         "of its own")
+    p.add_argument("--verl-ds-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                   help="an extra verl_ds row (at the first of --zero-stages) with these launch/train.py overrides, "
+                        "e.g. 'torch linear:model.cpu_linear=torch'; repeatable, not used in the ratios")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per side and size")
@@ -358,6 +362,13 @@ def main(argv=None) -> None:
         raise SystemExit(f"--sizes must name sizes from {sorted(SIZES)} and --zero-stages stages 0-3; got {bad or a}")
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1; got {a.repeats}")
+    variants = []
+    for v in a.verl_ds_variant:
+        name, sep, overrides = v.partition(":")
+        pairs = [o.strip() for o in overrides.split(",") if o.strip()]
+        if not sep or not name.strip() or not pairs or not all("=" in o for o in pairs):
+            raise SystemExit(f"--verl-ds-variant must be NAME:KEY=VALUE[,KEY=VALUE...]; got {v!r}")
+        variants.append((name.strip(), tuple(pairs)))
     samples = a.prompts_per_step * a.n
     if a.micro_batch < 1 or samples % a.micro_batch:
         raise SystemExit(f"--micro-batch must divide prompts per step x n = {samples}; got {a.micro_batch}")
@@ -397,6 +408,9 @@ def main(argv=None) -> None:
         verl_rows = {}
         sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
                                                                  a.timeout)) for z in stages]
+        sides += [(f"verl_ds {name}", lambda i=i, pairs=pairs: run_verl_ds(
+            job, stages[0], os.path.join(size_dir, f"verl_ds_variant{i}"), a.timeout, pairs))
+            for i, (name, pairs) in enumerate(variants)]
         runs = {side: [] for side, _ in sides}
         for _ in range(a.repeats - 1):  # the sides in turn, so that a slower hour weighs on each of them alike
             for side, fn in sides:

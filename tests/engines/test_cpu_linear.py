@@ -15,6 +15,12 @@ needs_onednn = pytest.mark.skipif(not cpu_linear.onednn_available(), reason="tor
 ONEDNN_OP = "mkldnn::_linear_pointwise"
 
 
+@pytest.fixture(autouse=True)
+def every_product_on_onednn(monkeypatch):
+    """These tests' products are small: take oneDNN whatever the size (the size rule has its own test)."""
+    monkeypatch.setattr(cpu_linear, "MIN_MACS", 0)
+
+
 def _ops(fn) -> list:
     from torch.profiler import ProfilerActivity, profile
 
@@ -39,6 +45,20 @@ def test_linear_is_x_wt_plus_b(shape, bias):
 
 
 @needs_onednn
+@needs_onednn
+def test_products_under_min_macs_stay_on_f_linear(monkeypatch):
+    """oneDNN's per-call cost outweighs its gain on small products (the default tiny model's): below MIN_MACS
+    multiply-adds (tokens x in x out) F.linear runs, from it on oneDNN."""
+    monkeypatch.setattr(cpu_linear, "MIN_MACS", 1 << 24)
+    w = torch.randn(256, 512)
+    small, big = torch.randn(127, 512), torch.randn(1, 128, 512)  # 127 x 512 x 256 < 2^24 <= 128 x 512 x 256
+    assert ONEDNN_OP not in _ops(lambda: linear(small, w))
+    assert torch.equal(linear(small, w), torch.nn.functional.linear(small, w))
+    assert ONEDNN_OP in _ops(lambda: linear(big, w))
+    assert ONEDNN_OP in _ops(lambda: cpu_linear.linear_input_grad(torch.randn(128, 256), w))  # 128 x 256 x 512
+
+
+@needs_onednn
 def test_non_contiguous_inputs_and_a_transposed_weight():
     torch.manual_seed(1)
     x = torch.randn(4, 3, 11).transpose(0, 1)  # (3, 4, 11), not contiguous
@@ -51,7 +71,7 @@ def test_non_contiguous_inputs_and_a_transposed_weight():
 
 def test_other_dtypes_and_cpu_autocast_keep_f_linear():
     torch.manual_seed(2)
-    x, w, b = torch.randn(3, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
+    x, w, b = (torch.randn(*shape, dtype=torch.float64) for shape in ((3, 5), (4, 5), (4,)))
     assert torch.equal(linear(x, w, b), torch.nn.functional.linear(x, w, b))  # float64: bitwise F.linear
     assert ONEDNN_OP not in _ops(lambda: linear(x, w, b))
     xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
@@ -135,7 +155,8 @@ def test_conversion_keeps_parameters_and_state_and_leaves_subclasses_alone():
     assert use_onednn_linears(net) == 1
     assert type(net[0]) is OneDNNLinear and type(net[1]) is Owned and uses_onednn(net)
     assert all(a is b for a, b in zip(net.parameters(), params))
-    assert all(torch.equal(net.state_dict()[k], v) for k, v in state.items()) and net.state_dict().keys() == state.keys()
+    assert net.state_dict().keys() == state.keys()
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in state.items())
     assert use_onednn_linears(net) == 0  # already converted
 
 
@@ -198,6 +219,9 @@ from verl_ds.engines.build import build_actor_model, load_tokenizer, make_engine
 from verl_ds.engines.cpu_linear import OneDNNLinear
 from verl_ds.engines.grad_accum import GradAccumLinear
 
+from verl_ds.engines import cpu_linear
+
+cpu_linear.MIN_MACS = 0  # the tiny model's products are small: oneDNN for every one of them
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
 base = ["rollout.batch_size=4", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "trainer.device=cpu"]
 tok = None

@@ -15,7 +15,8 @@ What runs where, with ``onednn``:
   autograd's do and DeepSpeed's hooks see them as before; ``GradAccumLinear`` (ZeRO-0) keeps adding its product
   into ``.grad``.
 The sums are those of any float32 GEMM, in another order: outputs differ from MKL's in the last bits.
-Anything else (another dtype or device, a 1-D weight, CPU autocast on) takes ``F.linear``.
+Anything else (a product under ``MIN_MACS`` multiply-adds, another dtype or device, a 1-D weight, CPU autocast on)
+takes ``F.linear``.
 """
 from __future__ import annotations
 
@@ -29,9 +30,13 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 CHOICES = ("auto", "onednn", "torch")
+# oneDNN costs some 20 us more per call than MKL (its primitive lookup): products under 2^24 multiply-adds
+# (tokens x in x out; a 140-token micro-batch of a 512 x 256 projection is 18M) stay on F.linear, where that is
+# more than oneDNN gains (benchmarks/cpu_linear.py: 2-4x slower on the default tiny model's products)
+MIN_MACS = 1 << 24
 
-__all__ = ["CHOICES", "OneDNNLinear", "linear", "linear_input_grad", "onednn_available", "resolve_cpu_linear",
-           "use_onednn_linears", "uses_onednn"]
+__all__ = ["CHOICES", "MIN_MACS", "OneDNNLinear", "linear", "linear_input_grad", "onednn_available",
+           "resolve_cpu_linear", "use_onednn_linears", "uses_onednn"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,13 +81,14 @@ def resolve_cpu_linear(setting: str) -> str:
 
 def _on_onednn(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 2 and x.dim() >= 1 and (bias is None or bias.dtype == torch.float32)
-            and not torch.is_autocast_enabled("cpu"))
+            and weight.dim() == 2 and x.dim() >= 1 and x.numel() * weight.shape[0] >= MIN_MACS
+            and (bias is None or bias.dtype == torch.float32) and not torch.is_autocast_enabled("cpu"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """x W^T + b (``F.linear``'s contract, (..., in) -> (..., out)) through oneDNN when x is a float32 CPU tensor,
-    else ``F.linear``. Not differentiable on the oneDNN path: call it under no_grad or from an autograd Function."""
+    """x W^T + b (``F.linear``'s contract, (..., in) -> (..., out)) through oneDNN when x is a float32 CPU tensor
+    and the product has at least ``MIN_MACS`` multiply-adds, else ``F.linear``. Not differentiable on the oneDNN
+    path: call it under no_grad or from an autograd Function."""
     if _on_onednn(x, weight, bias):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -19,8 +19,9 @@ function skips the dense mask for a packed row. Padded batches (an attention mas
 plain sdpa path with sdpa's mask, unchanged. Sliding-window layers (Qwen2 ``use_sliding_window``) get
 a per-sequence window mask. A row packed with shared prompts (``verl_ds.prompt_sharing``, its layout in the
 ``verl_ds_prompt_groups`` keyword) is attended block by block (runs of whole groups up to
-``prompt_sharing.BLOCK_TOKENS`` tokens, one sdpa call each): each prompt causally, its responses seeing the whole
-prompt and their own earlier tokens.
+``prompt_sharing.BLOCK_TOKENS`` tokens, one sdpa call each), or as one batch of its groups padded to the longest
+(one sdpa call) where that scores fewer pairs: each prompt causally, its responses seeing the whole prompt and
+their own earlier tokens.
 """
 from __future__ import annotations
 
