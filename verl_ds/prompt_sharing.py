@@ -38,7 +38,7 @@ PROMPT_GROUPS_KWARG = "verl_ds_prompt_groups"
 # mask: at most BLOCK_TOKENS x N attention scores for a row of N tokens, where one call per group costs more in
 # dispatch than in arithmetic for groups of tens of tokens (a group over the cap is a block alone). Where the groups
 # padded to one batch score fewer pairs still (G x L^2, e.g. 4 groups of 35 tokens: 4900 against 140^2 = 19600),
-# the row is attended that way instead, in one call (GroupBatch)
+# the row may be attended that way instead, in one call (GroupBatch; the attention decides by the heads' width)
 BLOCK_TOKENS = 256
 
 
@@ -64,11 +64,13 @@ class GroupBatch:
     index: (G * L,) int64, the packed token in each slot (a pad slot repeats its group's first token); valid:
     (N,) int64, the slot of each packed token, in packed order; mask: (G, 1, L, L) bool, each group's mask on its
     real slots, and each pad slot's query seeing its group's first slot only (a row with nothing to attend would
-    be NaN; pad outputs are dropped, so nothing flows back through them)."""
+    be NaN; pad outputs are dropped, so nothing flows back through them). saved_pairs: how many fewer attention
+    scores per head than the blocks (the attention weighs it against the gathers' cost)."""
 
     index: torch.Tensor
     valid: torch.Tensor
     mask: torch.Tensor
+    saved_pairs: int = 0
 
 
 def _group_mask(p: int, lengths, out: torch.Tensor) -> None:
@@ -109,14 +111,20 @@ def _blocks(groups: list, device) -> tuple:
     return tuple(blocks)
 
 
-def _batch_is_cheaper(groups: list, blocks: tuple) -> bool:
-    """Whether attending ``groups`` as one padded batch scores fewer pairs than ``blocks`` do (G x L^2, L the
-    longest group, against the sum of the blocks' squared lengths); never for a row of one group."""
+def _saved_pairs(groups: list, blocks: tuple) -> int:
+    """How many fewer scores per head attending ``groups`` as one padded batch computes than ``blocks`` do (the sum
+    of the blocks' squared lengths minus G x L^2, L the longest group)."""
     longest = max(p + sum(lengths) for _, p, lengths in groups)
-    return len(groups) > 1 and len(groups) * longest ** 2 < sum((e - s) ** 2 for s, e, _ in blocks)
+    return sum((e - s) ** 2 for s, e, _ in blocks) - len(groups) * longest ** 2
 
 
-def _group_batch(groups: list, device) -> GroupBatch:
+def _batch_is_cheaper(groups: list, blocks: tuple) -> bool:
+    """Whether attending ``groups`` as one padded batch scores fewer pairs than ``blocks`` do; never for a row of
+    one group."""
+    return len(groups) > 1 and _saved_pairs(groups, blocks) > 0
+
+
+def _group_batch(groups: list, device, saved_pairs: int = 0) -> GroupBatch:
     """``groups`` as a ``GroupBatch`` (each padded to the longest), built on the host and moved to ``device`` once."""
     sizes = [p + sum(lengths) for _, p, lengths in groups]
     G, L = len(groups), max(sizes)
@@ -128,7 +136,8 @@ def _group_batch(groups: list, device) -> GroupBatch:
         _group_mask(p, lengths, mask[g, 0, :size, :size])
         mask[g, 0, size:, 0] = True
     valid = torch.cat([torch.arange(g * L, g * L + size) for g, size in enumerate(sizes)])
-    return GroupBatch(index=index.reshape(-1).to(device), valid=valid.to(device), mask=mask.to(device))
+    return GroupBatch(index=index.reshape(-1).to(device), valid=valid.to(device), mask=mask.to(device),
+                      saved_pairs=saved_pairs)
 
 
 @dataclass(frozen=True)
@@ -201,7 +210,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
         groups[g][2].append(r)
     groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
     blocks = _blocks(groups, dev)
-    batched = _group_batch(groups, dev) if _batch_is_cheaper(groups, blocks) else None
+    batched = _group_batch(groups, dev, _saved_pairs(groups, blocks)) if _batch_is_cheaper(groups, blocks) else None
     layout = PromptGroups(groups=tuple(groups), blocks=blocks, batched=batched)
     return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
                         targets=ResponseIndex(label_ids=ids[lrows, lcols + P], preds=preds, out=out), shape=(B, T),

@@ -77,12 +77,22 @@ def _batch(side):
     return grouped_batch([pa, pa, pb, pa, pc, pb, pb], responses, P=6, R=5, side=side)
 
 
-def _force_path(monkeypatch, path):
-    """Attend shared rows by blocks or as one batch of groups, whichever is cheaper ("auto") or as told."""
+def _force_path(monkeypatch, path) -> list:
+    """Attend shared rows by blocks or as one batch of groups, as told; returns the list that each batched attention
+    call appends to."""
+    import verl_ds.models.varlen_attention as va
     import verl_ds.prompt_sharing as sharing
 
-    if path != "auto":
-        monkeypatch.setattr(sharing, "_batch_is_cheaper", lambda groups, blocks: path == "batched" and len(groups) > 1)
+    monkeypatch.setattr(sharing, "_batch_is_cheaper", lambda groups, blocks: path == "batched" and len(groups) > 1)
+    monkeypatch.setattr(va, "BATCH_MIN_SAVED_MACS", -(1 << 62))  # whatever the saving, even none
+    calls, batched = [], va._batched_group_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return batched(*args, **kwargs)
+
+    monkeypatch.setattr(va, "_batched_group_attention", spy)
+    return calls
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -90,7 +100,7 @@ def _force_path(monkeypatch, path):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("path", ["blocks", "batched"])
 def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monkeypatch):
-    _force_path(monkeypatch, path)
+    batched_calls = _force_path(monkeypatch, path)
     lm = tiny_lm(kind, seed=1)
     obs, mask = _batch(side)
     R = 5
@@ -111,6 +121,7 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monke
         torch.testing.assert_close(got.double() * rmask, ref.detach() * rmask, atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
         assert bool((got[~rmask] == 0).all()), name
+    assert len(batched_calls) == (lm.config.num_hidden_layers if path == "batched" else 0)
     got = {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys()
     for n in want:
@@ -119,12 +130,13 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monke
 
 @pytest.mark.parametrize("path", ["blocks", "batched"])
 def test_a_group_without_response_tokens_attends_its_prompt_only(path, monkeypatch):
-    _force_path(monkeypatch, path)
+    batched_calls = _force_path(monkeypatch, path)
     lm = use_varlen_attention(tiny_lm("llama", seed=4))
     obs, mask = grouped_batch([[5, 6], [5, 6], [7, 8, 9]], [[], [], [10, 11]], P=3, R=2)
     shared = pack_shared_prompts(obs, mask, 2)
     assert shared.groups.groups == ((0, 2, (0, 0)), (2, 3, (1,)))
     lp, _ = packed_logprobs(lm, shared, 2)
+    assert bool(batched_calls) == (path == "batched")
     ref, _, _ = per_sequence_reference(lm, None, obs, mask, 2, 1.0)
     torch.testing.assert_close(lp.double(), ref.detach(), atol=1e-5, rtol=1e-5)
 
@@ -204,3 +216,34 @@ def test_batch_is_chosen_when_it_scores_fewer_pairs():
     obs, mask = grouped_batch([[5, 6, 7]] * 2 + [[8, 9, 4]] * 2 + [[3, 2, 1]] * 2,
                               [[10, 11, 12]] * 6, P=3, R=3)
     assert pack_shared_prompts(obs, mask, 3).groups.batched is not None  # 3 x 7^2 < 21^2: the real packer agrees
+
+
+def test_the_attention_batches_groups_only_when_the_saving_pays_for_the_gathers(monkeypatch):
+    """The same layout (4 groups of 35 tokens in one block: 14700 fewer pairs) is attended as a batch at 8 heads of
+    64 (7.5M multiply-adds saved per product) and by its block at 4 heads of 16 (0.9M), with BATCH_MIN_SAVED_MACS
+    = 2^22."""
+    import verl_ds.models.varlen_attention as va
+    import verl_ds.prompt_sharing as sharing
+
+    groups = [(35 * g, 7, (7, 7, 7, 7)) for g in range(4)]
+    blocks = sharing._blocks(groups, "cpu")
+    layout = sharing.PromptGroups(groups=tuple(groups), blocks=blocks,
+                                  batched=sharing._group_batch(groups, "cpu", sharing._saved_pairs(groups, blocks)))
+    assert layout.batched.saved_pairs == 140 ** 2 - 4 * 35 ** 2 and va.BATCH_MIN_SAVED_MACS == 1 << 22
+    calls = []
+
+    def batch(module, query, *args, **kwargs):
+        calls.append("batch")
+        return query.transpose(1, 2)
+
+    def block(module, query, *args, **kwargs):
+        calls.append("block")
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(va, "_batched_group_attention", batch)
+    monkeypatch.setattr(va, "sdpa_attention_forward", block)
+    for heads, dim, want in ((8, 64, "batch"), (4, 16, "block")):
+        calls.clear()
+        q = torch.zeros(1, heads, 140, dim)
+        va._shared_prompt_attention(None, q, q, q, layout, 0.0, None, {})
+        assert calls == [want], (heads, dim)
