@@ -5,9 +5,10 @@ A stack of decoder layers' products (q, k, v, o, gate, up, down of a Llama: hidd
 H * kv_heads / heads), each layer's weights its own tensors (cold in the caches, as in a real forward), run on M
 tokens: the forward (x W^T), and forward plus the input gradient (dy W) as a training micro-batch computes them
 (the weight gradient stays a torch product on both backends, so it is left out). Three ways: torch's F.linear,
-oneDNN for every product, and verl_ds's ``cpu_linear.linear`` (oneDNN from ``MIN_MACS`` multiply-adds up, F.linear
-below). They alternate run by run, so that a machine whose speed drifts weighs on each alike; each figure is the
-median.
+oneDNN for every product, and what ``model.cpu_linear=onednn`` does (layers that ``use_onednn_linears`` converts
+take ``cpu_linear.linear``: oneDNN from ``MIN_MACS`` multiply-adds up, F.linear below; the others F.linear). They
+alternate run by run, each going first in turn, so that a machine whose speed drifts weighs on each alike; each
+figure is the median.
 
     python benchmarks/cpu_linear.py                      # the 30M shapes of e2e_vs_trl (H 512, I 2048, 8 layers)
     python benchmarks/cpu_linear.py --hidden 64 --intermediate 128 --layers 2 --tokens 16,64
@@ -45,17 +46,18 @@ def layer_weights(hidden: int, intermediate: int, layers: int, kv_width: int, se
     return [[torch.randn(o, i, generator=g) * 0.02 for o, i in shapes] for _ in range(layers)]
 
 
-def run_stack(weights: list, x: torch.Tensor, forward, input_grad=None, grads: dict | None = None) -> None:
+def run_stack(weights: list, x: torch.Tensor, forwards: list, input_grads=None, grads: dict | None = None) -> None:
     """Every product of the stack on x (the attention and activations themselves are left out: the same on both
-    backends); with ``input_grad``, each product's dx too, from ``grads[out]``, a (tokens, out) output gradient."""
-    for layer in weights:
-        q, k, v, o, gate, up, down = layer
-        h = forward(x, q)
-        forward(x, k), forward(x, v)
-        h = forward(h, o)
-        out = forward(forward(h, gate) * forward(h, up), down)
-        if input_grad is not None:
-            for w in layer:
+    backends), each weight's by its own function (``forwards``: per layer, one per weight); with ``input_grads``
+    (the same layout), each product's dx too, from ``grads[out]``, a (tokens, out) output gradient."""
+    for i, layer in enumerate(weights):
+        (q, k, v, o, gate, up, down), (fq, fk, fv, fo, fg, fu, fd) = layer, forwards[i]
+        h = fq(x, q)
+        fk(x, k), fv(x, v)
+        h = fo(h, o)
+        out = fd(fg(h, gate) * fu(h, up), down)
+        if input_grads is not None:
+            for w, input_grad in zip(layer, input_grads[i]):
                 input_grad(grads[w.shape[0]], w)
         x = out
 
@@ -85,8 +87,21 @@ def main(argv=None) -> None:
     def raw(x, w):  # oneDNN whatever the product's size
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    backends = {"torch": (F.linear, lambda dy, w: dy @ w), "onednn": (raw, lambda dy, w: raw(dy, w.t())),
-                "verl_ds": (cpu_linear.linear, cpu_linear.linear_input_grad)}  # oneDNN from MIN_MACS up
+    def converted(w) -> bool:  # whether use_onednn_linears puts a Linear of this weight on oneDNN
+        return w.numel() * cpu_linear.CONVERT_MIN_TOKENS >= cpu_linear.MIN_MACS
+
+    def per_weight(fwd, bwd) -> tuple:  # one function per weight, chosen once, outside the timed runs
+        return ([[fwd(w) for w in layer] for layer in weights], [[bwd(w) for w in layer] for layer in weights])
+
+    def torch_input_grad(dy, w):
+        return dy @ w
+
+    backends = {
+        "torch": per_weight(lambda w: F.linear, lambda w: torch_input_grad),
+        "onednn": per_weight(lambda w: raw, lambda w: lambda dy, w: raw(dy, w.t())),
+        # model.cpu_linear=onednn: a converted layer's products on oneDNN from MIN_MACS up, the others F.linear
+        "verl_ds": per_weight(lambda w: cpu_linear.linear if converted(w) else F.linear,
+                              lambda w: cpu_linear.linear_input_grad if converted(w) else torch_input_grad)}
     auto = cpu_linear.resolve_cpu_linear("auto")
     print(f"cpu_linear: hidden {a.hidden}, MLP {a.intermediate}, {a.layers} layers, {a.threads} thread(s), "
           f"{torch.backends.cpu.get_cpu_capability()}, vendor {cpu_linear._cpu_vendor() or 'unknown'}, "
@@ -102,8 +117,10 @@ def main(argv=None) -> None:
             grads = {w.shape[0]: torch.randn(tokens, w.shape[0], generator=g) for w in weights[0]}
             for kind in ("forward", "train"):
                 times = {name: [] for name in backends}
-                for _ in range(a.repeats + 1):  # the first round warms up (oneDNN builds its kernels per shape)
-                    for name, (fwd, bwd) in backends.items():
+                names = list(backends)
+                for r in range(a.repeats + 1):  # the first round warms up (oneDNN builds its kernels per shape)
+                    for name in names[r % 3:] + names[:r % 3]:  # each way goes first, second and third in turn
+                        fwd, bwd = backends[name]
                         t0 = time.perf_counter()
                         run_stack(weights, x, fwd, bwd if kind == "train" else None, grads)
                         times[name].append(time.perf_counter() - t0)

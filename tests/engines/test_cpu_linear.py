@@ -58,6 +58,16 @@ def test_products_under_min_macs_stay_on_f_linear(monkeypatch):
     assert ONEDNN_OP in _ops(lambda: cpu_linear.linear_input_grad(torch.randn(128, 256), w))  # 128 x 256 x 512
 
 
+def test_layers_too_small_to_reach_min_macs_keep_torchs_linear(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "MIN_MACS", 1 << 24)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(512, 256), torch.nn.Linear(512, 18))
+    # 64 x 128 and 512 x 18 stay under 2^24 at 1024 tokens; 512 x 256 reaches it at 128
+    assert use_onednn_linears(net) == 1
+    assert [type(m) for m in net] == [torch.nn.Linear, OneDNNLinear, torch.nn.Linear]
+    fused = GradAccumLinear(64, 128)
+    assert use_onednn_linears(fused) == 0 and not fused.onednn
+
+
 @needs_onednn
 def test_non_contiguous_inputs_and_a_transposed_weight():
     torch.manual_seed(1)

@@ -34,9 +34,12 @@ CHOICES = ("auto", "onednn", "torch")
 # (tokens x in x out; a 140-token micro-batch of a 512 x 256 projection is 18M) stay on F.linear, where that is
 # more than oneDNN gains (benchmarks/cpu_linear.py: 2-4x slower on the default tiny model's products)
 MIN_MACS = 1 << 24
+# a Linear is put on oneDNN only if a call of this many tokens would reach MIN_MACS: the smaller ones (a tiny
+# model's, an LM head over a small vocabulary) keep torch's own Linear and its per-call cost
+CONVERT_MIN_TOKENS = 1024
 
-__all__ = ["CHOICES", "MIN_MACS", "OneDNNLinear", "linear", "linear_input_grad", "onednn_available",
-           "resolve_cpu_linear", "use_onednn_linears", "uses_onednn"]
+__all__ = ["CHOICES", "CONVERT_MIN_TOKENS", "MIN_MACS", "OneDNNLinear", "linear", "linear_input_grad",
+           "onednn_available", "resolve_cpu_linear", "use_onednn_linears", "uses_onednn"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,8 +83,9 @@ def resolve_cpu_linear(setting: str) -> str:
 
 
 def _on_onednn(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 2 and x.dim() >= 1 and x.numel() * weight.shape[0] >= MIN_MACS
+    # the size first: most calls that fail, fail there, and cheaply
+    return (weight.dim() == 2 and x.numel() * weight.shape[0] >= MIN_MACS and x.dim() >= 1
+            and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and not torch.is_autocast_enabled("cpu"))
 
 
@@ -134,12 +138,15 @@ class OneDNNLinear(torch.nn.Linear):
 
 def use_onednn_linears(module: torch.nn.Module) -> int:
     """Put every plain ``torch.nn.Linear`` of ``module`` on oneDNN (``OneDNNLinear``, the same objects and
-    parameters) and every ``GradAccumLinear`` too; returns how many. Subclasses of Linear that others own (peft's
-    LoRA layers wrap a plain base Linear, which is converted) are left as they are."""
+    parameters) and every ``GradAccumLinear`` too, except layers whose products stay under ``MIN_MACS`` even at
+    ``CONVERT_MIN_TOKENS`` tokens; returns how many. Subclasses of Linear that others own (peft's LoRA layers wrap a
+    plain base Linear, which is converted) are left as they are."""
     from verl_ds.engines.grad_accum import GradAccumLinear
 
     count = 0
     for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and m.in_features * m.out_features * CONVERT_MIN_TOKENS < MIN_MACS:
+            continue
         if type(m) is torch.nn.Linear:
             m.__class__ = OneDNNLinear  # optimizer state, hooks and checkpoints see the same parameters
             count += 1
