@@ -1,11 +1,12 @@
 """Linear layers of float32 CPU models on oneDNN (``model.cpu_linear``).
 
 On a CPU, ``torch.nn.functional.linear`` runs its float32 products through the BLAS torch was built with (MKL in
-the x86 wheels). MKL picks its code path by CPU vendor and runs a generic one on AMD processors, while oneDNN,
-which the same wheels carry for their CPU kernels, picks its own by instruction set (AVX-512 where there is
-AVX-512). On a 2-core AMD EPYC with AVX-512, float32 products of the 30M-parameter benchmark model's shapes
-(140 tokens x 512 x 2048, weights cold as in a forward pass over 8 layers) run about 20% faster through oneDNN;
-a whole GRPO step (``benchmarks/e2e_vs_trl.py``) about 10% faster. ``benchmarks/cpu_linear.py`` measures it.
+the x86 wheels). On AMD processors MKL takes its AVX2 code path (a profile of a step here spends its products in
+``mkl_blas_def_sgemm_kernel_0_zen``) while oneDNN, which the same wheels carry for their CPU kernels, picks its
+kernels by instruction set (AVX-512 where there is AVX-512). On a 2-core AMD EPYC with AVX-512 the products of the
+30M-parameter benchmark model's layers (8 layers, 128-563 tokens, weights cold as in a real pass) run 10-15%
+faster through oneDNN (``benchmarks/cpu_linear.py``) and its whole GRPO step 3-9% faster (``benchmarks/e2e_vs_trl.py
+--verl-ds-variant 'torch linear:model.cpu_linear=torch'``, interleaved runs).
 
 What runs where, with ``onednn``:
 - every forward of a converted Linear, and the backward's input gradient dx = dy W, go through oneDNN's inner-product
