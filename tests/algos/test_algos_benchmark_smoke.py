@@ -1,17 +1,11 @@
 """benchmarks/numerics.py still runs, at tiny shapes (no timing is asserted)."""
-import importlib.util
-import pathlib
-
 import torch
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "numerics.py"
+from benchmark_scripts import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("verl_ds_bench_numerics", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("numerics")
 
 
 def test_benchmark_sections_run_and_agree_with_float64(capsys):

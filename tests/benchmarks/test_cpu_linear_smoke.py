@@ -1,22 +1,16 @@
 """benchmarks/cpu_linear.py still runs at tiny shapes and prints its figures (no timing is asserted); its stack
 runs every product of every layer, each with the shapes it says."""
-import importlib.util
-import pathlib
 import re
 
 import pytest
 import torch
 
+from benchmark_scripts import load_benchmark
 from verl_ds.engines import cpu_linear
-
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_linear.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("verl_ds_bench_cpu_linear", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("cpu_linear")
 
 
 @pytest.mark.skipif(not cpu_linear.onednn_available(), reason="torch without oneDNN")
@@ -49,6 +43,7 @@ def test_flop_count_and_the_stack_by_hand():
         grads.append(dy.shape[1] == w.shape[0])
         return dy @ w
 
-    bench.run_stack(weights, torch.randn(3, 4), forward, input_grad, {w.shape[0]: torch.zeros(3, w.shape[0])
-                                                                     for w in weights[0]})
+    per_weight = [[forward] * 7, [forward] * 7], [[input_grad] * 7, [input_grad] * 7]  # one function per weight
+    bench.run_stack(weights, torch.randn(3, 4), *per_weight, {w.shape[0]: torch.zeros(3, w.shape[0])
+                                                              for w in weights[0]})
     assert forwards == [True] * 2 * 7 and grads == [True] * 2 * 7  # every product of both layers, each shape right

@@ -1,6 +1,5 @@
 """benchmarks/e2e_vs_trl.py: its summary arithmetic on hand-made rows, its argument errors, and one real run of
 both sides (TRL's GRPOTrainer and verl_ds GRPO on ZeRO-0) at the smallest size."""
-import importlib.util
 import json
 import math
 import os
@@ -10,6 +9,8 @@ import sys
 
 import pytest
 
+from benchmark_scripts import load_benchmark
+
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -17,10 +18,7 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "e2e_vs_trl.py")
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("e2e_vs_trl", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("e2e_vs_trl")
 
 
 def test_summarise_by_hand():

@@ -224,26 +224,18 @@ WORKER = r'''
 import json, sys
 import torch
 from verl_ds import dist as vdist
-from verl_ds.config import load_config, validate
-from verl_ds.engines.build import build_actor_model, load_tokenizer, make_engine
+from verl_ds.config import load_config
+from verl_ds.engines import cpu_linear
+from verl_ds.engines.build import build_actor_model, make_engine
 from verl_ds.engines.cpu_linear import OneDNNLinear
 from verl_ds.engines.grad_accum import GradAccumLinear
-
-from verl_ds.engines import cpu_linear
+from engine_job import BASE, setup, train_two_steps
 
 cpu_linear.MIN_MACS = 0  # the tiny model's products are small: oneDNN for every one of them
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
-base = ["rollout.batch_size=4", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "trainer.device=cpu"]
-tok = None
 
 def train(extra):
-    global tok
-    cfg = load_config(None, base + extra)
-    derived = validate(cfg, 1)
-    tok = tok or load_tokenizer(cfg)
-    enc = tok(["even : 3 8 1 => 8", "odd : 5 2 => 5", "even : 4 4 => 4", "odd : 1 => 1"], return_tensors="pt",
-              padding=True)
-    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    cfg, derived, tok, enc, labels = setup(extra)
     actor = make_engine(build_actor_model(cfg, tok), cfg, derived, "actor", lr=1e-2, grad_clip=1.0)
     ref = make_engine(build_actor_model(cfg, tok), cfg, derived, "ref")
     kinds = {"grad_accum_onednn": sum(type(m) is GradAccumLinear and m.onednn for m in actor.module.modules()),
@@ -251,12 +243,7 @@ def train(extra):
              "ref_onednn": sum(type(m) is OneDNNLinear for m in ref.module.modules())}
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for step in range(2):  # two optimizer steps of two accumulated micro-batches
-            for rows in ([0, 1], [2, 3]):
-                loss = actor(input_ids=enc["input_ids"][rows], attention_mask=enc["attention_mask"][rows],
-                             labels=labels[rows]).loss
-                actor.backward(loss)
-                actor.step()
+        train_two_steps(actor, enc, labels)
         with torch.no_grad():
             ref_logits = ref(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
     kinds["onednn_calls"] = sum(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
@@ -275,7 +262,7 @@ for stage in (0, 3):
                         "param_diff": max((p1[k] - p0[k]).abs().max().item() for k in p0),
                         "ref_logit_diff": (r1 - r0).abs().max().item(),
                         "moved": max((p0[k] - v).abs().max().item() for k, v in build_actor_model(
-                            load_config(None, base), tok).state_dict().items() if k in p0)}
+                            load_config(None, BASE), setup()[2]).state_dict().items() if k in p0)}
 json.dump(out, open(sys.argv[1] % vdist.rank(), "w"))
 '''
 

@@ -96,34 +96,25 @@ WORKER = r'''
 import json, sys
 import torch
 from verl_ds import dist as vdist
-from verl_ds.config import load_config, validate
-from verl_ds.engines.build import build_actor_model, load_tokenizer, make_engine
+from verl_ds.config import load_config
+from verl_ds.engines.build import build_actor_model, make_engine
 from verl_ds.engines.grad_accum import GradAccumLinear
+from engine_job import BASE, setup, train_two_steps
 
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
-base = ["rollout.batch_size=4", "actor.mini_batch_size=4", "actor.micro_batch_size=2", "trainer.device=cpu"]
-tok = None
 
 def train(extra):
-    global tok
-    cfg = load_config(None, base + extra)
-    derived = validate(cfg, 1)
-    tok = tok or load_tokenizer(cfg)
-    enc = tok(["even : 3 8 1 => 8", "odd : 5 2 => 5", "even : 4 4 => 4", "odd : 1 => 1"], return_tensors="pt",
-              padding=True)
-    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    cfg, derived, tok, enc, labels = setup(extra)
     engine = make_engine(build_actor_model(cfg, tok), cfg, derived, "actor", lr=1e-2, grad_clip=1.0)
     fused = sum(type(m) is GradAccumLinear for m in engine.module.modules())
-    grads = None
-    for step in range(2):  # two optimizer steps of two accumulated micro-batches
-        for rows in ([0, 1], [2, 3]):
-            loss = engine(input_ids=enc["input_ids"][rows], attention_mask=enc["attention_mask"][rows],
-                          labels=labels[rows]).loss
-            engine.backward(loss)
-            if step == 0 and rows[0] == 2 and cfg.deepspeed.zero_stage == 0:
-                grads = {k: p.grad.clone() for k, p in engine.module.named_parameters()}
-            engine.step()
-    return fused, grads, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    grads = {}
+
+    def keep_first_step_grads(step, rows):  # the gradients of the first step, both micro-batches accumulated
+        if step == 0 and rows[0] == 2 and cfg.deepspeed.zero_stage == 0:
+            grads.update({k: p.grad.clone() for k, p in engine.module.named_parameters()})
+
+    train_two_steps(engine, enc, labels, keep_first_step_grads)
+    return fused, grads or None, {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
 out = {}
 fused, g1, p1 = train(["deepspeed.zero_stage=0"])
@@ -133,7 +124,7 @@ out["unfused_when_off"] = train(["deepspeed.zero_stage=0", "deepspeed.grad_accum
 out["fused_zero1"] = train(["deepspeed.zero_stage=1"])[0]
 out["grad_diff"] = max(((g1[k] - g0[k]).abs().max() / g0[k].abs().max().clamp(min=1e-12)).item() for k in g0)
 out["param_diff"] = max((p1[k] - p0[k]).abs().max().item() for k in p0)
-out["moved"] = max((p0[k] - v).abs().max().item() for k, v in build_actor_model(load_config(None, base), tok)
+out["moved"] = max((p0[k] - v).abs().max().item() for k, v in build_actor_model(load_config(None, BASE), setup()[2])
                    .state_dict().items() if k in p0)
 json.dump(out, open(sys.argv[1] % vdist.rank(), "w"))
 '''

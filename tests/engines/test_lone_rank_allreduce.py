@@ -19,6 +19,7 @@ import torch
 from verl_ds import dist as vdist
 from verl_ds.config import load_config, validate
 from verl_ds.engines.build import build_actor_model, load_tokenizer, make_engine
+from engine_job import parity_batch, train_two_steps
 
 stage, default_path = int(sys.argv[2]), sys.argv[3]  # default_path: a DeepSpeed JSON putting DeepSpeed's default back
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
@@ -32,21 +33,14 @@ def train(extra=(), allreduce=None):
     cfg = load_config(None, base + list(extra))
     derived = validate(cfg, world)
     tok = tok or load_tokenizer(cfg)
-    enc = tok(["even : 3 8 1 => 8", "odd : 5 2 => 5", "even : 4 4 => 4", "odd : 1 => 1"], return_tensors="pt",
-              padding=True)
-    labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+    enc, labels = parity_batch(tok)
     torch.manual_seed(0)
     engine = make_engine(build_actor_model(cfg, tok), cfg, derived, "actor", lr=1e-2, grad_clip=1.0)
     info = {"allreduce_skipped": not engine.enable_backward_allreduce,
             "reduce_scatter": getattr(engine.optimizer, "reduce_scatter", None)}
     if allreduce is not None:
         engine.enable_backward_allreduce = allreduce
-    for _ in range(2):  # two optimizer steps of two accumulated micro-batches
-        for rows in ([0, 1], [2, 3]):
-            loss = engine(input_ids=enc["input_ids"][rows], attention_mask=enc["attention_mask"][rows],
-                          labels=labels[rows]).loss
-            engine.backward(loss)
-            engine.step()
+    train_two_steps(engine, enc, labels)
     if stage == 3:
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
         params = {}

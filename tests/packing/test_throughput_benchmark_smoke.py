@@ -1,15 +1,11 @@
 """benchmarks/throughput.py still runs, at tiny shapes, and ends with its figures line (no timing is asserted)."""
-import importlib.util
-import pathlib
 import re
 
-_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+from benchmark_scripts import load_benchmark
 
 
 def test_quick_run_prints_the_table_and_the_last_line(capsys):
-    spec = importlib.util.spec_from_file_location("verl_ds_bench_throughput", _PATH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("throughput")
     speedup, peak_ratio, time_ratio = bench.main(["--quick", "--threads", "1"])
     out = capsys.readouterr().out
     assert "remove padding + token budget" in out and "verl_ds.fused_linear_logprobs" in out
