@@ -23,6 +23,7 @@ in a rollout batch are padded alike), whatever their group ids say; a row whose 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,17 +45,44 @@ BLOCK_TOKENS = 256
 
 @dataclass(frozen=True, eq=False)
 class PromptGroups:
-    """The layout ``verl_ds_varlen_sdpa`` reads: ``groups`` ((start, prompt_len, (response_len, ...)), ...) and
-    ``blocks`` ((start, end, mask), ...): runs of consecutive groups, each attended in one call with its (1, 1, L, L)
-    bool mask (each prompt causal on itself; each response sees its whole prompt and its own earlier tokens; nothing
-    crosses groups), built once per packed row rather than in every layer. ``batched``, when it computes fewer
-    attention scores than the blocks: every group padded to the longest one and attended as one batch of groups
-    (``GroupBatch``). An object, not a tuple: DeepSpeed's ZeRO-3 module hooks walk every tuple and list in a
-    forward's arguments, in every submodule."""
+    """The layout ``verl_ds_varlen_sdpa`` reads: ``groups`` ((start, prompt_len, (response_len, ...)), ...), in
+    packed order, each group's tokens contiguous, and two ways to attend them, each built on first use (on the host,
+    then moved to ``device``) and kept for every layer of the forward:
+
+    - ``blocks`` ((start, end, mask), ...): runs of consecutive groups up to ``BLOCK_TOKENS`` tokens, each attended
+      in one call with its (1, 1, L, L) bool mask (each prompt causal on itself; each response sees its whole prompt
+      and its own earlier tokens; nothing crosses groups);
+    - ``batched`` (a ``GroupBatch``, or None where it would not score fewer pairs, ``saved_pairs`` <= 0): every
+      group padded to the longest one and attended as one batch of groups.
+
+    An object, not a tuple: DeepSpeed's ZeRO-3 module hooks walk every tuple and list in a forward's arguments, in
+    every submodule."""
 
     groups: tuple
-    blocks: tuple
-    batched: "GroupBatch | None" = None
+    device: torch.device | str = "cpu"
+
+    @functools.cached_property
+    def spans(self) -> tuple:
+        """(start, end) of each block, without its mask."""
+        return _block_spans(self.groups)
+
+    @functools.cached_property
+    def saved_pairs(self) -> int:
+        """How many fewer attention scores per head ``batched`` computes than ``blocks`` (``_saved_pairs``)."""
+        return _saved_pairs(self.groups, self.spans) if len(self.groups) > 1 else 0
+
+    @functools.cached_property
+    def blocks(self) -> tuple:
+        seg, grp = _token_segments(self.groups)
+        first = self.groups[0][0]
+        return tuple((start, end, _visible(seg[start - first:end - first], grp[start - first:end - first])
+                      .view(1, 1, end - start, end - start).to(self.device)) for start, end in self.spans)
+
+    @functools.cached_property
+    def batched(self) -> "GroupBatch | None":
+        if not _batch_is_cheaper(self.groups, self.spans):
+            return None
+        return _group_batch(self.groups, self.device, self.saved_pairs)
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,70 +101,76 @@ class GroupBatch:
     saved_pairs: int = 0
 
 
-def _group_mask(p: int, lengths, out: torch.Tensor) -> None:
-    """Write one group's (g, g) mask into ``out`` (zeros): the prompt causal, then each response after it seeing
-    the prompt and causally itself."""
-    out[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
-    o = p
-    for k in lengths:
-        if k:
-            out[o:o + k, :p] = True
-            out[o:o + k, o:o + k] = torch.ones(k, k, dtype=torch.bool).tril()
-            o += k
+def _token_segments(groups) -> tuple:
+    """(segment, group) of every token from the first group's start to the last one's end, each (n,) int64: segment
+    0 for a prompt token, k for a token of the group's k-th response (1-based); group: its index in ``groups``."""
+    lengths, segments, owners = [], [], []
+    for g, (_, p, responses) in enumerate(groups):
+        lengths += [p, *responses]
+        segments += range(len(responses) + 1)
+        owners += [g] * (len(responses) + 1)
+    lengths = torch.tensor(lengths)
+    return (torch.repeat_interleave(torch.tensor(segments), lengths),
+            torch.repeat_interleave(torch.tensor(owners), lengths))
 
 
-def _blocks(groups: list, device) -> tuple:
-    """Consecutive groups cut into blocks of at most ``BLOCK_TOKENS`` tokens (a longer group alone), each with its
-    mask, built on the host and moved to ``device`` once."""
-    cap, runs, current, size = BLOCK_TOKENS, [], [], 0
-    for g in groups:
-        n = g[1] + sum(g[2])
-        if current and size + n > cap:
-            runs.append(current)
-            current, size = [], 0
-        current.append(g)
+def _visible(seg: torch.Tensor, grp: torch.Tensor) -> torch.Tensor:
+    """(n, n) bool mask of tokens with these segments and groups (``_token_segments``): i sees j when j <= i, both
+    are in one group, and j is a prompt token or in i's own response."""
+    n = seg.numel()
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return causal & (grp[:, None] == grp[None, :]) & ((seg[None, :] == 0) | (seg[:, None] == seg[None, :]))
+
+
+def _block_spans(groups) -> tuple:
+    """(start, end) of runs of consecutive groups of at most ``BLOCK_TOKENS`` tokens (a longer group alone)."""
+    spans, start, size = [], None, 0
+    for g_start, p, lengths in groups:
+        n = p + sum(lengths)
+        if start is not None and size + n > BLOCK_TOKENS:
+            spans.append((start, start + size))
+            start, size = None, 0
+        if start is None:
+            start = g_start
         size += n
-    if current:
-        runs.append(current)
-    blocks = []
-    for run in runs:
-        start = run[0][0]
-        end = run[-1][0] + run[-1][1] + sum(run[-1][2])
-        mask = torch.zeros(end - start, end - start, dtype=torch.bool)
-        for s, p, lengths in run:
-            o = s - start
-            g = p + sum(lengths)
-            _group_mask(p, lengths, mask[o:o + g, o:o + g])
-        blocks.append((start, end, mask.view(1, 1, end - start, end - start).to(device)))
-    return tuple(blocks)
+    if start is not None:
+        spans.append((start, start + size))
+    return tuple(spans)
 
 
-def _saved_pairs(groups: list, blocks: tuple) -> int:
-    """How many fewer scores per head attending ``groups`` as one padded batch computes than ``blocks`` do (the sum
-    of the blocks' squared lengths minus G x L^2, L the longest group)."""
+def _blocks(groups, device) -> tuple:
+    """The blocks of ``groups`` with their masks (``PromptGroups.blocks``)."""
+    return PromptGroups(groups=tuple(groups), device=device).blocks
+
+
+def _saved_pairs(groups, spans) -> int:
+    """How many fewer scores per head attending ``groups`` as one padded batch computes than the blocks ``spans``
+    ((start, end, ...) each) do: the sum of their squared lengths minus G x L^2, L the longest group."""
     longest = max(p + sum(lengths) for _, p, lengths in groups)
-    return sum((e - s) ** 2 for s, e, _ in blocks) - len(groups) * longest ** 2
+    return sum((span[1] - span[0]) ** 2 for span in spans) - len(groups) * longest ** 2
 
 
-def _batch_is_cheaper(groups: list, blocks: tuple) -> bool:
-    """Whether attending ``groups`` as one padded batch scores fewer pairs than ``blocks`` do; never for a row of
-    one group."""
-    return len(groups) > 1 and _saved_pairs(groups, blocks) > 0
+def _batch_is_cheaper(groups, spans) -> bool:
+    """Whether attending ``groups`` as one padded batch scores fewer pairs than the blocks ``spans`` do; never for a
+    row of one group."""
+    return len(groups) > 1 and _saved_pairs(groups, spans) > 0
 
 
-def _group_batch(groups: list, device, saved_pairs: int = 0) -> GroupBatch:
+def _group_batch(groups, device, saved_pairs: int = 0) -> GroupBatch:
     """``groups`` as a ``GroupBatch`` (each padded to the longest), built on the host and moved to ``device`` once."""
-    sizes = [p + sum(lengths) for _, p, lengths in groups]
-    G, L = len(groups), max(sizes)
-    index = torch.empty(G, L, dtype=torch.long)
-    mask = torch.zeros(G, 1, L, L, dtype=torch.bool)
-    for g, ((start, p, lengths), size) in enumerate(zip(groups, sizes)):
-        index[g, :size] = torch.arange(start, start + size)
-        index[g, size:] = start
-        _group_mask(p, lengths, mask[g, 0, :size, :size])
-        mask[g, 0, size:, 0] = True
-    valid = torch.cat([torch.arange(g * L, g * L + size) for g, size in enumerate(sizes)])
-    return GroupBatch(index=index.reshape(-1).to(device), valid=valid.to(device), mask=mask.to(device),
+    sizes = torch.tensor([p + sum(lengths) for _, p, lengths in groups])
+    starts = torch.tensor([start for start, _, _ in groups])
+    G, L = len(groups), int(sizes.max())
+    slot = torch.arange(L)
+    real = slot[None, :] < sizes[:, None]  # (G, L)
+    index = torch.where(real, starts[:, None] + slot[None, :], starts[:, None])  # a pad slot: its group's first token
+    seg, _ = _token_segments(groups)
+    seg = torch.where(real, seg[(index - starts[0]).clamp(max=seg.numel() - 1)], -1)  # (G, L); -1 on pad slots
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    mask = causal & real[:, :, None] & real[:, None, :] & ((seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :]))
+    mask[:, :, 0] |= ~real  # a pad slot's query sees its group's first slot only
+    valid = real.reshape(-1).nonzero().flatten()
+    return GroupBatch(index=index.reshape(-1).to(device), valid=valid.to(device), mask=mask.unsqueeze(1).to(device),
                       saved_pairs=saved_pairs)
 
 
@@ -209,9 +243,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
             groups.append((start, p, []))
         groups[g][2].append(r)
     groups = [(start, p, tuple(lengths)) for start, p, lengths in groups]
-    blocks = _blocks(groups, dev)
-    batched = _group_batch(groups, dev, _saved_pairs(groups, blocks)) if _batch_is_cheaper(groups, blocks) else None
-    layout = PromptGroups(groups=tuple(groups), blocks=blocks, batched=batched)
+    layout = PromptGroups(groups=tuple(groups), device=dev)  # its masks are built when the attention first asks
     return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
                         targets=ResponseIndex(label_ids=ids[lrows, lcols + P], preds=preds, out=out), shape=(B, T),
                         response_width=R)

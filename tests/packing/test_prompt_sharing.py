@@ -226,10 +226,8 @@ def test_the_attention_batches_groups_only_when_the_saving_pays_for_the_gathers(
     import verl_ds.prompt_sharing as sharing
 
     groups = [(35 * g, 7, (7, 7, 7, 7)) for g in range(4)]
-    blocks = sharing._blocks(groups, "cpu")
-    layout = sharing.PromptGroups(groups=tuple(groups), blocks=blocks,
-                                  batched=sharing._group_batch(groups, "cpu", sharing._saved_pairs(groups, blocks)))
-    assert layout.batched.saved_pairs == 140 ** 2 - 4 * 35 ** 2 and va.BATCH_MIN_SAVED_MACS == 1 << 22
+    layout = sharing.PromptGroups(groups=tuple(groups))
+    assert layout.saved_pairs == 140 ** 2 - 4 * 35 ** 2 and va.BATCH_MIN_SAVED_MACS == 1 << 22
     calls = []
 
     def batch(module, query, *args, **kwargs):
@@ -242,8 +240,10 @@ def test_the_attention_batches_groups_only_when_the_saving_pays_for_the_gathers(
 
     monkeypatch.setattr(va, "_batched_group_attention", batch)
     monkeypatch.setattr(va, "sdpa_attention_forward", block)
-    for heads, dim, want in ((8, 64, "batch"), (4, 16, "block")):
+    for heads, dim, want in ((4, 16, "block"), (8, 64, "batch")):
         calls.clear()
         q = torch.zeros(1, heads, 140, dim)
         va._shared_prompt_attention(None, q, q, q, layout, 0.0, None, {})
         assert calls == [want], (heads, dim)
+        # each way is built when first used, and only then
+        assert ("blocks" in vars(layout)) and (("batched" in vars(layout)) == (want == "batch"))

@@ -105,9 +105,9 @@ def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling
     sdpa call over the groups padded to a batch (``layout.batched``) when that saves ``BATCH_MIN_SAVED_MACS``, else
     one per block of consecutive groups with the block's mask."""
     kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
-    batched = layout.batched
-    if batched is not None and batched.saved_pairs * query.shape[1] * query.shape[3] >= BATCH_MIN_SAVED_MACS:
-        return _batched_group_attention(module, query, key, value, batched, dropout, scaling, kw)
+    saved = layout.saved_pairs * query.shape[1] * query.shape[3]  # the batch is built only if it is to be used
+    if saved >= BATCH_MIN_SAVED_MACS and layout.batched is not None:
+        return _batched_group_attention(module, query, key, value, layout.batched, dropout, scaling, kw)
     outs = []
     for start, end, mask in layout.blocks:
         whole = start == 0 and end == query.shape[2]
