@@ -167,7 +167,8 @@ def _group_batch(groups, device, saved_pairs: int = 0) -> GroupBatch:
     seg, _ = _token_segments(groups)
     seg = torch.where(real, seg[(index - starts[0]).clamp(max=seg.numel() - 1)], -1)  # (G, L); -1 on pad slots
     causal = torch.ones(L, L, dtype=torch.bool).tril()
-    mask = causal & real[:, :, None] & real[:, None, :] & ((seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :]))
+    visible = (seg[:, None, :] == 0) | (seg[:, :, None] == seg[:, None, :])  # a prompt token, or one's own response
+    mask = causal & real[:, :, None] & real[:, None, :] & visible
     mask[:, :, 0] |= ~real  # a pad slot's query sees its group's first slot only
     valid = real.reshape(-1).nonzero().flatten()
     return GroupBatch(index=index.reshape(-1).to(device), valid=valid.to(device), mask=mask.unsqueeze(1).to(device),
