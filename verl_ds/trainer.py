@@ -97,6 +97,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _planned_updates(self) -> int:
+        """Optimizer steps a step makes: mini-batches x epochs, for the actor and (with one) the critic."""
+        cfg = self.cfg
+        epochs = cfg.actor.ppo_epochs + cfg.critic.ppo_epochs * self.ppo.needs_critic
+        return self.derived.mini_batches_per_epoch * epochs
+
     def train_step(self) -> dict:
         """One RL step on every rank; returns the step's metrics (reduced across ranks)."""
         cfg, tok = self.cfg, self.tokenizer
@@ -120,7 +126,7 @@ class Trainer:
             error = exc
         raise_if_any_rank_failed(error, f"step {step} failed before any update")
         if vdist.any_rank(rollout is None):
-            self.guard.check_batch(None)
+            self.guard.check_batch(None, planned_updates=self._planned_updates())  # the draw failed: no batch
             return {**self.guard.end_step(step, None), "training/global_step": step}
         batch = rollout.batch
         temperature = hot["temperature"]  # this step's value, identical on every rank
@@ -147,8 +153,8 @@ class Trainer:
             metrics = {**rollout.metrics, **self.ppo.compute_advantage(
                 batch, whiten_fn=vdist.global_masked_whiten,
                 baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
-        updates = self.derived.mini_batches_per_epoch * (cfg.actor.ppo_epochs + cfg.critic.ppo_epochs * self.ppo.needs_critic)
-        if not self.guard.check_batch(batch, planned_updates=updates):  # non-finite on any rank: no update anywhere
+        # a non-finite value (or a failed draw) on any rank skips the update on every rank
+        if not self.guard.check_batch(batch, planned_updates=self._planned_updates()):
             batch.validate(tok.pad_token_id, required=self._required_fields(old_log_probs=not shortcut))
             if self.ppo.needs_critic:
                 with t("update_critic"):

@@ -37,7 +37,7 @@ def test_parse_faults_reads_every_action():
     ("kill_at=after_lunch", r"unknown point 'after_lunch'; points: step_begin, after_actor"),
     ("kill_at=after_actor:steps=2", r"unknown option 'steps=2'; kill_at takes rank, step"),
     ("kill_at=after_actor:step=two", r"expected steps like 3, 3,5 or 4-6, got 'two'"),
-    ("nan_logits_at_step=3:phase=backward", r"phase must be rollout or update, got 'backward'"),
+    ("nan_logits_at_step=3:phase=backward", r"phase must be rollout, update, sampling, got 'backward'"),
     ("signal_at=step_begin:sig=HUP", r"sig must be TERM, USR1, INT or KILL, got 'HUP'"),
     ("kill_at=", r"expected one of"),
 ])
@@ -155,6 +155,22 @@ def test_guard_counts_writes_records_and_stops_after_max_bad_steps(tmp_path):
     assert (restored.total_bad_steps, restored.consecutive) == (3, 2)
     with pytest.raises(ValueError, match=r"max_bad_steps: expected an int >= 1, got 0"):
         NonFiniteGuard(max_bad_steps=0, run_dir=str(tmp_path))
+
+
+def test_a_failed_draw_skips_the_step_with_no_batch(tmp_path):
+    """The rollout raised SamplingError: the trainer has no batch to check, only the error."""
+    guard = NonFiniteGuard(max_bad_steps=3, run_dir=str(tmp_path))
+    guard.begin_step()
+    assert guard.check_batch(None) is False  # no batch and no error: nothing to skip
+    guard.sampling_error = "sampling failed: probability tensor contains either `inf`, `nan` or element < 0"
+    assert guard.check_batch(None, planned_updates=2) is True
+    m = guard.end_step(7, None)
+    assert (m["training/nonfinite_steps"], m["training/skipped_updates"], m["training/consecutive_bad_steps"]) == (
+        1.0, 2.0, 1.0)
+    record = json.load(open(tmp_path / "nonfinite" / "step_7.json"))
+    assert record["kind"] == "batch" and record["origin"] == "sampling" and record["samples"] == []
+    assert record["hint"].startswith("sampling failed (the next-token distribution was not a valid probability")
+    assert "probability tensor contains" in record["hint"]
 
 
 # --------------------------------------------------------------------------- checkpoints

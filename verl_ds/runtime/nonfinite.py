@@ -83,8 +83,10 @@ class NonFiniteGuard:
         self.sampling_error: Optional[str] = None
 
     def check_batch(self, batch, planned_updates: int = 0) -> bool:
-        """Collective: True on every rank when any rank's batch holds a non-finite value (then skip the update)."""
-        local = any(f in batch and batch[f] is not None and not is_finite(batch[f]) for f in PIPELINE)
+        """Collective: True on every rank when any rank's batch holds a non-finite value or its sampling failed
+        (``batch`` None: this rank has no batch, ``sampling_error`` says why); then skip the update."""
+        local = batch is not None and any(f in batch and batch[f] is not None and not is_finite(batch[f])
+                                          for f in PIPELINE)
         self._bad_batch = vdist.any_rank(local or self.sampling_error is not None)
         if self._bad_batch:
             self._skipped += planned_updates

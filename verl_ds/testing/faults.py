@@ -17,6 +17,8 @@ import torch
 FAULT_ENV = "VERL_DS_FAULT"
 SAVE_POINTS = ("after_actor", "after_critic", "before_manifest", "before_latest")  # checkpoint.save's events
 FAULT_POINTS = ("step_begin",) + SAVE_POINTS
+# where nan_logits poisons the actor's logits: log-prob pass, update forward, or generation (the draw fails)
+PHASES = ("rollout", "update", "sampling")
 
 
 @dataclass
@@ -51,9 +53,10 @@ def parse_faults(spec: str) -> list[Fault]:
     kill_at=<point>[:step=N][:rank=R]     SIGKILL this process at a fault point
     hang_at=<point>[:step=N][:rank=R]     SIGSTOP this process (alive, sockets open, never answers)
     signal_at=<point>[:sig=TERM|USR1][:step=N][:rank=R]   send a signal to this process
-    nan_logits_at_step=<steps>[:rank=R][:sample=I][:pos=T][:phase=rollout|update]
+    nan_logits_at_step=<steps>[:rank=R][:sample=I][:pos=T][:phase=rollout|update|sampling]
         NaN in the actor's logits of sample I, response position T, in the first forward of the step's
-        log-prob pass (rollout, no grad) or of its PPO update (update, with grad); rank defaults to 0.
+        log-prob pass (rollout, no grad) or of its PPO update (update, with grad), or in all the logits of row I
+        of the generation's first forward (sampling: the draw fails); rank defaults to 0.
     Points: step_begin, after_actor, after_critic, before_manifest, before_latest (the last four are inside
     a checkpoint save; step is then the step being saved). Steps: 3, 3,5 or 4-6.
     """
@@ -76,8 +79,8 @@ def parse_faults(spec: str) -> list[Fault]:
             fault.steps = _steps(value, item)
             fault.rank = int(options.pop("rank", 0))
             phase = options.setdefault("phase", "rollout")
-            if phase not in ("rollout", "update"):
-                raise ValueError(f"{FAULT_ENV}: {item!r}: phase must be rollout or update, got {phase!r}")
+            if phase not in PHASES:
+                raise ValueError(f"{FAULT_ENV}: {item!r}: phase must be {', '.join(PHASES)}, got {phase!r}")
             options["sample"], options["pos"] = int(options.get("sample", 0)), int(options.get("pos", 0))
         else:
             if value not in FAULT_POINTS:
@@ -102,7 +105,7 @@ class FaultInjector:
         self.faults, self.rank = list(faults), rank
         self.step = 0
         self._fired: set = set()
-        self._hook = None
+        self._hook = self._sampling_hook = None
 
     @classmethod
     def from_env(cls, rank: int = 0, env=None) -> Optional["FaultInjector"]:
@@ -138,13 +141,26 @@ class FaultInjector:
 
     def attach(self, actor_module: torch.nn.Module) -> None:
         """Hook the actor's HF module for ``nan_logits`` faults (no-op without one)."""
-        if self._hook is None and any(f.action == "nan_logits" for f in self.faults):
-            self._hook = actor_module.register_forward_hook(self._nan_logits, with_kwargs=True)
+        phases = {f.options["phase"] for f in self.faults if f.action == "nan_logits"}
+        if self._hook is None and phases - {"sampling"}:
+            self._hook = actor_module.register_forward_hook(self._scoring_logits, with_kwargs=True)
+        if self._sampling_hook is None and "sampling" in phases:
+            # generation runs on a replica of the actor (rollout.gather_params), built at the first rollout: every
+            # module's forward is watched for a causal LM's output drawn from with the cache
+            self._sampling_hook = torch.nn.modules.module.register_module_forward_hook(self._sampling_logits,
+                                                                                       with_kwargs=True)
 
-    def _nan_logits(self, module, args, kwargs, output):
-        if kwargs.get("use_cache") is not False:  # generate() runs with the cache: never poison sampling
+    def _scoring_logits(self, module, args, kwargs, output):
+        if kwargs.get("use_cache") is not False:  # generate() runs with the cache: that is the sampling phase
             return None
-        phase = "update" if torch.is_grad_enabled() else "rollout"
+        return self._nan_logits("update" if torch.is_grad_enabled() else "rollout", kwargs, output)
+
+    def _sampling_logits(self, module, args, kwargs, output):
+        if kwargs.get("use_cache") is False or not hasattr(output, "logits"):
+            return None
+        return self._nan_logits("sampling", kwargs, output)
+
+    def _nan_logits(self, phase: str, kwargs: dict, output):
         for f in self.faults:
             key = (id(f), self.step, phase)
             if f.action != "nan_logits" or f.options["phase"] != phase or not self._applies(f) or key in self._fired:
@@ -155,7 +171,9 @@ class FaultInjector:
                 continue
             self._fired.add(key)
             logits = logits.clone()
-            if "logits_to_keep" in kwargs:  # the last R + 1 positions: column t predicts response token t
+            if phase == "sampling":
+                logits[i] = float("nan")
+            elif "logits_to_keep" in kwargs:  # the last R + 1 positions: column t predicts response token t
                 logits[i, min(pos, logits.shape[1] - 1)] = float("nan")
             else:
                 logits[i] = float("nan")
