@@ -239,7 +239,7 @@ def test_the_attention_batches_groups_only_when_the_saving_pays_for_the_gathers(
         return query.transpose(1, 2), None
 
     monkeypatch.setattr(va, "_batched_group_attention", batch)
-    monkeypatch.setattr(va, "sdpa_attention_forward", block)
+    monkeypatch.setattr(va, "_attend", block)
     for heads, dim, want in ((4, 16, "block"), (8, 64, "batch")):
         calls.clear()
         q = torch.zeros(1, heads, 140, dim)

@@ -45,6 +45,14 @@ VARLEN_ATTENTION = "verl_ds_varlen_sdpa"
 BATCH_MIN_SAVED_MACS = 1 << 22
 
 
+# Without autograd, a CPU attention call with at most this many scores (batch x heads x queries x keys) is computed
+# as two products and a softmax instead of sdpa's flash kernel: decoding steps (one query per row, a few dozen keys)
+# and shared-prompt groups of a few dozen tokens ran 1.3-3x faster that way inside a 30M-parameter GRPO step here
+# (each call timed both ways in turn, alternating which ran first). Larger calls keep the flash kernel, which was
+# faster from about 10^6 scores on; anything with autograd keeps it (its backward is the faster one).
+EXPLICIT_MAX_SCORES = 1 << 18
+
+
 def sequence_bounds(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None, n: int) -> list[int] | None:
     """Start offsets of the sequences of a packed row plus its end [0, ..., n], from ``cu_seqlens`` or
     else from ``position_ids`` (a new sequence wherever a position is not the previous plus 1, as
@@ -87,16 +95,57 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         n = query.shape[2]
         bounds = sequence_bounds(kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids"), n) or [0, n]
     if bounds is None or (len(bounds) == 2 and not window):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return _attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
     outs = []
     for s, e in zip(bounds[:-1], bounds[1:]):
         seg_mask = _window_mask(e - s, window, query.device) if window and e - s > window else None
-        out, _ = sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], seg_mask,
-                                        dropout=dropout, scaling=scaling, is_causal=seg_mask is None, **kw)
+        out, _ = _attend(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], seg_mask, dropout=dropout,
+                         scaling=scaling, is_causal=seg_mask is None, **kw)
         outs.append(out)
     return torch.cat(outs, dim=1), None
+
+
+def _attend(module, query, key, value, mask, dropout: float = 0.0, scaling: float | None = None,
+            is_causal: bool | None = None, **kwargs):
+    """``sdpa_attention_forward``'s contract ((B, heads, Lq, d) query, (B, kv_heads, Lk, d) key/value, a bool
+    "may attend" or an additive float mask -> ((B, Lq, heads, d), None)); small calls without autograd on a CPU
+    are computed explicitly (``EXPLICIT_MAX_SCORES``), everything else by sdpa."""
+    B, H, Lq, D = query.shape
+    Lk = key.shape[2]
+    explicit = (query.device.type == "cpu" and B * H * Lq * Lk <= EXPLICIT_MAX_SCORES and dropout == 0.0
+                and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                                      or value.requires_grad))
+                and (mask is not None or Lq == 1 or is_causal is False)
+                and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
+    if not explicit:
+        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    return _explicit_attention(query, key, value, mask, D ** -0.5 if scaling is None else scaling), None
+
+
+def _explicit_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
+    """softmax(q k^T * scaling + mask) v as sdpa computes it, with the query heads of one key/value head folded into
+    its rows (no repeated keys); a bool mask's fully masked rows give 0, as sdpa's. -> (B, Lq, heads, d)."""
+    B, H, Lq, D = query.shape
+    Hkv, Lk = key.shape[1], key.shape[2]
+    g = H // Hkv
+    scores = torch.matmul(query.reshape(B, Hkv, g * Lq, D), key.transpose(-1, -2)).mul_(scaling)
+    grouped = scores.view(B, Hkv, g, Lq, Lk)
+    if mask is not None and mask.dtype == torch.bool:
+        keep = mask.unsqueeze(2)  # (B or 1, 1 or heads, Lq, Lk) -> broadcast over the folded heads
+        if keep.shape[1] != 1:
+            keep = keep.view(keep.shape[0], Hkv, g, Lq, Lk)
+        grouped.masked_fill_(~keep, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1)
+        probs.view(B, Hkv, g, Lq, Lk).masked_fill_(~keep, 0.0)  # a row with no key left: 0, not a uniform mean
+    else:
+        if mask is not None:
+            m = mask.unsqueeze(2)
+            grouped.add_(m if m.shape[1] == 1 else m.view(m.shape[0], Hkv, g, Lq, Lk))
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, value)  # (B, Hkv, g * Lq, d)
+    return out.view(B, H, Lq, D).transpose(1, 2).contiguous()
 
 
 def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling, kwargs) -> torch.Tensor:
@@ -112,7 +161,7 @@ def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling
     for start, end, mask in layout.blocks:
         whole = start == 0 and end == query.shape[2]
         q, k, v = (query, key, value) if whole else (query[:, :, start:end], key[:, :, start:end], value[:, :, start:end])
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False, **kw)
+        out, _ = _attend(module, q, k, v, mask, dropout=dropout, scaling=scaling, is_causal=False, **kw)
         outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
@@ -125,8 +174,8 @@ def _batched_group_attention(module, query, key, value, batch, dropout, scaling,
     def gather(t: torch.Tensor) -> torch.Tensor:  # (1, h, N, d) -> (G, h, L, d)
         return t.index_select(2, batch.index).view(t.shape[1], G, L, t.shape[3]).transpose(0, 1)
 
-    out, _ = sdpa_attention_forward(module, gather(query), gather(key), gather(value), batch.mask, dropout=dropout,
-                                    scaling=scaling, is_causal=False, **kw)  # (G, L, heads, d)
+    out, _ = _attend(module, gather(query), gather(key), gather(value), batch.mask, dropout=dropout, scaling=scaling,
+                     is_causal=False, **kw)  # (G, L, heads, d)
     return out.reshape(1, G * L, *out.shape[2:]).index_select(1, batch.valid)
 
 
