@@ -46,11 +46,12 @@ BATCH_MIN_SAVED_MACS = 1 << 22
 
 
 # Without autograd, a CPU attention call with at most this many scores (batch x heads x queries x keys) is computed
-# as two products and a softmax instead of sdpa's flash kernel: decoding steps (one query per row, a few dozen keys)
-# and shared-prompt groups of a few dozen tokens ran 1.3-3x faster that way inside a 30M-parameter GRPO step here
-# (each call timed both ways in turn, alternating which ran first). Larger calls keep the flash kernel, which was
-# faster from about 10^6 scores on; anything with autograd keeps it (its backward is the faster one).
-EXPLICIT_MAX_SCORES = 1 << 18
+# as two products and a softmax instead of sdpa's flash kernel, whose fixed cost dominates such calls. Inside the
+# 30M-parameter GRPO step of benchmarks/e2e_vs_trl.py (each call timed both ways in turn): decoding steps (128 rows x
+# 8 heads x 1 query x 10-16 keys) 1.15-1.25x faster on 1 thread and 2.5-3x on 2; the log-prob passes' batches of
+# shared-prompt groups (16 x 8 x 37 x 37 scores) 8% slower on 1 thread and 1.4x faster on 2, so they stay on flash.
+# Anything with autograd keeps sdpa: with its backward, flash was 2x faster on 2 threads and within 7% on 1 (alone).
+EXPLICIT_MAX_SCORES = 1 << 16
 
 
 def sequence_bounds(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor | None, n: int) -> list[int] | None:
