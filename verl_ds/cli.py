@@ -68,6 +68,9 @@ def cmd_train(args) -> int:
         from verl_ds.report import format_summary
 
         print(format_summary(summary), flush=True)
+    from verl_ds import dist as vdist
+
+    vdist.shutdown()
     return 0
 
 

@@ -144,6 +144,15 @@ def init_distributed(info: LaunchInfo, timeout_s: int, device: str) -> None:
                                rank=info.rank, world_size=info.world_size, auto_mpi_discovery=False)
 
 
+def shutdown() -> None:
+    """End a finished run's process group on every rank (a barrier, then ``destroy_process_group``), as torch asks
+    before a process exits: a group left to the interpreter's exit tears its gloo threads down unjoined, which can
+    abort a rank ("terminate called without an active exception") after its work is done."""
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 

@@ -96,6 +96,7 @@ elif mode == "load2":
     train(1, salt=3)
     res["trains"] = True
 json.dump(res, open(sys.argv[1] % rank, "w"))
+vdist.shutdown()
 '''
 
 

@@ -1,7 +1,13 @@
 """Launcher detection: python, torchrun, deepspeed, accelerate, srun; inconsistent variables fail early."""
+import os
+import sys
+
 import pytest
 
 from verl_ds.dist import LaunchError, detect_launch, expand_nodelist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engines"))
+from dist_testutil import run_ranks  # noqa: E402
 
 
 def test_plain_python_is_world_size_one():
@@ -54,3 +60,26 @@ def test_slurm_variables_and_nodelist():
 def test_inconsistent_launch_variables(env, kw, message):
     with pytest.raises(LaunchError, match=message):
         detect_launch(env, **kw)
+
+
+SHUTDOWN_WORKER = r'''
+import json, os, sys
+import torch
+import torch.distributed as dist
+from verl_ds import dist as vdist
+vdist.init_distributed(vdist.detect_launch(), 60, "cpu")
+t = torch.tensor([float(vdist.rank() + 1)])
+dist.all_reduce(t)
+vdist.shutdown()
+after = dist.is_initialized()
+vdist.shutdown()  # a second call (an error path that already ended the group) is a no-op
+res = {"sum": float(t), "initialized_after": after, "world_after": vdist.world_size()}
+json.dump(res, open(sys.argv[1] % int(os.environ["RANK"]), "w"))
+'''
+
+
+@pytest.mark.slow
+def test_shutdown_ends_the_process_group_on_every_rank(tmp_path):
+    results = run_ranks(SHUTDOWN_WORKER, 2, tmp_path, timeout=120)
+    assert [r["sum"] for r in results] == [3.0, 3.0]
+    assert all(r["initialized_after"] is False and r["world_after"] == 1 for r in results)
