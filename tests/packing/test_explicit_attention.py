@@ -49,12 +49,12 @@ def _case(B, H, Hkv, Lq, Lk, D, mask_kind, seed=0):
     q, k, v = (torch.randn(B, h, L, D, generator=gen) for h, L in ((H, Lq), (Hkv, Lk), (Hkv, Lk)))
     if mask_kind is None:
         return q, k, v, None
-    keep = torch.rand(B, 1, Lq, Lk, generator=gen) > 0.3
+    keep = torch.rand(B, H if mask_kind.endswith("per_head") else 1, Lq, Lk, generator=gen) > 0.3
     keep[..., -1] = True
     if mask_kind == "bool_empty_row":
         keep[0, 0, 0] = False  # a query that may see nothing (a padded position)
-    if mask_kind == "float":
-        return q, k, v, torch.zeros(B, 1, Lq, Lk).masked_fill(~keep, torch.finfo(torch.float32).min)
+    if mask_kind.startswith("float"):
+        return q, k, v, torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
     if mask_kind == "bool_batch1":
         keep = keep[:1]
     return q, k, v, keep
@@ -66,6 +66,8 @@ CASES = [  # B, heads, kv_heads, Lq, Lk, head dim, mask
     (2, 6, 2, 7, 9, 8, "float"),
     (2, 4, 2, 3, 6, 8, "bool_batch1"),  # one mask for the whole batch
     (2, 4, 1, 1, 7, 8, None),  # one query, no mask: every key
+    (2, 8, 4, 3, 5, 8, "bool_per_head"),  # a mask per query head
+    (2, 8, 2, 3, 5, 8, "float_per_head"),
 ]
 
 

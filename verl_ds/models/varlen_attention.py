@@ -136,14 +136,14 @@ def _explicit_attention(query, key, value, mask, scaling: float) -> torch.Tensor
     if mask is not None and mask.dtype == torch.bool:
         keep = mask.unsqueeze(2)  # (B or 1, 1 or heads, Lq, Lk) -> broadcast over the folded heads
         if keep.shape[1] != 1:
-            keep = keep.view(keep.shape[0], Hkv, g, Lq, Lk)
+            keep = keep.reshape(keep.shape[0], Hkv, g, Lq, Lk)
         grouped.masked_fill_(~keep, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores, dim=-1)
         probs.view(B, Hkv, g, Lq, Lk).masked_fill_(~keep, 0.0)  # a row with no key left: 0, not a uniform mean
     else:
         if mask is not None:
             m = mask.unsqueeze(2)
-            grouped.add_(m if m.shape[1] == 1 else m.view(m.shape[0], Hkv, g, Lq, Lk))
+            grouped.add_(m if m.shape[1] == 1 else m.reshape(m.shape[0], Hkv, g, Lq, Lk))
         probs = torch.softmax(scores, dim=-1)
     out = torch.matmul(probs, value)  # (B, Hkv, g * Lq, d)
     return out.view(B, H, Lq, D).transpose(1, 2).contiguous()
