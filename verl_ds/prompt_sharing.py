@@ -138,11 +138,6 @@ def _block_spans(groups) -> tuple:
     return tuple(spans)
 
 
-def _blocks(groups, device) -> tuple:
-    """The blocks of ``groups`` with their masks (``PromptGroups.blocks``)."""
-    return PromptGroups(groups=tuple(groups), device=device).blocks
-
-
 def _saved_pairs(groups, spans) -> int:
     """How many fewer scores per head attending ``groups`` as one padded batch computes than the blocks ``spans``
     ((start, end, ...) each) do: the sum of their squared lengths minus G x L^2, L the longest group."""

@@ -153,7 +153,7 @@ class Trainer:
             metrics = {**rollout.metrics, **self.ppo.compute_advantage(
                 batch, whiten_fn=vdist.global_masked_whiten,
                 baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
-        # a non-finite value (or a failed draw) on any rank skips the update on every rank
+        # a non-finite value on any rank skips the update on every rank
         if not self.guard.check_batch(batch, planned_updates=self._planned_updates()):
             batch.validate(tok.pad_token_id, required=self._required_fields(old_log_probs=not shortcut))
             if self.ppo.needs_critic:

@@ -207,12 +207,12 @@ def test_batch_is_chosen_when_it_scores_fewer_pairs():
 
     # four groups of 35 tokens in one block: 4 x 35^2 = 4900 pairs against 140^2 = 19600
     groups = [(35 * g, 7, (7, 7, 7, 7)) for g in range(4)]
-    blocks = sharing._blocks(groups, "cpu")
-    assert len(blocks) == 1 and sharing._batch_is_cheaper(groups, blocks)
+    spans = sharing._block_spans(groups)
+    assert spans == ((0, 140),) and sharing._batch_is_cheaper(groups, spans)
     # one long group and three short ones: 4 x 100^2 against 130^2
     uneven = [(0, 40, (30, 30)), (100, 5, (5,)), (110, 5, (5,)), (120, 5, (5,))]
-    assert not sharing._batch_is_cheaper(uneven, sharing._blocks(uneven, "cpu"))
-    assert not sharing._batch_is_cheaper(groups[:1], sharing._blocks(groups[:1], "cpu"))  # one group: one call anyway
+    assert not sharing._batch_is_cheaper(uneven, sharing._block_spans(uneven))
+    assert not sharing._batch_is_cheaper(groups[:1], sharing._block_spans(groups[:1]))  # one group: one call anyway
     obs, mask = grouped_batch([[5, 6, 7]] * 2 + [[8, 9, 4]] * 2 + [[3, 2, 1]] * 2,
                               [[10, 11, 12]] * 6, P=3, R=3)
     assert pack_shared_prompts(obs, mask, 3).groups.batched is not None  # 3 x 7^2 < 21^2: the real packer agrees

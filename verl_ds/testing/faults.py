@@ -171,11 +171,9 @@ class FaultInjector:
                 continue
             self._fired.add(key)
             logits = logits.clone()
-            if phase == "sampling":
-                logits[i] = float("nan")
-            elif "logits_to_keep" in kwargs:  # the last R + 1 positions: column t predicts response token t
-                logits[i, min(pos, logits.shape[1] - 1)] = float("nan")
-            else:
+            if phase != "sampling" and "logits_to_keep" in kwargs:  # the last R + 1 positions: column t predicts
+                logits[i, min(pos, logits.shape[1] - 1)] = float("nan")  # response token t
+            else:  # the whole row (generate's forward may keep one position or all)
                 logits[i] = float("nan")
             print(f"verl_ds: injected fault: NaN logits (sample {i}, response position {pos}, {phase} forward) at "
                   f"step {self.step}, rank {self.rank}", file=sys.stderr, flush=True)
