@@ -7,6 +7,8 @@ variables are an error before any collective is entered.
 """
 from __future__ import annotations
 
+import atexit
+
 import math
 import os
 import re
@@ -142,6 +144,15 @@ def init_distributed(info: LaunchInfo, timeout_s: int, device: str) -> None:
         torch.cuda.set_device(info.local_rank % max(1, torch.cuda.device_count()))
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s),
                                rank=info.rank, world_size=info.world_size, auto_mpi_discovery=False)
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    # a process that ends without shutdown() (an error, a script that just returns) still ends its group before the
+    # interpreter tears down: left to that, gloo's threads can be destroyed unjoined and abort the rank ("terminate
+    # called without an active exception", seen in 2-rank tests); no barrier, another rank may be gone
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shutdown() -> None:

@@ -83,3 +83,21 @@ def test_shutdown_ends_the_process_group_on_every_rank(tmp_path):
     results = run_ranks(SHUTDOWN_WORKER, 2, tmp_path, timeout=120)
     assert [r["sum"] for r in results] == [3.0, 3.0]
     assert all(r["initialized_after"] is False and r["world_after"] == 1 for r in results)
+
+
+EXIT_WORKER = r'''
+import atexit, json, os, sys
+import torch.distributed as dist
+from verl_ds import dist as vdist
+# registered first, so it runs last (atexit is last in, first out): after verl_ds's own exit handler
+atexit.register(lambda: json.dump({"initialized_at_exit": dist.is_initialized()},
+                                  open(sys.argv[1] % int(os.environ["RANK"]), "w")))
+vdist.init_distributed(vdist.detect_launch(), 60, "cpu")
+vdist.barrier()
+'''
+
+
+@pytest.mark.slow
+def test_a_rank_that_returns_without_shutdown_ends_its_group_at_exit(tmp_path):
+    results = run_ranks(EXIT_WORKER, 2, tmp_path, timeout=120)
+    assert [r["initialized_at_exit"] for r in results] == [False, False]
