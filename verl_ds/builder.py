@@ -82,20 +82,23 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     packed = cfg.model.remove_padding and all(_varlen_attention(e, role, rank == 0) for role, e in engines.items())
     fused = cfg.model.fused_lm_head
     shared = packed and cfg.model.share_prompts and cfg.rollout.n > 1  # one copy per prompt in the packed rows
+    prefixes = shared and cfg.model.share_response_prefixes  # and of its samples' common response prefixes
 
     # rollout.engine from the registry in verl_ds.rollout_engines (hf: a LoRA actor's replica has its adapters merged)
     rollout_engine = build_rollout_engine(cfg, engines["actor"], tok, state=state, rank=rank, lora=actor_lora)
     models = {"actor": PolicyModel(engines["actor"], state=state, rollout_engine=rollout_engine, tokenizer=tok,
-                                   remove_padding=packed, fused_lm_head=fused, share_prompts=shared),
+                                   remove_padding=packed, fused_lm_head=fused, share_prompts=shared,
+                                   share_prefixes=prefixes),
               "reward": build_reward(cfg, tok, derived, state=state)}
     if "critic" in engines:
         models["critic"] = ValueModel(engines["critic"], state=state, remove_padding=packed)
     if "ref" in engines:
         models["ref"] = ReferenceModel(engines["ref"], state=state, remove_padding=packed, fused_lm_head=fused,
-                                       share_prompts=shared)
+                                       share_prompts=shared, share_prefixes=prefixes)
     elif actor_lora is not None and kl_needs_reference(cfg):  # the actor's engine, scoring with its adapters off
         models["ref"] = AdaptersOffReferenceModel(engines["actor"], state=state, remove_padding=packed,
-                                                  fused_lm_head=fused, share_prompts=shared)
+                                                  fused_lm_head=fused, share_prompts=shared,
+                                                  share_prefixes=prefixes)
     registry = ModelRegistry()
     for role, model in models.items():
         registry.register(role, model, aliases=ALIASES[role])

@@ -43,11 +43,15 @@ __all__ = ["Packed", "ResponseIndex", "pack", "unpack", "count_micro_batches", "
 class ResponseIndex(NamedTuple):
     """The real response tokens of a packed batch: ``label_ids`` (n,) their token ids, ``preds`` (n,) the packed
     indices whose outputs predict them (the previous real token of the same sequence), ``out`` (n,) their flat
-    index row * R + column in the (B, R) response block."""
+    index row * R + column in the (B, R) response block. ``take`` (m,), where samples share a response prefix
+    (``verl_ds.prompt_sharing``): ``out`` has m places and place i reads the scored pair ``take[i]`` (the same
+    token predicted by the same packed position is scored once for all the samples that hold it); None: one pair
+    per place."""
 
     label_ids: torch.Tensor
     preds: torch.Tensor
     out: torch.Tensor
+    take: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

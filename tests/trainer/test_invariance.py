@@ -95,14 +95,20 @@ def test_group_statistics_on_two_ranks_equal_one_rank(probes):
     assert "critic" not in single and single["advantages"].abs().sum() > 0
 
 
-def test_shared_prompts_give_the_same_update(probes):
+@pytest.mark.parametrize("prefixes", [True, False])
+def test_shared_prompts_give_the_same_update(probes, prefixes):
     """GRPO with 4 samples per prompt in micro-batches of 4 (one group each): one copy of each prompt in the packed
-    rows (model.share_prompts, the default) gives the update, advantages and reference KL of the unshared rows."""
+    rows (model.share_prompts, the default), and of the response prefixes a group's samples have in common
+    (model.share_response_prefixes, the default; the probe's j-th sample repeats the first j tokens of its group's
+    first), gives the update, advantages and reference KL of the unshared rows."""
     grpo = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=2", "algo.kl_placement=loss",
             "actor.micro_batch_size=4"]
-    shared = probes("grpo1", grpo)
+    shared = probes("grpo1" if prefixes else "grpo1_prompts_only",
+                    grpo if prefixes else [*grpo, "model.share_response_prefixes=false"])
     unshared = probes("grpo1_unshared", [*grpo, "model.share_prompts=false"])
-    assert shared["share_prompts"] and not unshared["share_prompts"]
+    assert shared["share_prompts"] and not unshared["share_prompts"] and shared["share_prefixes"] == prefixes
+    tokens = shared["packed_tokens"]
+    assert tokens[True] < tokens[False], tokens  # the batch has prefixes to share
     torch.testing.assert_close(shared["advantages"], unshared["advantages"], rtol=0, atol=1e-6)
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm"):
         assert shared["metrics"][key] == pytest.approx(unshared["metrics"][key], rel=1e-5, abs=1e-7), key

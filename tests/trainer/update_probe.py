@@ -23,12 +23,14 @@ def fixed_batch(trainer, global_size: int = 8, R: int = 6):
     digits = torch.tensor(tok.convert_tokens_to_ids([str(d) for d in range(10)]))
     responses = digits[torch.randint(0, 10, (global_size, R), generator=g)]
     lengths = torch.randint(1, R + 1, (global_size,), generator=g)
+    k = trainer.cfg.rollout.n  # the samples of a group answer the same prompt, as in a real rollout
+    for i in range(global_size):  # and the j-th sample of a group repeats the first j tokens of its first sample's
+        responses[i, :i % k] = responses[i - i % k, :i % k]  # response, as a converging policy's samples do
     ends = lengths < R
     responses[ends, lengths[ends] - 1] = tok.eos_token_id  # some rows end with EOS, the others are truncated
     scores = torch.rand(global_size, generator=g)
     n = global_size // world
     rows = slice(rank * n, (rank + 1) * n)
-    k = trainer.cfg.rollout.n  # the samples of a group answer the same prompt, as in a real rollout
     prompts = collate_prompts([trainer.c.train_set[i // k] for i in range(global_size)], tok.pad_token_id)
     batch = RolloutBatch.from_generation(prompts["input_ids"][rows], prompts["attention_mask"][rows], responses[rows],
                                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -54,6 +56,7 @@ def main(result_path: str, overrides: list) -> None:
     from verl_ds.dist import detect_launch
     from verl_ds.metrics import reduce_metrics
     from verl_ds.packing import micro_batch_groups
+    from verl_ds.prompt_sharing import pack_shared_prompts
     from verl_ds import dist as vdist
     from verl_ds.trainer import Trainer
 
@@ -92,7 +95,10 @@ def main(result_path: str, overrides: list) -> None:
     trainer_module.micro_batch_groups = micro_batch_groups
     metrics = reduce_metrics(metrics)
     out = {"metrics": metrics, "advantages": advantages, "micro_batches": formed,
-           "share_prompts": trainer.registry.get("actor").shares_prompts}  # one copy per prompt in packed rows
+           "share_prompts": trainer.registry.get("actor").shares_prompts,  # one copy per prompt in packed rows
+           "share_prefixes": trainer.registry.get("actor")._share_prefixes,  # and of common response prefixes
+           "packed_tokens": {share: pack_shared_prompts(batch.observation, batch.mask, batch.response_width,
+                                                        share_prefixes=share).num_tokens for share in (False, True)}}
     for role, params in before.items():  # the update itself: after - before
         after = gathered(engines[role].module)
         out[role] = {k: after[k] - params[k] for k in params}

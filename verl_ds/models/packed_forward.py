@@ -63,6 +63,8 @@ def response_index(packed: Packed | SharedPacked, response_width: int) -> Respon
 
 def _scatter(values: torch.Tensor, idx: ResponseIndex, shape: tuple[int, int]) -> torch.Tensor:
     B, R = shape
+    if idx.take is not None:  # a pair scored once for every sample that holds it: its gradients add up
+        values = values.index_select(0, idx.take)
     return values.new_zeros(B * R).index_copy(0, idx.out, values).view(B, R)
 
 

@@ -55,11 +55,12 @@ class ReferenceModel(LogProbRole):
     required_modules = ("lm",)
 
     def __init__(self, lm: Any, state: SharedState | None = None, remove_padding: bool = False,
-                 fused_lm_head: bool = False, share_prompts: bool = False):
+                 fused_lm_head: bool = False, share_prompts: bool = False, share_prefixes: bool = False):
         super().__init__(state=state, lm=lm)
         # run-time switches from the config, not state: private so a checkpoint never overrides them
         self._remove_padding, self._fused_lm_head = bool(remove_padding), bool(fused_lm_head)
         self._share_prompts = bool(share_prompts) and self._remove_padding  # a packed-row layout
+        self._share_prefixes = bool(share_prefixes) and self._share_prompts  # and the responses' common prefixes
         if not callable(lm):
             raise TypeError(f"{type(self).__name__}: lm must be callable (a HF causal LM or a DeepSpeed engine), got "
                             f"{type(lm).__name__}")
@@ -121,7 +122,7 @@ class ReferenceModel(LogProbRole):
             if self._share_prompts:  # one copy of each prompt for all its samples (verl_ds.prompt_sharing)
                 from verl_ds.prompt_sharing import pack_shared_prompts
 
-                packed = pack_shared_prompts(observation, mask, R)
+                packed = pack_shared_prompts(observation, mask, R, share_prefixes=self._share_prefixes)
             else:
                 packed = pack(observation, mask, R)
             log_probs, entropy = packed_logprobs(self.lm, packed, R, temperature,
@@ -181,9 +182,10 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
 
     def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
                  lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None,
-                 remove_padding: bool = False, fused_lm_head: bool = False, share_prompts: bool = False):
+                 remove_padding: bool = False, fused_lm_head: bool = False, share_prompts: bool = False,
+                 share_prefixes: bool = False):
         super().__init__(lm, state=state, remove_padding=remove_padding, fused_lm_head=fused_lm_head,
-                         share_prompts=share_prompts)
+                         share_prompts=share_prompts, share_prefixes=share_prefixes)
         self._optimizer = optimizer
         self.lr_key = lr_key
         self._rollout_engine = rollout_engine
