@@ -291,7 +291,9 @@ def arithmetic_floor(rows: list[dict], warmup: int, samples: int, matmul_params:
     (``model.share_prompts`` and ``rollout.share_prefill``) the generation's prefill, the reference and the update
     compute each prompt once for its ``n`` samples, and the scoring passes leave out each response's last token
     (it predicts nothing). Attention scores, norms and activations are left out (sequences of ~16 tokens), so no
-    implementation doing that arithmetic can run faster."""
+    implementation doing that arithmetic can run faster. The response tokens that samples of a prompt have in
+    common at their start (``model.share_response_prefixes``) are counted for every sample: verl_ds's scoring
+    passes feed them once, so it can step below the shared floor."""
     measured = rows[warmup:] or rows
     prompt = statistics.fmean(r["prompt_len"] for r in measured)
     response = statistics.fmean(r["response_len"] for r in measured)
@@ -448,7 +450,8 @@ def main(argv=None) -> None:
     print("\nArithmetic floor: the matrix products alone at the measured float32 GEMM rate on "
           f"{a.threads} thread(s), computing every sample's prompt in every pass (as TRL does), and with each "
           "prompt once per group in the generation, reference and update passes (verl_ds's model.share_prompts and "
-          "rollout.share_prefill), each response's last token left out of the scoring passes:")
+          "rollout.share_prefill), each response's last token left out of the scoring passes (shared response "
+          "prefixes counted for every sample: verl_ds feeds them once, model.share_response_prefixes):")
     for size, f in floors.items():
         trl_s, ours = results[size, "trl"]["step_s"], results[size, f"verl_ds ZeRO-{stages[0]}"]["step_s"]
         sh = f["shared"]
