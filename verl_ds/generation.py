@@ -27,6 +27,14 @@ over all rows, or argmax); ``generate`` continues from there. The prefill costs 
 generate has one step fewer, whose forward would have run the last prompt token once per sample; the tokens
 drawn are the same (the same logits up to float summation order, the same random numbers). Only on the replica
 or a single rank: under ``synced_gpus`` every rank must run the same forwards.
+
+Shared decoding (``share_decode``, on by default, with the shared prefill): samples of a prompt that have drawn the
+same tokens so far are in the same state, so each decoding step runs one row per distinct (prompt, tokens so far)
+among the unfinished samples, not one per sample (``decode_distinct``): the key/value cache holds those rows only,
+re-indexed when rows split or finish, and every sample draws its own next token from its row's logits, all rows in
+one ``torch.multinomial`` as ``generate`` draws them. Finished samples run no forward at all. The tokens drawn are
+the same as ``generate``'s; the saving is whatever the samples share (a converged policy's samples agree on their
+first tokens, short answers often entirely).
 """
 from __future__ import annotations
 
@@ -83,11 +91,12 @@ class HFRolloutEngine:
     """HF ``generate`` on a causal LM or a DeepSpeed engine around one (see the module docstring)."""
 
     def __init__(self, lm, *, pad_token_id: int, eos_token_id: int, bos_token_id: Optional[int] = None,
-                 gather_params: bool = True, share_prefill: bool = True):
+                 gather_params: bool = True, share_prefill: bool = True, share_decode: bool = True):
         self.lm = lm
         self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_token_id, eos_token_id, bos_token_id
         self.gather_params = gather_params
         self.share_prefill = share_prefill
+        self.share_decode = share_decode and share_prefill
         self._replica = None
 
     @property
@@ -136,13 +145,17 @@ class HFRolloutEngine:
             max_new_tokens=int(max_new_tokens), num_beams=1, pad_token_id=self.pad_token_id,
             eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id, use_cache=True)
         stats = SampledTokenStats(1.0 if greedy else temperature)
-        shared = shared_prefill(model, input_ids, attention_mask) if self.share_prefill and not synced else None
+        distinct = self.share_decode and not synced
+        shared = shared_prefill(model, input_ids, attention_mask, expand=not distinct) if self.share_prefill and \
+            not synced else None
         ids, mask = input_ids, attention_mask.long()
         if shared is not None:  # each row's first token from its prompt's logits; generate goes on from there
             first = sample_like_generate(shared.logits, input_ids, stats, gen_cfg)
             ids, mask = torch.cat([ids, first[:, None]], 1), torch.cat([mask, mask.new_ones((mask.shape[0], 1))], 1)
             gen_cfg.max_new_tokens = int(max_new_tokens) - 1
-        if gen_cfg.max_new_tokens > 0:
+        if shared is not None and distinct:
+            out = decode_distinct(model, shared, ids, mask, stats, gen_cfg)
+        elif gen_cfg.max_new_tokens > 0:
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
                                  logits_processor=LogitsProcessorList([stats]), synced_gpus=synced,
                                  **(shared.cache if shared is not None else {}))
@@ -171,24 +184,29 @@ class HFRolloutEngine:
 
 @dataclass
 class SharedPrefill:
-    """What ``shared_prefill`` computed: the ``generate`` keyword holding every row's prompt cache, and the float32
-    (B, V) logits of each row's next token (its prompt's last position)."""
+    """What ``shared_prefill`` computed: the ``generate`` keyword holding the prompt cache, the float32 (B, V)
+    logits of each row's next token (its prompt's last position), and ``rows`` (B,): each row's row in the cache
+    (the identity once the cache is expanded to every row)."""
     cache: dict
     logits: torch.Tensor
+    rows: torch.Tensor
 
 
 @torch.no_grad()
-def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Optional[SharedPrefill]:
-    """Prefill each run of identical consecutive prompt rows once (None when no row repeats).
+def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   expand: bool = True) -> Optional[SharedPrefill]:
+    """Prefill each run of identical consecutive prompt rows once (None when no row repeats; with ``expand=False``,
+    a batch of one row or of distinct prompts is prefilled too, for ``decode_distinct``).
 
     Positions follow ``generate``'s own rule (cumulative mask - 1, pads at 0), so the cached keys are those
-    ``generate`` would compute; a row's cache and logits are those of its run's prompt."""
+    ``generate`` would compute; a row's cache and logits are those of its run's prompt. ``expand``: the cache
+    copied to one row per batch row (for ``generate``), else one row per distinct prompt."""
     b, width = input_ids.shape
-    if b < 2:
+    if b < 2 and expand:
         return None
     rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
     unique, inverse = torch.unique_consecutive(rows, dim=0, return_inverse=True)
-    if unique.shape[0] == b:
+    if unique.shape[0] == b and expand:
         return None
     ids, mask = unique[:, :width], unique[:, width:]
     positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
@@ -203,10 +221,59 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     if cache is None:  # a model without a key/value cache: nothing to share, generate runs every row
         return None
     index = inverse.to(input_ids.device)
-    cache.batch_select_indices(index)
+    if expand:
+        cache.batch_select_indices(index)
     # generate's own copy: float32 logits of the last position (a prompt's last column is never padding: left pads)
     logits = out.logits[:, -1].to(dtype=torch.float32)[index]
-    return SharedPrefill(cache={name: cache}, logits=logits)
+    return SharedPrefill(cache={name: cache}, logits=logits,
+                         rows=torch.arange(b, device=index.device) if expand else index)
+
+
+@torch.no_grad()
+def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torch.Tensor, stats: SampledTokenStats,
+                    gen_cfg) -> torch.Tensor:
+    """``generate``'s decoding loop from ``ids`` (B, W + 1: the prompts and each row's first token, drawn from
+    ``prefill``'s logits) and ``mask``, running one row per distinct state (see the module docstring); returns the
+    prompts and responses as ``generate`` does, (B, W + 1 + steps), pad after each row's EOS."""
+    (name, cache), = prefill.cache.items()
+    eos, pad = int(gen_cfg.eos_token_id), int(gen_cfg.pad_token_id)
+    B, dev = ids.shape[0], ids.device
+    state = prefill.rows.to(dev)  # each row's row in the cache: its prompt's, then its distinct state's
+    alive = ids[:, -1] != eos
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params(model) else {}
+    for _ in range(int(gen_cfg.max_new_tokens)):
+        if not bool(alive.any()):
+            break
+        live = alive.nonzero().flatten()
+        # a state and its last token are the next state: one forward row per distinct pair among the live rows
+        key = torch.stack([state[live], ids[live, -1]], 1)
+        pairs, inverse = torch.unique(key, dim=0, return_inverse=True)
+        parents, tokens = pairs[:, 0], pairs[:, 1]
+        rows = _cache_rows(cache)
+        if parents.numel() != rows or not torch.equal(parents, torch.arange(rows, device=dev)):
+            cache.batch_select_indices(parents)  # rows split or finished: the cache follows (a copy)
+        first_row = torch.full((pairs.shape[0],), B, device=dev).scatter_reduce(0, inverse, live, "amin")
+        m = mask[first_row]  # the rows of a state share their mask (the same prompt, all live tokens real)
+        positions = m.sum(-1, keepdim=True) - 1
+        out = model(input_ids=tokens[:, None], attention_mask=m, position_ids=positions, use_cache=True,
+                    **{name: cache}, **extra)
+        cache = getattr(out, name)
+        logits = out.logits[:, -1].to(dtype=torch.float32)
+        state = torch.zeros(B, dtype=torch.long, device=dev).index_copy_(0, live, inverse)
+        # every row draws, as generate draws all rows at once (a finished row's draw is replaced by the pad)
+        nxt = sample_like_generate(logits[state], ids, stats, gen_cfg)
+        nxt = torch.where(alive, nxt, torch.full_like(nxt, pad))
+        ids = torch.cat([ids, nxt[:, None]], 1)
+        mask = torch.cat([mask, mask.new_ones((B, 1))], 1)
+        alive = alive & (nxt != eos)
+    return ids
+
+
+def _cache_rows(cache) -> int:
+    """The batch size of a key/value cache (its first layer's keys)."""
+    layer = cache.layers[0] if hasattr(cache, "layers") else None
+    keys = getattr(layer, "keys", None)
+    return int(keys.shape[0]) if isinstance(keys, torch.Tensor) else -1
 
 
 def sample_like_generate(logits: torch.Tensor, input_ids: torch.Tensor, stats: SampledTokenStats,

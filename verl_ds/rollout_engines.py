@@ -74,7 +74,7 @@ def build_hf(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=N
         cls = rollout_engine_class()
     return cls(actor, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                bos_token_id=tokenizer.bos_token_id, gather_params=cfg.rollout.gather_params,
-               share_prefill=cfg.rollout.share_prefill)
+               share_prefill=cfg.rollout.share_prefill, share_decode=cfg.rollout.share_decode)
 
 
 # ---------------------------------------------------------------------------------------------- vllm

@@ -34,16 +34,17 @@ def _batch(groups):
 GROUPS = [("odd : 3 =>", 3), ("even : 2 4 6 8 =>", 4), ("odd : 1 =>", 1), ("odd : 3 =>", 2)]
 
 
-def _generate(model, ids, mask, share, seed, max_new_tokens=7, **kw):
+def _generate(model, ids, mask, share, seed, max_new_tokens=7, share_decode=True, **kw):
     engine = HFRolloutEngine(model, pad_token_id=TOK.pad_token_id, eos_token_id=TOK.eos_token_id,
-                             gather_params=False, share_prefill=share)
+                             gather_params=False, share_prefill=share, share_decode=share_decode)
     torch.manual_seed(seed)
     return engine.generate(ids, mask, max_new_tokens=max_new_tokens, **kw)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("sampling", ["greedy", "temperature", "top_k_top_p", "one_token"])
-def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, sampling):
+@pytest.mark.parametrize("share_decode", [True, False])
+def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, sampling, share_decode):
     model = _model(kind)
     ids, mask = _batch(GROUPS)
     greedy = sampling == "greedy"
@@ -52,7 +53,8 @@ def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, samp
         kw.update(top_k=6, top_p=0.7)
     if sampling == "one_token":  # the first token alone: generate is not called at all
         kw["max_new_tokens"] = 1
-    plain, shared = (_generate(model, ids, mask, share, seed=11, **kw) for share in (False, True))
+    plain, shared = (_generate(model, ids, mask, share, seed=11, share_decode=share_decode, **kw)
+                     for share in (False, True))
     assert torch.equal(plain.responses, shared.responses)
     assert torch.equal(plain.response_length, shared.response_length)
     torch.testing.assert_close(shared.log_probs, plain.log_probs, atol=1e-10, rtol=0)
@@ -65,25 +67,53 @@ def test_shared_prefill_draws_the_same_tokens_with_the_same_log_probs(kind, samp
         assert torch.equal(torch.rand(4), after_shared)
 
 
+def _forwards(model, fn) -> list:
+    """The (rows, tokens) of every forward of ``model`` while ``fn()`` runs."""
+    calls = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
+    try:
+        fn()
+    finally:
+        hook.remove()
+    return calls
+
+
 def test_the_prompt_runs_once_per_group():
     """Tokens through the model: the prefill takes each run of equal rows once, whole, and generate's first step
     then takes each row's first sampled token (instead of every row's whole prompt): one forward as many as
     generate alone makes, with n - 1 of every n prompts left out."""
     model = _model("llama")
     ids, mask = _batch(GROUPS)
-    calls = []
-    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: calls.append(tuple(args[0].shape)))
-    try:
-        _generate(model, ids, mask, True, seed=0, greedy=True)
-        shared_calls = list(calls)
-        calls.clear()
-        _generate(model, ids, mask, False, seed=0, greedy=True)
-    finally:
-        hook.remove()
+    shared_calls = _forwards(model, lambda: _generate(model, ids, mask, True, seed=0, greedy=True, share_decode=False))
+    calls = _forwards(model, lambda: _generate(model, ids, mask, False, seed=0, greedy=True))
     width = ids.shape[1]
     assert shared_calls[0] == (4, width)  # 4 runs of equal rows (the last group repeats the first prompt)
     assert shared_calls[1:] == [(10, 1)] * 6  # tokens 1..6 of 7 (the 7th is sampled, never fed)
     assert calls == [(10, width)] + [(10, 1)] * 6
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "temperature"])
+def test_shared_decoding_runs_one_row_per_distinct_state(sampling):
+    """With share_decode each decoding step feeds one row per distinct (prompt run, tokens so far) among the rows
+    that have not ended, counted here from the responses themselves: greedily, each run of equal prompts is one
+    row until it ends; sampled, the rows of a run split as their tokens differ."""
+    model = _model("llama")
+    ids, mask = _batch(GROUPS)
+    kw = {"greedy": True} if sampling == "greedy" else {"temperature": 1.5}
+    out = []
+    calls = _forwards(model, lambda: out.append(_generate(model, ids, mask, True, seed=3, **kw)))
+    gen = out[0]
+    run = [i for i, (_, count) in enumerate(GROUPS) for _ in range(count)]  # each row's run of equal prompts
+    want = []
+    for t in range(1, 7):  # the step that feeds token t - 1 and draws token t
+        live = [b for b in range(len(run)) if TOK.eos_token_id not in gen.responses[b, :t].tolist()]
+        if not live:
+            break
+        want.append((len({(run[b], tuple(gen.responses[b, :t].tolist())) for b in live}), 1))
+    assert calls[0] == (4, ids.shape[1]) and calls[1:] == want
+    if sampling == "temperature":
+        assert max(rows for rows, _ in want) > 4  # some runs split: their rows then draw independently
+        assert sum(rows for rows, _ in want) < 10 * len(want)  # and some rows still share a state
 
 
 def test_nothing_to_share_adds_no_forward():
