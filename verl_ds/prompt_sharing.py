@@ -142,7 +142,7 @@ def _token_layout(groups) -> tuple:
     starts = lengths.cumsum(0) - lengths
     offset = torch.arange(seg.numel()) - starts[seg]
     depth = torch.where(torch.tensor(is_prompt)[seg], -1, first_depth[seg] + offset)
-    D = max(1, int((first_depth + lengths).max()))
+    D = max(1, int(torch.where(torch.tensor(is_prompt), 0, first_depth + lengths).max()))  # the deepest response
     own = segments[:, None].expand(len(lengths), D).clone()
     for s, link in links_at:
         own[s, :link.numel()] = link
@@ -156,7 +156,11 @@ def _visible(q: tuple, k: tuple, own: torch.Tensor) -> torch.Tensor:
     held by other responses of its group (at each depth below its own, the segment ``own`` names)."""
     qg, qs, qd, qi = q
     kg, ks, kd, ki = k
-    ancestor = (qd >= 0) & (kd <= qd) & (own[qs, kd.clamp(min=0)] == ks)
+    # held[..., s, u]: key u is the token that segment s continues at u's depth; read at each query's segment (a bool
+    # gather, not an int64 (Lq, Lk) lookup: a long group's mask is built on the host)
+    held = (own[:, kd.clamp(min=0)] == ks).movedim(0, -2).squeeze(-3)  # (..., segments, Lk)
+    continues = torch.gather(held, -2, qs.expand(*qs.shape[:-1], held.shape[-1]))
+    ancestor = (qd >= 0) & (kd <= qd) & continues
     return (qg == kg) & (ki <= qi) & ((kd < 0) | ancestor)
 
 
