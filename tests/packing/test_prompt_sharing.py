@@ -95,15 +95,18 @@ def _force_path(monkeypatch, path) -> list:
     return calls
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("path", ["blocks", "batched"])
-def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monkeypatch):
-    batched_calls = _force_path(monkeypatch, path)
-    lm = tiny_lm(kind, seed=1)
-    obs, mask = _batch(side)
-    R = 5
+def every_model_side_head_and_path(test):
+    """Parametrize ``test`` over the model (Llama, Qwen2), the prompts' padding side, the fused LM head and the
+    attention path (blocks, batched)."""
+    for name, values in (("kind", ["llama", "qwen2"]), ("side", ["left", "right"]), ("fused", [False, True]),
+                         ("path", ["blocks", "batched"])):
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
+def check_against_each_sequence(lm, obs, mask, R: int, fused: bool, **pack_kw):
+    """Pack (obs, mask) with shared prompts (``pack_kw`` to ``pack_shared_prompts``) and assert that the log-probs,
+    entropies and gradients of a weighted sum of both equal each sequence run alone (float64); returns the packing."""
     rmask = mask[:, -R:]
     w_lp, w_ent = torch.randn(obs.shape[0], R), torch.randn(obs.shape[0], R)
     ref_lp, ref_ent, _ = per_sequence_reference(lm, None, obs, mask, R, T_SAMPLE)
@@ -111,9 +114,7 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monke
     ((ref_lp * w_lp + ref_ent * w_ent) * rmask).sum().backward()
     want = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
     use_varlen_attention(lm)
-    shared = pack_shared_prompts(obs, mask, R)
-    assert shared.num_tokens == 12 + 21 - 7  # prompts of 6, 2 and 4 tokens once, 21 response tokens but 7 last ones
-    assert (shared.groups.batched is not None) == (path == "batched")
+    shared = pack_shared_prompts(obs, mask, R, **pack_kw)
     lm.zero_grad()
     lp, ent = packed_logprobs(lm, shared, R, T_SAMPLE, compute_entropy=True, fused_lm_head=fused)
     ((lp * w_lp + ent * w_ent) * rmask).sum().backward()
@@ -121,11 +122,22 @@ def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monke
         torch.testing.assert_close(got.double() * rmask, ref.detach() * rmask, atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
         assert bool((got[~rmask] == 0).all()), name
-    assert len(batched_calls) == (lm.config.num_hidden_layers if path == "batched" else 0)
     got = {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
     assert got.keys() == want.keys()
     for n in want:
         torch.testing.assert_close(got[n], want[n], atol=1e-5, rtol=1e-4, msg=lambda m: f"{n}: {m}")
+    return shared
+
+
+@every_model_side_head_and_path
+def test_shared_prompts_equal_each_sequence_alone(kind, side, fused, path, monkeypatch):
+    batched_calls = _force_path(monkeypatch, path)
+    lm = tiny_lm(kind, seed=1)
+    obs, mask = _batch(side)
+    shared = check_against_each_sequence(lm, obs, mask, 5, fused)
+    assert shared.num_tokens == 12 + 21 - 7  # prompts of 6, 2 and 4 tokens once, 21 response tokens but 7 last ones
+    assert (shared.groups.batched is not None) == (path == "batched")
+    assert len(batched_calls) == (lm.config.num_hidden_layers if path == "batched" else 0)
 
 
 @pytest.mark.parametrize("path", ["blocks", "batched"])
