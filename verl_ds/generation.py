@@ -239,6 +239,7 @@ def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torc
     eos, pad = int(gen_cfg.eos_token_id), int(gen_cfg.pad_token_id)
     B, dev = ids.shape[0], ids.device
     state = prefill.rows.to(dev)  # each row's row in the cache: its prompt's, then its distinct state's
+    held = int(state.max()) + 1  # rows in the cache: the distinct prompts, then the last step's states
     alive = ids[:, -1] != eos
     extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params(model) else {}
     for _ in range(int(gen_cfg.max_new_tokens)):
@@ -249,9 +250,9 @@ def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torc
         key = torch.stack([state[live], ids[live, -1]], 1)
         pairs, inverse = torch.unique(key, dim=0, return_inverse=True)
         parents, tokens = pairs[:, 0], pairs[:, 1]
-        rows = _cache_rows(cache)
-        if parents.numel() != rows or not torch.equal(parents, torch.arange(rows, device=dev)):
+        if parents.numel() != held or not torch.equal(parents, torch.arange(held, device=dev)):
             cache.batch_select_indices(parents)  # rows split or finished: the cache follows (a copy)
+        held = parents.numel()
         first_row = torch.full((pairs.shape[0],), B, device=dev).scatter_reduce(0, inverse, live, "amin")
         m = mask[first_row]  # the rows of a state share their mask (the same prompt, all live tokens real)
         positions = m.sum(-1, keepdim=True) - 1
@@ -267,13 +268,6 @@ def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torc
         mask = torch.cat([mask, mask.new_ones((B, 1))], 1)
         alive = alive & (nxt != eos)
     return ids
-
-
-def _cache_rows(cache) -> int:
-    """The batch size of a key/value cache (its first layer's keys)."""
-    layer = cache.layers[0] if hasattr(cache, "layers") else None
-    keys = getattr(layer, "keys", None)
-    return int(keys.shape[0]) if isinstance(keys, torch.Tensor) else -1
 
 
 def sample_like_generate(logits: torch.Tensor, input_ids: torch.Tensor, stats: SampledTokenStats,
