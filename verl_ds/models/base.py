@@ -29,7 +29,8 @@ from verl_ds.registry import register_model_class
 from verl_ds.state import SharedState
 
 __all__ = ["BaseModel", "MissingModuleError", "ActionRole", "LogProbRole", "ValueRole", "RewardRole", "TrainableRole",
-           "check_observation", "check_mask", "position_ids_from_mask", "unwrap_module", "forward_params", "optimizer_step"]
+           "check_observation", "check_mask", "left_align_prompts", "position_ids_from_mask", "unwrap_module",
+           "forward_params", "optimizer_step"]
 
 
 class MissingModuleError(ValueError):
@@ -111,6 +112,21 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Position ids counting real tokens only (cumsum - 1, clamped at 0), so left padding does not
     shift the positions of the prompt (the same ids HF generate() uses)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_align_prompts(observation: torch.Tensor, mask: torch.Tensor,
+                       response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(observation, mask) with each row's prompt padding moved to the left end of its prompt columns (the first
+    T - R), the last R columns (the response) untouched. The padded path reads response token j from column
+    T - R - 1 + j; a right-padded prompt would have a pad there. Positions count real tokens and pads are never
+    attended, so the real tokens' outputs are those of the row unpadded; pads only on the left also keep a
+    sliding window over real tokens. The inputs come back as they are when every prompt ends with a real token."""
+    P = observation.shape[1] - response_width
+    if P < 1 or bool(mask[:, P - 1].all()):
+        return observation, mask
+    order = torch.sort(mask[:, :P].long(), dim=1, stable=True).indices  # pads first, real tokens in their order
+    prompt_ids, prompt_mask = observation[:, :P].gather(1, order), mask[:, :P].gather(1, order)
+    return torch.cat([prompt_ids, observation[:, P:]], 1), torch.cat([prompt_mask, mask[:, P:]], 1)
 
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:

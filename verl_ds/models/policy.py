@@ -10,7 +10,7 @@ import torch
 
 from verl_ds.kernels.response_logprob import response_logprobs
 from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_mask, check_observation, forward_params,
-                                 optimizer_step, position_ids_from_mask, unwrap_module)
+                                 left_align_prompts, optimizer_step, position_ids_from_mask, unwrap_module)
 from verl_ds.state import SharedState
 
 __all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "filter_logits"]
@@ -76,14 +76,18 @@ class ReferenceModel(LogProbRole):
         return self._share_prompts
 
     # ---- forward ---------------------------------------------------------------------------------
-    def _logits(self, observation: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
-        """Logits of the last ``keep`` positions, (B, keep, V)."""
+    def _forward(self, observation: torch.Tensor, mask: torch.Tensor, keep: int):
+        """The lm's output tensor for the padded batch (its logits, or what a fused LM head returned)."""
         kwargs = dict(self._extra_kwargs)
         if self._keep_logits:
             kwargs["logits_to_keep"] = keep
         out = self.lm(input_ids=observation, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
                       **kwargs)
-        logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
+        return out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
+
+    def _logits(self, observation: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
+        """Logits of the last ``keep`` positions, (B, keep, V)."""
+        logits = self._forward(observation, mask, keep)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:1] != observation.shape[:1]:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(f"{type(self).__name__}: the lm must return logits of shape (B, T, V); got {got}")
@@ -127,7 +131,9 @@ class ReferenceModel(LogProbRole):
                 packed = pack(observation, mask, R)
             log_probs, entropy = packed_logprobs(self.lm, packed, R, temperature,
                                                  compute_entropy=return_entropy, fused_lm_head=self._fused_lm_head)
-        elif self._fused_lm_head:
+            return (log_probs, entropy) if return_entropy else log_probs
+        observation, mask = left_align_prompts(observation, mask, R)  # logits[:, -R-1] must be the prompt's last token
+        if self._fused_lm_head:
             log_probs, entropy = self._fused_padded(observation, mask, action.long(), temperature, return_entropy)
         else:  # (B, R+1, V): position t predicts response token t; read in place (no (B, R, V) copy for backward)
             log_probs, entropy = response_logprobs(self._logits(observation, mask, R + 1), action.long(), temperature,
@@ -142,7 +148,11 @@ class ReferenceModel(LogProbRole):
         B, R = action.shape
         labels = torch.cat([action, action.new_full((B, 1), -100)], 1).reshape(-1)
         with lm_head_returns_logprobs(self.lm, labels, temperature, return_entropy):
-            out = self._logits(observation, mask, R + 1)  # (1, B*(R+1), 1 or 2): [log-prob, entropy]
+            out = self._forward(observation, mask, R + 1)  # (1, B*(R+1), 1 or 2): [log-prob, entropy]
+        if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[:2] != (1, B * (R + 1)):
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"{type(self).__name__}: the fused LM head returned {got}, expected (1, {B * (R + 1)}, k) "
+                             f"(a model whose forward takes logits_to_keep); use model.fused_lm_head=false")
         out = out.reshape(B, R + 1, -1)[:, :-1]
         return out[..., 0], (out[..., 1] if return_entropy else None)
 

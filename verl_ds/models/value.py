@@ -10,8 +10,7 @@ import torch
 import torch.nn as nn
 
 from verl_ds.models.base import (TrainableRole, ValueRole, check_mask, check_observation, last_token_index,
-                                 optimizer_step,
-                                 position_ids_from_mask)
+                                 left_align_prompts, optimizer_step, position_ids_from_mask)
 from verl_ds.state import SharedState
 
 __all__ = ["CriticLM", "ValueModel", "VALUE_HEAD_FILE"]
@@ -169,6 +168,7 @@ class ValueModel(ValueRole, TrainableRole):
             from verl_ds.packing import pack
 
             return packed_values(self.net, pack(observation, mask, response_length), response_length)
+        observation, mask = left_align_prompts(observation, mask, response_length)  # values[:, -R-1]: the prompt's end
         values = self._raw(observation, mask)
         if values.dim() != 2:
             raise ValueError(f"{who}: per-token values need a (B, T) output; the value function returned "
