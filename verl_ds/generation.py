@@ -8,10 +8,11 @@ Two ways to generate from a ZeRO-3 actor:
   every token; ``synced_gpus=True`` keeps ranks that finish early stepping, so a rank with shorter responses
   does not leave the others waiting forever in a collective.
 
-Every sampling knob is passed explicitly (a complete ``GenerationConfig``), so a checkpoint's
-``generation_config.json`` can never change how we sample: in transformers 4.50-4.57 ``generate`` replaced
-arguments equal to HF's global defaults with the checkpoint's values, and the rollout distribution then differs
-from the one the trainer scores. The log-prob and entropy of each sampled token under softmax(logits /
+Every sampling knob is passed explicitly (``verl_ds.sampling_config``: a complete ``GenerationConfig``, in place of
+the model's own during ``generate``), so a checkpoint's ``generation_config.json`` can never change how any path
+samples: ``generate`` fills the fields its config leaves at None from the checkpoint's (in transformers 4.50-4.57 it
+also replaced arguments equal to HF's global defaults), and the rollout distribution then differs from the one the
+trainer scores. The log-prob and entropy of each sampled token under softmax(logits /
 temperature), before top-k/top-p truncation (the distribution the trainer recomputes), come back with the
 tokens: a logits processor sees the raw float32 logits, since HF applies custom processors before the
 temperature/top-k/top-p warpers (``GenerationMixin._get_logits_processor``).
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from verl_ds.batch import RolloutBatch
 from verl_ds.models.base import forward_params
+from verl_ds.sampling_config import only_this_generation_config, rollout_generation_config
 
 
 @dataclass
@@ -127,7 +129,7 @@ class HFRolloutEngine:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> Generation:
         """Sample up to ``max_new_tokens`` per left-padded prompt; the result is always (B, max_new_tokens) wide."""
-        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers import LogitsProcessorList
 
         if self.gather_params:
             if self._replica is None:
@@ -136,14 +138,9 @@ class HFRolloutEngine:
         else:
             model = self.module
             synced = dist.is_initialized() and dist.get_world_size() > 1
-        gen_cfg = GenerationConfig(
-            # top_k <= 0 disables it (our convention, as vLLM's -1); HF's TopKLogitsWarper refuses a negative k
-            do_sample=not greedy, temperature=1.0 if greedy else float(temperature),
-            top_k=0 if greedy or top_k <= 0 else int(top_k), top_p=1.0 if greedy else float(top_p), min_p=None,
-            typical_p=1.0,
-            epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0,
-            max_new_tokens=int(max_new_tokens), num_beams=1, pad_token_id=self.pad_token_id,
-            eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id, use_cache=True)
+        gen_cfg = rollout_generation_config(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
+            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id)
         stats = SampledTokenStats(1.0 if greedy else temperature)
         distinct = self.share_decode and not synced
         shared = shared_prefill(model, input_ids, attention_mask, expand=not distinct) if self.share_prefill and \
@@ -156,9 +153,10 @@ class HFRolloutEngine:
         if shared is not None and distinct:
             out = decode_distinct(model, shared, ids, mask, stats, gen_cfg)
         elif gen_cfg.max_new_tokens > 0:
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
-                                 logits_processor=LogitsProcessorList([stats]), synced_gpus=synced,
-                                 **(shared.cache if shared is not None else {}))
+            with only_this_generation_config(model, gen_cfg):  # nothing from the checkpoint's generation config
+                out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                     logits_processor=LogitsProcessorList([stats]), synced_gpus=synced,
+                                     **(shared.cache if shared is not None else {}))
         else:
             out = ids
         if not self.gather_params and hasattr(self.lm, "empty_partition_cache"):

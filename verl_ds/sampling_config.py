@@ -1,0 +1,91 @@
+"""The one HF ``GenerationConfig`` every HF sampling path of the rollout uses, and nothing from the checkpoint.
+
+The trainer scores softmax(logits / temperature) (``PolicyModel.get_logprob``); the rollout draws from it, truncated
+by top-k / top-p only. Plain ``generate`` (one rank, or several with ``synced_gpus``), the shared prefill's first
+token and shared decoding (``verl_ds.generation``) must therefore all draw from that one distribution.
+
+A checkpoint's ``generation_config.json`` can set any ``GenerationConfig`` field
+(https://huggingface.co/docs/transformers/main_classes/text_generation#transformers.GenerationConfig): logits
+processors (suppress_tokens, begin_suppress_tokens, bad_words_ids, sequence_bias, min_length, min_new_tokens,
+repetition_penalty, no_repeat_ngram_size, forced_bos_token_id, forced_eos_token_id,
+exponential_decay_length_penalty, guidance_scale, watermarking_config, renormalize_logits, remove_invalid_values),
+warpers (min_p, top_h, typical_p, epsilon_cutoff, eta_cutoff), stopping criteria (stop_strings, max_time,
+max_length), other decoding modes (num_beams, penalty_alpha, dola_layers, prompt_lookup_num_tokens, use_mtp,
+assistant_early_exit, token_healing) and the output's form (num_return_sequences, return_dict_in_generate).
+``generate`` fills every field its ``generation_config`` argument leaves at None from the model's own
+``generation_config`` (transformers ``GenerationMixin._prepare_generation_config``), and for most of these fields
+None is the only value that turns them off. So ``rollout_generation_config`` sets each field whose neutral value
+is not None explicitly, and ``generate`` runs inside ``only_this_generation_config``, which puts that config in
+place of the model's own for the call: nothing the checkpoint sets reaches any path.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from typing import Any, Iterator, Optional
+
+log = logging.getLogger(__name__)
+
+# fields a checkpoint may set without changing what is drawn: special tokens (ours are passed), bookkeeping, and the
+# knobs the rollout sets itself
+_NOT_SAMPLING = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "transformers_version",
+                 "_from_model_config", "do_sample", "temperature", "top_k", "top_p", "max_new_tokens", "use_cache",
+                 "cache_implementation"}
+_reported: set = set()
+
+
+def rollout_generation_config(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, greedy: bool,
+                              pad_token_id: int, eos_token_id: int, bos_token_id: Optional[int]):
+    """A complete ``GenerationConfig``: sampling at ``temperature`` with ``top_k`` (<= 0: off) and ``top_p``, or
+    argmax with ``greedy``, one sequence per prompt, ``max_new_tokens`` tokens or EOS; every other processor,
+    warper and stopping criterion off (see the module docstring for the fields that are None when off)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        # top_k <= 0 disables it (our convention, as vLLM's -1); HF's TopKLogitsWarper refuses a negative k
+        do_sample=not greedy, temperature=1.0 if greedy else float(temperature),
+        top_k=0 if greedy or top_k <= 0 else int(top_k), top_p=1.0 if greedy else float(top_p),
+        typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=0,
+        guidance_scale=1.0, renormalize_logits=False, remove_invalid_values=False,
+        num_beams=1, num_return_sequences=1, return_dict_in_generate=False, output_scores=False,
+        output_logits=False, output_attentions=False, output_hidden_states=False,
+        max_new_tokens=int(max_new_tokens), pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id, use_cache=True)
+
+
+def checkpoint_sampling_fields(model: Any) -> list[str]:
+    """The fields ``model``'s own generation config sets (away from a blank ``GenerationConfig``) that would change
+    what ``generate`` draws, stops at or returns; sorted."""
+    own = getattr(model, "generation_config", None)
+    if own is None:
+        return []
+    return sorted(k for k in own.to_diff_dict() if k not in _NOT_SAMPLING)
+
+
+def _generating_module(model: Any) -> Any:
+    """The module whose ``generate`` reads its own generation config: ``model``, or a peft model's base model."""
+    if callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+        return model.get_base_model()
+    return model
+
+
+@contextlib.contextmanager
+def only_this_generation_config(model: Any, gen_cfg) -> Iterator[None]:
+    """While active, ``model``'s own generation config (a checkpoint's ``generation_config.json``) is a copy of
+    ``gen_cfg``, so ``generate(generation_config=gen_cfg)`` fills nothing from the checkpoint. Says once per field
+    set, at INFO, which checkpoint fields are not applied."""
+    module = _generating_module(model)
+    own = getattr(module, "generation_config", None)
+    fields = tuple(checkpoint_sampling_fields(module))
+    if fields and fields not in _reported:
+        _reported.add(fields)
+        log.info("rollout: the model's generation config sets %s; not applied: every sampling path draws from "
+                 "softmax(logits / rollout.temperature) with rollout.top_k / top_p only, the distribution the trainer "
+                 "scores", ", ".join(fields))
+    module.generation_config = copy.deepcopy(gen_cfg)
+    try:
+        yield
+    finally:
+        module.generation_config = own
