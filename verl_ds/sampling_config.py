@@ -55,13 +55,14 @@ def rollout_generation_config(*, max_new_tokens: int, temperature: float, top_k:
         bos_token_id=bos_token_id, use_cache=True)
 
 
-def checkpoint_sampling_fields(model: Any) -> list[str]:
-    """The fields ``model``'s own generation config sets (away from a blank ``GenerationConfig``) that would change
-    what ``generate`` draws, stops at or returns; sorted."""
+def checkpoint_sampling_fields(model: Any, gen_cfg) -> list[str]:
+    """The fields ``model``'s own generation config sets, away from a blank ``GenerationConfig`` and from
+    ``gen_cfg``, that would change what ``generate`` draws, stops at or returns; sorted."""
     own = getattr(model, "generation_config", None)
     if own is None:
         return []
-    return sorted(k for k in own.to_diff_dict() if k not in _NOT_SAMPLING)
+    return sorted(k for k, v in own.to_diff_dict().items()
+                  if k not in _NOT_SAMPLING and v != getattr(gen_cfg, k, None))
 
 
 def _generating_module(model: Any) -> Any:
@@ -78,7 +79,7 @@ def only_this_generation_config(model: Any, gen_cfg) -> Iterator[None]:
     set, at INFO, which checkpoint fields are not applied."""
     module = _generating_module(model)
     own = getattr(module, "generation_config", None)
-    fields = tuple(checkpoint_sampling_fields(module))
+    fields = tuple(checkpoint_sampling_fields(module, gen_cfg))
     if fields and fields not in _reported:
         _reported.add(fields)
         log.info("rollout: the model's generation config sets %s; not applied: every sampling path draws from "

@@ -118,3 +118,15 @@ def test_a_peft_models_base_checkpoint_config_changes_nothing(tok, neutral_dir, 
     assert torch.equal(got.responses, want.responses)
     torch.testing.assert_close(got.log_probs, want.log_probs)
     assert lora.get_base_model().generation_config.suppress_tokens == FIELDS["suppress_tokens"]  # restored
+
+
+def test_the_checkpoint_fields_not_applied_are_named_once(tok, neutral_dir, tmp_path, caplog):
+    ckpt = tmp_path / "two"
+    shutil.copytree(neutral_dir, ckpt)
+    gen_json = ckpt / "generation_config.json"
+    gen_json.write_text(json.dumps({**json.loads(gen_json.read_text()), "min_p": 0.5, "stop_strings": ["5"]}))
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    with caplog.at_level("INFO", logger="verl_ds.sampling_config"):
+        _draw(loaded, tok, "plain_generate"), _draw(loaded, tok, "plain_generate")
+    said = [r.getMessage() for r in caplog.records if r.name == "verl_ds.sampling_config"]
+    assert len(said) == 1 and "sets min_p, stop_strings; not applied" in said[0], said
