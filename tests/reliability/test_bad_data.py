@@ -42,7 +42,8 @@ BAD_ROWS = [
     (json.dumps({"prompt": LONG, "target": "odd"}).encode(), "truncated"),
     (json.dumps({"prompt": "even : " + "2 " * 50 + "=>", "target": "even"}).encode(), "truncated"),
 ]
-GOOD = [json.dumps(r).encode() for r in parity.generate_prompts(64, seed=3)]
+# distinct rows: a repeated one would be counted (duplicate_row)
+GOOD = list(dict.fromkeys(json.dumps(r).encode() for r in parity.generate_prompts(64, seed=3)))
 
 
 @pytest.fixture(scope="module")
