@@ -50,6 +50,25 @@ def test_json_array_file(tmp_path, tok):
         PromptDataset.from_file(str(path), tok)
 
 
+def test_json_array_file_with_rows_the_parser_would_refuse_or_accept_silently(tmp_path, tok):
+    """A 5000-digit integer used to raise out of json.loads and refuse the whole array; repeated keys, 1e999 and
+    a repeated row passed unreported. Each is now counted at its item; the array's other rows are kept."""
+    items = [json.dumps(GOOD), '{"prompt": "odd : 1 =>", "n": ' + "9" * 5000 + "}",
+             '{"prompt": "odd : 2 =>", "prompt": "even : 2 =>"}', '{"prompt": "odd : 3 =>", "w": 1e999}',
+             json.dumps({"target": "even", "prompt": "even : 3 8 =>"}), '{"prompt": "odd : 4 =>"}']
+    path = tmp_path / "d.json"
+    path.write_text("[" + ", ".join(items) + "]")
+    ds = PromptDataset.from_file(str(path), tok)
+    assert ds.report() == {"huge_number": 1, "duplicate_key": 1, "non_finite_number": 1, "duplicate_row": 1}
+    assert [item["prompt"] for item in ds] == ["even : 3 8 =>", "even : 3 8 =>", "odd : 4 =>"]
+    assert "duplicate_row 1 (item 4=item 0)" in ds.summary()
+
+
+def test_generated_records_are_not_checked_for_repeats(tok):
+    """from_records serves the built-in task, whose short prompts repeat by design (826 of its default 4096)."""
+    assert PromptDataset.from_records([GOOD, GOOD], tok).report() == {}
+
+
 def test_json_lines_in_a_json_file(tmp_path, tok):
     path = write_lines(tmp_path / "d.json", [json.dumps(GOOD).encode(), b"{oops"])
     assert PromptDataset.from_file(path, tok).report() == {"invalid_json": 1}

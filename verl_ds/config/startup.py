@@ -123,6 +123,39 @@ def _check_resume(cfg: Config) -> None:
         raise ConfigError(f"trainer.resume: {resume!r} is not a complete checkpoint ({why}); {hint}")
 
 
+def _built_model_params(cfg: Config) -> int:
+    """Parameters of the decoder layers of the model built from config (llama / qwen2 shapes; the embeddings,
+    which depend on the tokenizer, left out: a lower bound)."""
+    m = cfg.model
+    h, kv = m.hidden_size, m.hidden_size // m.num_heads * m.num_kv_heads
+    return m.num_layers * (2 * h * h + 2 * h * kv + 3 * h * m.intermediate_size + 2 * h)
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX, or not reported
+        return None
+
+
+def _check_built_model_fits(cfg: Config) -> None:
+    """A model built from config trains on this machine's memory when the engines run on the CPU: its fp32
+    weights, gradients and Adam's two moments (16 bytes a parameter, however ZeRO partitions them across the
+    ranks) must fit, or the job would be killed for memory after minutes of building."""
+    total = _physical_memory()
+    if cfg.model.path is not None or total is None:
+        return
+    params = _built_model_params(cfg)
+    need = 16 * params
+    if need > total:
+        m = cfg.model
+        raise ConfigError(f"model.hidden_size={m.hidden_size}, model.intermediate_size={m.intermediate_size}, "
+                          f"model.num_layers={m.num_layers}: the model built from config has at least {params:.3g} "
+                          f"parameters; training it on the CPU needs at least 16 bytes each (fp32 weights, gradients, "
+                          f"Adam's two moments) = {need / 2**30:.0f} GiB, more than this machine's "
+                          f"{total / 2**30:.0f} GiB of memory; expected a smaller model (or model.path)")
+
+
 def _check_device(cfg: Config) -> None:
     if cfg.model.cpu_linear == "onednn":
         from verl_ds.engines.cpu_linear import onednn_available
@@ -131,6 +164,10 @@ def _check_device(cfg: Config) -> None:
             raise ConfigError("model.cpu_linear: 'onednn' but this torch build has no oneDNN inner product "
                               "(torch.ops.mkldnn._linear_pointwise); use model.cpu_linear=auto or torch")
     if cfg.trainer.device != "cuda":
+        import torch
+
+        if cfg.trainer.device == "cpu" or not torch.cuda.is_available():
+            _check_built_model_fits(cfg)
         return
     import torch
 
