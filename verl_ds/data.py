@@ -2,8 +2,9 @@
 
 - `PromptDataset` reads JSON lines, Parquet, or a `datasets` data set saved with `save_to_disk`, tokenizes the prompt
   field (optionally through the chat template) and keeps pass-through fields for reward functions. Bad rows never
-  crash: each is skipped (or, when overlong, truncated) and counted by reason; `report()` and `summary()` say what
-  happened and where. A missing file, an unsupported format or zero usable rows is an error at construction.
+  crash: each is skipped (or, when overlong, truncated) and counted by reason; a row repeating an earlier one of a
+  file is kept and counted (`duplicate_row`); `report()` and `summary()` say what happened and where. Files are read
+  by `verl_ds.data_files` (strict JSON: huge integers, repeated keys and non-finite numbers are reasons too). A missing file, an unsupported format or zero usable rows is an error at construction.
 - `DistributedPromptSampler` draws a seeded permutation per epoch; each rank takes its shard of every global batch;
   its `state_dict()` resumes exactly.
 - `collate_prompts` left-pads a list of items into tensors.
