@@ -91,7 +91,9 @@ def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float, extra: tup
             "algo.clip_ratio_c=null", "algo.loss_agg_mode=token-mean", "algo.entropy_coef=0.0", "model.dtype=fp32",
             f"deepspeed.zero_stage={zero_stage}", f"trainer.total_steps={job['steps']}", f"trainer.seed={job['seed']}",
             f"trainer.output_dir={out}", "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false",
-            "trainer.export_hf=false", "trainer.val_every=0", *extra]
+            "trainer.export_hf=false", "trainer.val_every=0"]
+    given = {o.split("=", 1)[0] for o in extra}  # verl-ds refuses a key given twice: extra replaces the job's
+    args = [o for o in args if o.split("=", 1)[0] not in given] + list(extra)
     shutil.rmtree(out, ignore_errors=True)  # a fresh run appends to an old metrics.jsonl in its directory
     cpu_file = os.path.join(out, "cpu_s.json")
     wall = _run([sys.executable, os.path.abspath(__file__), "--verl-ds-worker", cpu_file, *args], job["threads"],

@@ -17,6 +17,18 @@ FAST = ["trainer.total_steps=2", "rollout.batch_size=8", "actor.mini_batch_size=
         "trainer.progress_bar=false", "trainer.plot=false", "model.hidden_size=32", "model.intermediate_size=64"]
 
 
+def merged(*groups) -> list:
+    """``key=value`` overrides from ``groups``, a later group's key replacing an earlier one's in place (verl-ds
+    refuses a key given twice on its command line)."""
+    out: dict = {}
+    for group in groups:
+        for item in group:
+            key = item.split("=", 1)[0]
+            out.pop(key, None)
+            out[key] = item
+    return list(out.values())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -36,7 +48,7 @@ def base_env(**extra) -> dict:
 
 def run_train(output_dir: str, overrides=(), nproc: int = 1, timeout: int = 240, env=None, check: bool = True):
     """Run the trainer (``nproc`` ranks via torchrun when > 1); returns the CompletedProcess."""
-    args = [f"trainer.output_dir={output_dir}", *FAST, *overrides]
+    args = merged([f"trainer.output_dir={output_dir}"], FAST, overrides)
     if nproc == 1:
         cmd = [sys.executable, TRAIN, *args]
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from verl_ds import algos
 from verl_ds.config import Config, ConfigError, Derived
@@ -43,8 +43,10 @@ def kl_needs_reference(cfg: Config) -> bool:
     return cfg.algo.kl_coef > 0 or KL_CONTROLLERS.canonical(cfg.algo.kl_ctrl) != "fixed"
 
 
-def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) -> Components:
-    """Tokenizer, data, engines, SharedState, models and registry, on every rank (collective)."""
+def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
+          data: Optional["PromptData"] = None) -> Components:
+    """Tokenizer, data (``data``: already loaded by ``load_data``), engines, SharedState, models and registry, on
+    every rank (collective)."""
     from verl_ds.sampler import DistributedPromptSampler
     from verl_ds.engines.lora import lora_spec
     from verl_ds.models import PolicyModel, PPOModel, ReferenceModel, ValueModel
@@ -54,8 +56,10 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str) ->
     from verl_ds.state import SharedState
 
     check_rollout_engine(cfg)  # e.g. rollout.engine=vllm without vLLM: refused before any model is built
-    tok = load_tokenizer(cfg)
-    train_set, val_set = build_datasets(cfg, tok, write_report=rank == 0, out_dir=out_dir)
+    data = load_data(cfg) if data is None else data
+    if rank == 0:
+        report_data(data, out_dir)
+    tok, train_set, val_set = data.tokenizer, data.train, data.val
     sampler = DistributedPromptSampler(len(train_set), derived.prompts_per_rank, rank, world, seed=cfg.trainer.seed)
 
     actor_lora = lora_spec(cfg.actor, "actor")
@@ -126,11 +130,23 @@ def _varlen_attention(engine, role: str, say: bool) -> bool:
         return False
 
 
-def build_datasets(cfg: Config, tok, write_report: bool, out_dir: str):
-    """(train, val) PromptDatasets: the configured files, or the generated built-in task."""
-    from verl_ds.data import PromptDataset, write_data_report
+class PromptData(NamedTuple):
+    """The tokenizer and the prompt sets of a run (``load_data``)."""
+    tokenizer: Any
+    train: Any
+    val: Any
+    unscorable: dict  # data set name -> why one of its rows could not be scored (for the log line)
+
+
+def load_data(cfg: Config) -> PromptData:
+    """The tokenizer and the (train, val) prompt sets, checked: an unreadable file, a file without a usable
+    prompt, or fewer usable prompts than one step draws is a ConfigError naming the key. ``verl-ds train`` runs it
+    before torch.distributed starts (as part of the start-up gate) and hands the result to the Trainer."""
+    from verl_ds.data import PromptDataset
+    from verl_ds.rewards import unscorable_rows
     from verl_ds.tasks import parity
 
+    tok = load_tokenizer(cfg)
     common = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
                   overlong=cfg.data.overlong, apply_chat_template=cfg.data.apply_chat_template,
                   passthrough_keys=list(cfg.data.passthrough_keys) or None)
@@ -140,25 +156,46 @@ def build_datasets(cfg: Config, tok, write_report: bool, out_dir: str):
         val = PromptDataset.from_records(parity.generate_prompts(cfg.data.num_val_prompts,
                                                                  seed=10_000 + cfg.trainer.seed), tok, **common)
     else:
-        train = PromptDataset.from_file(cfg.data.train_files, tok, **common)
-        val = PromptDataset.from_file(cfg.data.val_files, tok, **common) if cfg.data.val_files else None
-    from verl_ds.rewards import unscorable_rows
-
-    for ds in (train, val):  # rows the reward functions cannot score: counted and skipped before training
+        train = _from_file("data.train_files", cfg.data.train_files, tok, common)
+        val = _from_file("data.val_files", cfg.data.val_files, tok, common) if cfg.data.val_files else None
+    unscorable = {}
+    for name, ds in (("train", train), ("val", val)):  # rows the reward functions cannot score: skipped, counted
         bad = unscorable_rows(ds, cfg.reward.functions) if ds is not None else {}
         if bad:
             ds.drop(bad, "unscorable")
-            if write_report:
-                log.warning("%s: %d row(s) the reward functions cannot score are skipped, e.g. %s", ds.source,
-                            len(bad), next(iter(bad.values())))
+            unscorable[name] = next(iter(bad.values()))
         if ds is not None and len(ds) == 0:
             raise ConfigError(f"{ds.source}: no row can be scored by reward.functions; {ds.summary()}")
-    if write_report:
-        for name, ds in (("train", train), ("val", val)):
-            if ds is not None and sum(ds.report().values()):
-                log.warning("%s prompts: %s", name, ds.summary())
-        write_data_report(out_dir, {"train": train, "val": val})
-    return train, val
+    if len(train) < cfg.rollout.batch_size:
+        where = "data.train_files" if cfg.data.train_files is not None else "data.num_train_prompts"
+        raise ConfigError(f"rollout.batch_size={cfg.rollout.batch_size} is larger than the {len(train)} usable "
+                          f"prompts of {where} ({train.summary()}): a step draws rollout.batch_size distinct prompts; "
+                          "lower rollout.batch_size or add prompts")
+    return PromptData(tok, train, val, unscorable)
+
+
+def _from_file(key: str, path: str, tok, options: dict):
+    from verl_ds.data import PromptDataset
+
+    try:
+        return PromptDataset.from_file(path, tok, **options)
+    except ValueError as exc:  # the file as a whole is unusable (unreadable, no usable prompt): the user's input
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def report_data(data: PromptData, out_dir: str) -> None:
+    """Log what was skipped or counted in each prompt set and write ``<out_dir>/data_report.json`` (rank 0)."""
+    from verl_ds.data import write_data_report
+
+    for name, ds in (("train", data.train), ("val", data.val)):
+        if ds is None:
+            continue
+        if name in data.unscorable:
+            log.warning("%s: %d row(s) the reward functions cannot score are skipped, e.g. %s", ds.source,
+                        ds.report()["unscorable"], data.unscorable[name])
+        if sum(ds.report().values()):
+            log.warning("%s prompts: %s", name, ds.summary())
+    write_data_report(out_dir, {"train": data.train, "val": data.val})
 
 
 def reward_name(functions: list, model_path: Optional[str]) -> str:

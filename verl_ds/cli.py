@@ -45,23 +45,26 @@ def cmd_train(args) -> int:
 
     cfg = _load(args)
     launch = detect_launch(local_rank_arg=args.local_rank)
-    check_startup(cfg, launch.world_size)  # refuse a bad job before torch.distributed or any model starts
+    check_startup(cfg, launch.world_size, launch.rank)  # refuse a bad job before torch.distributed or any model starts
+    level = logging.INFO if launch.rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank{launch.rank}] %(levelname)s %(name)s: %(message)s")
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    from verl_ds.builder import load_data
+
+    data = load_data(cfg)  # the prompt sets are part of the gate: unusable data exits 2 before torch.distributed
 
     import torch
 
     from verl_ds.testing.faults import install_from_env
     from verl_ds.trainer import Trainer
 
-    level = logging.INFO if launch.rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[rank{launch.rank}] %(levelname)s %(name)s: %(message)s")
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     if launch.world_size > 1 or "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     if launch.rank == 0:
         print(f"verl_ds: launcher={launch.launcher} world_size={launch.world_size} "
               f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---", flush=True)
-    trainer = Trainer(cfg, launch)
+    trainer = Trainer(cfg, launch, data=data)
     install_from_env(trainer)  # VERL_DS_FAULT: tests break real runs at chosen points
     summary = trainer.fit()
     if launch.rank == 0:

@@ -2,8 +2,9 @@
 
 - `PromptDataset` reads JSON lines, Parquet, or a `datasets` data set saved with `save_to_disk`, tokenizes the prompt
   field (optionally through the chat template) and keeps pass-through fields for reward functions. Bad rows never
-  crash: each is skipped (or, when overlong, truncated) and counted by reason; `report()` and `summary()` say what
-  happened and where. A missing file, an unsupported format or zero usable rows is an error at construction.
+  crash: each is skipped (or, when overlong, truncated) and counted by reason; a row repeating an earlier one of a
+  file is kept and counted (`duplicate_row`); `report()` and `summary()` say what happened and where. Files are read
+  by `verl_ds.data_files` (strict JSON: huge integers, repeated keys and non-finite numbers are reasons too). A missing file, an unsupported format or zero usable rows is an error at construction.
 - `DistributedPromptSampler` draws a seeded permutation per epoch; each rank takes its shard of every global batch;
   its `state_dict()` resumes exactly.
 - `collate_prompts` left-pads a list of items into tensors.
@@ -16,10 +17,16 @@ from collections import Counter
 
 import torch
 
-# Why a row was skipped (or, for "truncated", kept but cut). Keys are the counted reasons in `report()`.
+from verl_ds.data_files import read_json_lines, read_parquet, read_saved_dataset
+
+# Why a row was skipped (or, for "truncated" and "duplicate_row", kept and counted). Keys are the counted reasons
+# in `report()`.
 REASONS = {
     "non_utf8": "line is not valid UTF-8",
     "invalid_json": "line is not valid JSON",
+    "huge_number": "an integer has more digits than Python converts (sys.get_int_max_str_digits(), 4300 by default)",
+    "duplicate_key": "a JSON object repeats a key (which value was meant is ambiguous)",
+    "non_finite_number": "a number is NaN, Infinity or beyond float range (e.g. 1e999); JSON has no such numbers",
     "too_deep": "line is JSON nested too deeply to read",
     "not_an_object": "row is not a JSON object",
     "missing_prompt": "prompt field missing",
@@ -32,6 +39,7 @@ REASONS = {
     "overlong": "prompt longer than max_prompt_length (skipped)",
     "truncated": "prompt longer than max_prompt_length (kept, cut from the left)",
     "unscorable": "a reward function raised an error on the row (checked with an empty response before training)",
+    "duplicate_row": "the same row as an earlier one in the file (kept: repeats weight a prompt, maybe by mistake)",
 }
 _OPTIONS = ("prompt_key", "max_prompt_length", "overlong", "empty", "apply_chat_template", "passthrough_keys")
 _ITEM_KEYS = ("input_ids", "prompt")  # what every item holds besides pass-through fields
@@ -64,16 +72,16 @@ class PromptDataset(torch.utils.data.Dataset):
         if not os.path.exists(path):
             raise ValueError(f"data file {path!r} does not exist")
         if os.path.isdir(path):
-            rows = _read_saved_dataset(path, split)
+            rows = read_saved_dataset(path, split)
         else:
             ext = os.path.splitext(path)[1].lower()
-            readers = {".jsonl": _read_json_lines, ".ndjson": _read_json_lines, ".json": _read_json_lines,
-                       ".parquet": _read_parquet}
+            readers = {".jsonl": read_json_lines, ".ndjson": read_json_lines, ".json": read_json_lines,
+                       ".parquet": read_parquet}
             if ext not in readers:
                 raise ValueError(f"data file {path!r}: unsupported extension {ext!r}; expected one of "
                                  f"{sorted(readers)} or a directory saved with datasets' save_to_disk")
             rows = readers[ext](path)
-        return _build(cls, rows, tokenizer, source=path, **options)
+        return _build(cls, rows, tokenizer, source=path, count_duplicates=True, **options)
 
     @classmethod
     def from_records(cls, records: list, tokenizer, *, prompt_key: str = "prompt",
@@ -129,75 +137,6 @@ def _describe(reason: str, where: list[str]) -> str:
     return f"{reason} {len(where)} ({', '.join(where[:_SHOW])}{more})"
 
 
-def _read_json_lines(path: str) -> list[tuple[str, object, str | None]]:
-    """(location, row, reason) per non-blank line; a .json file holding one array is read as its elements."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if data.startswith(b"\xef\xbb\xbf"):
-        data = data[3:]
-    if path.lower().endswith(".json") and data.lstrip()[:1] == b"[":
-        try:
-            array = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            why = "nested too deeply to read" if isinstance(e, RecursionError) else e
-            raise ValueError(f"data file {path!r}: not a valid JSON array ({why}); use JSON lines to skip bad rows "
-                             "one by one") from None
-        return [(f"item {i}", row, None) for i, row in enumerate(array)]
-    rows = []
-    for n, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        where = f"line {n}"
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            rows.append((where, None, "non_utf8"))
-            continue
-        try:
-            rows.append((where, json.loads(text), None))
-        except json.JSONDecodeError:
-            rows.append((where, None, "invalid_json"))
-        except RecursionError:  # e.g. 50000 nested arrays: a row to skip, not a crash of the loader
-            rows.append((where, None, "too_deep"))
-    return rows
-
-
-def _read_parquet(path: str) -> list[tuple[str, object, str | None]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(f"reading {path!r} needs pyarrow (pip install pyarrow)") from e
-    try:
-        records = pq.read_table(path).to_pylist()
-    except Exception as e:
-        raise ValueError(f"data file {path!r}: cannot read as Parquet: {type(e).__name__}: {e}") from e
-    return [(f"row {i}", row, None) for i, row in enumerate(records)]
-
-
-def _read_saved_dataset(path: str, split: str | None) -> list[tuple[str, object, str | None]]:
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError(f"reading the directory {path!r} needs the `datasets` package (pip install datasets)") from e
-    try:
-        ds = datasets.load_from_disk(path)
-    except Exception as e:
-        raise ValueError(f"data directory {path!r} is not a data set saved with datasets' save_to_disk "
-                         f"({type(e).__name__}: {e})") from e
-    if isinstance(ds, datasets.DatasetDict):
-        names = list(ds)
-        if split is None and len(names) == 1:
-            split = names[0]
-        elif split is None:
-            split = "train" if "train" in ds else None
-        if split not in ds:
-            raise ValueError(f"data directory {path!r} holds splits {names}; set split to one of them (got {split!r})")
-        ds = ds[split]
-    elif split is not None:
-        raise ValueError(f"split={split!r} given but {path!r} holds a single data set, not a DatasetDict")
-    return [(f"row {i}", row, None) for i, row in enumerate(ds.to_list())]
-
-
 def _check_options(tokenizer, prompt_key, max_prompt_length, overlong, empty, apply_chat_template, passthrough_keys):
     if not isinstance(prompt_key, str) or not prompt_key:
         raise ValueError(f"prompt_key: expected a non-empty field name, got {prompt_key!r}")
@@ -235,11 +174,16 @@ def _prompt_text(value, apply_chat_template: bool) -> tuple[str | None, list | N
     return None, None, "non_string_prompt"
 
 
+def _row_key(row: dict) -> str:
+    """A row's identity for finding repeats: its fields, in any order (Parquet values may not be JSON types)."""
+    return json.dumps(row, sort_keys=True, default=repr, ensure_ascii=False)
+
+
 def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None, overlong="truncate",
-           empty="skip", apply_chat_template=False, passthrough_keys=None, source="records"):
+           empty="skip", apply_chat_template=False, passthrough_keys=None, source="records", count_duplicates=False):
     _check_options(tokenizer, prompt_key, max_prompt_length, overlong, empty, apply_chat_template, passthrough_keys)
     problems: dict[str, list[str]] = {}
-    kept = []  # (where, prompt text, text to tokenize, passthrough dict)
+    kept = []  # (where, prompt text, text to tokenize, passthrough dict, row key or None)
 
     def bad(reason, where):
         if reason == "empty_prompt" and empty == "error":
@@ -247,7 +191,7 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
         problems.setdefault(reason, []).append(where)
 
     if passthrough_keys is None:  # every field but the prompt; the item's own names cannot be overwritten
-        keys = list(dict.fromkeys(k for _, row, _ in rows if isinstance(row, dict) for k in row
+        keys = list(dict.fromkeys(k for _, row, why in rows if why is None and isinstance(row, dict) for k in row
                                   if k != prompt_key and k not in _ITEM_KEYS))
     else:
         keys = [k for k in passthrough_keys if k != prompt_key]
@@ -280,7 +224,7 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
             except Exception:  # templates may raise_exception() on messages they reject (roles not alternating)
                 bad("chat_template_error", where)
                 continue
-        kept.append((where, text, to_tokenize, {k: row.get(k) for k in keys}))
+        kept.append((where, text, to_tokenize, {k: row.get(k) for k in keys}, _row_key(row) if count_duplicates else None))
 
     # The chat template already spells out BOS etc. as text; adding special tokens again would double them.
     ids_list = []
@@ -288,8 +232,8 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
         chunk = [k[2] for k in kept[start:start + _TOKENIZE_CHUNK]]
         ids_list += tokenizer(chunk, add_special_tokens=not apply_chat_template)["input_ids"]
 
-    items, item_where = [], []
-    for (where, text, _, extras), ids in zip(kept, ids_list):
+    items, item_where, first_seen = [], [], {}
+    for (where, text, _, extras, key), ids in zip(kept, ids_list):
         if not ids:
             bad("empty_prompt", where)
             continue
@@ -301,6 +245,11 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
             if overlong == "skip":
                 continue
             ids = ids[-max_prompt_length:]
+        if key is not None:  # generated sets (from_records) repeat short prompts by design: files only
+            if key in first_seen:
+                bad("duplicate_row", f"{where}={first_seen[key]}")
+            else:
+                first_seen[key] = where
         items.append({"input_ids": list(ids), "prompt": text, **extras})
         item_where.append(where)
 

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -87,6 +88,11 @@ def load_reward_fn(spec: str) -> RewardFn:
     fn = getattr(module, attr)
     if not callable(fn):
         raise TypeError(f"reward function {spec!r}: {attr!r} is a {type(fn).__name__}, not callable")
+    # a class would be instantiated, a C builtin (print, eval, os.system) would run on the texts: neither scores
+    if inspect.isclass(fn) or isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        kind = "a class" if inspect.isclass(fn) else "a built-in function"
+        raise TypeError(f"reward function {spec!r}: {attr!r} is {kind}, not a reward function; expected a Python "
+                        "function (or callable object) fn(prompts, responses, batch) -> one float per response")
     _check_signature(fn, spec)
     return fn
 

@@ -47,9 +47,9 @@ log = logging.getLogger(__name__)
 class Trainer:
     """Builds a run from a ``Config`` (``verl_ds.builder``) and runs ``fit()``; see the module docstring."""
 
-    def __init__(self, cfg: Config, launch: vdist.LaunchInfo):
+    def __init__(self, cfg: Config, launch: vdist.LaunchInfo, data=None):
         self.cfg = cfg
-        self.derived = check_startup(cfg, launch.world_size)  # one gate: fails before any model is built
+        self.derived = check_startup(cfg, launch.world_size, launch.rank)  # one gate: fails before any model is built
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device
         if self.device == "cpu" and cfg.trainer.cpu_keep_freed_memory:
             keep_freed_memory()  # before any model is built: every step reuses the same pages
@@ -67,7 +67,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard=cfg.trainer.tensorboard,
                                      wandb=cfg.trainer.wandb, config=cfg.to_dict())
         self.guard = NonFiniteGuard(cfg.trainer.max_bad_steps, self.out_dir, self.rank, self.world)
-        self.c = build(cfg, self.derived, self.rank, self.world, self.out_dir)
+        self.c = build(cfg, self.derived, self.rank, self.world, self.out_dir, data=data)
         self.state, self.registry, self.ppo, self.tokenizer = self.c.state, self.c.registry, self.c.ppo, self.c.tokenizer
         spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
                 "model_weight": cfg.reward.model_weight}

@@ -33,7 +33,8 @@ def test_jsonl_items_and_passthrough(tmp_path, tok):
 
 def test_bom_crlf_and_blank_lines_are_not_bad_rows(tmp_path, tok):
     path = tmp_path / "d.jsonl"
-    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\r\n\r\n   \n" + json.dumps(GOOD).encode())
+    other = {**GOOD, "target": "other"}  # the same row twice would be counted as a duplicate_row
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode() + b"\r\n\r\n   \n" + json.dumps(other).encode())
     ds = PromptDataset.from_file(str(path), tok)
     assert len(ds) == 2 and ds.report() == {}
 
@@ -42,11 +43,30 @@ def test_json_array_file(tmp_path, tok):
     path = tmp_path / "d.json"
     path.write_text(json.dumps([GOOD, {"prompt": None}, GOOD]))
     ds = PromptDataset.from_file(str(path), tok)
-    assert len(ds) == 2 and ds.report() == {"null_prompt": 1}
+    assert len(ds) == 2 and ds.report() == {"null_prompt": 1, "duplicate_row": 1}
     assert "null_prompt 1 (item 1)" in ds.summary()
     path.write_text("[" + json.dumps(GOOD) + ",")
     with pytest.raises(ValueError, match="not a valid JSON array"):
         PromptDataset.from_file(str(path), tok)
+
+
+def test_json_array_file_with_rows_the_parser_would_refuse_or_accept_silently(tmp_path, tok):
+    """A 5000-digit integer used to raise out of json.loads and refuse the whole array; repeated keys, 1e999 and
+    a repeated row passed unreported. Each is now counted at its item; the array's other rows are kept."""
+    items = [json.dumps(GOOD), '{"prompt": "odd : 1 =>", "n": ' + "9" * 5000 + "}",
+             '{"prompt": "odd : 2 =>", "prompt": "even : 2 =>"}', '{"prompt": "odd : 3 =>", "w": 1e999}',
+             json.dumps({"target": "even", "prompt": "even : 3 8 =>"}), '{"prompt": "odd : 4 =>"}']
+    path = tmp_path / "d.json"
+    path.write_text("[" + ", ".join(items) + "]")
+    ds = PromptDataset.from_file(str(path), tok)
+    assert ds.report() == {"huge_number": 1, "duplicate_key": 1, "non_finite_number": 1, "duplicate_row": 1}
+    assert [item["prompt"] for item in ds] == ["even : 3 8 =>", "even : 3 8 =>", "odd : 4 =>"]
+    assert "duplicate_row 1 (item 4=item 0)" in ds.summary()
+
+
+def test_generated_records_are_not_checked_for_repeats(tok):
+    """from_records serves the built-in task, whose short prompts repeat by design (826 of its default 4096)."""
+    assert PromptDataset.from_records([GOOD, GOOD], tok).report() == {}
 
 
 def test_json_lines_in_a_json_file(tmp_path, tok):
@@ -201,7 +221,7 @@ BAD_ROWS = [
     (b'{"prompt": null}', "null_prompt", {}),
     (b'{"prompt": 17}', "non_string_prompt", {}),
     (b'{"prompt": 1.5e3}', "non_string_prompt", {}),
-    (b'{"prompt": NaN}', "non_string_prompt", {}),
+    (b'{"prompt": NaN}', "non_finite_number", {}),  # not JSON (RFC 8259): counted as such, before the type
     (b'{"prompt": true}', "non_string_prompt", {}),
     (b'{"prompt": ["even", "1"]}', "non_string_prompt", {}),
     (b'{"prompt": {"text": "even"}}', "non_string_prompt", {}),
@@ -223,8 +243,8 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("line, reason, options", BAD_ROWS, ids=[f"{r}-{i}" for i, (_, r, _) in enumerate(BAD_ROWS)])
 def test_each_bad_row_is_counted_under_its_reason(tmp_path, tok, line, reason, options):
-    good = json.dumps(GOOD).encode()
-    path = write_lines(tmp_path / "d.jsonl", [good, line, good])
+    good, other = json.dumps(GOOD).encode(), json.dumps({**GOOD, "target": "other"}).encode()
+    path = write_lines(tmp_path / "d.jsonl", [good, line, other])
     ds = PromptDataset.from_file(path, tok, **options)
     assert ds.report() == {reason: 1}
     assert len(ds) == (3 if reason == "truncated" else 2)
@@ -235,8 +255,8 @@ def test_each_bad_row_is_counted_under_its_reason(tmp_path, tok, line, reason, o
 def test_all_bad_rows_in_one_file(tmp_path, tok):
     plain = [(line, reason) for line, reason, options in BAD_ROWS if not options]
     lines, expected = [], {}
-    for line, reason in plain:
-        lines += [json.dumps(GOOD).encode(), line]
+    for i, (line, reason) in enumerate(plain):
+        lines += [json.dumps({**GOOD, "id": i}).encode(), line]
         expected[reason] = expected.get(reason, 0) + 1
     ds = PromptDataset.from_file(write_lines(tmp_path / "d.jsonl", lines), tok)
     assert len(plain) >= 20
@@ -244,4 +264,4 @@ def test_all_bad_rows_in_one_file(tmp_path, tok):
     summary = ds.summary()
     assert summary.startswith(f"{tmp_path / 'd.jsonl'}: kept {len(plain)} of {2 * len(plain)} rows; ")
     assert "non_utf8 2 (line 2, line 4)" in summary
-    assert "non_string_prompt 7 (line 28, line 30, line 32, +4 more)" in summary
+    assert "non_string_prompt 6 (line 28, line 30, line 34, +3 more)" in summary

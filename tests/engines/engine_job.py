@@ -12,7 +12,8 @@ def setup(extra=(), world: int = 1) -> tuple:
     from verl_ds.config import load_config, validate
     from verl_ds.engines.build import load_tokenizer
 
-    cfg = load_config(None, BASE + list(extra))
+    given = {o.split("=", 1)[0] for o in extra}  # a key given twice is refused: extra replaces BASE's
+    cfg = load_config(None, [o for o in BASE if o.split("=", 1)[0] not in given] + list(extra))
     derived = validate(cfg, world)
     if not _tokenizers:
         _tokenizers.append(load_tokenizer(cfg))

@@ -39,10 +39,19 @@ BAD_ROWS = [
     (b'{"prompt": "   \\t  ", "target": "odd"}', "empty_prompt"),
     (b'{"prompt": "odd \\ud800 : 1 =>", "target": "odd"}', "invalid_unicode"),
     (b'{"prompt": "odd : 1 2 =>"}', "missing_passthrough"),
+    # issue 31 item 17: each of these used to refuse the whole file (a ValueError out of the JSON parser) or pass
+    (b'{"prompt": "odd : 3 =>", "target": "odd", "id": ' + b"7" * 5000 + b"}", "huge_number"),
+    (b'{"prompt": "odd : 3 =>", "target": "odd", "n": [1, {"big": -' + b"1" * 4301 + b"}]}", "huge_number"),
+    (b'{"prompt": "odd : 3 =>", "prompt": "even : 3 =>", "target": "odd"}', "duplicate_key"),
+    (b'{"prompt": "odd : 3 =>", "target": "odd", "meta": {"a": 1, "a": 2}}', "duplicate_key"),
+    (b'{"prompt": "odd : 3 =>", "target": "odd", "weight": 1e999}', "non_finite_number"),
+    (b'{"prompt": "odd : 3 =>", "target": "odd", "weight": -Infinity}', "non_finite_number"),
+    (b'{"prompt": "odd : 3 =>", "target": "odd", "scores": [0.5, NaN]}', "non_finite_number"),
     (json.dumps({"prompt": LONG, "target": "odd"}).encode(), "truncated"),
     (json.dumps({"prompt": "even : " + "2 " * 50 + "=>", "target": "even"}).encode(), "truncated"),
 ]
-GOOD = [json.dumps(r).encode() for r in parity.generate_prompts(64, seed=3)]
+# distinct rows: a repeated one would be counted (duplicate_row)
+GOOD = list(dict.fromkeys(json.dumps(r).encode() for r in parity.generate_prompts(64, seed=3)))
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +79,27 @@ def test_each_bad_row_is_counted_under_its_reason(tmp_path, tokenizer, raw, reas
     assert f"{reason} 1 (line 2)" in ds.summary()
     if reason == "truncated":
         assert len(ds[1]["input_ids"]) == MAX_PROMPT and ds[1]["prompt"].startswith(("odd", "even"))
+
+
+def test_identical_rows_are_kept_and_counted_with_the_row_they_repeat(tmp_path, tokenizer):
+    same = b'{"prompt": "odd : 5 5 =>", "target": "odd"}'
+    reordered = b'{"target": "odd", "prompt": "odd : 5 5 =>"}'  # the same row: key order does not matter
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join([GOOD[0], same, GOOD[1], same, same, reordered, same, GOOD[2]]) + b"\n")
+    ds = _dataset(path, tokenizer)
+    assert ds.report() == {"duplicate_row": 4} and len(ds) == 8
+    assert "duplicate_row 4 (line 4=line 2, line 5=line 2, line 6=line 2, +1 more)" in ds.summary()
+
+
+def test_a_file_of_strict_json_problems_keeps_its_good_rows(tmp_path, tokenizer):
+    """One file with every new reason: nothing refuses the file, each bad row is counted where it is."""
+    new = [(raw, reason) for raw, reason in BAD_ROWS if reason in ("huge_number", "duplicate_key", "non_finite_number")]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"\n".join(GOOD[:3] + [raw for raw, _ in new]) + b"\n")
+    ds = _dataset(path, tokenizer)
+    assert len(ds) == 3 and ds.report() == {"huge_number": 2, "duplicate_key": 2, "non_finite_number": 3}
+    assert "huge_number 2 (line 4, line 5); duplicate_key 2 (line 6, line 7); non_finite_number 3 (line 8, line 9, " \
+           "line 10)" in ds.summary()
 
 
 def test_overlong_rows_are_skipped_when_configured(tmp_path, tokenizer):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, read_metrics
+from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, merged, read_metrics
 from server_testutil import TOKEN, call
 from verl_ds import client
 from verl_ds.server import URL_FILE
@@ -55,10 +55,10 @@ def live_run(tmp_path_factory):
     out = str(tmp / "run")
     reward_file = tmp / "const_reward.py"
     reward_file.write_text(f"def const(prompts, responses, batch):\n    return [{CONST_REWARD}] * len(responses)\n")
-    args = [f"trainer.output_dir={out}", *FAST, f"trainer.total_steps={TOTAL_STEPS}", "trainer.val_every=0",
-            "trainer.export_hf=false", "trainer.save_every=0", "server.enabled=true", "algo.kl_ctrl=fixed",
-            "algo.kl_coef=0.01", "rollout.temperature=1.0",
-            f'server.swappable_rewards=["{reward_file}:const"]']  # the only code the server may swap in
+    args = merged([f"trainer.output_dir={out}"], FAST, [
+        f"trainer.total_steps={TOTAL_STEPS}", "trainer.val_every=0", "trainer.export_hf=false", "trainer.save_every=0",
+        "server.enabled=true", "algo.kl_ctrl=fixed", "algo.kl_coef=0.01", "rollout.temperature=1.0",
+        f'server.swappable_rewards=["{reward_file}:const"]'])  # the only code the server may swap in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            TRAIN, *args]
     log_path = str(tmp / "train.log")

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics
+from e2e_utils import FAST, ROOT, TRAIN, base_env, merged, read_metrics
 from hostile_requests import CORPUS, Case, send
 from server_testutil import TOKEN
 
@@ -44,8 +44,9 @@ def _logged_steps(out: str) -> int:
 
 def test_soak_of_valid_invalid_and_hostile_requests_while_training(tmp_path):
     out = str(tmp_path / "run")
-    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "trainer.total_steps=100000", "trainer.val_every=0",
-            "trainer.export_hf=false", "server.enabled=true", "algo.kl_ctrl=fixed", "algo.kl_coef=0.01"]
+    args = [sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, [
+        "trainer.total_steps=100000", "trainer.val_every=0", "trainer.export_hf=false", "server.enabled=true",
+        "algo.kl_ctrl=fixed", "algo.kl_coef=0.01"])]
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=log,
                             stderr=subprocess.STDOUT)

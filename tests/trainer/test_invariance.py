@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from e2e_utils import base_env, free_port, read_metrics, run_group, run_train
+from e2e_utils import base_env, free_port, merged, read_metrics, run_group, run_train
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
@@ -21,7 +21,7 @@ BASE = ["rollout.batch_size=8", "actor.mini_batch_size=8", "actor.ppo_epochs=1",
 
 def _probe(root, name: str, overrides: list, nproc: int = 1, **env) -> dict:
     result = root / f"{name}.pt"
-    args = [str(result), f"trainer.output_dir={root / name}", *BASE, *overrides]
+    args = [str(result), *merged([f"trainer.output_dir={root / name}"], BASE, overrides)]
     cmd = [sys.executable, PROBE, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
          PROBE, *args]

@@ -10,7 +10,7 @@ import threading
 import time
 import urllib.request
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics, run_train
+from e2e_utils import FAST, ROOT, TRAIN, base_env, merged, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
@@ -30,7 +30,7 @@ def _run_with_request(out: str, overrides: list, method: str, path: str, body: d
     """A training run with the control server on; ``body`` is sent as soon as the server's URL appears.
     Returns (the finished process, the server's answer)."""
     url_file = os.path.join(out, "server_url.txt")
-    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "server.enabled=true", *overrides]
+    args = [sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, ["server.enabled=true"], overrides)]
     env = base_env(VERL_DS_SERVER_TOKEN=TOKEN, **(env_extra or {}))
     proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     answer = {}

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env
+from e2e_utils import FAST, ROOT, TRAIN, base_env, merged
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
@@ -31,8 +31,8 @@ def _send(url: str, token: str, body: dict):
 
 def test_a_token_on_the_command_line_appears_nowhere(tmp_path):
     out = tmp_path / "run"
-    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "trainer.total_steps=3", "server.enabled=true",
-            f"server.token={TOKEN}", "trainer.save_every=1"]
+    args = [sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, [
+        "trainer.total_steps=3", "server.enabled=true", f"server.token={TOKEN}", "trainer.save_every=1"])]
     proc = subprocess.Popen(args, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url_file = out / "server_url.txt"
     while proc.poll() is None and not url_file.is_file():

@@ -5,7 +5,8 @@
 - ``loader``: strict YAML (no duplicate keys, bounded nesting) and per-key checks (``load_config``).
 - ``validate``: cross-field rules and the Derived per-rank sizes for a world size.
 - ``limits``: this run's limits on hot keys (context length, KL estimator vs placement), shared with SharedState.
-- ``startup``: ``check_startup``, the gate that refuses a job before anything is built.
+- ``startup``: ``check_startup``, the gate that refuses a job before anything is built; ``ports``: its bind check of
+  the control server's address.
 """
 from .describe import describe
 from .fields import ConfigError, Spec, check_value

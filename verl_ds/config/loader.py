@@ -155,6 +155,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _check_repeat(given: dict, key: str, n: int) -> None:
+    """Refuse a key given twice among the overrides (also as a section and a key in it): the last one would win
+    silently, and which one the user meant is not knowable. Values are not shown (one may be a secret)."""
+    for other, first in given.items():
+        if key == other or key.startswith(other + ".") or other.startswith(key + "."):
+            what = f"{key}: given twice" if key == other else f"{key}: overlaps {other!r}"
+            raise ConfigError(f"{what} among the overrides (overrides {first} and {n}); give each key once")
+    given[key] = n
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list] = None) -> Config:
     """Load a YAML file (optional) and apply ``key.sub=value`` overrides onto the defaults."""
     tree: Any = {}
@@ -165,7 +175,9 @@ def load_config(path: Optional[str] = None, overrides: Optional[list] = None) ->
             tree = {}
         if not isinstance(tree, dict):
             raise ConfigError(f"{what}: expected a mapping at the top level, got {type(tree).__name__}")
-    for item in overrides or []:
+    given: dict[str, int] = {}
+    for n, item in enumerate(overrides or [], start=1):
         key, value = parse_override(item)
+        _check_repeat(given, key, n)
         _set_dotted(tree, key, value)
     return _build(Config, tree, "")

@@ -21,6 +21,14 @@ TOKEN_ENV = "VERL_DS_SERVER_TOKEN"
 # already overflows to inf and the softmax gives NaN, and 5e-324 is 0 in fp32 (a division by zero). At 1e-2
 # logits are scaled by 100, far from overflow, and sampling is already close to greedy.
 MIN_TEMPERATURE = 1e-2
+# numpy's legacy global seed is 32 bits (np.random.seed); torch and the sampler take any int >= 0 below it too
+MAX_SEED = 2**32 - 1
+# the built-in task's prompts are generated and tokenized on every rank before training (about 20 us each):
+# 2^20 take about 20 s; more would stall the start for minutes and hold gigabytes of small Python objects
+MAX_GENERATED_PROMPTS = 1 << 20
+# torch.distributed converts the timeout to a timedelta and then to int64 milliseconds; 30 days is far beyond
+# any wait a job means (a hung rank must be noticed)
+MAX_DIST_TIMEOUT_S = 30 * 86400
 
 
 def _kl_kinds() -> tuple:
@@ -53,12 +61,12 @@ class ModelConfig:
     critic_path: Optional[str] = _f(None, "Local HF directory for the critic backbone; None: same as `path` (or the tiny config).", nonempty=True)
     tokenizer_path: Optional[str] = _f(None, "Local tokenizer directory; None: the model path's tokenizer, or the built-in word-level tokenizer.", nonempty=True)
     arch: Literal["llama", "qwen2"] = _f("llama", "Architecture of the model built from config when `path` is None.")
-    hidden_size: int = _f(64, "Hidden size of the model built from config.", min=1)
-    intermediate_size: int = _f(128, "MLP size of the model built from config.", min=1)
-    num_layers: int = _f(2, "Layers of the model built from config.", min=1)
-    num_heads: int = _f(4, "Attention heads of the model built from config.", min=1)
-    num_kv_heads: int = _f(2, "Key/value heads of the model built from config.", min=1)
-    max_position_embeddings: int = _f(256, "Context length of the model built from config (prompt + response must fit).", min=8)
+    hidden_size: int = _f(64, "Hidden size of the model built from config.", min=1, max=1 << 16)
+    intermediate_size: int = _f(128, "MLP size of the model built from config.", min=1, max=1 << 18)
+    num_layers: int = _f(2, "Layers of the model built from config.", min=1, max=1 << 10)
+    num_heads: int = _f(4, "Attention heads of the model built from config.", min=1, max=1 << 10)
+    num_kv_heads: int = _f(2, "Key/value heads of the model built from config.", min=1, max=1 << 10)
+    max_position_embeddings: int = _f(256, "Context length of the model built from config (prompt + response must fit).", min=8, max=1 << 20)
     pad_is_eos: bool = _f(False, "Built-in tokenizer only: make pad == eos (a common real-world setup) to exercise that path.")
     dtype: Literal["fp32", "bf16"] = _f("fp32", "Parameter / compute dtype of actor, critic and reference engines.")
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in actor and critic (HF gradient_checkpointing_enable).")
@@ -67,7 +75,7 @@ class ModelConfig:
     share_response_prefixes: bool = _f(True, "With share_prompts: the samples of one prompt also share the leading response tokens they have in common (a token's state depends on its prefix only), so those are computed once in log-prob and update forwards; the same log-probs and gradients. Saves most where samples agree on their first tokens (short answers, a policy that has converged).")
     fused_lm_head: bool = _f(False, "Log-probs and entropy from the final hidden states and the LM-head weight in chunks (online log-sum-exp), never building the (N, V) logits.")
     cpu_linear: Literal["auto", "onednn", "torch"] = _f("auto", "Backend of the Linear layers of float32 models on a CPU: onednn (torch's bundled oneDNN inner product for the forward and the input gradient of layers whose products reach 2^24 multiply-adds; weight gradients stay torch products), torch (F.linear: MKL in the x86 wheels), auto (onednn on AMD CPUs with AVX-512, where MKL takes its AVX2 path: the 30M benchmark model's products 10-15% faster, its GRPO step 3-9%; torch elsewhere). Same sums in another order (last-bit differences); verl_ds.engines.cpu_linear.")
-    init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).")
+    init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).", min=0, max=MAX_SEED)
 
 
 @dataclass
@@ -79,8 +87,8 @@ class DataConfig:
     max_prompt_length: int = _f(32, "Prompt token limit.", min=1)
     overlong: Literal["truncate", "skip"] = _f("truncate", "What to do with prompts longer than max_prompt_length (counted either way).")
     apply_chat_template: bool = _f(False, "Wrap each prompt as a user message with the tokenizer's chat template.")
-    num_train_prompts: int = _f(4096, "Built-in task only: number of generated training prompts.", min=1)
-    num_val_prompts: int = _f(64, "Built-in task only: number of generated held-out prompts.", min=1)
+    num_train_prompts: int = _f(4096, "Built-in task only: number of generated training prompts (generating and tokenizing them costs about 20 us each on every rank).", min=1, max=MAX_GENERATED_PROMPTS)
+    num_val_prompts: int = _f(64, "Built-in task only: number of generated held-out prompts.", min=1, max=MAX_GENERATED_PROMPTS)
 
 
 @dataclass
@@ -190,7 +198,7 @@ class TrainerConfig:
     total_steps: int = _f(150, "PPO steps to run.", min=1)
     output_dir: str = _f("runs/default", "Run directory: metrics, checkpoints, the HF export.", nonempty=True)
     resume: str = _f("auto", "auto (latest complete checkpoint in output_dir, if any) | none | a checkpoint directory (global_step_<N>).", nonempty=True)
-    seed: int = _f(0, "Seed for data order, sampling and every rank's RNG.")
+    seed: int = _f(0, "Seed for data order, sampling and every rank's RNG.", min=0, max=MAX_SEED)
     save_every: int = _f(0, "Checkpoint every N steps (0: only at the end).", min=0)
     keep_last: int = _f(2, "Checkpoints kept (older ones are deleted).", min=1)
     verify_checkpoint: Literal["edges", "full"] = _f("edges", "Checkpoint check on resume: digests of each file's first and last MiB (edges), or of whole files (full: finds a bit flip in the middle of a shard; about 5 s per GiB read; needs trainer.checkpoint_digest=full).")
@@ -204,7 +212,7 @@ class TrainerConfig:
     plot: bool = _f(True, "Write reward_curve.png at the end (needs matplotlib).")
     tensorboard: bool = _f(False, "Also log to TensorBoard (if installed).")
     wandb: bool = _f(False, "Also log to Weights & Biases (if installed).")
-    dist_timeout_s: int = _f(300, "Collective timeout: a dead rank makes the others fail after this long.", min=1)
+    dist_timeout_s: int = _f(300, "Collective timeout: a dead rank makes the others fail after this long.", min=1, max=MAX_DIST_TIMEOUT_S)
     max_bad_steps: int = _f(3, "Stop after this many consecutive steps with a non-finite loss or gradient.", min=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device for the engines (auto: cuda when available; cuda without CUDA is refused).")
     cpu_keep_freed_memory: bool = _f(True, "CPU runs on glibc: malloc keeps freed memory for reuse instead of returning it to the OS and faulting it back in at every micro-batch (mallopt M_TRIM_THRESHOLD, M_MMAP_THRESHOLD 32 MiB; verl_ds.runtime.malloc), as jemalloc/tcmalloc do; the heap's peak stays resident. Not applied when the engines run on a GPU.")

@@ -10,6 +10,7 @@ import socket
 from typing import Optional
 
 from .fields import ConfigError
+from .ports import check_bind
 from .schema import TOKEN_ENV, Config
 from .validate import Derived, validate
 
@@ -54,6 +55,9 @@ def _check_data_file(key: str, path: Optional[str]) -> None:
                               f"(no state.json + dataset_info.json, nor dataset_dict.json); give a "
                               f"{', '.join(DATA_EXTENSIONS)} file or such a directory")
         return
+    if not os.path.isfile(path):  # a FIFO or a device: opening it blocks or reading never ends
+        raise ConfigError(f"{key}: {path!r} is not a regular file (a FIFO, socket or device); expected a "
+                          f"{', '.join(DATA_EXTENSIONS)} file or a datasets save_to_disk directory")
     ext = os.path.splitext(path)[1].lower()
     if ext not in DATA_EXTENSIONS:
         raise ConfigError(f"{key}: {path!r} has the unsupported extension {ext or '(none)'!r}; supported: "
@@ -63,6 +67,21 @@ def _check_data_file(key: str, path: Optional[str]) -> None:
             fh.read(1)
     except OSError as exc:
         raise ConfigError(f"{key}: {path!r} cannot be read: {exc.strerror or exc}") from None
+    if ext == ".parquet":
+        _check_parquet(key, path)
+
+
+def _check_parquet(key: str, path: str) -> None:
+    """Read the footer (schema and row groups, not the rows): a truncated or corrupt file fails here."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(f"{key}: reading {path!r} needs pyarrow (pip install pyarrow)") from None
+    try:
+        pq.ParquetFile(path).metadata
+    except Exception as exc:  # pyarrow raises ArrowInvalid, OSError, ... depending on the damage
+        raise ConfigError(f"{key}: {path!r} is not a readable Parquet file ({type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:200]})") from None
 
 
 def _check_reward_code(cfg: Config) -> None:
@@ -104,6 +123,39 @@ def _check_resume(cfg: Config) -> None:
         raise ConfigError(f"trainer.resume: {resume!r} is not a complete checkpoint ({why}); {hint}")
 
 
+def _built_model_params(cfg: Config) -> int:
+    """Parameters of the decoder layers of the model built from config (llama / qwen2 shapes; the embeddings,
+    which depend on the tokenizer, left out: a lower bound)."""
+    m = cfg.model
+    h, kv = m.hidden_size, m.hidden_size // m.num_heads * m.num_kv_heads
+    return m.num_layers * (2 * h * h + 2 * h * kv + 3 * h * m.intermediate_size + 2 * h)
+
+
+def _physical_memory() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not POSIX, or not reported
+        return None
+
+
+def _check_built_model_fits(cfg: Config) -> None:
+    """A model built from config trains on this machine's memory when the engines run on the CPU: its fp32
+    weights, gradients and Adam's two moments (16 bytes a parameter, however ZeRO partitions them across the
+    ranks) must fit, or the job would be killed for memory after minutes of building."""
+    total = _physical_memory()
+    if cfg.model.path is not None or total is None:
+        return
+    params = _built_model_params(cfg)
+    need = 16 * params
+    if need > total:
+        m = cfg.model
+        raise ConfigError(f"model.hidden_size={m.hidden_size}, model.intermediate_size={m.intermediate_size}, "
+                          f"model.num_layers={m.num_layers}: the model built from config has at least {params:.3g} "
+                          f"parameters; training it on the CPU needs at least 16 bytes each (fp32 weights, gradients, "
+                          f"Adam's two moments) = {need / 2**30:.0f} GiB, more than this machine's "
+                          f"{total / 2**30:.0f} GiB of memory; expected a smaller model (or model.path)")
+
+
 def _check_device(cfg: Config) -> None:
     if cfg.model.cpu_linear == "onednn":
         from verl_ds.engines.cpu_linear import onednn_available
@@ -112,6 +164,10 @@ def _check_device(cfg: Config) -> None:
             raise ConfigError("model.cpu_linear: 'onednn' but this torch build has no oneDNN inner product "
                               "(torch.ops.mkldnn._linear_pointwise); use model.cpu_linear=auto or torch")
     if cfg.trainer.device != "cuda":
+        import torch
+
+        if cfg.trainer.device == "cpu" or not torch.cuda.is_available():
+            _check_built_model_fits(cfg)
         return
     import torch
 
@@ -139,10 +195,15 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
-def _check_server(cfg: Config) -> None:
+def _check_server(cfg: Config, rank: int) -> None:
     s = cfg.server
     if not s.enabled:
         return
+    try:
+        socket.getaddrinfo(s.host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"server.host: {s.host!r} does not resolve to an address ({exc}); expected an IP address "
+                          "or a resolvable host name of this machine, e.g. 127.0.0.1") from None
     token = (s.token or os.environ.get(TOKEN_ENV) or "").strip()
     if not token and not is_loopback(s.host):
         raise ConfigError(f"server.host: {s.host!r} is reachable from other machines and no token is set, so anyone "
@@ -150,19 +211,21 @@ def _check_server(cfg: Config) -> None:
                           "server.host=127.0.0.1")
     if s.reward_model_dir is not None and not os.path.isdir(s.reward_model_dir):
         raise ConfigError(f"server.reward_model_dir: {s.reward_model_dir!r} is not an existing directory")
+    if rank == 0:  # the server runs on rank 0 only; other ranks on this machine would race it for the port
+        check_bind(s.host, s.port)
 
 
-def check_startup(cfg: Config, world_size: int = 1) -> Derived:
+def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
     """Everything that can refuse the job before anything is built: ``validate(cfg, world_size)``, then paths,
-    reward functions, the run directory (created), the checkpoint to resume, the device and the server.
-    Returns the Derived sizes; raises ConfigError naming the key."""
+    reward functions, the run directory (created), the checkpoint to resume, the device and the server (on
+    ``rank`` 0, that its address can be bound). Returns the Derived sizes; raises ConfigError naming the key."""
     derived = validate(cfg, world_size)
     _check_device(cfg)
     _check_models(cfg)
     _check_data_file("data.train_files", cfg.data.train_files)
     _check_data_file("data.val_files", cfg.data.val_files)
     _check_reward_code(cfg)
-    _check_server(cfg)
+    _check_server(cfg, rank)
     _check_resume(cfg)
     _check_output_dir(cfg.trainer.output_dir)
     return derived

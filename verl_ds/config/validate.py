@@ -95,7 +95,8 @@ def _check_reward_functions(cfg: Config) -> None:
             raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {show(spec)}")
 
 
-def _check_deepspeed_file(path) -> None:
+def _check_deepspeed_file(cfg: Config, derived: Derived) -> None:
+    path = cfg.deepspeed.config_file
     if path is None:
         return
     text = read_text_file(path, "deepspeed.config_file:")
@@ -105,6 +106,29 @@ def _check_deepspeed_file(path) -> None:
         raise ConfigError(f"deepspeed.config_file: {path!r} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"deepspeed.config_file: {path!r} must hold a JSON object, got a JSON {type(data).__name__}")
+    from verl_ds.engines.ds_config import make_ds_config  # local: the engines package imports torch
+
+    for role in ("actor", "critic", "ref"):  # each engine's JSON, as it will be built: refused here, not mid-build
+        try:
+            make_ds_config(cfg, derived, role, gpu=False)
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace("deepspeed.config_file ", "deepspeed.config_file: ", 1)) from None
+
+
+# what every prompt item holds besides pass-through fields (verl_ds.data builds them)
+RESERVED_ITEM_KEYS = ("input_ids", "prompt")
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    reserved = sorted(set(d.passthrough_keys) & set(RESERVED_ITEM_KEYS))
+    if reserved:
+        raise ConfigError(f"data.passthrough_keys: {reserved} name the tokenized prompt's own fields "
+                          f"{list(RESERVED_ITEM_KEYS)}; expected other field names (rename those fields in the data)")
+    if d.train_files is None and cfg.rollout.batch_size > d.num_train_prompts:
+        raise ConfigError(f"rollout.batch_size={cfg.rollout.batch_size} is larger than the prompt set "
+                          f"(data.num_train_prompts={d.num_train_prompts}): a step draws rollout.batch_size distinct "
+                          "prompts; raise data.num_train_prompts or lower rollout.batch_size")
 
 
 def initial_state(cfg: Config) -> dict:
@@ -145,8 +169,9 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
     for key, reason in limits.check(state, state).items():
         raise ConfigError(f"{STATE_FROM_CONFIG[key]}: {reason}")
     _check_reward_functions(cfg)
+    _check_data(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "
                           f"got {cfg.trainer.resume!r}")
-    _check_deepspeed_file(cfg.deepspeed.config_file)
+    _check_deepspeed_file(cfg, derived)
     return derived

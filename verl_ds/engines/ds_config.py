@@ -97,6 +97,7 @@ def merge_user_ds_config(generated: dict, path: str, user: Optional[dict] = None
     if "optimizer" in user:
         raise ValueError(f"deepspeed.config_file {path!r}: drop the 'optimizer' section; verl_ds passes a torch AdamW "
                          "(lr from actor.lr / critic.lr) so no fused optimizer is JIT-compiled")
+    _check_user_entries(user, generated, path)
     merged = dict(generated)
     for key, value in user.items():
         if key in _DERIVED_KEYS:
@@ -106,3 +107,28 @@ def merge_user_ds_config(generated: dict, path: str, user: Optional[dict] = None
         else:
             merged[key] = value
     return merged
+
+
+def _enabled(section) -> bool:
+    return isinstance(section, dict) and section.get("enabled") not in (None, False, "auto")
+
+
+def _check_user_entries(user: dict, generated: dict, path: str) -> None:
+    """Entries DeepSpeed would only reject (or crash on) deep inside engine construction: the ZeRO stage and
+    the precision, which model.dtype decides (the model is built in that dtype before DeepSpeed sees it)."""
+    where = f"deepspeed.config_file {path!r}"
+    zero = user.get("zero_optimization")
+    if zero is not None:
+        if not isinstance(zero, dict):
+            raise ValueError(f"{where}: zero_optimization must be a JSON object, got {json.dumps(zero)[:80]}")
+        stage = zero.get("stage")
+        if "stage" in zero and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3):
+            raise ValueError(f"{where}: zero_optimization.stage must be 0, 1, 2 or 3, got {json.dumps(stage)[:80]}; "
+                             "or drop it (deepspeed.zero_stage sets it)")
+    if _enabled(user.get("fp16")):
+        raise ValueError(f"{where}: fp16.enabled is not supported: the engines' precision comes from model.dtype "
+                         "(fp32 or bf16); drop the fp16 section and set model.dtype")
+    if "bf16" in user and _enabled(user["bf16"]) != generated["bf16"]["enabled"]:
+        raise ValueError(f"{where}: bf16 {json.dumps(user['bf16'])[:80]} contradicts model.dtype (the engines' "
+                         f"precision: bf16.enabled={str(generated['bf16']['enabled']).lower()}); drop the bf16 "
+                         "section and set model.dtype")
