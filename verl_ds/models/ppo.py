@@ -66,7 +66,7 @@ class PPOModel(TrainableRole):
             raise ValueError(f"PPOModel: is_cap must be None (no importance sampling correction) or a number >= 1, "
                              f"got {is_cap!r}")
         self.is_cap = None if is_cap is None else float(is_cap)
-        if state is None and actor is not None:
+        if state is None and isinstance(actor, PolicyModel):  # anything else is refused by name below
             state = actor.state
         super().__init__(state=state, actor=actor, critic=critic, reward=reward, ref=ref)
         if algo is None:
