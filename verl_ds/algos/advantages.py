@@ -17,7 +17,7 @@ inputs are never modified. Semantics follow verl's ``verl/trainer/ppo/core_algos
                                   samples of the group; a group of one has baseline 0 (verl's loop version)
     reinforce_plus_plus           Hu 2025 (arXiv:2501.03262): G_t = r_t + gamma G_(t+1), restarting after a
                                   masked token (verl's "reset after EOS"); A = whiten(G) over the valid tokens
-    reinforce_plus_plus_baseline  the same paper: A = whiten(s_i - mean_g) over the valid tokens
+    reinforce_plus_plus_baseline  the same paper: A = whiten(s_i - mean_g) over the valid tokens (eps 1e-8)
     remax                         Li et al. 2023 (arXiv:2310.10505): G_t = sum_(t'>=t) r_t', A = G_t - b_i
                                   with b_i the score of the greedy response to the same prompt
 
@@ -129,17 +129,18 @@ def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: t
 
 
 def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
-                                            eps: float = 1e-6, *, whiten_fn: Callable | None = None):
+                                            *, whiten_fn: Callable | None = None):
     """REINFORCE++ with a group baseline: (score - group mean) on every response token, whitened over the
-    valid tokens with variance epsilon ``eps`` (verl uses 1e-8; a group of one has mean 0).
+    valid tokens by :func:`masked_whiten` (variance epsilon 1e-8, as verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage``, whose ``epsilon`` is unused; a group of one has
+    mean 0).
 
     token_rewards, response_mask: (B, R); group_index: B ids. ``whiten_fn(x, response_mask)`` replaces the
     local whitening. Returns (advantages, returns), equal, float32, 0 off-response."""
-    eps = check_positive_number(eps, "eps")
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     _, mean, _ = group_count_mean_std(scores, inverse, n_groups)
     centered = _spread(scores - mean, m)
-    adv = whiten_fn(centered, m) if whiten_fn is not None else masked_whiten(centered, m, eps=eps)
+    adv = (whiten_fn or masked_whiten)(centered, m)
     adv = torch.where(m, adv.to(torch.float32), torch.zeros((), device=adv.device))
     return adv, adv.clone()
 
@@ -243,9 +244,8 @@ def _reinforce_pp(token_rewards, response_mask, *, gamma, whiten_fn, **_):
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline", needs_groups=True, kl_placement="loss")
-def _reinforce_pp_baseline(token_rewards, response_mask, *, group_index, eps, whiten_fn, **_):
-    return compute_reinforce_pp_baseline_advantage(token_rewards, response_mask, group_index, eps,
-                                                   whiten_fn=whiten_fn)
+def _reinforce_pp_baseline(token_rewards, response_mask, *, group_index, whiten_fn, **_):
+    return compute_reinforce_pp_baseline_advantage(token_rewards, response_mask, group_index, whiten_fn=whiten_fn)
 
 
 @register_advantage_estimator("remax", needs_baseline=True)
