@@ -278,7 +278,7 @@ class Trainer:
         micro-batch's summed loss over it is its share of the exact global mean (DeepSpeed then averages gradients
         over ranks; the update loop owns the accumulation boundary, so nothing divides by the micro-batch count)."""
         mask = mini.response_mask
-        count = mask.sum() if self.cfg.algo.loss_agg_mode == "token-mean" else mask.any(dim=1).sum()
+        count = mask.sum() if self.ppo.loss_agg_mode == "token-mean" else mask.any(dim=1).sum()
         return vdist.all_reduce_sum(count.to(torch.float64)).clamp(min=1.0) / self.world
 
     def _update_kl_controller(self, batch) -> dict:
