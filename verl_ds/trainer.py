@@ -372,8 +372,12 @@ class Trainer:
         return directory
 
     def close(self) -> None:
-        """Stop the control server and flush loggers; safe to call more than once, and after a failure."""
+        """Stop the control server, shut the rollout engine down and flush loggers; safe to call more than once, and
+        after a failure."""
         self.preemption.uninstall()
+        close_sampler = getattr(self.registry.get("actor").rollout_engine, "close", None)
+        if close_sampler is not None:  # vLLM's shutdown destroys its groups: before vdist.shutdown() ends ours
+            close_sampler()
         if self.server is not None:
             self.server.stop()
             self.server = None
