@@ -211,11 +211,14 @@ class Trainer:
         return {"rollout/log_prob_diff_mean": diff.sum() / rm.sum(), "rollout/log_prob_diff_max": top}
 
     def _on_policy_shortcut(self, hot: dict) -> bool:
-        """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch)
-        and no KL term in the reward needs the old log-probs before the update."""
+        """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch),
+        no KL term in the reward needs the old log-probs before the update, the update's forward is the scoring pass
+        (no dropout acts) and HF generate samples (vLLM's log-probs differ: the pass measures the gap, and the KL
+        controller reads it)."""
         a = self.cfg.actor
         return a.reuse_on_policy_log_probs and a.ppo_epochs == 1 and self.derived.mini_batches_per_epoch == 1 \
-            and not self.ppo.kl_in_reward(hot)
+            and not self.ppo.kl_in_reward(hot) and self.cfg.rollout.engine == "hf" \
+            and self.registry.get("actor").update_forward_is_scoring_pass
 
     def _required_fields(self, old_log_probs: bool) -> tuple:
         fields = ["observation", "action", "mask", "response_mask", "token_rewards", "advantages",

@@ -223,8 +223,8 @@ class PPOModel(TrainableRole):
         [+ kl_coef * agg(kl_penalty(log_probs, ref_log_probs, kl_kind)) when the KL is in the loss].
 
         The actor runs WITH grad (get_logprob at the state's temperature); batch.old_log_probs are the rollout
-        policy's, or, when the trainer skipped that pass because the update is on-policy, the actor's own log-probs
-        detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss (the global token count for DP and
+        policy's, or, when the trainer skipped that pass because the update is on-policy and its forward is that
+        pass's, the actor's own log-probs detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss (the global token count for DP and
         accumulation).
         """
         who = "PPOModel.compute_policy_loss"
