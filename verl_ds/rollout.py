@@ -106,10 +106,10 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
       penalty, as the samples') the baseline of the prompt's samples (``batch.extras["baseline_score"]``).
     - ``dynamic``: DAPO's dynamic sampling: groups whose scores are all equal carry no signal and are dropped,
       judged on the reward's scores before the overlong penalty (DAPO filters on accuracy, verl's recipe on its
-      ``filter_groups.metric``: a length penalty is no signal about the answer); more rounds of prompts are drawn until every rank holds as many groups as one round gives, at most
-      ``max_rounds`` rounds. The round count is agreed over ranks (generation may be a collective); a rank still
-      short after the last round fills up with dropped groups (zero advantage under group estimators), counted in
-      ``rollout/groups_filled``.
+      ``filter_groups.metric``: a length penalty is no signal about the answer); more rounds of prompts are drawn
+      until every rank holds as many groups as one round gives, at most ``max_rounds`` rounds. The round count is
+      agreed over ranks (generation may be a collective); a rank still short after the last round fills up with
+      dropped groups (zero advantage under group estimators), counted in ``rollout/groups_filled``.
     """
     from verl_ds import algos
     from verl_ds import dist as vdist

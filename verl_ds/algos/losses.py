@@ -112,9 +112,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     values (new predictions), old_values (rollout-time), returns, response_mask: (B, R).
     cliprange_value = None or 0 disables clipping: the loss is 0.5 * agg((V - G)^2). (With eps = 0 the
     clipped form would be max((V - G)^2, (V_old - G)^2), whose gradient is 0 wherever V is closer to G
-    than V_old: the critic could not learn.) ``max_len``: seq-mean-token-sum-norm's constant. Returns (loss 0-d float32, metrics) with 0-d detached
-    float32 metrics vf_clipfrac (share of valid tokens where the clipped term is the larger) and
-    vpred_mean."""
+    than V_old: the critic could not learn.) ``max_len``: seq-mean-token-sum-norm's constant. Returns
+    (loss 0-d float32, metrics) with 0-d detached float32 metrics vf_clipfrac (share of valid tokens where the
+    clipped term is the larger) and vpred_mean."""
     _check_btensors("values", values, old_values=old_values, returns=returns)
     m = as_bool_mask(response_mask, "response_mask", values.shape, "values")
     zero = torch.zeros((), dtype=torch.float32, device=values.device)

@@ -224,8 +224,9 @@ class PPOModel(TrainableRole):
 
         The actor runs WITH grad (get_logprob at the state's temperature); batch.old_log_probs are the rollout
         policy's, or, when the trainer skipped that pass because the update is on-policy and its forward is that
-        pass's, the actor's own log-probs detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss (the global token count for DP and
-        accumulation).
+        pass's, the actor's own log-probs detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss
+        (the global token count for DP and accumulation); ``max_len`` of seq-mean-token-sum-norm is the state's
+        max_new_tokens.
         """
         who = "PPOModel.compute_policy_loss"
         batch = RolloutBatch.coerce(batch, who)
