@@ -86,6 +86,15 @@ def _left_pad_prompts(batch: RolloutBatch, width: int, pad_token_id: int) -> Rol
     return batch
 
 
+def _add_overlong_penalty(batch: RolloutBatch, max_new_tokens: int, overlong: tuple) -> torch.Tensor:
+    """Add DAPO's overlong penalty to each response's score at its last token; returns the penalties' mean."""
+    from verl_ds import algos
+
+    penalty = algos.overlong_reward_penalty(batch.response_length, max_new_tokens, *overlong)
+    batch.scores[torch.arange(len(batch)), batch.response_length - 1] += penalty.to(batch.scores)
+    return penalty.mean()
+
+
 def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, timings: Timings,
             dynamic: bool = False, max_rounds: int = 1, overlong: Optional[tuple] = None,
             greedy_baseline: bool = False) -> Rollout:
@@ -93,32 +102,35 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
 
     - ``overlong=(buffer, factor)``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13) added to each
       response's score at its last token (``algos.overlong_reward_penalty``).
-    - ``greedy_baseline``: ReMax (Li et al. 2023): one greedy response per prompt, its score the baseline of the
-      prompt's samples (``batch.extras["baseline_score"]``).
-    - ``dynamic``: DAPO's dynamic sampling: groups whose scores are all equal carry no signal and are dropped;
-      more rounds of prompts are drawn until every rank holds as many groups as one round gives, at most
-      ``max_rounds`` rounds. The round count is agreed over ranks (generation may be a collective); a rank still
-      short after the last round fills up with dropped groups (zero advantage under group estimators), counted in
-      ``rollout/groups_filled``.
+    - ``greedy_baseline``: ReMax (Li et al. 2023): one greedy response per prompt, its score (with the overlong
+      penalty, as the samples') the baseline of the prompt's samples (``batch.extras["baseline_score"]``).
+    - ``dynamic``: DAPO's dynamic sampling: groups whose scores are all equal carry no signal and are dropped,
+      judged on the reward's scores before the overlong penalty (DAPO filters on accuracy, verl's recipe on its
+      ``filter_groups.metric``: a length penalty is no signal about the answer); more rounds of prompts are drawn
+      until every rank holds as many groups as one round gives, at most ``max_rounds`` rounds. The round count is
+      agreed over ranks (generation may be a collective); a rank still short after the last round fills up with
+      dropped groups (zero advantage under group estimators), counted in ``rollout/groups_filled``.
     """
     from verl_ds import algos
     from verl_ds import dist as vdist
 
     kept, dropped, metrics, rounds, target = [], [], {}, 0, None
+    shaping = overlong is not None and overlong[0] > 0
     while True:
         prompts = draw_prompts()
         target = target or prompts["input_ids"].shape[0]
         ro = rollout_and_score(actor, reward, tokenizer, prompts, n=n, timings=timings, **sampling)
         b = ro.batch
         b.group_index = b.group_index + rounds * target  # unique over the rounds of this step
-        if overlong is not None and overlong[0] > 0:
-            penalty = algos.overlong_reward_penalty(b.response_length, sampling["max_new_tokens"], *overlong)
-            b.scores[torch.arange(len(b)), b.response_length - 1] += penalty.to(b.scores)
-            metrics["reward/overlong_penalty/mean"] = penalty.mean()
+        verified = b.scores.sum(-1)  # the reward's own score, before shaping: what dynamic sampling filters on
+        if shaping:
+            metrics["reward/overlong_penalty/mean"] = _add_overlong_penalty(b, sampling["max_new_tokens"], overlong)
         if greedy_baseline:
             with timings("gen_baseline"):
                 base = rollout_and_score(actor, reward, tokenizer, prompts, greedy=True,
                                          max_new_tokens=sampling["max_new_tokens"])
+            if shaping:  # the baseline is scored like the samples it is subtracted from
+                _add_overlong_penalty(base.batch, sampling["max_new_tokens"], overlong)
             b.extras["baseline_score"] = base.batch.scores.sum(-1).repeat_interleave(n).tolist()
         b.extras["response_text"] = ro.responses
         metrics.update(ro.metrics)
@@ -126,7 +138,7 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
         if not dynamic:
             kept.append(b)
             break
-        signal = algos.groups_with_signal(b.scores.sum(-1), b.group_index)
+        signal = algos.groups_with_signal(verified, b.group_index)
         kept.append(b.select(signal.nonzero().flatten()))
         dropped.append(b.select((~signal).nonzero().flatten()))
         have = sum(len(k) for k in kept) // n

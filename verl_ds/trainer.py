@@ -211,11 +211,14 @@ class Trainer:
         return {"rollout/log_prob_diff_mean": diff.sum() / rm.sum(), "rollout/log_prob_diff_max": top}
 
     def _on_policy_shortcut(self, hot: dict) -> bool:
-        """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch)
-        and no KL term in the reward needs the old log-probs before the update."""
+        """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch),
+        no KL term in the reward needs the old log-probs before the update, the update's forward is the scoring pass
+        (no dropout acts) and HF generate samples (vLLM's log-probs differ: the pass measures the gap, and the KL
+        controller reads it)."""
         a = self.cfg.actor
         return a.reuse_on_policy_log_probs and a.ppo_epochs == 1 and self.derived.mini_batches_per_epoch == 1 \
-            and not self.ppo.kl_in_reward(hot)
+            and not self.ppo.kl_in_reward(hot) and self.cfg.rollout.engine == "hf" \
+            and self.registry.get("actor").update_forward_is_scoring_pass
 
     def _required_fields(self, old_log_probs: bool) -> tuple:
         fields = ["observation", "action", "mask", "response_mask", "token_rewards", "advantages",
@@ -278,7 +281,7 @@ class Trainer:
         micro-batch's summed loss over it is its share of the exact global mean (DeepSpeed then averages gradients
         over ranks; the update loop owns the accumulation boundary, so nothing divides by the micro-batch count)."""
         mask = mini.response_mask
-        count = mask.sum() if self.cfg.algo.loss_agg_mode == "token-mean" else mask.any(dim=1).sum()
+        count = mask.sum() if self.ppo.loss_agg_mode == "token-mean" else mask.any(dim=1).sum()
         return vdist.all_reduce_sum(count.to(torch.float64)).clamp(min=1.0) / self.world
 
     def _update_kl_controller(self, batch) -> dict:
@@ -372,8 +375,12 @@ class Trainer:
         return directory
 
     def close(self) -> None:
-        """Stop the control server and flush loggers; safe to call more than once, and after a failure."""
+        """Stop the control server, shut the rollout engine down and flush loggers; safe to call more than once, and
+        after a failure."""
         self.preemption.uninstall()
+        close_sampler = getattr(self.registry.get("actor").rollout_engine, "close", None)
+        if close_sampler is not None:  # vLLM's shutdown destroys its groups: before vdist.shutdown() ends ours
+            close_sampler()
         if self.server is not None:
             self.server.stop()
             self.server = None

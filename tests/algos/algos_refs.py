@@ -160,15 +160,16 @@ def reinforce_pp_loop(rewards, mask, gamma):
     return _whiten_loop(returns, mask, 1e-8), returns
 
 
-def reinforce_pp_baseline_loop(rewards, mask, ids, eps=1e-6):
-    """Score minus group mean (0 for a group of one) on each response token, whitened over the tokens."""
+def reinforce_pp_baseline_loop(rewards, mask, ids):
+    """Score minus group mean (0 for a group of one) on each response token, whitened over the tokens with verl's
+    masked_whiten epsilon 1e-8 (verl's estimator takes an ``epsilon`` it never uses)."""
     scores, groups = _scores_and_groups(rewards, mask, ids)
     centered = [0.0] * len(scores)
     for members in groups.values():
         mean = 0.0 if len(members) == 1 else sum(scores[i] for i in members) / len(members)
         for i in members:
             centered[i] = scores[i] - mean
-    return _whiten_loop(_broadcast(centered, mask), mask, eps)
+    return _whiten_loop(_broadcast(centered, mask), mask, 1e-8)
 
 
 def remax_loop(rewards, mask, baselines):

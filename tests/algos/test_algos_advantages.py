@@ -176,13 +176,44 @@ def test_reinforce_pp_hand_case():
 
 def test_reinforce_pp_baseline_hand_case():
     rewards, mask = _outcome([1.0, 0.0, 4.0], width=2, lengths=[2, 1, 2])
-    adv, _ = compute_reinforce_pp_baseline_advantage(rewards, mask, [7, 7, 8], eps=1e-6)
+    adv, _ = compute_reinforce_pp_baseline_advantage(rewards, mask, [7, 7, 8])
     # centred: 0.5 (2 tokens), -0.5 (1 token), 4.0 (group of one, 2 tokens); whitened over the 5 tokens
     vals = [0.5, 0.5, -0.5, 4.0, 4.0]
     mean = sum(vals) / 5
-    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / 4 + 1e-6)
+    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / 4 + 1e-8)
     expected = [[(0.5 - mean) / std] * 2, [(-0.5 - mean) / std, 0.0], [(4.0 - mean) / std] * 2]
     torch.testing.assert_close(adv, torch.tensor(expected))
+
+
+def _verl_reinforce_pp_baseline(scores, lengths, ids, width):
+    """verl's compute_reinforce_plus_plus_baseline_outcome_advantage (volcengine/verl core_algos.py) in float64:
+    score minus its group's mean (0 for a group of one) on every response token, then verl_F.masked_whiten over the
+    response tokens: (x - mean) * rsqrt(unbiased var + 1e-8); its ``epsilon`` argument is never used."""
+    groups = {}
+    for i, g in enumerate(ids):
+        groups.setdefault(g, []).append(i)
+    centred = [0.0] * len(scores)
+    for members in groups.values():
+        mean = 0.0 if len(members) == 1 else sum(scores[i] for i in members) / len(members)
+        for i in members:
+            centred[i] = scores[i] - mean
+    vals = [centred[i] for i, n in enumerate(lengths) for _ in range(n)]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return [[(centred[i] - mean) / math.sqrt(var + 1e-8) if t < n else 0.0 for t in range(width)]
+            for i, n in enumerate(lengths)]
+
+
+def test_reinforce_pp_baseline_whitens_with_verls_epsilon_through_the_registry():
+    """Issue 30 item 12: a small group's spread (variance ~1e-4) makes the whitening epsilon visible: 1e-6 instead
+    of verl's 1e-8 moved the advantages by ~1e-2 relative. The registry entry is what PPOModel calls (with its
+    default eps=1e-6 for the GRPO family)."""
+    scores, lengths, ids = [0.5, 0.4921875, 0.515625, 0.484375], [3, 2, 3, 1], [0, 0, 1, 1]  # exact in float32
+    rewards, mask = _outcome(scores, width=3, lengths=lengths)
+    adv, ret = get_advantage_estimator("reinforce_plus_plus_baseline")(rewards, mask, group_index=ids)
+    expected = torch.tensor(_verl_reinforce_pp_baseline(scores, lengths, ids, 3), dtype=torch.float64)
+    torch.testing.assert_close(adv.double(), expected, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(ret, adv)
 
 
 def test_remax_hand_case():

@@ -374,3 +374,25 @@ def test_update_errors(bigram):
     loss = -PolicyModel(bigram).get_logprob(torch.tensor([[3, 4]]), torch.tensor([[4]])).sum()
     with pytest.raises(ValueError, match="PolicyModel.update got a loss but has no optimizer"):
         PolicyModel(bigram).update(None, {"loss": loss})
+
+
+def test_update_forward_is_scoring_pass_only_without_acting_dropout():
+    """Issue 30 item 10: the trainer reuses the update's own log-probs as the old ones only when no dropout acts in
+    the update's forward: an nn.Dropout with p > 0 or HF attention's own rate, in a module in training mode."""
+    from transformers import AutoModelForCausalLM
+
+    from models_testutil import tiny_llama_config
+    from verl_ds.engines.build import disable_dropout
+
+    lm = AutoModelForCausalLM.from_config(tiny_llama_config(attention_dropout=0.1)).train()
+    policy = PolicyModel(lm)
+    assert not policy.update_forward_is_scoring_pass  # attention_dropout acts in training mode
+    lm.eval()
+    assert policy.update_forward_is_scoring_pass  # HF attention drops only when training
+    lm.train()
+    disable_dropout(lm)
+    assert policy.update_forward_is_scoring_pass
+    lm.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.3))
+    assert not policy.update_forward_is_scoring_pass
+    lm.model.layers[0].mlp.drop.p = 0.0
+    assert policy.update_forward_is_scoring_pass

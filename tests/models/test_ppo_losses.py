@@ -53,6 +53,24 @@ def test_entropy_bonus_normalizer_and_agg_mode():
     assert loss.item() == pytest.approx((-1.2 - 1.0 + 0.8 + 3.0) / 2, abs=1e-6)  # row sums -2.2 and 3.8, averaged
 
 
+def test_dr_grpo_aggregates_token_sums_over_the_generation_budget_by_default():
+    """Issue 30 item 11: Dr.GRPO (Liu et al. 2025) divides each sequence's token sum by a constant, the generation
+    budget (verl's seq-mean-token-sum-norm), not by the token count; ``algo.loss_agg_mode=auto`` (the default) is
+    that for dr_grpo and token-mean for the others, as ``algo.kl_placement=auto`` follows the estimator."""
+    dr, grpo = make_ppo("dr_grpo", critic=False, ref=False), make_ppo("grpo", critic=False, ref=False)
+    assert dr.algo.loss_agg_mode == grpo.algo.loss_agg_mode == "auto"
+    assert (dr.loss_agg_mode, grpo.loss_agg_mode) == ("seq-mean-token-sum-norm", "token-mean")
+    b = policy_batch(RATIOS, ADVANTAGES)  # token losses: row sums -2.2 and 3.8 over 4 tokens (see above)
+    for ppo in (dr, grpo):
+        ppo.state.update({"kl_coef": 0.0, "kl_ctrl_type": "fixed", "entropy_coef": 0.0, "max_new_tokens": 8})
+    assert dr.compute_policy_loss(b)[0].item() == pytest.approx(1.6 / (2 * 8), abs=1e-6)  # 2 sequences x budget 8
+    assert dr.compute_policy_loss(b, normalizer=4)[0].item() == pytest.approx(1.6 / (4 * 8), abs=1e-6)
+    assert grpo.compute_policy_loss(b)[0].item() == pytest.approx(1.6 / 4, abs=1e-6)
+    explicit = make_ppo("dr_grpo", critic=False, ref=False, loss_agg_mode="token-mean")
+    explicit.state.update({"kl_coef": 0.0, "kl_ctrl_type": "fixed", "entropy_coef": 0.0})
+    assert explicit.loss_agg_mode == "token-mean" and explicit.compute_policy_loss(b)[0].item() == pytest.approx(0.4)
+
+
 def test_auto_kl_placement_is_the_estimators():
     grpo, gae = make_ppo("grpo", critic=False), make_ppo()
     assert grpo.algo.kl_placement == gae.algo.kl_placement == "auto"

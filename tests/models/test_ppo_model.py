@@ -95,6 +95,20 @@ def test_missing_and_wrong_modules():
     PPOModel(ppo.actor, ppo.reward, critic=ppo.critic, ref=ppo.actor)  # a PolicyModel is a ReferenceModel too
 
 
+def test_an_actor_of_the_wrong_kind_is_named_after_the_missing_modules():
+    """Issue 30 item 8: a bare nn.Module as the actor used to fail on its missing ``.state``."""
+    import torch
+
+    ppo = make_ppo()
+    with pytest.raises(MissingModuleError, match=r"^Missing required module: reward \(PPOModel was given: "
+                                                 r"actor=Linear, critic=None, reward=None, ref=None\)$"):
+        PPOModel(actor=torch.nn.Linear(2, 2), reward=None)
+    with pytest.raises(TypeError, match=r"^PPOModel: module 'actor' must be a PolicyModel, got Linear$"):
+        PPOModel(actor=torch.nn.Linear(2, 2), reward=ppo.reward, critic=ppo.critic)
+    with pytest.raises(TypeError, match=r"^PPOModel: module 'actor' must be a PolicyModel, got ValueModel$"):
+        PPOModel(actor=ppo.critic, reward=ppo.reward, critic=ppo.critic)
+
+
 def test_components_share_the_state():
     ppo = make_ppo()
     for m in (ppo.actor, ppo.critic, ppo.reward, ppo.ref):

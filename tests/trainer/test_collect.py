@@ -115,3 +115,45 @@ def test_remax_baseline_is_the_score_of_the_greedy_response(parts):
         expected.append(float(sum(map(ord, tok.decode(row, skip_special_tokens=True))) % 97))
     assert len(set(expected)) > 1  # the greedy responses differ, so the baseline is matched prompt by prompt
     assert ro.batch.extras["baseline_score"] == [s for s in expected for _ in range(N)]
+
+
+def _overlong(length, buffer, factor, L=SAMPLING["max_new_tokens"]):
+    """DAPO's soft overlong penalty (Yu et al. 2025, eq. 13) by hand."""
+    return 0.0 if length <= L - buffer else ((L - buffer) - length) / buffer * factor
+
+
+def test_dynamic_sampling_filters_on_the_reward_before_the_overlong_penalty(parts):
+    """Issue 30 item 11: every response is right (reward 1.0), so no group carries signal; the overlong penalty
+    varies with the length but says nothing about the answer (DAPO filters on accuracy, verl's recipe on
+    filter_groups.metric): every group is dropped, the batch is topped up, and the kept scores are still shaped."""
+    tok, _, policy = parts
+    buffer, factor = SAMPLING["max_new_tokens"], 0.5  # every length gets its own penalty
+    torch.manual_seed(11)
+    ro = collect(rounds_of_prompts(tok), policy, reward_of(lambda p, r, b: [1.0] * len(r)), tok, sampling=SAMPLING,
+                 n=N, timings=Timings(), dynamic=True, max_rounds=2, overlong=(buffer, factor))
+    lengths = ro.batch.response_length.tolist()
+    assert any(len(set(lengths[g * N:(g + 1) * N])) > 1 for g in range(B))  # shaped scores differ in a group
+    m = {k: float(v) for k, v in ro.metrics.items() if k.startswith("rollout/")}
+    assert (m["rollout/sampling_rounds"], m["rollout/groups_dropped"], m["rollout/groups_filled"]) == (2, 2 * B, B)
+    for row, length in zip(ro.batch.scores, lengths):
+        assert row.sum().item() == pytest.approx(1.0 + _overlong(length, buffer, factor))
+
+
+def test_remax_baseline_gets_the_overlong_penalty_its_samples_get(parts):
+    """Issue 30 item 11: the greedy baseline is scored like the samples it is subtracted from (reward + DAPO's
+    overlong penalty at its own length), checked against HF greedy decoding done separately."""
+    tok, model, policy = parts
+    buffer, factor = SAMPLING["max_new_tokens"], 0.5
+    ro = collect(rounds_of_prompts(tok), policy, reward_of(lambda p, r, b: [1.0] * len(r)), tok, sampling=SAMPLING,
+                 n=N, timings=Timings(), greedy_baseline=True, overlong=(buffer, factor))
+    prompts = rounds_of_prompts(tok)()
+    with torch.no_grad():
+        out = model.generate(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"].long(),
+                             do_sample=False, max_new_tokens=SAMPLING["max_new_tokens"], pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+    expected = []
+    for row in out[:, prompts["input_ids"].shape[1]:].tolist():  # the length counts the EOS, as the batch's
+        length = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else SAMPLING["max_new_tokens"]
+        expected.append(1.0 + _overlong(length, buffer, factor))
+    assert any(e != 1.0 for e in expected)  # a penalised greedy response: the test can tell shaped from unshaped
+    assert ro.batch.extras["baseline_score"] == pytest.approx([s for s in expected for _ in range(N)], abs=1e-6)

@@ -12,12 +12,13 @@ inputs are never modified. Semantics follow verl's ``verl/trainer/ppo/core_algos
                                   A_i = (s_i - mean_g) / (std_g + eps), std unbiased; a group of one has
                                   mean 0 and std 1; returns = advantages
     dr_grpo                       Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783):
-                                  GRPO without the std division, A_i = s_i - mean_g
+                                  GRPO without the std division, A_i = s_i - mean_g; its losses default
+                                  to seq-mean-token-sum-norm (token sums over a constant)
     rloo                          Ahmadian et al. 2024 (arXiv:2402.14740): A_i = s_i - mean of the OTHER
                                   samples of the group; a group of one has baseline 0 (verl's loop version)
     reinforce_plus_plus           Hu 2025 (arXiv:2501.03262): G_t = r_t + gamma G_(t+1), restarting after a
                                   masked token (verl's "reset after EOS"); A = whiten(G) over the valid tokens
-    reinforce_plus_plus_baseline  the same paper: A = whiten(s_i - mean_g) over the valid tokens
+    reinforce_plus_plus_baseline  the same paper: A = whiten(s_i - mean_g) over the valid tokens (eps 1e-8)
     remax                         Li et al. 2023 (arXiv:2310.10505): G_t = sum_(t'>=t) r_t', A = G_t - b_i
                                   with b_i the score of the greedy response to the same prompt
 
@@ -46,7 +47,7 @@ import torch
 from ._checks import as_bool_mask, check_float_tensor, check_positive_number, check_unit_interval
 from .gae import _scan_compact, compute_gae
 from .groups import group_count_mean_std, group_inverse, group_sums
-from .masked import masked_whiten
+from .masked import LOSS_AGGREGATIONS, masked_whiten
 from .registry import Registry
 
 _F64 = torch.float64
@@ -129,17 +130,18 @@ def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: t
 
 
 def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
-                                            eps: float = 1e-6, *, whiten_fn: Callable | None = None):
+                                            *, whiten_fn: Callable | None = None):
     """REINFORCE++ with a group baseline: (score - group mean) on every response token, whitened over the
-    valid tokens with variance epsilon ``eps`` (verl uses 1e-8; a group of one has mean 0).
+    valid tokens by :func:`masked_whiten` (variance epsilon 1e-8, as verl's
+    ``compute_reinforce_plus_plus_baseline_outcome_advantage``, whose ``epsilon`` is unused; a group of one has
+    mean 0).
 
     token_rewards, response_mask: (B, R); group_index: B ids. ``whiten_fn(x, response_mask)`` replaces the
     local whitening. Returns (advantages, returns), equal, float32, 0 off-response."""
-    eps = check_positive_number(eps, "eps")
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     _, mean, _ = group_count_mean_std(scores, inverse, n_groups)
     centered = _spread(scores - mean, m)
-    adv = whiten_fn(centered, m) if whiten_fn is not None else masked_whiten(centered, m, eps=eps)
+    adv = (whiten_fn or masked_whiten)(centered, m)
     adv = torch.where(m, adv.to(torch.float32), torch.zeros((), device=adv.device))
     return adv, adv.clone()
 
@@ -165,13 +167,15 @@ def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Te
 @dataclass(frozen=True)
 class AdvantageEstimator:
     """A registered estimator: call it with the uniform signature (module docstring); the flags say
-    which optional inputs it needs; ``kl_placement`` is where ``algo.kl_placement=auto`` puts the KL term."""
+    which optional inputs it needs; ``kl_placement`` is where ``algo.kl_placement=auto`` puts the KL term,
+    ``loss_agg_mode`` how ``algo.loss_agg_mode=auto`` aggregates the losses."""
     name: str
     fn: Callable
     needs_critic: bool = False
     needs_groups: bool = False
     needs_baseline: bool = False
     kl_placement: str = "reward"
+    loss_agg_mode: str = "token-mean"
 
     def __call__(self, token_rewards, response_mask, *, values=None, group_index=None, baseline_scores=None,
                  gamma: float = 1.0, lam: float = 1.0, eps: float = 1e-6, whiten_fn: Callable | None = None):
@@ -190,16 +194,20 @@ ADV_ESTIMATOR_NAMES = ADVANTAGE_ESTIMATORS.view()
 
 
 def register_advantage_estimator(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
-                                 needs_baseline: bool = False, kl_placement: str = "reward", aliases: tuple = ()):
+                                 needs_baseline: bool = False, kl_placement: str = "reward",
+                                 loss_agg_mode: str = "token-mean", aliases: tuple = ()):
     """Decorator registering ``fn(token_rewards, response_mask, *, values, group_index, baseline_scores,
     gamma, lam, eps, whiten_fn) -> (advantages, returns)`` under ``name``; a taken name raises.
-    ``kl_placement`` ("reward" or "loss") is the estimator's convention for the KL term (``algo.kl_placement=auto``)."""
+    ``kl_placement`` ("reward" or "loss") is the estimator's convention for the KL term (``algo.kl_placement=auto``),
+    ``loss_agg_mode`` (a registered aggregation) its loss aggregation (``algo.loss_agg_mode=auto``)."""
     if kl_placement not in ("reward", "loss"):
         raise ValueError(f"kl_placement: expected 'reward' or 'loss', got {kl_placement!r}")
+    LOSS_AGGREGATIONS.get(loss_agg_mode)  # an unknown mode raises, naming the valid ones
 
     def add(fn):
         ADVANTAGE_ESTIMATORS.register(name, aliases=aliases)(
-            AdvantageEstimator(name, fn, bool(needs_critic), bool(needs_groups), bool(needs_baseline), kl_placement))
+            AdvantageEstimator(name, fn, bool(needs_critic), bool(needs_groups), bool(needs_baseline), kl_placement,
+                               loss_agg_mode))
         return fn
     return add
 
@@ -224,7 +232,10 @@ def _grpo(token_rewards, response_mask, *, group_index, eps, **_):
     return compute_grpo_advantage(token_rewards, response_mask, group_index, eps=eps, norm_by_std=True)
 
 
-@register_advantage_estimator("dr_grpo", needs_groups=True, kl_placement="loss")
+# Dr.GRPO also drops GRPO's 1/|o_i| length normalisation: each sequence's token sum over one constant, the generation
+# budget (Liu et al. 2025, section 3.1 and their listing: MAX_TOKENS; verl's seq-mean-token-sum-norm).
+@register_advantage_estimator("dr_grpo", needs_groups=True, kl_placement="loss",
+                              loss_agg_mode="seq-mean-token-sum-norm")
 def _dr_grpo(token_rewards, response_mask, *, group_index, eps, **_):
     return compute_grpo_advantage(token_rewards, response_mask, group_index, eps=eps, norm_by_std=False)
 
@@ -243,9 +254,8 @@ def _reinforce_pp(token_rewards, response_mask, *, gamma, whiten_fn, **_):
 
 
 @register_advantage_estimator("reinforce_plus_plus_baseline", needs_groups=True, kl_placement="loss")
-def _reinforce_pp_baseline(token_rewards, response_mask, *, group_index, eps, whiten_fn, **_):
-    return compute_reinforce_pp_baseline_advantage(token_rewards, response_mask, group_index, eps,
-                                                   whiten_fn=whiten_fn)
+def _reinforce_pp_baseline(token_rewards, response_mask, *, group_index, whiten_fn, **_):
+    return compute_reinforce_pp_baseline_advantage(token_rewards, response_mask, group_index, whiten_fn=whiten_fn)
 
 
 @register_advantage_estimator("remax", needs_baseline=True)

@@ -50,14 +50,14 @@ def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.T
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean", normalizer=None,
-                is_weights: torch.Tensor | None = None):
+                is_weights: torch.Tensor | None = None, max_len: int | None = None):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip (Ye et al. 2019,
     arXiv:1912.09729), as verl's ``vanilla``.
 
     log_probs, old_log_probs, advantages, response_mask: (B, R). With
     rho = exp(clamp(log_probs - old_log_probs, -20, 20)): L = max(-A rho, -A clip(rho, 1 - low, 1 + high)),
     and where A < 0 it is capped at -c A (clip_ratio_c = c > 1; None disables the dual clip). Aggregated
-    with ``loss_agg_mode``/``normalizer`` (see :func:`agg_loss`). Returns (loss 0-d float32, metrics) with
+    with ``loss_agg_mode``/``normalizer``/``max_len`` (see :func:`agg_loss`). Returns (loss 0-d float32, metrics) with
     0-d detached float32 metrics pg_clipfrac (share of valid tokens where the clipped term is the
     larger), pg_clipfrac_lower (share where the dual clip caps a negative-advantage token) and ppo_kl
     (masked mean of old_log_probs - log_probs). ``is_weights`` (B, R) (``truncated_is_weights``) multiply each
@@ -93,7 +93,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         losses = clipped
     if is_weights is not None:
         losses = losses * torch.where(m, is_weights.detach().to(torch.float32), zero)
-    loss = agg_loss(losses, m, loss_agg_mode, normalizer)
+    loss = agg_loss(losses, m, loss_agg_mode, normalizer, max_len=max_len)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss2 > loss1).float(), m),
@@ -105,16 +105,16 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                response_mask: torch.Tensor, cliprange_value: float | None = 0.5,
-               loss_agg_mode: str = "token-mean", normalizer=None):
+               loss_agg_mode: str = "token-mean", normalizer=None, max_len: int | None = None):
     """Clipped value loss 0.5 * agg(max((V - G)^2, (V_clip - G)^2)), V_clip = V_old + clip(V - V_old, +-eps),
     G the returns (as in verl's ``compute_value_loss``).
 
     values (new predictions), old_values (rollout-time), returns, response_mask: (B, R).
     cliprange_value = None or 0 disables clipping: the loss is 0.5 * agg((V - G)^2). (With eps = 0 the
     clipped form would be max((V - G)^2, (V_old - G)^2), whose gradient is 0 wherever V is closer to G
-    than V_old: the critic could not learn.) Returns (loss 0-d float32, metrics) with 0-d detached
-    float32 metrics vf_clipfrac (share of valid tokens where the clipped term is the larger) and
-    vpred_mean."""
+    than V_old: the critic could not learn.) ``max_len``: seq-mean-token-sum-norm's constant. Returns
+    (loss 0-d float32, metrics) with 0-d detached float32 metrics vf_clipfrac (share of valid tokens where the
+    clipped term is the larger) and vpred_mean."""
     _check_btensors("values", values, old_values=old_values, returns=returns)
     m = as_bool_mask(response_mask, "response_mask", values.shape, "values")
     zero = torch.zeros((), dtype=torch.float32, device=values.device)
@@ -131,7 +131,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     else:
         err2 = err1
         losses = err1
-    loss = 0.5 * agg_loss(losses, m, loss_agg_mode, normalizer)
+    loss = 0.5 * agg_loss(losses, m, loss_agg_mode, normalizer, max_len=max_len)
     with torch.no_grad():
         metrics = {
             "vf_clipfrac": masked_mean((err2 > err1).float(), m),

@@ -39,6 +39,16 @@ def resolve_kl_placement(kl_placement: str, adv_estimator: str) -> str:
     return get_advantage_estimator(adv_estimator).kl_placement
 
 
+def resolve_loss_agg_mode(loss_agg_mode: str, adv_estimator: str) -> str:
+    """``auto`` -> the advantage estimator's aggregation (seq-mean-token-sum-norm for dr_grpo, token-mean for the
+    others); any other mode is returned as it is."""
+    if loss_agg_mode != "auto":
+        return loss_agg_mode
+    from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
+
+    return get_advantage_estimator(adv_estimator).loss_agg_mode
+
+
 def resolve_kl_kind(kl_kind: str, kl_placement: str) -> str:
     """``auto`` -> k1 in the reward, low_var_kl in the loss; any other name is returned as it is."""
     if kl_kind != "auto":

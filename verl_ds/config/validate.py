@@ -66,6 +66,19 @@ def kl_placement_of(cfg: Config) -> str:
     return resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator)
 
 
+def _check_kl_controller(cfg: Config) -> None:
+    """An adaptive controller multiplies the coefficient: started at 0 it stays 0, while the reference it makes
+    the run build scores every step for nothing."""
+    from verl_ds.algos.kl_ctrl import KL_CONTROLLERS  # local: the numerics import torch
+
+    kind = KL_CONTROLLERS.canonical(cfg.algo.kl_ctrl)
+    if cfg.algo.kl_coef == 0 and kind != "fixed":
+        raise ConfigError(f"algo.kl_coef: 0 with algo.kl_ctrl={kind} would stay 0 for the whole run (the {kind} "
+                          f"controller multiplies the coefficient), while a reference model is built and run every "
+                          f"step; set algo.kl_coef > 0 as the controller's starting point (e.g. 0.01), or "
+                          f"algo.kl_ctrl=fixed to train without a KL term and without a reference")
+
+
 def _check_estimator(cfg: Config) -> None:
     from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
 
@@ -157,6 +170,7 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
         if m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
     _check_estimator(cfg)
+    _check_kl_controller(cfg)
     why = kl_placement_rule(kl_placement_of(cfg), cfg.algo.kl_kind)
     if why is not None:
         raise ConfigError(f"algo.kl_kind: {why}")

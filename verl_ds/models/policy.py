@@ -13,7 +13,7 @@ from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_m
                                  left_align_prompts, optimizer_step, position_ids_from_mask, unwrap_module)
 from verl_ds.state import SharedState
 
-__all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "filter_logits"]
+__all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "filter_logits", "active_dropout"]
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float, who: str) -> None:
@@ -44,6 +44,22 @@ def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
+
+
+def active_dropout(module: torch.nn.Module) -> list[str]:
+    """Names of the submodules that drop units in a forward in their current mode: an ``nn.Dropout`` with p > 0
+    (LoRA's, which acts under grad only, included) or a float ``*dropout*`` rate > 0 (HF attention keeps its own),
+    in a module in training mode."""
+    found = []
+    for name, m in module.named_modules():
+        if not m.training:
+            continue
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            if m.p > 0:
+                found.append(name)
+        elif any(("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
+            found.append(name)
+    return found
 
 
 class ReferenceModel(LogProbRole):
@@ -216,6 +232,13 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
                                                    bos_token_id=getattr(ids, "bos_token_id", None),
                                                    gather_params=False)
         return self._rollout_engine
+
+    @property
+    def update_forward_is_scoring_pass(self) -> bool:
+        """Whether the update's forward (under grad) computes what the no-grad ``get_logprob`` pass computes: no
+        dropout acts in the model (``active_dropout``), so its log-probs, detached, are the old log-probs of an
+        on-policy update."""
+        return not active_dropout(unwrap_module(self.lm))
 
     @torch.no_grad()
     def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,

@@ -66,18 +66,19 @@ class PPOModel(TrainableRole):
             raise ValueError(f"PPOModel: is_cap must be None (no importance sampling correction) or a number >= 1, "
                              f"got {is_cap!r}")
         self.is_cap = None if is_cap is None else float(is_cap)
-        if state is None and actor is not None:
+        if state is None and isinstance(actor, PolicyModel):  # anything else is refused by name below
             state = actor.state
         super().__init__(state=state, actor=actor, critic=critic, reward=reward, ref=ref)
         if algo is None:
             from verl_ds.config import AlgoConfig
 
             algo = AlgoConfig()
-        from verl_ds.config.limits import resolve_kl_placement
+        from verl_ds.config.limits import resolve_kl_placement, resolve_loss_agg_mode
 
         self.algo = algo
         self._estimator = algos.get_advantage_estimator(algo.adv_estimator)
         self._kl_placement = resolve_kl_placement(algo.kl_placement, algo.adv_estimator)  # "reward" or "loss"
+        self._loss_agg_mode = resolve_loss_agg_mode(algo.loss_agg_mode, algo.adv_estimator)
         if self._estimator.needs_critic and critic is None:
             raise MissingModuleError(f"Missing required module: critic (algo.adv_estimator={algo.adv_estimator!r} "
                                      f"estimates advantages with a critic; the critic-free estimators are "
@@ -96,6 +97,12 @@ class PPOModel(TrainableRole):
     @property
     def needs_critic(self) -> bool:
         return self._estimator.needs_critic
+
+    @property
+    def loss_agg_mode(self) -> str:
+        """``algo.loss_agg_mode`` with ``auto`` resolved for the estimator (dr_grpo: seq-mean-token-sum-norm, whose
+        constant is the state's max_new_tokens, the generation budget; the others: token-mean)."""
+        return self._loss_agg_mode
 
     @property
     def needs_baseline(self) -> bool:
@@ -216,9 +223,10 @@ class PPOModel(TrainableRole):
         [+ kl_coef * agg(kl_penalty(log_probs, ref_log_probs, kl_kind)) when the KL is in the loss].
 
         The actor runs WITH grad (get_logprob at the state's temperature); batch.old_log_probs are the rollout
-        policy's, or, when the trainer skipped that pass because the update is on-policy, the actor's own log-probs
-        detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss (the global token count for DP and
-        accumulation).
+        policy's, or, when the trainer skipped that pass because the update is on-policy and its forward is that
+        pass's, the actor's own log-probs detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss
+        (the global token count for DP and accumulation); ``max_len`` of seq-mean-token-sum-norm is the state's
+        max_new_tokens.
         """
         who = "PPOModel.compute_policy_loss"
         batch = RolloutBatch.coerce(batch, who)
@@ -230,7 +238,7 @@ class PPOModel(TrainableRole):
         if kl_in_loss:
             _need(batch, ("ref_log_probs",), who)
         mask = batch.response_mask
-        mode = self.algo.loss_agg_mode
+        mode, max_len = self._loss_agg_mode, hot["max_new_tokens"]
         log_probs, entropy = self.actor.get_logprob(batch.observation, batch.action, mask=batch.mask,
                                                     temperature=hot["temperature"], return_entropy=True)
         old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
@@ -239,17 +247,17 @@ class PPOModel(TrainableRole):
             is_weights, is_metrics = truncated_is_weights(old, batch.rollout_log_probs, mask, self.is_cap)
         pg_loss, pg_metrics = algos.policy_loss(log_probs, old, batch.advantages, mask,
                                                 hot["clip_ratio_low"], hot["clip_ratio_high"], self.algo.clip_ratio_c,
-                                                mode, normalizer=normalizer, is_weights=is_weights)
+                                                mode, normalizer=normalizer, is_weights=is_weights, max_len=max_len)
         pg_metrics.update(is_metrics)
         coef = hot["entropy_coef"]
         loss = pg_loss
         if coef:
-            loss = loss - coef * algos.agg_loss(entropy, mask, mode, normalizer=normalizer)
+            loss = loss - coef * algos.agg_loss(entropy, mask, mode, normalizer=normalizer, max_len=max_len)
         metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": algos.masked_mean(entropy.detach(), mask)}
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         if kl_in_loss:
             kl = algos.kl_penalty(log_probs, batch.ref_log_probs, hot["kl_kind"])
-            kl_loss = algos.agg_loss(kl, mask, mode, normalizer=normalizer)
+            kl_loss = algos.agg_loss(kl, mask, mode, normalizer=normalizer, max_len=max_len)
             loss = loss + hot["kl_coef"] * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.detach(), "actor/kl_coef": torch.tensor(hot["kl_coef"], dtype=torch.float64)})
         return loss, metrics
@@ -267,7 +275,8 @@ class PPOModel(TrainableRole):
         values = self.critic.get_values(batch.observation, batch.mask, mask.shape[1])
         returns = batch.returns
         vf_loss, vf_metrics = algos.value_loss(values, batch.values, returns, mask, hot["cliprange_value"],
-                                               self.algo.loss_agg_mode, normalizer=normalizer)
+                                               self._loss_agg_mode, normalizer=normalizer,
+                                               max_len=hot["max_new_tokens"])
         with torch.no_grad():  # verl's explained variance: 1 - Var(R - V) / (Var(R) + 1e-8), over valid tokens
             v, r = values.detach()[mask], returns[mask]
             explained = (1.0 - (r - v).var(unbiased=False) / (r.var(unbiased=False) + 1e-8)) if r.numel() \
