@@ -170,8 +170,10 @@ def test_registration_rules_and_hot_replace(make_rollout):
     rm = RewardModel()
     with pytest.raises(ValueError, match="no reward source"):
         rm.compute_rewards(b, *texts(b))
-    with pytest.raises(ValueError, match="weight must be a finite float, got inf"):
+    with pytest.raises(ValueError, match=r"weight must be a finite float in \[-1e\+06, 1e\+06\], got inf"):
         rm.register_reward_fn(lambda p, r, x: [0.0] * 4, weight=float("inf"))
+    with pytest.raises(ValueError, match=r"weight must be a finite float in \[-1e\+06, 1e\+06\], got 1e\+39"):
+        rm.register_reward_fn(lambda p, r, x: [0.0] * 4, weight=1e39)  # finite in float64, inf in float32
     with pytest.raises(TypeError, match="fn must be callable"):
         rm.register_reward_fn("nope")
     assert rm.register_reward_fn(lambda p, r, x: [0.0] * 4) == "lambda_0"
