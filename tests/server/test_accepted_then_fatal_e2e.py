@@ -123,9 +123,10 @@ def test_requests_that_were_accepted_then_fatal_are_400_or_rolled_back_and_the_r
 
 
 def test_a_replayed_swap_that_failed_is_refused_on_resume_instead_of_killing_the_run_again(tmp_path):
-    """The crash loop: a run audited a swap with weight 1e300 (finite in float64) at step 3 and a temperature of
-    1e-38 (both accepted before this fix) and died of them. Resumed from step 2 it used to replay them and die again,
-    also after falling back; now each is re-validated, refused, audited with "replayed": true, and the run goes on."""
+    """The crash loop: a run audited a swap with weight 1e300 (finite in float64, accepted before this fix) at step 3
+    and died of NonFiniteError. Resumed from step 2 it replayed the swap, died again after falling back to step 1 and
+    replaying it once more; now the replayed swap is re-validated, refused, audited with "replayed": true, and the
+    run goes on (a replayed PATCH that fails is tested in test_step_boundary.py)."""
     out = str(tmp_path / "run")
     common = [*COMMON, "trainer.save_every=1", "trainer.keep_last=5", "trainer.max_bad_steps=2"]
     run_train(out, [*common, "trainer.total_steps=2"])
@@ -134,8 +135,6 @@ def test_a_replayed_swap_that_failed_is_refused_on_resume_instead_of_killing_the
     with open(os.path.join(out, "state_changes.jsonl"), "a") as fh:  # what the crashed run audited
         fh.write(json.dumps({"time": 0.0, "step": 3, "key": "reward", "old": "parity", "new": "parity",
                              "client": "127.0.0.1", "spec": bad}) + "\n")
-        fh.write(json.dumps({"time": 0.0, "step": 3, "key": "temperature", "old": 1.0, "new": 1e-38,
-                             "client": "127.0.0.1"}) + "\n")
     proc = run_train(out, [*common, "trainer.total_steps=5"], check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
@@ -143,11 +142,10 @@ def test_a_replayed_swap_that_failed_is_refused_on_resume_instead_of_killing_the
     steps = _scored(out)
     assert sorted(steps) == [1, 2, 3, 4, 5]
     assert all(math.isfinite(m["rollout/score/mean"]) and m["training/nonfinite_steps"] == 0 for m in steps.values())
-    assert all(m["state/temperature"] == 1.0 for m in steps.values())
+    assert all(m["state/reward_version"] == 0.0 for m in steps.values())
     replayed = [a for a in _lines(os.path.join(out, "state_changes.jsonl")) if a.get("replayed")]
-    assert [(a["step"], a["key"]) for a in replayed] == [(3, "temperature"), (3, "reward")]
-    assert all(a["refused"] for a in replayed)
-    assert "1e+300 is out of range [-1e+06, 1e+06]" in replayed[1]["refused"]
+    assert [(a["step"], a["key"], a["new"]) for a in replayed] == [(3, "reward", None)]
+    assert "1e+300 is out of range [-1e+06, 1e+06]" in replayed[0]["refused"]
 
 
 def test_a_change_answered_202_and_lost_in_a_crash_before_its_step_is_applied_after_the_resume(tmp_path):
