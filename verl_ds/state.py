@@ -316,10 +316,8 @@ class SharedState:
             return {"staged": clean, "applies_at_step": applies_at}
 
     def apply_staged(self) -> list[dict]:
-        """Apply the queued updates in order (rank 0; a no-op returning [] on other ranks).
-
-        Returns one audit record per applied update: {"key", "old", "new", "client", "staged_at", "id"}.
-        """
+        """Apply the queued updates in order (rank 0; a no-op returning [] on other ranks). Returns one audit
+        record per applied update: {"key", "old", "new", "client", "staged_at", "id"}."""
         if self.rank != 0:
             return []
         with self._lock:

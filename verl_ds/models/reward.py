@@ -279,13 +279,13 @@ class RewardModel(RewardRole):
     def _call(entry: _RewardFn, prompts: list, responses: list, batch: Any, offset: int = 0) -> Any:
         try:
             return entry.fn(prompts, responses, batch)
-        except Exception as e:  # locate the failing sample so the user can reproduce it
+        except (Exception, SystemExit) as e:  # locate the failing sample so the user can reproduce it
             index = None
             if hasattr(batch, "select"):
                 for i in range(len(prompts)):
                     try:
                         entry.fn(prompts[i:i + 1], responses[i:i + 1], batch.select([i]))
-                    except Exception:
+                    except (Exception, SystemExit):
                         index = i
                         break
             hint = "" if index is not None else " (not reproducible on any single sample)"
