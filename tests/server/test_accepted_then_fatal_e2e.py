@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics, run_train
+from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, read_metrics, run_train
 from server_testutil import TOKEN, call
 
 pytestmark = pytest.mark.slow  # real training runs
@@ -34,12 +34,14 @@ def _scored(out: str) -> dict:
 class Live:
     """A training run in the background, with the server's URL once it is up."""
 
-    def __init__(self, tmp, out: str, overrides: list):
+    def __init__(self, tmp, out: str, overrides: list, nproc: int = 1):
         self.out, self.log = out, str(tmp / f"{os.path.basename(out)}.{time.monotonic_ns()}.log")
-        args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "server.enabled=true", *overrides]
+        launcher = [sys.executable] if nproc == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+        args = [*launcher, TRAIN, f"trainer.output_dir={out}", *FAST, "server.enabled=true", *overrides]
         with open(self.log, "w") as fh:
             self.proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=fh,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         url_file = os.path.join(out, "server_url.txt")
         self.url = self.wait(lambda: os.path.isfile(url_file) and open(url_file).read().strip(), "the server URL")
 
@@ -120,6 +122,41 @@ def test_requests_that_were_accepted_then_fatal_are_400_or_rolled_back_and_the_r
     audit = _lines(os.path.join(out, "state_changes.jsonl"))
     assert [a["key"] for a in audit] == ["reward"] * 4 and [bool(a.get("refused")) for a in audit] == [True] * 3 + [False]
     assert sorted(j["id"] for j in _lines(os.path.join(out, "staged_changes.jsonl"))) == sorted(a["id"] for a in audit)
+
+
+def test_a_swap_that_fails_on_one_rank_only_is_rolled_back_on_both(tmp_path):
+    """Two ranks: a module that exits at import on rank 1 only, then a function that returns None on rank 1 only
+    (it builds everywhere and fails the trial there): each is refused on both ranks at its boundary (no rank waits
+    for the other), audited once, and a good swap after them scores every sample on both ranks."""
+    (tmp_path / "exit1.py").write_text("import os\nif os.environ.get('RANK') == '1':\n    raise SystemExit(3)\n\n"
+                                       "def score(prompts, responses, batch):\n    return [0.0] * len(responses)\n")
+    (tmp_path / "none1.py").write_text("import os\n\ndef score(prompts, responses, batch):\n"
+                                       "    return None if os.environ.get('RANK') == '1' else [0.0] * len(responses)\n")
+    (tmp_path / "const.py").write_text(f"def const(prompts, responses, batch):\n    return [{CONST}] * len(responses)\n")
+    out = str(tmp_path / "run")
+    run = Live(tmp_path, out, [*COMMON, "trainer.total_steps=400", "trainer.save_every=0",
+                               "server.allow_reward_code=true"], nproc=2)
+    try:
+        run.wait(lambda: _scored(out), "step 1 was logged")
+        for name, reason in (("exit1.py", "rank 1: SystemExit: 3"), ("none1.py", "rank 1: RewardFunctionError: ")):
+            a = call(run.url, "POST", "/v1/models/reward", {"function": f"{tmp_path}/{name}:score"}, token=TOKEN)
+            assert a.status == 202, a
+            line = run.audit_at(a.json["applies_at_step"], "reward")
+            assert line["refused"].startswith(reason) and "rank 0" not in line["refused"], line
+        good = call(run.url, "POST", "/v1/models/reward", {"function": f"{tmp_path}/const.py:const"}, token=TOKEN)
+        at = good.json["applies_at_step"]
+        run.wait(lambda: at in _scored(out), f"step {at} was logged")
+        run.proc.send_signal(signal.SIGTERM)  # torchrun forwards it to both ranks
+        run.proc.wait(timeout=300)
+    finally:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
+    steps = _scored(out)
+    assert abs(steps[at]["rollout/score/mean"] - CONST) < 1e-6, steps[at]  # the mean over both ranks' samples
+    assert all(m["state/reward_version"] == 0.0 for s, m in steps.items() if s < at)
+    audit = _lines(os.path.join(out, "state_changes.jsonl"))
+    assert [(a["key"], bool(a.get("refused"))) for a in audit] == [("reward", True), ("reward", True), ("reward", False)]
 
 
 def test_a_replayed_swap_that_failed_is_refused_on_resume_instead_of_killing_the_run_again(tmp_path):
