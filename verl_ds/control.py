@@ -236,13 +236,15 @@ class StepBoundary:
         if not self.is_main:
             return 0
         settled: dict = {}  # id (or (step, key) for lines without one) -> its latest audit line
+        with self._lock:  # still queued in this process (a fall-back resume): the queue applies them
+            queued = {s["id"] for s in self.state.staged()} | {(self._pending_swap or {}).get("id")} - {None}
         for rec in _read_jsonl(os.path.join(self.run_dir, AUDIT_FILE)):
             settled[rec.get("id") or (rec["step"], rec["key"])] = rec
         plan = [rec for rec in settled.values()
                 if rec["step"] > resumed_step and not rec.get("refused") and not rec.get("dropped")]
         lost = []
         for entry in _read_jsonl(os.path.join(self.run_dir, JOURNAL_FILE)):
-            if entry.get("id") in settled:
+            if entry.get("id") in settled or entry.get("id") in queued:
                 continue
             settled[entry.get("id")] = entry
             if entry["step"] > resumed_step:

@@ -144,3 +144,16 @@ def test_a_replayed_change_that_fails_is_refused_audited_and_never_tried_again(t
     assert [(r["step"], r["key"], r["replayed"]) for r in audit] == [(3, "temperature", True), (3, "reward", True)]
     assert "1e+300 is out of range [-1e+06, 1e+06]" in audit[1]["refused"]
     assert "temperature" in audit[0]["refused"] and "out of range" in audit[0]["refused"]
+
+
+def test_a_fall_back_resume_in_the_same_process_does_not_replay_what_is_still_queued(tmp_path):
+    run = Run(tmp_path)
+    for _ in range(3):
+        run.boundary.cross()
+    run.state.stage({"top_k": 3})
+    run.boundary.stage_reward_swap({"function": "format"})
+    run.state.set("global_step", 1)  # fell back to a checkpoint at step 1
+    assert run.boundary.schedule_replay(1) == 0  # the queue applies them at the next boundary, once
+    for _ in range(4):
+        run.boundary.cross()
+    assert [(a["step"], a["key"]) for a in _lines(tmp_path, AUDIT_FILE)] == [(2, "top_k"), (2, "reward")]
