@@ -38,9 +38,9 @@ class Components:
 
 def kl_needs_reference(cfg: Config) -> bool:
     """Whether any KL term can be non-zero in this run (then a frozen reference is built)."""
-    from verl_ds.algos.kl_ctrl import KL_CONTROLLERS
+    from verl_ds.config.limits import has_reference  # the same rule limits the hot KL keys
 
-    return cfg.algo.kl_coef > 0 or KL_CONTROLLERS.canonical(cfg.algo.kl_ctrl) != "fixed"
+    return has_reference(cfg)
 
 
 def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,

@@ -2,14 +2,18 @@
 
 At each boundary rank 0 applies the SharedState updates staged by the HTTP thread and takes the staged reward
 swap, atomically with bumping ``global_step`` (a change staged concurrently lands wholly before or after it,
-so the step announced to its client is the step it is applied at); then the swap is built on every rank and
-the state is broadcast. A swap that fails to build on any rank is rolled back on every rank, logged and
-audited as refused, and training goes on. Every applied or refused change is appended to
-``<run>/state_changes.jsonl`` (time, step, key, old, new, client).
+so the step announced to its client is the step it is applied at); then the swap is built on every rank, tried
+(``probe``: the data sets' row check and a test call) and the state is broadcast. A swap that fails to build
+or to score on any rank, whatever it raises (SystemExit included), is rolled back on every rank, logged and
+audited as refused, and training goes on. Every applied, refused or dropped change is appended to
+``<run>/state_changes.jsonl`` (time, step, key, old, new, client, id).
 
-On resume from a checkpoint at step S, the changes audited as applied after S are replayed at their original
-steps (and audited again with ``"replayed": true``), so a resumed run follows the same schedule of hot
-changes as the run that crashed.
+Every change is journaled in ``<run>/staged_changes.jsonl`` when it is accepted (id, the step it applies at),
+before the 202. On resume from a checkpoint at step S, the changes audited as applied after S, and the
+journaled ones no audit line settles (lost in a crash before their step), are replayed at their steps; each is
+validated again, and one that fails is rolled back and audited as refused (``"replayed": true``), so it is
+never tried again. A journaled change whose step the run passed without it is audited as dropped; so are the
+changes still staged when a run ends at ``trainer.total_steps`` and a swap replaced by a later one.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import logging
 import os
 import threading
 import time
+import uuid
 from typing import Callable, Optional
 
 from verl_ds import dist as vdist
@@ -25,133 +30,270 @@ from verl_ds import dist as vdist
 log = logging.getLogger(__name__)
 
 AUDIT_FILE = "state_changes.jsonl"
+JOURNAL_FILE = "staged_changes.jsonl"
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by a crash
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and isinstance(rec.get("key"), str):
+                out.append(rec)
+    return out
 
 
 class StepBoundary:
-    """Owns the staged reward swap, the audit log and the replay schedule (see the module docstring).
+    """Owns the staged reward swap, the journal, the audit log and the replay schedule (see the module docstring).
 
-    check_swap(spec) validates a request (nothing imported or loaded) and returns it normalised; build_reward(request)
-    builds the RewardModel of a swap request on this rank (every rank calls it at the
-    same boundary: a neural scorer's engine is a collective) and raises on failure; install(reward) makes it
-    the active reward. reward_spec is the active reward's spec (saved in checkpoints, rebuilt on resume).
+    check_swap(spec) validates a request (no user code runs) and returns it normalised, raising ValueError or
+    TypeError; build_reward(request) builds the RewardModel of a swap request on this rank (every rank calls it at
+    the same boundary: a neural scorer's engine is a collective); probe(reward), when given, raises when the built
+    reward cannot score this run's data; install(reward) makes it the active reward. reward_spec is the active
+    reward's spec (saved in checkpoints, rebuilt on resume).
     """
 
     def __init__(self, state, run_dir: str, build_reward: Callable[[dict], object],
-                 install: Callable[[object], None], reward_spec: dict, check_swap: Callable[[dict], dict]):
+                 install: Callable[[object], None], reward_spec: dict, check_swap: Callable[[dict], dict],
+                 probe: Optional[Callable[[object], None]] = None):
         self.state, self.run_dir, self._check_swap = state, run_dir, check_swap
-        self._build_reward, self._install = build_reward, install
+        self._build_reward, self._install, self._probe = build_reward, install, probe
         self.is_main = state.rank == 0
         self.reward_spec = dict(reward_spec)
         self._lock = threading.Lock()
         self._pending_swap: Optional[dict] = None
-        self._replay: dict[int, list[dict]] = {}  # step -> audited records to apply again
+        self._replay: dict[int, list[dict]] = {}  # step -> audited or journaled records to apply again
+        self._closed = False
+        if self.is_main:
+            state.on_stage = self._journal_state
 
     # ---- the HTTP thread (rank 0) ------------------------------------------------------------------
     def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
-        """Validate a reward swap request (``check_swap``) and queue it for the next step boundary (rank 0, the HTTP
-        thread); returns the announcement."""
-        request = {**self._check_swap(spec), "client": client}
+        """Validate a reward swap request (``check_swap``), journal it and queue it for the next step boundary
+        (rank 0, the HTTP thread); returns the announcement. A swap still queued is replaced (audited as dropped)."""
+        request = {**self._check_swap(spec), "client": client, "id": uuid.uuid4().hex}
         with self.state.lock, self._lock:  # the same lock order as cross()
-            self._pending_swap = request
             applies_at = self.state.get("global_step") + 1
-        return {"staged": {k: v for k, v in request.items() if k != "client"}, "applies_at_step": applies_at}
+            self._journal([{"id": request["id"], "step": applies_at, "key": "reward", "spec": self._spec(request),
+                            "client": client}])
+            replaced, self._pending_swap = self._pending_swap, request
+            if replaced is not None:
+                self._audit([self._dropped_swap(replaced, f"replaced by the swap {request['id']} staged for the "
+                                                          "same step")], applies_at)
+        return {"staged": self._spec(request), "applies_at_step": applies_at}
+
+    def _journal_state(self, items: list[dict], applies_at: int) -> None:
+        self._journal([{"id": i["id"], "step": applies_at, "key": i["key"], "new": i["value"], "client": i["client"]}
+                       for i in items])
 
     # ---- every rank, once per step -------------------------------------------------------------------
     def cross(self) -> int:
         """Start the next step: apply staged changes and swaps on every rank; returns the new global step."""
         st = self.state
-        swap, changes = None, []
+        swaps, changes = [], []
         if self.is_main:
             with st.lock:
                 step = st.get("global_step") + 1
-                changes = self._replayed_state_changes(step) + st.apply_staged()
+                replayed = self._replay.pop(step, [])
+                changes = self._replayed_state_changes([r for r in replayed if r["key"] != "reward"])
+                changes += st.apply_staged()
                 with self._lock:
-                    swap, self._pending_swap = self._pending_swap, None
-                swap = self._replayed_swap(step) or swap
+                    staged, self._pending_swap = self._pending_swap, None
                 st.set("global_step", step)
             self._audit(changes, step)
-        swap = vdist.broadcast_object(swap)
-        if swap is not None:
+            # a replayed swap first: a swap staged over HTTP for the same step was asked for later
+            swaps = self._replayed_swaps([r for r in replayed if r["key"] == "reward"], step)
+            swaps += [staged] if staged is not None else []
+        for swap in vdist.broadcast_object(swaps):
             self._swap(swap)
         st.sync()
         return st.get("global_step")
 
-    def _swap(self, request: dict) -> None:
-        spec = {k: v for k, v in request.items() if k not in ("client", "replayed")}
+    def _swap(self, request: dict, restore: bool = False) -> bool:
+        """Build, try and install a swap on every rank (collective); roll it back everywhere when any rank fails."""
+        spec = self._spec(request)
         reward, error = None, None
         try:
             reward = self._build_reward(spec)
-        except Exception as exc:  # a request that validated but cannot be built here: refuse it, keep training
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit from a module's import must not end the run
+            error = _reason(exc)
         errors = [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
+        if not errors and self._probe is not None:  # only once built everywhere: a scorer's forward is a collective
+            try:
+                self._probe(reward)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the reward's own code ran: anything may come out
+                error = _reason(exc)
+            errors = [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
         step = self.state.get("global_step")
-        if errors:  # built nowhere or not everywhere: the previous reward stays active on every rank
+        tags = {k: True for k in ("replayed", "resume") if request.get(k)} | ({"resume": True} if restore else {})
+        tags.update({"id": request["id"]} if request.get("id") else {})
+        if errors:  # built or tried nowhere or not everywhere: the previous reward stays active on every rank
             if reward is not None and hasattr(reward, "close"):
                 reward.close()
             log.error("step %d: reward swap refused at the step boundary, the previous reward stays: %s", step,
                       "; ".join(errors))
             if self.is_main:
                 self._audit([{"key": "reward", "old": self.state.get("reward_name"), "new": None,
-                              "client": request.get("client", ""), "spec": spec, "refused": "; ".join(errors)}], step)
-            return
+                              "client": request.get("client", ""), "spec": spec, "refused": "; ".join(errors),
+                              **tags}], step)
+            return False
         self._install(reward)
         self.reward_spec = spec
-        if self.is_main:
+        if self.is_main and not restore:
             from verl_ds.builder import reward_name
 
             name = reward_name(spec["functions"], spec.get("model_path"))
             old = (self.state.get("reward_version"), self.state.get("reward_name"))
             self.state.update({"reward_version": old[0] + 1, "reward_name": name})
             self._audit([{"key": "reward", "old": old[1], "new": name, "client": request.get("client", ""),
-                          "spec": spec, **({"replayed": True} if request.get("replayed") else {})}], step)
+                          "spec": spec, **tags}], step)
+        return True
 
-    # ---- audit and replay ----------------------------------------------------------------------------
-    def _audit(self, records: list, step: int) -> None:
+    def restore(self, spec: dict) -> bool:
+        """Make the reward a checkpoint was saved with active again (collective, on resume): validated, built and
+        tried like a swap; when it fails, the current reward stays (audited as refused). Returns whether it did."""
+        request, error = None, None
+        if self.is_main:
+            try:
+                request = {**self._check_swap(spec), "client": "", "resume": True}
+            except (ValueError, TypeError) as exc:
+                error = _reason(exc)
+        request = vdist.broadcast_object(request)
+        if request is not None and self._swap(request, restore=True):
+            return True
+        if self.is_main:  # the checkpoint's SharedState names the reward that was refused
+            from verl_ds.builder import reward_name
+
+            self.state.set("reward_name", reward_name(self.reward_spec["functions"], self.reward_spec.get("model_path")))
+            if request is None:
+                log.error("resume: the checkpoint's reward %s is refused (%s); the current reward stays", spec, error)
+                self._audit([{"key": "reward", "old": None, "new": None, "client": "", "spec": spec, "resume": True,
+                              "refused": error}], self.state.get("global_step"))
+        return False
+
+    @staticmethod
+    def _spec(request: dict) -> dict:
+        return {k: v for k, v in request.items() if k not in ("client", "replayed", "resume", "id")}
+
+    def _dropped_swap(self, request: dict, why: str) -> dict:
+        return {"key": "reward", "old": self.state.get("reward_name"), "new": None, "client": request.get("client", ""),
+                "spec": self._spec(request), "id": request.get("id"), "dropped": why}
+
+    def close(self, completed: bool) -> None:
+        """At the end of the run (rank 0): with ``completed`` (trainer.total_steps reached), audit the changes
+        still staged as dropped, since no step will apply them; otherwise they stay journaled for a resume."""
+        if not self.is_main or self._closed:
+            return
+        self._closed = True
+        if not completed:
+            return
+        step = self.state.get("global_step")
+        why = f"the run ended at step {step} (trainer.total_steps) before the step it was staged for"
+        records = [{"key": s["key"], "old": self.state.get(s["key"]), "new": s["value"], "client": s["client"],
+                    "id": s.get("id"), "dropped": why} for s in self.state.staged()]
+        with self._lock:
+            swap, self._pending_swap = self._pending_swap, None
+        records += [self._dropped_swap(swap, why)] if swap is not None else []
+        self._audit(records, step + 1)
+
+    # ---- journal, audit and replay ---------------------------------------------------------------------
+    def _append(self, name: str, records: list, step: Optional[int] = None) -> None:
         if not records:
             return
-        path = os.path.join(self.run_dir, AUDIT_FILE)
-        lines = "".join(json.dumps({"time": time.time(), "step": step, **r}, default=str) + "\n" for r in records)
+        path = os.path.join(self.run_dir, name)
+        now = time.time()
+        lines = "".join(json.dumps({"time": now, **({} if step is None else {"step": step}), **r}, default=str) + "\n"
+                        for r in records)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         with os.fdopen(fd, "a", encoding="utf-8") as fh:
             fh.write(lines)
 
+    def _audit(self, records: list, step: int) -> None:
+        self._append(AUDIT_FILE, records, step)
+
+    def _journal(self, entries: list) -> None:
+        self._append(JOURNAL_FILE, entries)
+
     def schedule_replay(self, resumed_step: int) -> int:
-        """Read the audit log and plan to re-apply the changes applied after ``resumed_step`` (rank 0);
-        returns how many changes are scheduled."""
+        """Read the audit log and the journal and plan to apply again, at their steps, the changes applied after
+        ``resumed_step`` and the journaled ones no audit line settles (rank 0); journaled changes for a step at or
+        before ``resumed_step`` are audited as dropped. Returns how many changes are scheduled."""
         self._replay = {}
-        path = os.path.join(self.run_dir, AUDIT_FILE)
-        if not (self.is_main and os.path.isfile(path)):
+        if not self.is_main:
             return 0
-        latest: dict[tuple, dict] = {}  # (step, key) -> record: a change replayed before is the same change
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by a crash
-                if rec.get("step", 0) > resumed_step and not rec.get("refused"):
-                    latest[(rec["step"], rec["key"])] = rec
-        for (step, _), rec in sorted(latest.items(), key=lambda kv: kv[0][0]):
-            self._replay.setdefault(step, []).append(rec)
-        n = sum(len(v) for v in self._replay.values())
+        settled: dict = {}  # id (or (step, key) for lines without one) -> its latest audit line
+        with self._lock:  # still queued in this process (a fall-back resume): the queue applies them
+            queued = {s["id"] for s in self.state.staged()} | {(self._pending_swap or {}).get("id")} - {None}
+        for rec in _read_jsonl(os.path.join(self.run_dir, AUDIT_FILE)):
+            settled[rec.get("id") or (rec["step"], rec["key"])] = rec
+        plan = [rec for rec in settled.values()
+                if rec["step"] > resumed_step and not rec.get("refused") and not rec.get("dropped")]
+        lost = []
+        for entry in _read_jsonl(os.path.join(self.run_dir, JOURNAL_FILE)):
+            if entry.get("id") in settled or entry.get("id") in queued:
+                continue
+            settled[entry.get("id")] = entry
+            if entry["step"] > resumed_step:
+                plan.append({**entry, "journaled": True})
+            else:
+                lost.append(entry)
+        for rec in sorted(plan, key=lambda r: r["step"]):  # stable: within a step, the order they were applied in
+            self._replay.setdefault(rec["step"], []).append(rec)
+        for entry in lost:
+            self._audit([{"key": entry["key"], "old": None, "new": entry.get("new"), "client": entry.get("client", ""),
+                          "id": entry.get("id"), **({"spec": entry["spec"]} if "spec" in entry else {}),
+                          "dropped": f"staged for step {entry['step']}, which the run passed without applying it "
+                                     f"(lost in a crash); resumed from step {resumed_step}"}], entry["step"])
+        n = len(plan)
         if n:
-            log.info("resume: replaying %d hot change(s) applied after step %d at their original steps", n,
-                     resumed_step)
+            log.info("resume: replaying %d hot change(s) for steps after %d at their original steps", n, resumed_step)
         return n
 
-    def _replayed_state_changes(self, step: int) -> list[dict]:
-        records = [r for r in self._replay.get(step, []) if r["key"] != "reward"]
+    def _replayed_state_changes(self, records: list[dict]) -> list[dict]:
+        from verl_ds.state import HOT_KEYS
+
         out = []
         for rec in records:
-            old = self.state.get(rec["key"])
-            self.state.update({rec["key"]: rec["new"]})
-            out.append({"key": rec["key"], "old": old, "new": rec["new"], "client": rec.get("client", ""),
-                        "replayed": True})
+            key = rec["key"]
+            base = {"key": key, "client": rec.get("client", ""), "replayed": True,
+                    **({"id": rec["id"]} if rec.get("id") else {})}
+            try:
+                if key not in HOT_KEYS:
+                    raise ValueError(f"{key!r} is not a hot-updatable key")
+                old = self.state.get(key)
+                self.state.update({key: rec["new"]})  # validated against this run's ranges and limits
+                out.append({**base, "old": old, "new": rec["new"]})
+            except (ValueError, KeyError) as exc:  # StateValidationError is a ValueError
+                log.error("resume: the replayed change %s=%r is refused (%s); it stays out", key, rec.get("new"), exc)
+                out.append({**base, "old": None, "new": rec.get("new"), "refused": _reason(exc)})
         return out
 
-    def _replayed_swap(self, step: int) -> Optional[dict]:
-        rec = next((r for r in self._replay.pop(step, []) if r["key"] == "reward" and r.get("spec")), None)
-        return None if rec is None else {**rec["spec"], "client": rec.get("client", ""), "replayed": True}
+    def _replayed_swaps(self, records: list[dict], step: int) -> list[dict]:
+        out = []
+        for rec in records:
+            tags = {"client": rec.get("client", ""), "replayed": True, **({"id": rec["id"]} if rec.get("id") else {})}
+            try:
+                out.append({**self._check_swap(rec.get("spec")), **tags})  # checked again, with today's rules
+            except (ValueError, TypeError) as exc:
+                log.error("step %d: the replayed reward swap %s is refused (%s); the current reward stays", step,
+                          rec.get("spec"), exc)
+                self._audit([{"key": "reward", "old": self.state.get("reward_name"), "new": None,
+                              "spec": rec.get("spec"), "refused": _reason(exc), **tags}], step)
+        return out
 
 
 def start_control_server(trainer):

@@ -14,6 +14,7 @@ from typing import Optional
 
 from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
+from verl_ds.control import AUDIT_FILE, JOURNAL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,7 @@ def resume_from(trainer, step_dir: str) -> int:
     if spec and spec != trainer.boundary.reward_spec:  # a reward swapped over HTTP before the checkpoint
         if trainer.is_main:
             log.info("resume: the reward active at the checkpoint (%s) wins over the config's", spec)
-        trainer._install_reward(trainer.boundary._build_reward(spec))
-        trainer.boundary.reward_spec = dict(spec)
+        trainer.boundary.restore(spec)  # checked and tried like a swap: one that fails now is refused, not fatal
     for name, sd in saved["models"].items():
         if name in trainer.registry:
             trainer.registry.get(name).load_state_dict(sd)
@@ -78,7 +78,7 @@ def maybe_resume(trainer) -> int:
     if step_dir is not None:
         return resume_from(trainer, step_dir)
     if trainer.is_main:  # a fresh run in a used directory: the previous run's logs must not mix in, nor be lost
-        for name in ("metrics.jsonl", "state_changes.jsonl"):
+        for name in ("metrics.jsonl", AUDIT_FILE, JOURNAL_FILE):
             path = os.path.join(trainer.out_dir, name)
             if os.path.isfile(path):
                 os.replace(path, path + ".prev")

@@ -23,6 +23,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from verl_ds.config.schema import MAX_REWARD_WEIGHT
 from verl_ds.tasks.gsm8k import exact_match_reward
 from verl_ds.tasks.parity import parity_reward
 from verl_ds.verifiable import format_reward, math_answer_reward
@@ -42,6 +43,8 @@ REWARD_FNS: dict[str, RewardFn] = {
     "math_verify": math_answer_reward,  # needs pip install 'verl_ds[math]'
     "format": format_reward,  # <think>...</think> then an answer with \boxed{...}
 }
+# the shipped functions above return one float per sample: per_token=True would fail at the first step
+SEQUENCE_REWARDS = frozenset(REWARD_FNS)
 
 
 def register_reward_fn(name: str, fn: RewardFn | None = None):
@@ -130,7 +133,8 @@ def check_reward_spec(spec: Any, *, allow_code: bool, swappable: Iterable[str], 
     is refused when ``reward_model_dir`` is None; it must resolve (symlinks followed) inside that
     directory and hold a HF sequence-classification checkpoint (config.json is read, weights are not
     loaded) with exactly one label and ``vocab_size`` >= ``vocab_size`` (the policy tokenizer's length;
-    None skips the check). Weights must be finite numbers, ``per_token`` a bool. Raises ValueError.
+    None skips the check). Weights must be numbers in [-1e6, 1e6] (``MAX_REWARD_WEIGHT``: the scores are float32),
+    ``per_token`` a bool, false for the shipped functions (they score whole sequences). Raises ValueError.
     """
     if not isinstance(spec, dict):
         raise ValueError(f"reward swap: expected a JSON object, got {type(spec).__name__}")
@@ -180,6 +184,9 @@ def _finite(where: str, value: Any) -> float:
         out = math.inf
     if not math.isfinite(out):
         raise ValueError(f"reward swap: {where}: expected a finite number, got {value!r:.80}")
+    if abs(out) > MAX_REWARD_WEIGHT:  # finite in float64, but the float32 scores it multiplies would overflow
+        raise ValueError(f"reward swap: {where}: {value!r:.80} is out of range [-{MAX_REWARD_WEIGHT:g}, "
+                         f"{MAX_REWARD_WEIGHT:g}] (weighted scores are float32)")
     return out
 
 
@@ -195,6 +202,9 @@ def _swap_function(where: str, entry: Any, allow_code: bool, swappable: set) -> 
     per_token = item.get("per_token", False)
     if not isinstance(per_token, bool):
         raise ValueError(f"reward swap: {where}.per_token: expected true or false, got {per_token!r:.80}")
+    if per_token and name in SEQUENCE_REWARDS:
+        raise ValueError(f"reward swap: {where}.per_token: the shipped reward {name!r} scores whole sequences (one "
+                         "float per sample); per_token must be false")
     if name not in REWARD_FNS and name not in swappable:
         if ":" not in name:
             pool = sorted(REWARD_FNS) + sorted(swappable)
@@ -352,8 +362,10 @@ def _import_file(path: str, spec: str):
     sys.modules[name] = module  # so pickling and dataclasses inside the user file work
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[name]
+    except BaseException as e:  # SystemExit too: the module must not stay half-imported
+        sys.modules.pop(name, None)
+        if not isinstance(e, Exception):
+            raise
         raise ValueError(f"reward function {spec!r}: executing {path!r} failed: {type(e).__name__}: {e}") from e
     return module
 
@@ -376,6 +388,11 @@ def unscorable_rows(dataset, functions: list, chunk: int = 256) -> dict[int, str
         spec = {"name": spec} if isinstance(spec, str) else dict(spec)
         if not spec.get("per_token", False):  # per-token functions need a real rollout batch
             fns.append((spec["name"], resolve_reward_fn(spec["name"])))
+    return rows_failing(dataset, fns, chunk)
+
+
+def rows_failing(dataset, fns: list, chunk: int = 256) -> dict[int, str]:
+    """``unscorable_rows`` for resolved batch-mode functions ``[(name, fn)]``."""
     bad: dict[int, str] = {}
     items = [dataset[i] for i in range(len(dataset))]
     keys = sorted({k for item in items for k in item if k not in ("input_ids", "prompt")})

@@ -30,8 +30,9 @@ import os
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from verl_ds.config import Config, RunLimits, Spec, check_value, hot_fields, initial_state
 from verl_ds.config.fields import base_type, choices_of, nullable
@@ -171,6 +172,7 @@ class SharedState:
         self._values: dict[str, Any] = {k: d.default for k, d in STATE_KEYS.items()}
         self._version = 0
         self._staged: list[dict] = []
+        self.on_stage: Optional[Callable[[list[dict], int], None]] = None  # stage()'s journal (verl_ds.control)
 
     @classmethod
     def from_config(cls, cfg: Config, rank: int | None = None) -> "SharedState":
@@ -305,16 +307,17 @@ class SharedState:
         with self._lock:  # limits apply to the values as they will be once the queue is applied
             pending = {**self._values, **{item["key"]: item["value"] for item in self._staged}}
             clean = self._validate(updates, allow_read_only=False, base=pending)
-            now = time.time()
-            for key, value in clean.items():
-                self._staged.append({"key": key, "value": value, "client": str(client), "staged_at": now})
-            return {"staged": clean, "applies_at_step": self._values["global_step"] + 1}
+            now, applies_at = time.time(), self._values["global_step"] + 1
+            items = [{"key": key, "value": value, "client": str(client), "staged_at": now, "id": uuid.uuid4().hex}
+                     for key, value in clean.items()]
+            if self.on_stage is not None and items:
+                self.on_stage([dict(i) for i in items], applies_at)  # raises: nothing is queued
+            self._staged.extend(items)
+            return {"staged": clean, "applies_at_step": applies_at}
 
     def apply_staged(self) -> list[dict]:
-        """Apply the queued updates in order (rank 0; a no-op returning [] on other ranks).
-
-        Returns one audit record per applied update: {"key", "old", "new", "client", "staged_at"}.
-        """
+        """Apply the queued updates in order (rank 0; a no-op returning [] on other ranks). Returns one audit
+        record per applied update: {"key", "old", "new", "client", "staged_at", "id"}."""
         if self.rank != 0:
             return []
         with self._lock:
@@ -323,7 +326,7 @@ class SharedState:
             for item in queue:
                 ((key, old, new),) = self._apply({item["key"]: item["value"]})
                 records.append({"key": key, "old": old, "new": new, "client": item["client"],
-                                "staged_at": item["staged_at"]})
+                                "staged_at": item["staged_at"], "id": item["id"]})
             return records
 
     # ---- distribution ---------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics
 from verl_ds.models.ppo import LOSS_SHARE_METRICS
 from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
+from verl_ds.reward_trial import check_swap_rows, trial
 from verl_ds.rewards import parse_reward_swap
 from verl_ds.rollout import SamplingError, collect
 from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
@@ -71,11 +72,14 @@ class Trainer:
         self.state, self.registry, self.ppo, self.tokenizer = self.c.state, self.c.registry, self.c.ppo, self.c.tokenizer
         spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
                 "model_weight": cfg.reward.model_weight}
+        data = (self.c.train_set, self.c.val_set)  # a swapped-in reward must score every row, as at start-up
         self.boundary = StepBoundary(self.state, self.out_dir, reward_spec=spec, install=self._install_reward,
-                                     check_swap=parse_reward_swap,  # the server checked the HTTP policy already
+                                     # the server checked the HTTP policy already
+                                     check_swap=lambda s: check_swap_rows(parse_reward_swap(s), data),
                                      build_reward=lambda s: build_reward(cfg, self.tokenizer, self.derived, s["functions"],
                                                                          s.get("model_path"), s.get("model_weight"),
-                                                                         state=self.state))
+                                                                         state=self.state),
+                                     probe=lambda r: trial(r, self.tokenizer, data, self.actor_engine.device))
         self._listeners: list = []
         self._last_saved: Optional[int] = None
         self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
@@ -384,4 +388,6 @@ class Trainer:
         if self.server is not None:
             self.server.stop()
             self.server = None
+        # changes still staged: dropped (audited) when the run is complete, else journaled for a resume
+        self.boundary.close(completed=self.state.get("global_step") >= self.cfg.trainer.total_steps)
         self.metrics.close()

@@ -165,13 +165,31 @@ def test_exception_names_function_and_failing_sample(make_rollout):
     assert e.value.index == 2 and e.value.name == "picky" and isinstance(e.value.__cause__, ZeroDivisionError)
 
 
+def test_systemexit_from_a_reward_function_is_a_reward_error_not_the_end_of_the_process(make_rollout):
+    """Issue 31 item 10: sys.exit() inside a function used to end the rank on its own (no log, no audit); now every
+    rank fails the step together (StepFailed) with the function and the sample named."""
+    b = make_rollout()
+
+    def quits(prompts, responses, batch):
+        if "r1" in responses:
+            raise SystemExit(3)
+        return [0.0] * len(responses)
+
+    rm = RewardModel()
+    rm.register_reward_fn(quits)
+    with pytest.raises(RewardFunctionError, match=r"reward function 'quits' \(sample 1\): raised SystemExit: 3"):
+        rm.compute_rewards(b, *texts(b))
+
+
 def test_registration_rules_and_hot_replace(make_rollout):
     b = make_rollout()
     rm = RewardModel()
     with pytest.raises(ValueError, match="no reward source"):
         rm.compute_rewards(b, *texts(b))
-    with pytest.raises(ValueError, match="weight must be a finite float, got inf"):
+    with pytest.raises(ValueError, match=r"weight must be a finite float in \[-1e\+06, 1e\+06\], got inf"):
         rm.register_reward_fn(lambda p, r, x: [0.0] * 4, weight=float("inf"))
+    with pytest.raises(ValueError, match=r"weight must be a finite float in \[-1e\+06, 1e\+06\], got 1e\+39"):
+        rm.register_reward_fn(lambda p, r, x: [0.0] * 4, weight=1e39)  # finite in float64, inf in float32
     with pytest.raises(TypeError, match="fn must be callable"):
         rm.register_reward_fn("nope")
     assert rm.register_reward_fn(lambda p, r, x: [0.0] * 4) == "lambda_0"

@@ -22,9 +22,9 @@ def fn(name, weight=1.0, per_token=False):
 # ---- functions ---------------------------------------------------------------------------------------------------
 def test_shipped_names_are_normalised():
     assert check({"function": "parity"}) == {"functions": [fn("parity")], "model_path": None, "model_weight": None}
-    out = check({"functions": [{"name": "parity", "weight": 2, "per_token": True}], "function": "exact_match"})
-    assert out["functions"] == [fn("parity", 2.0, True), fn("exact_match")]  # the list first, then 'function'
-    assert out["functions"][0]["weight"] == 2 and out["functions"][0]["per_token"] is True
+    out = check({"functions": [{"name": "parity", "weight": 2, "per_token": False}], "function": "exact_match"})
+    assert out["functions"] == [fn("parity", 2.0), fn("exact_match")]  # the list first, then 'function'
+    assert out["functions"][0]["weight"] == 2 and out["functions"][0]["per_token"] is False
     assert isinstance(out["functions"][0]["weight"], float)
     assert check(out) == out  # its own output passes unchanged (the trainer re-checks what the server staged)
 
@@ -61,6 +61,17 @@ def test_shipped_names_are_normalised():
     ({"functions": ["parity"] * (MAX_SWAP_FUNCTIONS + 1)},
      f"reward swap: {MAX_SWAP_FUNCTIONS + 1} functions; at most {MAX_SWAP_FUNCTIONS} are allowed"),
     ({"function": "parity", "model_weight": 0.5}, "reward swap: model_weight given without model_path"),
+    # issue 31 item 6: finite in float64, but the float32 scores they multiply overflow (NonFiniteError mid-run)
+    ({"functions": [{"name": "parity", "weight": 1e300}]},
+     "reward swap: functions[0].weight: 1e+300 is out of range [-1e+06, 1e+06] (weighted scores are float32)"),
+    ({"functions": [{"name": "parity", "weight": -1e39}]},
+     "reward swap: functions[0].weight: -1e+39 is out of range [-1e+06, 1e+06] (weighted scores are float32)"),
+    ({"function": "parity", "model_path": "/x", "model_weight": 1e300},
+     "reward swap: model_weight: 1e+300 is out of range [-1e+06, 1e+06] (weighted scores are float32)"),
+    # issue 31 item 8: the shipped functions return one float per sample (RewardFunctionError at the first step)
+    ({"functions": [{"name": "exact_match", "per_token": True}]},
+     "reward swap: functions[0].per_token: the shipped reward 'exact_match' scores whole sequences (one float per "
+     "sample); per_token must be false"),
 ])
 def test_bad_requests_are_refused_with_the_reason(spec, message):
     with pytest.raises(ValueError) as e:

@@ -28,6 +28,17 @@ def test_requests_that_used_to_be_accepted_and_then_kill_the_run_are_400(server,
          "request body is not valid JSON: number 1e309 overflows to infinity (JSON numbers must be finite)"),
         (b'{"functions":[{"name":"parity","per_token":"no"}]}',
          "reward swap: functions[0].per_token: expected true or false, got 'no'"),
+        # issue 31 item 6: finite in float64, not in the float32 scores (then NonFiniteError mid-run)
+        (b'{"functions":[{"name":"parity","weight":1e300}]}',
+         "reward swap: functions[0].weight: 1e+300 is out of range [-1e+06, 1e+06] (weighted scores are float32)"),
+        (b'{"functions":[{"name":"parity","weight":1e39}]}',
+         "reward swap: functions[0].weight: 1e+39 is out of range [-1e+06, 1e+06] (weighted scores are float32)"),
+        (b'{"function":"parity","model_path":"%s","model_weight":1e300}' % rm_in_dir.encode(),
+         "reward swap: model_weight: 1e+300 is out of range [-1e+06, 1e+06] (weighted scores are float32)"),
+        # issue 31 item 8: a shipped function returns one float per sample (then RewardFunctionError)
+        (b'{"functions":[{"name":"parity","per_token":true}]}',
+         "reward swap: functions[0].per_token: the shipped reward 'parity' scores whole sequences (one float per "
+         "sample); per_token must be false"),
         (b'{"model_path":"%s"}' % empty.encode(),
          f"reward swap: model_path {empty!r} has no config.json; expected a checkpoint saved with save_pretrained, "
          "found an empty directory"),
@@ -41,9 +52,9 @@ def test_requests_that_used_to_be_accepted_and_then_kill_the_run_are_400(server,
         assert a.status == 400 and a.json["error"].startswith(message), (raw, a)
     assert parts["swapper"].staged == []
     # the valid neighbour of each is staged, and a 202 body is strict JSON
-    ok = call(server.url, "POST", ROUTE, {"function": "parity", "model_path": rm_in_dir, "model_weight": 1e308},
+    ok = call(server.url, "POST", ROUTE, {"function": "parity", "model_path": rm_in_dir, "model_weight": -1e6},
               token=TOKEN)
-    assert ok.status == 202 and ok.json["staged"]["model_weight"] == 1e308
+    assert ok.status == 202 and ok.json["staged"]["model_weight"] == -1e6
     assert b"Infinity" not in ok.raw and b"NaN" not in ok.raw
 
 

@@ -29,6 +29,15 @@ ONCE_FATAL = [
          b'{"functions":[{"name":"parity","per_token":"no"}]}', 400),
     Case("builtins:print", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
          b'{"function":"builtins:print"}', 400),
+    # issue 31 items 6-8: finite in float64 but not in the float32 scores; a data field the task lacks; per_token
+    Case("reward weight 1e300", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
+         b'{"functions":[{"name":"parity","weight":1e300}]}', 400),
+    Case("reward weight 1e39", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
+         b'{"functions":[{"name":"parity","weight":1e39}]}', 400),
+    Case("exact_match without answers", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
+         b'{"function":"exact_match"}', 400),
+    Case("per_token on parity", "POST", "/v1/models/reward", (("Authorization", "Bearer {token}"),),
+         b'{"functions":[{"name":"parity","per_token":true}]}', 400),
 ]
 
 

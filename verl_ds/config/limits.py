@@ -63,16 +63,36 @@ class Bound:
     why: str
 
 
+def has_reference(cfg) -> bool:
+    """Whether a run builds a frozen reference: only then can a KL term be non-zero (``algo.kl_coef > 0`` or an
+    adaptive KL controller at start-up)."""
+    from verl_ds.algos.kl_ctrl import KL_CONTROLLERS  # local: the numerics import torch
+
+    return cfg.algo.kl_coef > 0 or KL_CONTROLLERS.canonical(cfg.algo.kl_ctrl) != "fixed"
+
+
+# hot key -> (whether a value turns a KL term on, the value that keeps it off)
+_KL_SWITCHES = {"kl_coef": (lambda v: v > 0, 0.0), "use_kl_penalty": (lambda v: v is True, False),
+                "kl_ctrl_type": (lambda v: v != "fixed", "fixed")}
+_NO_REFERENCE = ("this run has no reference model (it started with algo.kl_coef=0 and algo.kl_ctrl=fixed), so no KL "
+                 "term can be turned on")
+
+
 @dataclass(frozen=True)
 class RunLimits:
-    """Limits of one run that hot updates must respect (``SharedState(rank, limits=run_limits(cfg))``)."""
+    """Limits of one run that hot updates must respect (``SharedState(rank, limits=run_limits(cfg))``).
+    ``reference``: whether the run built a frozen reference (without one, KL keys cannot turn a KL term on)."""
     upper: Mapping[str, Bound] = field(default_factory=dict)
     kl_placement: str = "reward"
+    reference: bool = True
 
     def check(self, values: Mapping, changed: Iterable[str]) -> dict[str, str]:
         """key -> reason for each of the ``changed`` keys whose new value (in ``values``) breaks a limit."""
         errors = {}
         for key in changed:
+            if not self.reference and key in _KL_SWITCHES and _KL_SWITCHES[key][0](values[key]):
+                errors[key] = (f"{values[key]!r} refused: {_NO_REFERENCE}; {key} must stay {_KL_SWITCHES[key][1]!r} "
+                               "(restart with algo.kl_coef > 0 or an adaptive algo.kl_ctrl for a KL term)")
             bound = self.upper.get(key)
             if bound is not None and values[key] > bound.max:
                 errors[key] = f"{values[key]!r} exceeds this run's limit {bound.max} ({bound.why})"
@@ -161,4 +181,5 @@ def run_limits(cfg) -> RunLimits:
         tokens, where, why = min(contexts, key=lambda c: c[0])
         prompt = cfg.data.max_prompt_length
         upper["max_new_tokens"] = Bound(tokens - prompt, f"{where}={tokens} - data.max_prompt_length={prompt}: {why}")
-    return RunLimits(upper=upper, kl_placement=resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator))
+    return RunLimits(upper=upper, kl_placement=resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator),
+                     reference=has_reference(cfg))

@@ -29,6 +29,9 @@ MAX_GENERATED_PROMPTS = 1 << 20
 # torch.distributed converts the timeout to a timedelta and then to int64 milliseconds; 30 days is far beyond
 # any wait a job means (a hung rank must be noticed)
 MAX_DIST_TIMEOUT_S = 30 * 86400
+# Scores are float32 (largest 3.4e38). With every reward weight and penalty at most 1e6 in magnitude, a weighted
+# score and its square (the critic's squared error) stay finite there for raw scores up to 1e12.
+MAX_REWARD_WEIGHT = 1e6
 
 
 def _kl_kinds() -> tuple:
@@ -117,7 +120,7 @@ class RolloutConfig:
 @dataclass
 class ActorConfig:
     lr: float = _f(1e-3, "Actor learning rate.", gt=0.0, max=1.0, hot="actor_lr")
-    weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0, max=1.0)
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
     ppo_epochs: int = _f(1, "Passes over each rollout batch.", min=1)
     mini_batch_size: int = _f(32, "Samples per optimizer step, summed over ranks; divides rollout.batch_size * rollout.n.", min=1)
@@ -134,7 +137,7 @@ class ActorConfig:
 @dataclass
 class CriticConfig:
     lr: float = _f(5e-3, "Critic learning rate.", gt=0.0, max=1.0, hot="critic_lr")
-    weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0)
+    weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0, max=1.0)
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
     ppo_epochs: int = _f(1, "Critic passes over each rollout batch.", min=1)
     micro_batch_size: int = _f(16, "Samples per critic forward/backward on one rank (values and updates); capped at the per-rank mini-batch, which it must divide.", min=1)
@@ -167,14 +170,14 @@ class AlgoConfig:
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling (Yu et al. 2025): drop groups whose rewards (before the overlong penalty) are all equal and draw more prompts until the batch is full (paper: on).")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: most rounds of prompts drawn per step; a rank still short then fills up with dropped groups.", min=1)
     overlong_buffer: int = _f(0, "DAPO soft overlong punishment: the last N tokens before rollout.max_new_tokens ramp the penalty from 0 to -overlong_penalty_factor (0: off; paper: 4096 of 20480).", min=0)
-    overlong_penalty_factor: float = _f(1.0, "DAPO soft overlong punishment: the penalty at rollout.max_new_tokens (paper: 1.0).", min=0.0)
+    overlong_penalty_factor: float = _f(1.0, "DAPO soft overlong punishment: the penalty at rollout.max_new_tokens (paper: 1.0).", min=0.0, max=MAX_REWARD_WEIGHT)
 
 
 @dataclass
 class RewardConfig:
-    functions: list = _f(["parity"], "Reward functions: shipped names (parity, exact_match, ...) or 'module:fn' / 'file.py:fn'; entries may be {name, weight, per_token}.")
+    functions: list = _f(["parity"], "Reward functions: shipped names (parity, exact_match, ...) or 'module:fn' / 'file.py:fn'; entries may be {name, weight, per_token} (|weight| <= 1e6; the shipped functions score whole sequences, per_token false).")
     model_path: Optional[str] = _f(None, "Local HF sequence-classification reward model (1 label), scored at the last real token.", nonempty=True)
-    model_weight: float = _f(1.0, "Weight of the neural reward in the sum.")
+    model_weight: float = _f(1.0, "Weight of the neural reward in the sum.", min=-MAX_REWARD_WEIGHT, max=MAX_REWARD_WEIGHT)
     micro_batch_size: int = _f(64, "Samples per rank in one forward of the neural reward model.", min=1)
     num_workers: int = _f(1, "Threads scoring chunks of the batch with the reward functions (rule rewards can be slow; functions must be thread-safe).", min=1)
     eos_reward: Literal["zero", "keep"] = _f("zero", "Per-token rewards at the EOS position: zeroed or kept.")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .fields import ConfigError, show
 from .limits import kl_placement_rule, resolve_kl_kind, resolve_kl_placement, run_limits
 from .loader import read_text_file
-from .schema import Config, hot_fields
+from .schema import MAX_REWARD_WEIGHT, Config, hot_fields
 
 # SharedState key -> the config key that sets its value at step 0
 STATE_FROM_CONFIG: dict[str, str] = {key: dotted for key, dotted, _, _ in hot_fields()}
@@ -100,8 +100,16 @@ def _check_reward_functions(cfg: Config) -> None:
             name, weight, per_token = spec["name"], spec.get("weight", 1.0), spec.get("per_token", False)
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(float(weight)):
                 raise ConfigError(f"{where}.weight: expected a finite number, got {show(weight)}")
+            if abs(weight) > MAX_REWARD_WEIGHT:  # finite in float64, but the float32 scores would overflow
+                raise ConfigError(f"{where}.weight: {show(weight)} is out of range [-{MAX_REWARD_WEIGHT:g}, "
+                                  f"{MAX_REWARD_WEIGHT:g}] (weighted scores are float32)")
             if not isinstance(per_token, bool):
                 raise ConfigError(f"{where}.per_token: expected a bool (true/false), got {show(per_token)}")
+            from verl_ds.rewards import SEQUENCE_REWARDS  # local: the config does not import the reward code
+
+            if per_token and name in SEQUENCE_REWARDS:
+                raise ConfigError(f"{where}.per_token: the shipped reward {name!r} scores whole sequences (one "
+                                  "float per sample); per_token must be false")
         else:
             name = spec
         if not isinstance(name, str) or not name.strip():
@@ -119,6 +127,16 @@ def _check_deepspeed_file(cfg: Config, derived: Derived) -> None:
         raise ConfigError(f"deepspeed.config_file: {path!r} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"deepspeed.config_file: {path!r} must hold a JSON object, got a JSON {type(data).__name__}")
+    try:
+        bad = _non_finite(data)
+    except RecursionError:
+        raise ConfigError(f"deepspeed.config_file: {path!r} is nested too deeply") from None
+    if bad is not None:  # Python's json reads NaN and Infinity; DeepSpeed would clip (or scale) by them
+        raise ConfigError(f"deepspeed.config_file: {path!r}: {bad[0]} is {bad[1]!r}; expected a finite number")
+    clip = data.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+        raise ConfigError(f"deepspeed.config_file: {path!r}: gradient_clipping is {show(clip)}; expected a number "
+                          ">= 0 (0 disables)")
     from verl_ds.engines.ds_config import make_ds_config  # local: the engines package imports torch
 
     for role in ("actor", "critic", "ref"):  # each engine's JSON, as it will be built: refused here, not mid-build
@@ -142,6 +160,19 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(f"rollout.batch_size={cfg.rollout.batch_size} is larger than the prompt set "
                           f"(data.num_train_prompts={d.num_train_prompts}): a step draws rollout.batch_size distinct "
                           "prompts; raise data.num_train_prompts or lower rollout.batch_size")
+
+
+def _non_finite(data, where: str = "") -> tuple[str, float] | None:
+    """(dotted key, value) of the first NaN or infinity in a JSON value, or None."""
+    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in items:
+        name = f"{where}.{key}" if where and isinstance(key, str) else f"{where}[{key}]" if where else str(key)
+        if isinstance(value, float) and not math.isfinite(value):
+            return name, value
+        found = _non_finite(value, name)
+        if found is not None:
+            return found
+    return None
 
 
 def initial_state(cfg: Config) -> dict:

@@ -49,8 +49,12 @@ class _RewardFn:
 
 
 def _check_weight(weight: Any, who: str) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(float(weight)):
-        raise ValueError(f"{who}: weight must be a finite float, got {weight!r}")
+    from verl_ds.config.schema import MAX_REWARD_WEIGHT
+
+    if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(float(weight)) \
+            or abs(float(weight)) > MAX_REWARD_WEIGHT:  # finite in float64 is not enough: the scores are float32
+        raise ValueError(f"{who}: weight must be a finite float in [-{MAX_REWARD_WEIGHT:g}, {MAX_REWARD_WEIGHT:g}], "
+                         f"got {weight!r}")
     return float(weight)
 
 
@@ -144,6 +148,10 @@ class RewardModel(RewardRole):
             if name not in {f.name for f in self._fns}:
                 raise KeyError(f"no reward function named {name!r}; registered: {[f.name for f in self._fns]}")
             self._fns = tuple(f for f in self._fns if f.name != name)
+
+    def functions(self) -> list[tuple[str, Callable, bool]]:
+        """(name, function, per_token) of the registered functions, in registration order."""
+        return [(f.name, f.fn, f.per_token) for f in self._fns]
 
     def reward_fns(self) -> list[dict]:
         """[{"name", "weight", "per_token"}] in registration order."""
@@ -271,13 +279,13 @@ class RewardModel(RewardRole):
     def _call(entry: _RewardFn, prompts: list, responses: list, batch: Any, offset: int = 0) -> Any:
         try:
             return entry.fn(prompts, responses, batch)
-        except Exception as e:  # locate the failing sample so the user can reproduce it
+        except (Exception, SystemExit) as e:  # locate the failing sample so the user can reproduce it
             index = None
             if hasattr(batch, "select"):
                 for i in range(len(prompts)):
                     try:
                         entry.fn(prompts[i:i + 1], responses[i:i + 1], batch.select([i]))
-                    except Exception:
+                    except (Exception, SystemExit):
                         index = i
                         break
             hint = "" if index is not None else " (not reproducible on any single sample)"
