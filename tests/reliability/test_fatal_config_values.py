@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env
+from e2e_utils import FAST, ROOT, TRAIN, base_env, merged
 from verl_ds.config import ConfigError, check_startup, load_config
 
 CASES = [
@@ -52,8 +52,9 @@ def test_their_neighbours_in_range_pass(tmp_path):
 
 
 def test_the_command_exits_2_naming_the_key(tmp_path):
-    proc = subprocess.run([sys.executable, TRAIN, f"trainer.output_dir={tmp_path}/run", *FAST, "trainer.total_steps=1",
-                           "trainer.export_hf=false", "actor.weight_decay=1e308"],  # short, should it start at all
+    proc = subprocess.run([sys.executable, TRAIN, *merged([f"trainer.output_dir={tmp_path}/run"], FAST,
+                                                          ["trainer.total_steps=1", "trainer.export_hf=false",
+                                                           "actor.weight_decay=1e308"])],  # short, should it start at all
                           cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "verl_ds: error: actor.weight_decay: 1e+308 is out of range [0.0, 1.0]" in proc.stderr

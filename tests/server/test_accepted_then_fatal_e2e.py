@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, read_metrics, run_train
+from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, merged, read_metrics, run_train
 from server_testutil import TOKEN, call
 
 pytestmark = pytest.mark.slow  # real training runs
@@ -38,7 +38,7 @@ class Live:
         self.out, self.log = out, str(tmp / f"{os.path.basename(out)}.{time.monotonic_ns()}.log")
         launcher = [sys.executable] if nproc == 1 else \
             [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
-        args = [*launcher, TRAIN, f"trainer.output_dir={out}", *FAST, "server.enabled=true", *overrides]
+        args = [*launcher, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, ["server.enabled=true"], overrides)]
         with open(self.log, "w") as fh:
             self.proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=fh,
                                          stderr=subprocess.STDOUT, start_new_session=True)
