@@ -1,62 +1,16 @@
 """HTTP/1.1 details that a hostile client used to turn against the server, with real sockets on 127.0.0.1: an
 idle-socket flood at the connection cap, a chunk size far over the body limit, a request framed both by
 Content-Length and by Transfer-Encoding (request smuggling), other HTTP versions. /healthz keeps answering."""
-import selectors
 import socket
 import threading
 import time
 
 import pytest
-from server_testutil import TOKEN, RawReader, call, dropped, raw_exchange
+from server_testutil import TOKEN, IdleFlood, RawReader, call, connect, dropped, raw_exchange
 
 from verl_ds.server import ControlServer
 
 _AUTH = f"Authorization: Bearer {TOKEN}\r\n"
-
-
-def _connect(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=30)
-
-
-class _IdleFlood:
-    """Keeps ``n`` idle connections open, reopening each one the server closes (a client that reconnects at
-    once), until stopped; bounded by ``max_reopen`` reconnections."""
-
-    def __init__(self, port: int, n: int, max_reopen: int = 5000):
-        self.port, self.max_reopen = port, max_reopen
-        self.first = [_connect(port) for _ in range(n)]
-        self.socks = list(self.first)
-        self.reopened, self.stop = 0, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        with selectors.DefaultSelector() as sel:  # not select(): file descriptors go past 1024 here
-            for s in self.socks:
-                sel.register(s, selectors.EVENT_READ)
-            while not self.stop.is_set() and self.reopened < self.max_reopen:
-                for key, _ in sel.select(0.05):  # closed by the server (EOF or reset): reconnect at once
-                    s = key.fileobj
-                    sel.unregister(s)
-                    self.socks.remove(s)
-                    if s not in self.first:
-                        s.close()
-                    try:
-                        new = _connect(self.port)
-                    except OSError:
-                        continue
-                    self.socks.append(new)
-                    sel.register(new, selectors.EVENT_READ)
-                    self.reopened += 1
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join(30)
-        for s in set(self.socks) | set(self.first):
-            s.close()
 
 
 def test_idle_socket_flood_does_not_lock_out_new_clients(parts):
@@ -64,7 +18,7 @@ def test_idle_socket_flood_does_not_lock_out_new_clients(parts):
     at once (the longest idle connection makes room), and the oldest flood sockets were closed without a byte."""
     with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, request_timeout=10.0) as srv:
         assert srv.max_open_connections == 256
-        with _IdleFlood(srv.port, 300) as flood:
+        with IdleFlood(srv.port, 300) as flood:
             times = []
             for _ in range(20):
                 t = time.monotonic()
@@ -72,7 +26,7 @@ def test_idle_socket_flood_does_not_lock_out_new_clients(parts):
                 times.append(time.monotonic() - t)
                 assert a.status == 200 and a.json["status"] == "ok", a
                 # a keep-alive client with two requests on one connection is answered both times
-                with _connect(srv.port) as s:
+                with connect(srv.port) as s:
                     reader = RawReader(s)
                     for _ in range(2):
                         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -82,11 +36,35 @@ def test_idle_socket_flood_does_not_lock_out_new_clients(parts):
             assert all(dropped(s) for s in flood.first[:40])  # the oldest ones, closed without an answer
 
 
+def test_open_connection_cap_answers_503_when_every_connection_is_busy_and_frees_the_slot(parts):
+    """Idle connections make room for new ones (the test above); connections whose request is in
+    progress (here: waiting for an announced body) are not closed, so past the cap a new one gets 503."""
+    head = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 12\r\n"
+            "Expect: 100-continue\r\n\r\n")
+    with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, max_open_connections=2,
+                       request_timeout=30.0) as srv:
+        hogs = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(2)]
+        try:
+            readers = [RawReader(h) for h in hogs]
+            for h, r in zip(hogs, readers):  # a request each, its body not yet sent: both connections are busy
+                h.sendall(head.encode())
+                assert r.head()[0] == 100  # the server reads the body: the request is in progress
+            a = call(srv.url, "GET", "/healthz")
+            assert a.status == 503 and a.json == {"error": "too many open connections; retry later", "status": 503}
+            # one hog's request is answered: its connection is idle now and makes room for a new one
+            hogs[0].sendall(b'{"lam": 0.9}')
+            assert readers[0].answer().status == 202
+            assert call(srv.url, "GET", "/healthz").status == 200
+        finally:
+            for h in hogs:
+                h.close()
+
+
 @pytest.mark.parametrize("size_line", [b"FFFFFFFFFFFFFFFF", b"ffffffffffffffffffff", b"10001"])
 def test_chunk_size_over_the_limit_is_413_at_once(parts, size_line):
     """The size line alone is enough: 413 at once, not a 408 when the body deadline passes."""
     with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, request_timeout=10.0) as srv:
-        with _connect(srv.port) as s:
+        with connect(srv.port) as s:
             t = time.monotonic()
             s.sendall(b"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n" + _AUTH.encode() +
                       b"Transfer-Encoding: chunked\r\n\r\n" + size_line + b"\r\n")
@@ -102,13 +80,13 @@ def test_chunk_size_over_the_limit_is_413_at_once(parts, size_line):
 def test_chunks_that_add_up_over_the_limit_are_413_when_the_last_size_line_arrives(parts):
     with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, max_body_bytes=1024,
                        request_timeout=10.0) as srv:
-        with _connect(srv.port) as s:
+        with connect(srv.port) as s:
             t = time.monotonic()
             s.sendall(b"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n" + _AUTH.encode() + b"Transfer-Encoding: chunked\r\n\r\n"
                       + b"200\r\n" + b" " * 0x200 + b"\r\n" + b"201\r\n")  # 512 sent + 513 announced > 1024
             a = RawReader(s).answer()
         assert a.status == 413 and time.monotonic() - t < 5.0, a
-        with _connect(srv.port) as s:  # exactly the limit is fine
+        with connect(srv.port) as s:  # exactly the limit is fine
             s.sendall(b"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n" + _AUTH.encode() + b"Transfer-Encoding: chunked\r\n\r\n"
                       + b"200\r\n" + b" " * 0x200 + b"\r\n" + b"200\r\n" + b'{"lam": 0.9}'.ljust(0x200) + b"\r\n0\r\n\r\n")
             assert RawReader(s).answer().status == 202
@@ -125,7 +103,7 @@ def test_content_length_with_transfer_encoding_is_400_and_smuggles_nothing(serve
     smuggled = (b"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n" + _AUTH.encode() + b"Content-Length: 12\r\n\r\n"
                 b'{"lam": 0.5}')
     raw = b"PATCH /v1/state HTTP/1.1\r\nHost: x\r\n" + _AUTH.encode() + headers + b"\r\n0\r\n\r\n" + smuggled
-    with _connect(server.port) as s:
+    with connect(server.port) as s:
         s.sendall(raw)
         reader = RawReader(s)
         a = reader.answer()
@@ -165,7 +143,7 @@ def test_health_checks_go_on_under_all_of_these_at_once(parts):
                + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
                b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n"]
     with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, request_timeout=10.0) as srv:
-        with _IdleFlood(srv.port, 280):
+        with IdleFlood(srv.port, 280):
             statuses, stop = [], threading.Event()
 
             def attack():

@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics
 from hostile_requests import CORPUS, Case, send
-from server_testutil import TOKEN
+from server_testutil import TOKEN, IdleFlood, call
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
@@ -96,3 +97,58 @@ def test_soak_of_valid_invalid_and_hostile_requests_while_training(tmp_path):
     assert {a["key"] for a in audit} == {"kl_coef"}  # nothing refused reached the audit log
     assert all(m["state/temperature"] == 1.0 for m in steps.values())
     assert all(m["response_length/mean"] <= 6 for m in steps.values())  # max_new_tokens never changed
+
+
+def test_training_goes_on_under_an_idle_flood_and_pathological_bodies(tmp_path):
+    """300 idle sockets that reconnect as soon as one is closed (cap 256), and four clients sending 64 KB
+    bodies that once cost ~28 s of CPU each with the GIL held (0 steps in 112 s): the job keeps training, every
+    body is refused (400) within seconds, /healthz answers every time, and the job stops cleanly."""
+    out = str(tmp_path / "run")
+    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "trainer.total_steps=100000", "trainer.val_every=0",
+            "trainer.export_hf=false", "server.enabled=true"]
+    log = open(tmp_path / "train.log", "w")
+    proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=log,
+                            stderr=subprocess.STDOUT)
+    bad = b'"' + b'\\"' * 32000
+    try:
+        while _logged_steps(out) < 2:
+            assert proc.poll() is None, open(tmp_path / "train.log").read()[-5000:]
+            time.sleep(0.1)
+        url = open(os.path.join(out, "server_url.txt")).read().strip()
+        port = int(url.rsplit(":", 1)[1])
+        answers, health, stop = [], [], threading.Event()
+
+        def send_bad():
+            while not stop.is_set():
+                t = time.perf_counter()
+                a = call(url, "PATCH", "/v1/state", raw=bad, token=TOKEN, timeout=60)
+                answers.append((a.status, time.perf_counter() - t))
+
+        with IdleFlood(port, 300, max_reopen=20000):
+            senders = [threading.Thread(target=send_bad) for _ in range(4)]
+            for t in senders:
+                t.start()
+            start_steps, t0 = _logged_steps(out), time.monotonic()
+            try:
+                while _logged_steps(out) < start_steps + 3 and time.monotonic() - t0 < 240:
+                    assert proc.poll() is None, open(tmp_path / "train.log").read()[-5000:]
+                    h0 = time.perf_counter()
+                    health.append((call(url, "GET", "/healthz", timeout=60).status, time.perf_counter() - h0))
+                    time.sleep(0.2)
+            finally:
+                stop.set()
+                for t in senders:
+                    t.join(120)
+            trained = _logged_steps(out) - start_steps
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGUSR1)  # stop cleanly: checkpoint, exit 75
+        assert proc.wait(timeout=600) == 75
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    print(f"\nflood: {trained} steps in {time.monotonic() - t0:.1f} s, {len(answers)} pathological bodies (slowest "
+          f"{max(d for _, d in answers):.2f} s), {len(health)} health checks (slowest {max(d for _, d in health):.2f} s)")
+    assert trained >= 3, trained
+    assert answers and {s for s, _ in answers} == {400} and max(d for _, d in answers) < 10.0
+    assert health and {s for s, _ in health} == {200} and max(d for _, d in health) < 10.0
