@@ -51,6 +51,7 @@ def _raw(name: str, request: bytes, status: int) -> Case:
 
 
 _HEAD = b"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+_GUESSES = b"".join(b"G%04d-" % i for i in range(777)) + b"{token}-" + b"".join(b"G%04d-" % i for i in range(778, 1500))
 
 CORPUS: list[Case] = [
     # ---- valid reads -------------------------------------------------------------------------------------------
@@ -112,6 +113,24 @@ CORPUS: list[Case] = [
     _raw("huge chunk size", _HEAD + b"Transfer-Encoding: chunked\r\n\r\nffffffffffffffff\r\n" + b"x" * 70000, 413),
     _raw("gzip transfer-encoding", _HEAD + b"Transfer-Encoding: gzip\r\n\r\n", 501),
     _raw("body cut short", _HEAD + b"Content-Length: 50\r\n\r\n{\"lam\":", 400),
+    _raw("huge chunk size, no body", _HEAD + b"Transfer-Encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFF\r\n", 413),
+    _raw("chunk sizes adding up over the limit", _HEAD + b"Transfer-Encoding: chunked\r\n\r\n4000\r\n"
+         + b" " * 0x4000 + b"\r\nf000\r\n", 413),
+    _raw("Content-Length and chunked", _HEAD + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    _raw("chunked and Content-Length", _HEAD + b"Transfer-Encoding: chunked\r\nContent-Length: 14\r\n\r\n"
+         + b"e\r\n{\"lam\": 0.9}  \r\n0\r\n\r\n", 400),
+    _raw("HTTP/2 preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 505),
+    _raw("HTTP/9.9", b"GET /healthz HTTP/9.9\r\nHost: x\r\n\r\n", 505),
+    _raw("HTTP/2.0 request line", b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 505),
+    _raw("HTTP/1.0", b"GET /healthz HTTP/1.0\r\n\r\n", 200),
+    # ---- the token among guesses, before authentication: answered without repeating any of it -------------------
+    _raw("token among 1500 guesses in a state key", b"GET /v1/state/" + _GUESSES + b" HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    _raw("token among guesses in a model id", b"GET /v1/models/" + _GUESSES + b" HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    _raw("token among guesses in a route", b"GET /" + _GUESSES + b" HTTP/1.1\r\nHost: x\r\n\r\n", 404),
+    _raw("token among guesses as a method", _GUESSES + b" /v1/state HTTP/1.1\r\nHost: x\r\n\r\n", 405),
+    # ---- bodies that a quadratic scan made cost ~28 s of CPU each -----------------------------------------------
+    _patch("64 KB of escaped quotes", b'"' + b'\\"' * 32000),
+    _patch("64 KB of a-escapes", b'"a\\' * 21800),
     # ---- valid changes (202) ----------------------------------------------------------------------------------------
     _patch("valid patch", b'{"lam": 0.95}', 202, mutates=True),
     _patch("valid chunked patch", b'{"gamma": 1}', 202,

@@ -5,8 +5,10 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import selectors
 import shutil
 import socket
+import threading
 from urllib.parse import urlsplit
 
 import torch.nn as nn
@@ -155,6 +157,52 @@ def dropped(sock: socket.socket) -> bool:
     except ConnectionResetError:
         pass
     return received == b""
+
+
+def connect(port: int) -> socket.socket:
+    """A client socket to the server on 127.0.0.1."""
+    return socket.create_connection(("127.0.0.1", port), timeout=30)
+
+
+class IdleFlood:
+    """Keeps ``n`` idle connections open, reopening each one the server closes (a client that reconnects at
+    once), until stopped; bounded by ``max_reopen`` reconnections."""
+
+    def __init__(self, port: int, n: int, max_reopen: int = 5000):
+        self.port, self.max_reopen = port, max_reopen
+        self.first = [connect(port) for _ in range(n)]
+        self.socks = list(self.first)
+        self.reopened, self.stop = 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with selectors.DefaultSelector() as sel:  # not select(): file descriptors go past 1024 here
+            for s in self.socks:
+                sel.register(s, selectors.EVENT_READ)
+            while not self.stop.is_set() and self.reopened < self.max_reopen:
+                for key, _ in sel.select(0.05):  # closed by the server (EOF or reset): reconnect at once
+                    s = key.fileobj
+                    sel.unregister(s)
+                    self.socks.remove(s)
+                    if s not in self.first:
+                        s.close()
+                    try:
+                        new = connect(self.port)
+                    except OSError:
+                        continue
+                    self.socks.append(new)
+                    sel.register(new, selectors.EVENT_READ)
+                    self.reopened += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(30)
+        for s in set(self.socks) | set(self.first):
+            s.close()
 
 
 # ---- models --------------------------------------------------------------------------------------------------

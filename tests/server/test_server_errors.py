@@ -235,26 +235,27 @@ def test_unauthorised_request_with_a_body_closes_the_connection(server):
 def test_unknown_route_is_json_404(server, path):
     a = call(server.url, "GET", path)
     assert a.status == 404 and a.headers["content-type"] == "application/json"
-    assert a.json["error"].startswith("no route") or "not registered" in a.json["error"] or \
-        "unknown SharedState key" in a.json["error"]
+    assert a.json["error"].startswith(("no route for this path; routes: GET /healthz", "unknown SharedState key ("))
+    assert path not in a.json["error"].split("; routes:")[0]  # the path sent is not repeated back
 
 
-@pytest.mark.parametrize("method,path,allow", [
-    ("DELETE", "/v1/state", "GET, HEAD, PATCH"),
-    ("POST", "/v1/state", "GET, HEAD, PATCH"),
-    ("PUT", "/v1/models", "GET, HEAD"),
-    ("POST", "/v1/models", "GET, HEAD"),
-    ("POST", "/v1/models/actor", "GET, HEAD"),
-    ("DELETE", "/v1/models/reward", "GET, HEAD, POST"),
-    ("PATCH", "/v1/state/kl_coef", "GET, HEAD"),
-    ("POST", "/healthz", "GET, HEAD"),
-    ("POST", "/metrics", "GET, HEAD"),
-    ("BREW", "/v1/state", "GET, HEAD, PATCH"),
+@pytest.mark.parametrize("method,path,allow,error", [
+    ("DELETE", "/v1/state", "GET, HEAD, PATCH", "method DELETE not allowed on /v1/state"),
+    ("POST", "/v1/state", "GET, HEAD, PATCH", "method POST not allowed on /v1/state"),
+    ("PUT", "/v1/models", "GET, HEAD", "method PUT not allowed on /v1/models"),
+    ("POST", "/v1/models", "GET, HEAD", "method POST not allowed on /v1/models"),
+    ("POST", "/v1/models/actor", "GET, HEAD", "method POST not allowed on /v1/models/{id}"),
+    ("DELETE", "/v1/models/reward", "GET, HEAD, POST", "method DELETE not allowed on /v1/models/reward"),
+    ("PATCH", "/v1/state/kl_coef", "GET, HEAD", "method PATCH not allowed on /v1/state/{key}"),
+    ("POST", "/healthz", "GET, HEAD", "method POST not allowed on /healthz"),
+    ("POST", "/metrics", "GET, HEAD", "method POST not allowed on /metrics"),
+    ("BREW", "/v1/state", "GET, HEAD, PATCH", "this method not allowed on /v1/state"),  # not a standard method
 ])
-def test_wrong_method_is_405_with_allow(server, method, path, allow):
+def test_wrong_method_is_405_with_allow(server, method, path, allow, error):
+    """The answer names the route and the allowed methods, never the path or a non-standard method sent."""
     a = call(server.url, method, path, token=TOKEN)
     assert a.status == 405 and a.headers["allow"] == allow
-    assert a.json["error"] == f"method {method} not allowed on {path}; allowed: {allow}"
+    assert a.json["error"] == f"{error}; allowed: {allow}"
 
 
 @pytest.mark.parametrize("raw,reason", [
@@ -340,25 +341,6 @@ def test_requests_in_progress_cap_answers_503_and_frees_the_slot(parts):
         assert held["answer"].status == 200 and "verl_ds_step 1" in held["answer"].text
         # the slot is released before the answer is sent, so it is free now
         assert call(srv.url, "GET", "/healthz").status == 200
-
-
-def test_open_connection_cap_answers_503_and_frees_the_slot(parts):
-    with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, max_open_connections=2) as srv:
-        hogs = [socket.create_connection(("127.0.0.1", srv.port), timeout=30) for _ in range(2)]
-        try:
-            for h in hogs:  # a keep-alive request each: both connections are open and counted
-                h.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert RawReader(h).answer().status == 200
-            a = call(srv.url, "GET", "/healthz")
-            assert a.status == 503 and a.json == {"error": "too many open connections; retry later", "status": 503}
-            # one hog ends its connection; once it has seen the server close, the slot is free
-            hogs[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            reader = RawReader(hogs[0])
-            assert reader.answer().status == 200 and reader.rest() == b""
-            assert call(srv.url, "GET", "/healthz").status == 200
-        finally:
-            for h in hogs:
-                h.close()
 
 
 def test_stop_does_not_wait_for_a_stalled_client(parts):

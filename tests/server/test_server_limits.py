@@ -3,6 +3,7 @@ checked), whole-request deadlines against trickling clients, bursts, deep JSON, 
 import logging
 import socket
 import threading
+import time
 
 import psutil
 import pytest
@@ -184,3 +185,37 @@ def test_keep_alive_connection_gets_a_fresh_deadline_per_request_and_is_dropped_
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert reader.answer().status == 200
             assert reader.rest() == b""  # idle past the deadline: closed by the server
+
+
+@pytest.mark.parametrize("body", [b'"' + b'\\"' * 32000, b'"a\\' * 21800], ids=["quote-escapes", "a-escapes"])
+def test_pathological_64k_bodies_are_answered_at_once_while_the_server_stays_healthy(parts, body):
+    """Four 64 KB bodies of unterminated escaped strings at once: each once cost ~28 s of CPU with the GIL held
+    in the string scan of the nesting check (quadratic); every check on a body is linear now, so they are
+    answered (400: not JSON) in well under a second each, and /healthz keeps answering meanwhile."""
+    assert 60000 < len(body) <= 65536
+    with ControlServer(parts["state"], parts["registry"], port=0, token=TOKEN, request_timeout=60.0) as srv:
+        answers, health, done = [], [], threading.Event()
+
+        def patch():
+            answers.append(call(srv.url, "PATCH", "/v1/state", raw=body, token=TOKEN, timeout=60))
+
+        def poll():
+            while not done.is_set():
+                health.append(call(srv.url, "GET", "/healthz", timeout=60).status)
+                done.wait(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        patchers = [threading.Thread(target=patch) for _ in range(4)]
+        start = time.monotonic()
+        for t in patchers:
+            t.start()
+        for t in patchers:
+            t.join(120)
+        elapsed = time.monotonic() - start
+        done.set()
+        poller.join(60)
+    assert [a.status for a in answers] == [400] * 4
+    assert all(a.json["error"].startswith("request body is not valid JSON: Unterminated string") for a in answers)
+    assert elapsed < 5.0, f"four 64 KB bodies took {elapsed:.1f} s"
+    assert health and set(health) == {200}

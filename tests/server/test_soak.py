@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from e2e_utils import FAST, ROOT, TRAIN, base_env, merged, read_metrics
 from hostile_requests import CORPUS, Case, send
-from server_testutil import TOKEN
+from server_testutil import TOKEN, IdleFlood, call
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
@@ -106,3 +107,75 @@ def test_soak_of_valid_invalid_and_hostile_requests_while_training(tmp_path):
     assert {a["key"] for a in audit} == {"kl_coef"}  # nothing refused reached the audit log
     assert all(m["state/temperature"] == 1.0 for m in steps.values())
     assert all(m["response_length/mean"] <= 6 for m in steps.values())  # max_new_tokens never changed
+
+
+def _train_while(out: str, proc, log_path, probe, steps: int = 3, limit_s: float = 240.0) -> tuple[int, float]:
+    """Call ``probe()`` every 0.2 s until the job has logged ``steps`` more steps (or ``limit_s`` passed);
+    (steps trained, seconds)."""
+    start, t0 = _logged_steps(out), time.monotonic()
+    while _logged_steps(out) < start + steps and time.monotonic() - t0 < limit_s:
+        assert proc.poll() is None, open(log_path).read()[-5000:]
+        probe()
+        time.sleep(0.2)
+    return _logged_steps(out) - start, time.monotonic() - t0
+
+
+def _timed(results: list, url: str, *args, **kwargs) -> None:
+    """Append (status, seconds) of one request; status 0 when it got no answer within 60 s."""
+    t = time.perf_counter()
+    try:
+        status = call(url, *args, timeout=60, **kwargs).status
+    except OSError:
+        status = 0
+    results.append((status, time.perf_counter() - t))
+
+
+def test_training_goes_on_under_pathological_bodies_and_an_idle_flood(tmp_path):
+    """Four clients sending 64 KB bodies that once cost ~28 s of CPU each with the GIL held (0 steps in 112 s),
+    then 300 idle sockets that reconnect as soon as one is closed (cap 256): the job keeps training through
+    each, every body is refused (400) within seconds, /healthz and /v1/state answer 200 every time, and the job
+    stops cleanly."""
+    out, log_path = str(tmp_path / "run"), tmp_path / "train.log"
+    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "trainer.total_steps=100000", "trainer.val_every=0",
+            "trainer.export_hf=false", "server.enabled=true"]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=log,
+                            stderr=subprocess.STDOUT)
+    bad = b'"' + b'\\"' * 32000
+    try:
+        while _logged_steps(out) < 2:
+            assert proc.poll() is None, open(log_path).read()[-5000:]
+            time.sleep(0.1)
+        url = open(os.path.join(out, "server_url.txt")).read().strip()
+        answers, health, stop = [], [], threading.Event()
+
+        def send_bad():
+            while not stop.is_set():
+                _timed(answers, url, "PATCH", "/v1/state", raw=bad, token=TOKEN)
+
+        senders = [threading.Thread(target=send_bad) for _ in range(4)]
+        for t in senders:
+            t.start()
+        try:
+            bodies_phase = _train_while(out, proc, log_path, lambda: _timed(health, url, "GET", "/healthz"))
+        finally:
+            stop.set()
+            for t in senders:
+                t.join(120)
+        reads = []
+        with IdleFlood(int(url.rsplit(":", 1)[1]), 300, max_reopen=20000):
+            flood_phase = _train_while(out, proc, log_path, lambda: (_timed(health, url, "GET", "/healthz"),
+                                                                     _timed(reads, url, "GET", "/v1/state")))
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGUSR1)  # stop cleanly: checkpoint, exit 75
+        assert proc.wait(timeout=600) == 75
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    print(f"\nbodies: {bodies_phase[0]} steps in {bodies_phase[1]:.1f} s, {len(answers)} sent (slowest "
+          f"{max(d for _, d in answers):.2f} s); flood: {flood_phase[0]} steps in {flood_phase[1]:.1f} s; "
+          f"{len(health)} health checks (slowest {max(d for _, d in health):.2f} s)")
+    assert bodies_phase[0] >= 3 and flood_phase[0] >= 3, (bodies_phase, flood_phase)
+    assert answers and {s for s, _ in answers} == {400} and max(d for _, d in answers) < 10.0
+    assert {s for s, _ in health + reads} == {200} and max(d for _, d in health + reads) < 10.0

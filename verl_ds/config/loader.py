@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import yaml
 
-from .fields import ConfigError, check_value, show, spec_of, suggest
-from .schema import Config
+from .fields import ConfigError, check_value, show, spec_of, suggest, type_name
+from .schema import Config, iter_fields
 
 MAX_DEPTH = 64  # a config is 3 levels deep; 64 leaves room for data in lists and refuses hostile nesting
 MAX_BYTES = 16 << 20
@@ -124,11 +124,24 @@ def _build(cls, data, prefix: str):
         if is_dataclass(tp):
             kwargs[key] = _build(tp, value if value is not None else {}, f"{prefix}{key}.")
             continue
-        value, why = check_value(tp, value, spec_of(by_name[key]), key=prefix + key)
+        spec = spec_of(by_name[key])
+        checked, why = check_value(tp, value, spec, key=prefix + key)
+        if why is not None and spec.secret:  # by key, whatever the value's type: 12345678 is a token too
+            raise ConfigError(f"{prefix}{key}: expected {type_name(tp)}, got {_secret_shown(value)}")
+        value = checked
         if why is not None:
             raise ConfigError(f"{prefix}{key}{'' if why.startswith('[') else ': '}{why}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _secret_shown(value: Any) -> str:
+    """A secret's value in an error: its type only."""
+    return f"{type(value).__name__} (the value is not shown: the key is a secret)"
+
+
+def _secret_keys() -> set[str]:
+    return {dotted for dotted, _, spec, _ in iter_fields() if spec.secret}
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -151,6 +164,12 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip().lstrip("-")
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
+    if key in _secret_keys():  # neither the value nor the YAML parser's quote of it
+        try:
+            return key, yaml_load(raw, "") if raw.strip() else ""
+        except ConfigError:
+            raise ConfigError(f"override {key}=...: the value is not valid YAML (the value is not shown: the key "
+                              "is a secret)") from None
     value = yaml_load(raw, f"override {text[:80]!r}") if raw.strip() else ""
     return key, value
 

@@ -13,8 +13,9 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from verl_ds.server.jsonio import HTTPError, dumps, parse_json_object
-from verl_ds.server.protocol import BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES, warn_throttled
-from verl_ds.server.views import ROUTE_LIST, resolve
+from verl_ds.server.protocol import (BODY_ANNOUNCED, BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES, check_framing,
+                                     warn_throttled)
+from verl_ds.server.views import ROUTE_LIST, resolve, shown_method
 
 if TYPE_CHECKING:
     from verl_ds.server.control import ControlServer
@@ -129,21 +130,21 @@ class ControlApp:
         try:
             if req.head_bytes > MAX_HEADER_BYTES:
                 raise HTTPError(431, HEAD_TOO_LARGE, close=True)
-            found = resolve(req.path)
-            if found is None:
-                raise HTTPError(404, f"no route {req.path[:200]!r}; routes: {ROUTE_LIST}")
-            handlers, arg = found
-            handler = handlers.get(req.method)
+            check_framing(req.scope["http_version"], req.headers)
+            route = resolve(req.path)
+            if route is None:  # the path is not repeated back (views' docstring)
+                raise HTTPError(404, f"no route for this path; routes: {ROUTE_LIST}")
+            handler = route.handlers.get(req.method)
             if handler is None:
-                allow = ", ".join(handlers)
-                raise HTTPError(405, f"method {req.method} not allowed on {req.path.rstrip('/') or '/'}; "
-                                     f"allowed: {allow}", {"Allow": allow})
+                allow = ", ".join(route.handlers)
+                raise HTTPError(405, f"{shown_method(req.method)} not allowed on {route.name}; allowed: {allow}",
+                                {"Allow": allow})
             body = None
             if handler.mutating:
                 self.control.check_auth(req.headers.get("authorization", []))
                 raw = await self._read_body(req, receive, started)
                 body = await self.pool.submit(parse_json_object, raw)
-            status, payload = await self.pool.submit(handler.fn, self.control, arg, body, req.client)
+            status, payload = await self.pool.submit(handler.fn, self.control, route.arg, body, req.client)
             return status, payload, None, False
         except HTTPError as e:
             return e.status, {"error": e.message, "status": e.status, **e.extra}, e.headers, e.close
@@ -177,7 +178,8 @@ class ControlApp:
                 raise _ClientGone
             chunk = message.get("body", b"")
             total += len(chunk)
-            if total > limit:
+            # a chunk's size line is enough: 'FFFFFFFFFFFFFFFF' is refused before any of its bytes arrive
+            if max(total, req.scope.get(BODY_ANNOUNCED, 0)) > limit:
                 raise HTTPError(413, f"{'chunked ' if length is None else ''}request body is over the limit of "
                                      f"{limit} bytes (server.max_body_bytes)", close=True)
             parts.append(chunk)

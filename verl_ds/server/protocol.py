@@ -8,8 +8,10 @@ everyone else. ``ControlProtocol`` adds:
 - a whole-head deadline: the request head must be complete ``request_timeout`` seconds after the
   connection opened (or after the previous answer on a keep-alive connection), however the bytes trickle;
   the body has its own deadline in the app (``verl_ds.server.app``);
-- a cap on open connections: past it a connection is answered 503 at once and closed, so sockets
-  (file descriptors the training process needs) cannot be exhausted;
+- a cap on open connections, so sockets (file descriptors the training process needs) cannot be
+  exhausted: past it the connection idle longest (no request in progress) is closed to make room, and only
+  when every connection has a request in progress is the new one answered 503 at once and closed;
+- a chunked body is refused (413) as soon as a chunk's size line announces more than the limit;
 - JSON answers for protocol errors (h11's reason, without echoing header values that may hold a token);
 - a lingering close: after an answer that ends the connection, the write side is shut and unread input is
   discarded for a short while instead of closing with unread data (which makes the kernel send RST, and a
@@ -31,14 +33,19 @@ from typing import Callable
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-__all__ = ["ControlProtocol", "ConnectionLimits", "BODY_TRUNCATED", "describe_protocol_error", "raw_json_response",
-           "MAX_HEADER_BYTES", "HEAD_TOO_LARGE", "warn_throttled"]
+from verl_ds.server.jsonio import HTTPError
+
+__all__ = ["ControlProtocol", "ConnectionLimits", "BODY_TRUNCATED", "BODY_ANNOUNCED", "check_framing",
+           "describe_protocol_error", "raw_json_response", "MAX_HEADER_BYTES", "HEAD_TOO_LARGE", "warn_throttled"]
 
 log = logging.getLogger("verl_ds.server")
 
 MAX_HEADER_BYTES = 16384  # request line + headers; more is answered 431
 # scope key set when the client closed its side before the request body was complete
 BODY_TRUNCATED = "verl_ds.body_truncated"
+# scope key: the body size a chunked request has announced so far (bytes received + the rest of the current
+# chunk, from its size line); the app refuses it at once when that is over the limit
+BODY_ANNOUNCED = "verl_ds.body_announced"
 HEAD_TOO_LARGE = f"request line and headers are over {MAX_HEADER_BYTES} bytes (the control server's limit)"
 # h11 quotes the offending bytes ("illegal header line: b'...'", "bytearray(b'...')"): cut from there on
 _VALUE_REPR = re.compile(r"(\s*:)?\s*(bytearray\(|\bb['\"]).*$", re.DOTALL)
@@ -56,6 +63,19 @@ def describe_protocol_error(exc: BaseException | None) -> str:
     text = str(exc) if exc is not None else ""
     text = _VALUE_REPR.sub("", text).strip() or "unparseable request"
     return f"malformed HTTP/1.1 request: {text}"
+
+
+def check_framing(http_version: str, headers: dict) -> None:
+    """HTTPError for what h11 lets through but this server must refuse: a major version other than 1 (505: the
+    HTTP/2 preface 'PRI * HTTP/2.0' and 'HTTP/9.9' parse as requests), and a request framed both by
+    Content-Length and by Transfer-Encoding (400: RFC 9112 section 6.3 says to handle it as an error; a proxy
+    in front that reads the other framing would see other requests in the same bytes: request smuggling).
+    ``headers``: lower-case names. Nothing the client sent is repeated back."""
+    if http_version.partition(".")[0] != "1":
+        raise HTTPError(505, "HTTP version not supported: this server speaks HTTP/1.1 (and 1.0)", close=True)
+    if "content-length" in headers and "transfer-encoding" in headers:
+        raise HTTPError(400, "malformed HTTP/1.1 request: both Content-Length and Transfer-Encoding are set; send "
+                             "one of them", close=True)
 
 
 def raw_json_response(status: int, message: str, extra_headers: tuple = ()) -> bytes:
@@ -135,6 +155,15 @@ class _LingeringTransport:
             self._timer.cancel()
         self._t.abort()
 
+    def close_idle(self) -> None:
+        """Close an idle connection now with a FIN (RFC 9112 section 9.5: a graceful close): no answer is owed
+        and nothing is left to drain, so it does not linger."""
+        self.lingering = True
+        self._on_closing()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._t.close()
+
     def finished(self) -> None:
         """The client closed its side too (or the connection is gone): no need to linger any longer."""
         if self._timer is not None:
@@ -161,22 +190,38 @@ class ControlProtocol(H11Protocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
         self._protocol_error: BaseException | None = None
-        next_event = self.conn.next_event
+        self.conn.next_event = functools.partial(self._next_event, self.conn.next_event)
+        self._idle_since = self.loop.time()  # when this connection last had no request in progress
+        self._body_bytes = 0  # of the current request, received so far
 
-        def remember_error():  # uvicorn drops h11's exception before answering 400; keep it for the message
-            try:
-                return next_event()
-            except h11.RemoteProtocolError as e:
-                self._protocol_error = e
-                raise
-
-        self.conn.next_event = remember_error
+    def _next_event(self, next_event: Callable):
+        """h11's next event; keeps the protocol error for the answer, and publishes how large a chunked body
+        says it will be as soon as a chunk's size line is read (``BODY_ANNOUNCED``)."""
+        try:
+            event = next_event()
+        except h11.RemoteProtocolError as e:  # uvicorn drops h11's exception before answering 400
+            self._protocol_error = e
+            raise
+        if isinstance(event, h11.Request):
+            self._body_bytes = 0
+            return event
+        if isinstance(event, h11.Data):
+            self._body_bytes += len(event.data)
+        # h11 keeps the rest of the current chunk in its reader (h11 >= 0.16, setup.py pins it); no public API
+        pending = getattr(getattr(self.conn, "_reader", None), "_bytes_in_chunk", 0)
+        cycle = self.cycle
+        if isinstance(pending, int) and pending > 0 and cycle is not None and not cycle.response_complete:
+            announced = self._body_bytes + pending
+            if announced > cycle.scope.get(BODY_ANNOUNCED, 0):  # type: ignore[attr-defined]
+                cycle.scope[BODY_ANNOUNCED] = announced  # type: ignore[literal-required]
+                cycle.message_event.set()  # the app compares it with its limit now, not when the bytes arrive
+        return event
 
     # ---- connection lifecycle --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         wrapped = _LingeringTransport(transport, self.loop, self.limits.linger_s,
                                       functools.partial(self.connections.discard, self))
-        if len(self.connections) >= self.limits.max_open_connections:
+        if len(self.connections) >= self.limits.max_open_connections and not self._evict_longest_idle():
             self._refused = True
             self.transport = wrapped  # type: ignore[assignment]
             warn_throttled("connections", "control server: %d connections open (server max_open_connections), "
@@ -186,6 +231,26 @@ class ControlProtocol(H11Protocol):
             return
         super().connection_made(wrapped)  # type: ignore[arg-type]
         self._arm_deadline()
+
+    def _idle(self) -> bool:
+        """No request in progress: nothing sent yet, part of a head, or between keep-alive requests."""
+        return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
+
+    def _evict_longest_idle(self) -> bool:
+        """At the cap of open connections, close the one that has been idle longest (without an answer: no
+        request of it is lost) to make room for this one; False when every connection has a request in
+        progress. Sockets opened and left idle cannot lock out new clients: they are the oldest idle ones, and
+        a client that sends its request as it connects is never the longest idle."""
+        idle = [c for c in self.connections if isinstance(c, ControlProtocol) and c._idle()]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c._idle_since)
+        warn_throttled("evictions", "control server: %d connections open (server max_open_connections): closing the "
+                       "longest idle one (%s, idle %.1f s) for a new client", len(self.connections), victim.client,
+                       self.loop.time() - victim._idle_since)
+        victim._disarm_deadline()
+        victim.transport.close_idle()
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_deadline()
@@ -217,6 +282,7 @@ class ControlProtocol(H11Protocol):
         return None  # idle, or in the middle of a head that can never complete: close
 
     def on_response_complete(self) -> None:
+        self._idle_since = self.loop.time()  # before a pipelined request may start in super()
         super().on_response_complete()
         if not self.transport.is_closing():
             self._arm_deadline()  # the next request on this keep-alive connection gets a fresh deadline

@@ -4,6 +4,10 @@ Every view runs in one of the server's worker threads (it may wait on the Shared
 trainer is at a step boundary) and returns ``(status, payload)``: a dict is sent as JSON, a str as
 Prometheus text. Errors are raised as ``HTTPError``. The route table is a registry (``ROUTES``), not an
 if-chain: ``resolve(path)`` finds the entry and its handlers by method.
+
+Answers decided before authentication (404, 405, every GET) never repeat what the client sent, not even
+redacted: an answer echoing the path with the token replaced by '<redacted>' tells a client which of a
+thousand guesses in one path was the token.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import difflib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from urllib.parse import unquote
 
 from verl_ds.rewards import REWARD_FNS, check_reward_spec
@@ -22,7 +26,7 @@ from verl_ds.state import STATE_KEYS, StateValidationError, UnknownStateKeyError
 if TYPE_CHECKING:
     from verl_ds.server.control import ControlServer
 
-__all__ = ["Handler", "ROUTES", "resolve", "ROUTE_LIST"]
+__all__ = ["Handler", "ROUTES", "Route", "resolve", "ROUTE_LIST", "shown_method"]
 
 log = logging.getLogger("verl_ds.server")
 
@@ -33,6 +37,13 @@ ROUTE_LIST = ("GET /healthz, GET /metrics, GET /v1/models, GET /v1/models/{id}, 
               "GET|PATCH /v1/state, GET /v1/state/{key}")
 
 View = Callable[["ControlServer", str, "dict | None", str], "tuple[int, Any]"]
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
+
+
+def shown_method(method: str) -> str:
+    """The method as an answer may name it: a standard one by name, any other (a method can be any
+    token, the bearer token among others) not at all."""
+    return f"method {method}" if method in _METHODS else "this method"
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,8 @@ def model(srv: "ControlServer", model_id: str, body: None, client: str) -> tuple
               and (p.startswith(model_id) or model_id.startswith(p))]
     close = close[:3]
     hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-    raise HTTPError(404, f"model {model_id!r} is not registered{hint}", suggestions=close,
+    # the id is not repeated back (module docstring); suggestions come from the registered names only
+    raise HTTPError(404, f"no model is registered under the requested id{hint}", suggestions=close,
                     models=[i["name"] for i in snapshot], aliases=srv.registry.aliases())
 
 
@@ -106,9 +118,11 @@ def state(srv: "ControlServer", arg: str, body: None, client: str) -> tuple[int,
 def state_key(srv: "ControlServer", key: str, body: None, client: str) -> tuple[int, dict]:
     try:
         value = srv.state.get(key)
-    except UnknownStateKeyError as e:
+    except UnknownStateKeyError:
         close = difflib.get_close_matches(key, list(STATE_KEYS), n=3, cutoff=0.6)
-        raise HTTPError(404, str(e), suggestions=close) from None
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise HTTPError(404, f"unknown SharedState key{hint} (valid keys: {sorted(STATE_KEYS)})",
+                        suggestions=close) from None
     return 200, {"key": key, "value": value, "schema": STATE_KEYS[key].schema(), "version": srv.state.version}
 
 
@@ -163,17 +177,26 @@ ROUTES: list[tuple[str, dict[str, Handler]]] = [
     ("/v1/state", {**_read(state), "PATCH": Handler(patch_state, mutating=True)}),
     ("/v1/state/", _read(state_key)),
 ]
+_ARG_NAMES = {"/v1/models/": "{id}", "/v1/state/": "{key}"}  # how a prefix route is named in an answer
 
 
-def resolve(path: str) -> tuple[dict[str, Handler], str] | None:
-    """(handlers by method, argument) for a path, or None when no route matches. ``path`` is the raw
-    (still percent-encoded) path without the query; a trailing slash is ignored."""
+class Route(NamedTuple):
+    """A resolved path: its handlers by method, the argument for prefix routes, and the route's name as
+    answers show it ('/v1/state/{key}': never the path the client sent)."""
+    handlers: dict[str, Handler]
+    arg: str
+    name: str
+
+
+def resolve(path: str) -> Route | None:
+    """The Route of a path, or None when no route matches. ``path`` is the raw (still percent-encoded)
+    path without the query; a trailing slash is ignored."""
     if len(path) > 1:
         path = path.rstrip("/") or "/"
     for pattern, handlers in ROUTES:
         if pattern.endswith("/"):
             if path.startswith(pattern) and len(path) > len(pattern):
-                return handlers, unquote(path[len(pattern):])
+                return Route(handlers, unquote(path[len(pattern):]), pattern + _ARG_NAMES[pattern])
         elif path == pattern:
-            return handlers, pattern.rpartition("/")[2]
+            return Route(handlers, pattern.rpartition("/")[2], pattern)
     return None
