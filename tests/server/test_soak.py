@@ -136,8 +136,9 @@ def test_training_goes_on_under_pathological_bodies_and_an_idle_flood(tmp_path):
     each, every body is refused (400) within seconds, /healthz and /v1/state answer 200 every time, and the job
     stops cleanly."""
     out, log_path = str(tmp_path / "run"), tmp_path / "train.log"
-    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, "trainer.total_steps=100000", "trainer.val_every=0",
-            "trainer.export_hf=false", "server.enabled=true"]
+    args = [sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST,
+                                          ["trainer.total_steps=100000", "trainer.val_every=0",
+                                           "trainer.export_hf=false", "server.enabled=true"])]
     log = open(log_path, "w")
     proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=log,
                             stderr=subprocess.STDOUT)
