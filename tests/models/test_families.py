@@ -172,3 +172,70 @@ def test_a_sliding_window_that_covers_every_sequence_shares_prompts(window, capl
                 PolicyModel(lm, remove_padding=True, share_prompts=True).get_logprob(obs, obs[:, -R:], mask)
         lp = PolicyModel(lm, remove_padding=True).get_logprob(obs, obs[:, -R:], mask)  # per-sequence windows
         torch.testing.assert_close(lp.double() * rmask, ref * rmask, atol=1e-5, rtol=1e-5)
+
+
+BUILD_WORKER = r'''
+import json, logging, os, sys
+import torch
+from verl_ds import dist as vdist
+from verl_ds.builder import build
+from verl_ds.config import load_config, validate
+from verl_ds.models import ReferenceModel
+
+out_dir, model_dir = sys.argv[2], sys.argv[3]
+os.makedirs(out_dir, exist_ok=True)
+vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
+rank, world = vdist.rank(), vdist.world_size()
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("verl_ds").addHandler(handler)
+cfg = load_config(overrides=[
+    f"model.path={model_dir}", "data.num_train_prompts=16", "data.num_val_prompts=4", "rollout.batch_size=4",
+    "rollout.n=2", "actor.mini_batch_size=4", f"actor.micro_batch_size={4 // world}", "deepspeed.zero_stage=3",
+    "algo.kl_coef=0.1", f"trainer.output_dir={out_dir}"])
+c = build(cfg, validate(cfg, world), rank, world, out_dir)
+actor, ref = c.registry.get("actor"), c.registry.get("ref")
+g = torch.Generator().manual_seed(5)
+obs = torch.randint(3, len(c.tokenizer), (4, 10), generator=g)
+obs[1, :6], obs[3, :6] = obs[0, :6], obs[2, :6]  # two prompts of 6 tokens, two samples each
+mask = torch.ones_like(obs, dtype=torch.bool)
+with torch.no_grad():
+    got = actor.get_logprob(obs, obs[:, -4:], mask)
+    want = ReferenceModel(c.engines["actor"]).get_logprob(obs, obs[:, -4:], mask)  # padded batches
+res = {"packed": actor._remove_padding, "shared": [actor.shares_prompts, ref.shares_prompts],
+       "lines": [l for l in lines if "model.share_prompts" in l or "model.remove_padding" in l],
+       "diff": float((got - want).abs().max())}
+for e in c.engines.values():
+    e.destroy()
+json.dump(res, open(sys.argv[1] % rank, "w"))
+'''
+
+
+@pytest.mark.slow
+def test_the_builder_falls_back_to_unshared_packing_for_stablelm_under_zero3_on_two_ranks(tmp_path):
+    """A StableLM checkpoint with model.share_prompts on (the default) and rollout.n=2: the start-up probe (one tiny
+    forward of each engine, on both ranks, under ZeRO-3) refuses shared prompts for the actor and the reference with
+    one log line naming the family, keeps packed rows, and those equal the padded path."""
+    from dist_testutil import run_ranks
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    from verl_ds.tasks import parity
+    from verl_ds.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(parity.VOCAB)
+    cfg = StableLmConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    StableLmForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    results = run_ranks(BUILD_WORKER, 2, tmp_path, args=[str(tmp_path / "run"), str(model_dir)], timeout=600)
+    for rank, res in enumerate(results):
+        assert res["packed"] and res["shared"] == [False, False], res
+        assert res["diff"] < 1e-5, res
+    (line,) = results[0]["lines"]
+    assert line.startswith("model.share_prompts: the actor cannot share prompts (stablelm (StableLmForCausalLM)")
+    assert line.endswith("packed rows without shared prompts are used")
+    assert results[1]["lines"] == []  # said once, by rank 0
