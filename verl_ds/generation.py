@@ -105,7 +105,7 @@ class HFRolloutEngine:
         if share_prefill:  # decided once, at start-up: hybrid models' caches do not follow rows (LFM2, Falcon-H1)
             from verl_ds.models.families import shared_generation_refusal
 
-            why = shared_generation_refusal(self.module)
+            why = shared_generation_refusal(self.lm)
             if why is not None:
                 log.warning("rollout.share_prefill: %s; plain generate is used", why)
                 share_prefill = False

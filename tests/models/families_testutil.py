@@ -35,7 +35,8 @@ FAMILY = {
 }
 # multi-head latent attention (DeepSeek-V2/V3 and its kin): a key/value head per query head, and value heads narrower
 # than the query/key heads (qk_nope + qk_rope = 16), as in DeepSeek-V2 (192 and 128)
-for _mla in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "axk2", "sarvam_mla", "glm4_moe_lite"):
+for _mla in ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "axk1", "axk2", "sarvam_mla", "glm4_moe_lite",
+             "minicpm3", "youtu"):
     FAMILY[_mla] = {"num_key_value_heads": 4, "v_head_dim": 8}
 MAX_PARAMS = 3_000_000  # a family whose "tiny" build is larger has sizes TINY does not know: skipped as untestable
 

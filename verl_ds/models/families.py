@@ -15,6 +15,7 @@ the installed transformers ships and what each gets (tests/models/test_families.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -63,11 +64,33 @@ def _sequence_convolutions(model: Any) -> list[str]:
 def shared_generation_refusal(model: Any) -> Optional[str]:
     """Why shared prefill / shared decoding (``verl_ds.generation``) cannot run on ``model``, None when they can: they
     copy and re-index a key/value cache row by row, which a hybrid model's state-space, convolution or linear-attention
-    state does not follow (LFM2, Falcon-H1, Qwen3-Next, ...)."""
+    state does not follow (LFM2, Falcon-H1, Qwen3-Next, ...), and give each row its own positions, which a model
+    counting positions itself (BART's decoder) does not read. Runs a tiny no-grad forward (on every rank under
+    ZeRO-3)."""
     family = family_name(model)
     convs = _sequence_convolutions(model)
     if convs:
         return f"{family} has layers that carry a state along the sequence ({convs[0]}), not only a key/value cache"
+    try:
+        with _probing(model):
+            reads = _reads_positions(model, _probe_batch(_vocab(model), _device(model))[0][:1, :3])
+    except Exception as exc:  # noqa: BLE001
+        return f"{family}: a probe forward failed ({type(exc).__name__}: {exc})"
+    finally:
+        if callable(getattr(model, "empty_partition_cache", None)):
+            model.empty_partition_cache()  # ZeRO-3 keeps the layers gathered after a direct module call
+    if not reads:  # shared decoding gives each row the positions of its own prompt + response
+        return f"{family}: {_IGNORES_POSITIONS}"
+    try:
+        with _probing(model):
+            same = _shared_generation_agrees(model)
+    except Exception as exc:  # noqa: BLE001
+        return f"{family}: a shared-generation probe failed ({type(exc).__name__}: {exc})"
+    finally:
+        if callable(getattr(model, "empty_partition_cache", None)):
+            model.empty_partition_cache()
+    if not same:
+        return f"{family}: a shared-generation probe drew other greedy tokens than generate"
     try:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
@@ -83,6 +106,38 @@ def shared_generation_refusal(model: Any) -> Optional[str]:
     return None
 
 
+def _shared_generation_agrees(model: Any) -> bool:
+    """Greedy tokens of three rows (two the same prompt, left-padded) from ``generate``, from the shared prefill then
+    ``generate``, and from the shared prefill then ``decode_distinct``: whether all three agree."""
+    from transformers import GenerationConfig
+
+    from verl_ds.generation import SampledTokenStats, decode_distinct, shared_prefill
+
+    inner = unwrap_module(model)
+    obs, mask, _ = _probe_batch(_vocab(model), _device(model))
+    ids, mask = obs[1:, :3], mask[1:, :3].long()  # prompt a twice (no pad), prompt b (one pad)
+    ids = torch.cat([ids[:1], ids], 0)
+    mask = torch.cat([mask[:1], mask], 0)
+
+    def config(steps: int):
+        return GenerationConfig(do_sample=False, max_new_tokens=steps, min_new_tokens=steps, num_beams=1,
+                                pad_token_id=0, eos_token_id=_vocab(model) - 1, use_cache=True)
+
+    plain = inner.generate(input_ids=ids, attention_mask=mask, generation_config=config(2))
+    outs = []
+    for expand in (True, False):
+        pre = shared_prefill(inner, ids, mask, expand=expand)
+        if pre is None:  # no cache to share: the engine runs plain generate for it anyway
+            continue
+        first = pre.logits.argmax(-1)
+        ids1, mask1 = torch.cat([ids, first[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        if expand:
+            outs.append(inner.generate(input_ids=ids1, attention_mask=mask1, generation_config=config(1), **pre.cache))
+        else:
+            outs.append(decode_distinct(inner, pre, ids1, mask1, SampledTokenStats(1.0), config(1)))
+    return all(torch.equal(o[:, :plain.shape[1]], plain) for o in outs)
+
+
 def _probe_batch(vocab: int, device) -> tuple:
     """(observation, mask, R): two prompts of 3 and 2 tokens, two samples each, the responses of the first sharing
     their first token (so the probe covers shared prompts and shared response prefixes)."""
@@ -96,6 +151,10 @@ def _probe_batch(vocab: int, device) -> tuple:
         obs[b, P - len(p):P], mask[b, P - len(p):P] = torch.tensor(p), True
         obs[b, P:P + len(r)], mask[b, P:P + len(r)] = torch.tensor(r), True
     return obs.to(device), mask.to(device), R
+
+
+def _vocab(model: Any) -> int:
+    return int(getattr(_text_config(model), "vocab_size", 0) or 32)
 
 
 def _device(model: Any):
@@ -119,16 +178,35 @@ def _output(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else (out.logits if hasattr(out, "logits") else out[0])
 
 
-def _reads_positions(model: Any, obs: torch.Tensor) -> bool:
-    """Whether the model's output depends on the position ids it is given (one sequence, its bounds given, at
-    positions 0, 1, 2 and at 0, 2, 4: other distances, which rotary embeddings see too, where a mere shift is
-    invisible to them): bit-equal outputs mean it counts positions itself, over the whole packed row."""
-    ids = obs[:1, :3]
-    pos = torch.arange(3, device=ids.device)[None]
-    bounds = torch.tensor([0, 3], dtype=torch.int32, device=ids.device)
-    kw = {"use_cache": False, "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds, "max_length_q": 3, "max_length_k": 3}
+def _reads_positions(model: Any, ids: torch.Tensor) -> bool:
+    """Whether the model's output depends on the position ids it is given (one sequence of ``ids`` (1, 3), at positions
+    0, 1, 2 and at 0, 2, 4: other distances, which rotary embeddings see too, where a mere shift is invisible to them;
+    an attention mask and the sequence's bounds, so that no attention splits it at the jump): bit-equal outputs mean it counts
+    positions itself (from the row's start or its cache's length), not from the ids packing or shared decoding give."""
+    n = ids.shape[1]
+    pos = torch.arange(n, device=ids.device)[None]
+    bounds = torch.tensor([0, n], dtype=torch.int32, device=ids.device)  # verl_ds_varlen_sdpa: one sequence
+    kw = {"use_cache": False, "attention_mask": torch.ones_like(ids), "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds,
+          "max_length_q": n, "max_length_k": n}
     first = _output(model(input_ids=ids, position_ids=pos, **kw))
     return not torch.equal(first, _output(model(input_ids=ids, position_ids=pos * 2, **kw)))
+
+
+@contextlib.contextmanager
+def _probing(model: Any):
+    """No grad, eval mode (no dropout: the position probe compares outputs bit for bit), the training flag restored."""
+    inner = unwrap_module(model)
+    was_training = inner.training
+    inner.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        inner.train(was_training)
+
+
+_IGNORES_POSITIONS = ("its output does not depend on the position ids it is given (it counts positions itself, e.g. "
+                      "an encoder-decoder's decoder from the row's start)")
 
 
 def packing_support(model: Any, max_length: Optional[int] = None, share: bool = True) -> PackingSupport:
@@ -154,32 +232,24 @@ def packing_support(model: Any, max_length: Optional[int] = None, share: bool = 
     if chunk is not None and (max_length is None or chunk < max_length):
         return refuse(f"{family}: chunked attention ({chunk}-token chunks) is not kept per packed sequence; the "
                       f"sequences may be {max_length or 'longer'} tokens")
-    inner = unwrap_module(model)
-    was_training = inner.training
-    inner.eval()  # no dropout: the position probe compares two outputs bit for bit
-    try:
-        with torch.no_grad():
-            cfg = _text_config(model)
-            obs, mask, R = _probe_batch(int(getattr(cfg, "vocab_size", 0) or 32), _device(model))
-            try:
-                if not _reads_positions(model, obs):
-                    return refuse(f"{family}: its output does not depend on the position ids it is given (it counts "
-                                  f"positions over the whole row, e.g. an encoder-decoder's decoder), so packed "
-                                  f"sequences after the first would get wrong positions")
-                _forward(model, pack(obs, mask, R), R)
-            except Exception as exc:  # noqa: BLE001 - any failure of the probe refuses packing, with its message
-                return refuse(f"{family}: a packed probe forward failed ({type(exc).__name__}: {exc})")
-            if not share:
-                return PackingSupport(family)
-            window = sliding_window(model)
-            if window is not None and (max_length is None or window < max_length):
-                return PackingSupport(family, None, f"{family}: a sliding window of {window} tokens, shorter than the "
-                                                    f"longest prompt + response ({max_length or 'not given'})")
-            try:
-                _forward(model, pack_shared_prompts(obs, mask, R, share_prefixes=True), R)
-            except Exception as exc:  # noqa: BLE001
-                return PackingSupport(family, None, f"{family}: a shared-prompt probe forward failed "
-                                                    f"({type(exc).__name__}: {exc})")
-    finally:
-        inner.train(was_training)
+    with _probing(model):
+        obs, mask, R = _probe_batch(_vocab(model), _device(model))
+        try:
+            if not _reads_positions(model, obs[:1, :3]):
+                return refuse(f"{family}: {_IGNORES_POSITIONS}, so packed sequences after the first would get wrong "
+                              f"positions")
+            _forward(model, pack(obs, mask, R), R)
+        except Exception as exc:  # noqa: BLE001 - any failure of the probe refuses packing, with its message
+            return refuse(f"{family}: a packed probe forward failed ({type(exc).__name__}: {exc})")
+        if not share:
+            return PackingSupport(family)
+        window = sliding_window(model)
+        if window is not None and (max_length is None or window < max_length):
+            return PackingSupport(family, None, f"{family}: a sliding window of {window} tokens, shorter than the "
+                                                f"longest prompt + response ({max_length or 'not given'})")
+        try:
+            _forward(model, pack_shared_prompts(obs, mask, R, share_prefixes=True), R)
+        except Exception as exc:  # noqa: BLE001
+            return PackingSupport(family, None, f"{family}: a shared-prompt probe forward failed "
+                                                f"({type(exc).__name__}: {exc})")
     return PackingSupport(family)
