@@ -62,7 +62,7 @@ KINDS = (  # a refusal's message -> its short name in docs/models.md, first matc
     ("attention calls for", "layers without attention"), ("not causal", "not causal"),
     ("does not depend on the position ids", "counts positions itself"), ("did not reach", "layout does not reach attention"),
     ("sliding window", "sliding window"), ("chunked attention", "chunked attention"),
-    ("shared-generation probe", "shared generation differs or fails"), ("probe forward failed", "probe forward fails"),
+    ("shared-generation probe", "shared generation fails"), ("probe forward failed", "probe forward fails"),
 )
 
 

@@ -16,6 +16,7 @@ the installed transformers ships and what each gets (tests/models/test_families.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -61,7 +62,18 @@ def _sequence_convolutions(model: Any) -> list[str]:
     return [name for name, m in unwrap_module(model).named_modules() if isinstance(m, torch.nn.Conv1d)]
 
 
+_GENERATION_DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF module -> refusal or None
+
+
 def shared_generation_refusal(model: Any) -> Optional[str]:
+    """``_shared_generation_refusal`` once per model (every engine built on it after the first reuses the decision)."""
+    inner = unwrap_module(model)
+    if inner not in _GENERATION_DECISIONS:
+        _GENERATION_DECISIONS[inner] = _shared_generation_refusal(model)
+    return _GENERATION_DECISIONS[inner]
+
+
+def _shared_generation_refusal(model: Any) -> Optional[str]:
     """Why shared prefill / shared decoding (``verl_ds.generation``) cannot run on ``model``, None when they can: they
     copy and re-index a key/value cache row by row, which a hybrid model's state-space, convolution or linear-attention
     state does not follow (LFM2, Falcon-H1, Qwen3-Next, ...), and give each row its own positions, which a model
@@ -83,14 +95,12 @@ def shared_generation_refusal(model: Any) -> Optional[str]:
         return f"{family}: {_IGNORES_POSITIONS}"
     try:
         with _probing(model):
-            same = _shared_generation_agrees(model)
+            _shared_generation_runs(model)
     except Exception as exc:  # noqa: BLE001
         return f"{family}: a shared-generation probe failed ({type(exc).__name__}: {exc})"
     finally:
         if callable(getattr(model, "empty_partition_cache", None)):
             model.empty_partition_cache()
-    if not same:
-        return f"{family}: a shared-generation probe drew other greedy tokens than generate"
     try:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
@@ -106,9 +116,11 @@ def shared_generation_refusal(model: Any) -> Optional[str]:
     return None
 
 
-def _shared_generation_agrees(model: Any) -> bool:
-    """Greedy tokens of three rows (two the same prompt, left-padded) from ``generate``, from the shared prefill then
-    ``generate``, and from the shared prefill then ``decode_distinct``: whether all three agree."""
+def _shared_generation_runs(model: Any) -> None:
+    """Run the shared prefill on three rows (two the same prompt, one left-padded), then ``generate`` from it and
+    ``decode_distinct`` from it, two tokens each: raises where a family's cache cannot be shared (DeepSeek-V4's).
+    Only that it runs: the structural checks and tests/models/test_families.py say whether it draws what generate
+    draws (a token comparison here would flip on near ties in bf16)."""
     from transformers import GenerationConfig
 
     from verl_ds.generation import SampledTokenStats, decode_distinct, shared_prefill
@@ -116,15 +128,10 @@ def _shared_generation_agrees(model: Any) -> bool:
     inner = unwrap_module(model)
     obs, mask, _ = _probe_batch(_vocab(model), _device(model))
     ids, mask = obs[1:, :3], mask[1:, :3].long()  # prompt a twice (no pad), prompt b (one pad)
-    ids = torch.cat([ids[:1], ids], 0)
-    mask = torch.cat([mask[:1], mask], 0)
-
-    def config(steps: int):
-        return GenerationConfig(do_sample=False, max_new_tokens=steps, min_new_tokens=steps, num_beams=1,
-                                pad_token_id=0, eos_token_id=_vocab(model) - 1, use_cache=True)
-
-    plain = inner.generate(input_ids=ids, attention_mask=mask, generation_config=config(2))
-    outs = []
+    ids, mask = torch.cat([ids[:1], ids], 0), torch.cat([mask[:1], mask], 0)
+    # an end id outside the vocabulary: no row ends
+    config = GenerationConfig(do_sample=False, max_new_tokens=1, num_beams=1, pad_token_id=0,
+                              eos_token_id=_vocab(model), use_cache=True)
     for expand in (True, False):
         pre = shared_prefill(inner, ids, mask, expand=expand)
         if pre is None:  # no cache to share: the engine runs plain generate for it anyway
@@ -132,10 +139,9 @@ def _shared_generation_agrees(model: Any) -> bool:
         first = pre.logits.argmax(-1)
         ids1, mask1 = torch.cat([ids, first[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
         if expand:
-            outs.append(inner.generate(input_ids=ids1, attention_mask=mask1, generation_config=config(1), **pre.cache))
+            inner.generate(input_ids=ids1, attention_mask=mask1, generation_config=config, **pre.cache)
         else:
-            outs.append(decode_distinct(inner, pre, ids1, mask1, SampledTokenStats(1.0), config(1)))
-    return all(torch.equal(o[:, :plain.shape[1]], plain) for o in outs)
+            decode_distinct(inner, pre, ids1, mask1, SampledTokenStats(1.0), config)
 
 
 def _probe_batch(vocab: int, device) -> tuple:
