@@ -32,6 +32,15 @@ FAMILY = {
     "falcon_h1": {"mamba_d_ssm": 64, "mamba_n_heads": 8, "mamba_d_head": 8, "mamba_chunk_size": 4},
     "lfm2": {"layer_types": ["conv", "full_attention"]},  # a short-convolution layer and an attention layer
     "mamba2": {"head_dim": 16, "num_heads": 4, "n_groups": 1, "chunk_size": 4},
+    # per-layer token embeddings of their own vocabulary, and KV sharing from the last layers
+    "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "per_layer_config": {}},
+    "gemma3n_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "intermediate_size": 64,
+                     "num_kv_shared_layers": 0, "activation_sparsity_pattern": [0.0, 0.0],
+                     "layer_types": ["sliding_attention", "full_attention"]},
+    "zamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "layers_block_type": None},
+    "zamba2": {"hybrid_layer_ids": [1], "layers_block_type": None},
+    "dots1": {"max_window_layers": 2},
+    "lfm2_moe": {"num_dense_layers": 1, "layer_types": ["conv", "full_attention"]},
 }
 # multi-head latent attention (DeepSeek-V2/V3 and its kin): a key/value head per query head, and value heads narrower
 # than the query/key heads (qk_nope + qk_rope = 16), as in DeepSeek-V2 (192 and 128)
@@ -47,7 +56,7 @@ def _tiny_kwargs(cls, defaults: dict) -> dict:
     for key, value in defaults.items():  # sub-configs (text_config, vision_config, ...) tiny too
         sub = getattr(cls, "sub_configs", {}).get(key)
         if sub is not None and isinstance(value, dict):
-            kw[key] = {**value, **_tiny_kwargs(sub, value)}
+            kw[key] = {**value, **_tiny_kwargs(sub, value), **FAMILY.get(getattr(sub, "model_type", ""), {})}
         elif key.endswith(("_token_id", "_token_index")) and isinstance(value, int) and value >= VOCAB:
             kw[key] = VOCAB - 1 - (hash(key) % 8)
         elif key == "layer_types" or key.endswith("_pattern") or key == "layers_block_type":
