@@ -55,12 +55,14 @@ def _all_families():
 
 
 KINDS = (  # a refusal's message -> its short name in docs/models.md, first match wins
-    ("use_varlen_attention", "own attention code"), ("does not support an attention implementation", "own attention code"),
+    ("use_varlen_attention", "own attention code"),
+    ("does not support an attention implementation", "own attention code"),
     ("convolves over the sequence", "state-space / convolution layers"),
     ("carry a state along the sequence", "state-space / convolution layers"),
     ("linear-attention or state-space layers", "state-space / linear-attention cache"),
     ("attention calls for", "layers without attention"), ("not causal", "not causal"),
-    ("does not depend on the position ids", "counts positions itself"), ("did not reach", "layout does not reach attention"),
+    ("does not depend on the position ids", "counts positions itself"),
+    ("did not reach", "layout does not reach attention"),
     ("sliding window", "sliding window"), ("chunked attention", "chunked attention"),
     ("shared-generation probe", "shared generation fails"), ("probe forward failed", "probe forward fails"),
 )

@@ -187,8 +187,9 @@ def _output(out) -> torch.Tensor:
 def _reads_positions(model: Any, ids: torch.Tensor) -> bool:
     """Whether the model's output depends on the position ids it is given (one sequence of ``ids`` (1, 3), at positions
     0, 1, 2 and at 0, 2, 4: other distances, which rotary embeddings see too, where a mere shift is invisible to them;
-    an attention mask and the sequence's bounds, so that no attention splits it at the jump): bit-equal outputs mean it counts
-    positions itself (from the row's start or its cache's length), not from the ids packing or shared decoding give."""
+    an attention mask and the sequence's bounds, so that no attention splits it at the jump): bit-equal outputs mean it
+    counts positions itself (from the row's start or its cache's length), not from the ids packing or shared decoding
+    give."""
     n = ids.shape[1]
     pos = torch.arange(n, device=ids.device)[None]
     bounds = torch.tensor([0, n], dtype=torch.int32, device=ids.device)  # verl_ds_varlen_sdpa: one sequence

@@ -7,7 +7,8 @@ The packed row goes in as ``input_ids`` and ``position_ids`` (1, N) with no atte
 ``max_length_q/k`` for flash-attention and ``verl_ds_varlen_sdpa`` (see
 ``verl_ds.models.varlen_attention`` for how each attention implementation keeps the sequences apart). Every forward
 is witnessed (``packed_row_witness``): an attention call that did not get the sequence bounds or the shared-prompt
-layout, or a layer that mixes tokens outside attention, raises ``PackedRowNotReached`` instead of returning wrong numbers.
+layout, or a layer that mixes tokens outside attention, raises ``PackedRowNotReached`` instead of returning wrong
+numbers.
 
 Response column j of row b (token ``observation[b, T - R + j]``) is predicted by the hidden state of
 the previous real token of its row (the padded path's ``logits[:, -R-1:-1]``); a batch packed with
