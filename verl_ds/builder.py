@@ -83,9 +83,8 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup)
 
     state = SharedState.from_config(cfg, rank=rank)  # the run's limits and step-0 values, the same on every rank
-    packed = cfg.model.remove_padding and all(_varlen_attention(e, role, rank == 0) for role, e in engines.items())
+    packed, shared = _packing_decision(cfg, engines, say=rank == 0)  # shared: one copy per prompt in the packed rows
     fused = cfg.model.fused_lm_head
-    shared = packed and cfg.model.share_prompts and cfg.rollout.n > 1  # one copy per prompt in the packed rows
     prefixes = shared and cfg.model.share_response_prefixes  # and of its samples' common response prefixes
 
     # rollout.engine from the registry in verl_ds.rollout_engines (hf: a LoRA actor's replica has its adapters merged)
@@ -115,19 +114,30 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
                       state=state, registry=registry, ppo=ppo)
 
 
-def _varlen_attention(engine, role: str, say: bool) -> bool:
-    """Switch an engine's model to per-sequence attention for packed rows; False (with a log line) when its
-    attention does not dispatch through transformers' AttentionInterface."""
-    from verl_ds.models.varlen_attention import use_varlen_attention
+def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool]:
+    """(packed, shared): whether the scoring and update forwards use packed rows (``model.remove_padding``) and shared
+    prompts (``model.share_prompts`` with ``rollout.n > 1``), decided here for the models actually built
+    (``verl_ds.models.families.packing_support``: a tiny probe forward of each, on every rank): a family they would
+    get wrong falls back to padded batches or to plain packing, with one log line."""
+    from verl_ds.models.families import packing_support
 
-    try:
-        use_varlen_attention(engine)
-        return True
-    except (TypeError, ValueError) as exc:
+    if not cfg.model.remove_padding:
+        return False, False
+    want_shared = cfg.model.share_prompts and cfg.rollout.n > 1
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    support = {role: packing_support(e, longest, share=want_shared and role != "critic") for role, e in engines.items()}
+    refused = [(role, s.packing) for role, s in support.items() if s.packing is not None]
+    if refused:
         if say:
-            log.warning("model.remove_padding: the %s cannot attend per sequence (%s); padded batches are used", role,
-                        exc)
-        return False
+            log.warning("model.remove_padding: the %s cannot be packed (%s); padded batches are used", *refused[0])
+        return False, False
+    refused = [(role, s.sharing) for role, s in support.items() if s.sharing is not None and role != "critic"]
+    if want_shared and refused:
+        if say:
+            log.warning("model.share_prompts: the %s cannot share prompts (%s); packed rows without shared prompts "
+                        "are used", *refused[0])
+        return True, False
+    return True, want_shared
 
 
 class PromptData(NamedTuple):

@@ -36,9 +36,14 @@ re-indexed when rows split or finish, and every sample draws its own next token 
 one ``torch.multinomial`` as ``generate`` draws them. Finished samples run no forward at all. The tokens drawn are
 the same as ``generate``'s; the saving is whatever the samples share (a converged policy's samples agree on their
 first tokens, short answers often entirely).
+
+Both copy and re-index a key/value cache row by row; a model whose cache also holds state-space, convolution or
+linear-attention state (LFM2, Falcon-H1, Qwen3-Next, ...) gets plain ``generate`` instead, decided when the engine is
+built, with a log line (``verl_ds.models.families.shared_generation_refusal``).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -48,6 +53,8 @@ import torch.distributed as dist
 from verl_ds.batch import RolloutBatch
 from verl_ds.models.base import forward_params
 from verl_ds.sampling_config import only_this_generation_config, rollout_generation_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -97,6 +104,13 @@ class HFRolloutEngine:
         self.lm = lm
         self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_token_id, eos_token_id, bos_token_id
         self.gather_params = gather_params
+        if share_prefill:  # decided once, at start-up: hybrid models' caches do not follow rows (LFM2, Falcon-H1)
+            from verl_ds.models.families import shared_generation_refusal
+
+            why = shared_generation_refusal(self.lm)
+            if why is not None:
+                log.warning("rollout.share_prefill: %s; plain generate is used", why)
+                share_prefill = False
         self.share_prefill = share_prefill
         self.share_decode = share_decode and share_prefill
         self._replica = None

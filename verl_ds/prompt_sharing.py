@@ -71,6 +71,13 @@ class PromptGroups:
     device: torch.device | str = "cpu"
 
     @functools.cached_property
+    def longest(self) -> int:
+        """Tokens of the longest sequence in the row (a prompt and the fed tokens of one response, its shared leading
+        ones counted): a sliding window at least this long changes nothing."""
+        return max(p + max((len(link) + r for r, link in zip(lengths, links)), default=0)
+                   for _, p, lengths, links in map(_parts, self.groups))
+
+    @functools.cached_property
     def spans(self) -> tuple:
         """(start, end) of each block, without its mask."""
         return _block_spans(self.groups)

@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from verl_ds.generation import HFRolloutEngine, shared_prefill
+from verl_ds.models.families import shared_generation_refusal
 from verl_ds.tasks import parity
 from verl_ds.tokenizer import build_tokenizer
 
@@ -21,6 +22,7 @@ def _model(kind: str):
     model = AutoModelForCausalLM.from_config(cfg).double().eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # a spread next-token distribution: sampling differences would show
+    assert shared_generation_refusal(model) is None  # decided once per model, here: its probe forwards are not counted
     return model
 
 

@@ -25,6 +25,8 @@ their own earlier tokens.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ from verl_ds.models.base import unwrap_module
 from verl_ds.prompt_sharing import PROMPT_GROUPS_KWARG
 
 __all__ = ["VARLEN_ATTENTION", "BATCH_MIN_SAVED_MACS", "varlen_sdpa_attention", "register_varlen_attention",
-           "use_varlen_attention", "sequence_bounds"]
+           "use_varlen_attention", "sequence_bounds", "PackedRowNotReached", "packed_row_witness", "family_name"]
 
 VARLEN_ATTENTION = "verl_ds_varlen_sdpa"
 # a shared-prompt row is attended as one padded batch of its groups when that saves at least this many multiply-adds
@@ -72,6 +74,99 @@ def sequence_bounds(cu_seqlens: torch.Tensor | None, position_ids: torch.Tensor 
     return [0, *starts, n]
 
 
+class PackedRowNotReached(ValueError):
+    """A packed forward whose attention calls did not all get what keeps its sequences apart (the layout or the
+    sequence bounds): its numbers would be silently wrong, so they are refused."""
+
+
+class _Witness:
+    """What the attention calls of one packed forward received (``packed_row_witness``)."""
+
+    def __init__(self, tokens: int, layout: Any):
+        self.tokens, self.layout = tokens, layout
+        self.calls, self.missed, self.not_causal = 0, [], []
+
+    def record(self, module, query, key, attention_mask, groups, kwargs) -> None:
+        self.calls += 1
+        n = self.tokens
+        whole_row = attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2] == n
+        if self.layout is not None:
+            ok = whole_row and groups is self.layout
+        else:
+            pos = kwargs.get("position_ids")
+            ok = whole_row and (kwargs.get("cu_seq_lens_q") is not None
+                                or (isinstance(pos, torch.Tensor) and pos.numel() == n))
+        if not ok:
+            self.missed.append(type(module).__name__)
+        if getattr(module, "is_causal", True) is False:
+            self.not_causal.append(type(module).__name__)
+
+
+_WITNESS: contextvars.ContextVar = contextvars.ContextVar("verl_ds_packed_row_witness", default=None)
+
+
+def _config(model: Any):
+    inner = unwrap_module(model)
+    return getattr(inner, "config", None) or getattr(getattr(inner, "backbone", None), "config", None)
+
+
+def family_name(model: Any) -> str:
+    """``model_type (ClassName)`` of a HF model (or a DeepSpeed engine / CriticLM around one), for messages."""
+    return f"{getattr(_config(model), 'model_type', None) or '?'} ({type(unwrap_module(model)).__name__})"
+
+
+def expected_attention_calls(model: Any) -> int | None:
+    """Attention calls one forward of ``model`` makes, one per decoder layer (the text config's
+    ``num_hidden_layers``); None when the config does not say."""
+    cfg = _config(model)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(text, "num_hidden_layers", None)
+    return n if isinstance(n, int) and n > 0 else None
+
+
+@contextlib.contextmanager
+def packed_row_witness(model: Any, tokens: int, layout: Any = None):
+    """Around one forward of ``model`` over a packed row of ``tokens`` tokens (``layout``: its shared-prompt
+    ``PromptGroups``, else plain packing): every attention call must go through ``verl_ds_varlen_sdpa`` with the whole
+    row, no mask, and the layout (or the sequence bounds: ``cu_seq_lens_q`` or ``position_ids``), be causal, and there
+    must be at least one per decoder layer (fewer: other layers mix tokens outside attention, e.g. state-space or
+    linear-attention layers, across the packed sequences). Otherwise ``PackedRowNotReached`` names the family, after the
+    forward. A model that does not pass its decoder layer's keyword arguments on to its attention (StableLM, Nemotron in
+    transformers 5.24) loses the layout on the way: without this check its shared rows would be attended as if each
+    response started a new sequence. Plain packing on another attention implementation (sdpa, flash-attention) is not
+    witnessed: transformers keeps those rows apart by their position ids."""
+    if layout is None and getattr(_config(model), "_attn_implementation", None) != VARLEN_ATTENTION:
+        yield None  # plain packing on transformers' own attention: its packed-row mask from the position ids
+        return
+    witness = _Witness(tokens, layout)
+    token = _WITNESS.set(witness)
+    try:
+        yield witness
+    finally:
+        _WITNESS.reset(token)
+    what = "shared prompts" if layout is not None else "packed rows"
+    fix = "model.share_prompts=false" if layout is not None else "model.remove_padding=false"
+    family = family_name(model)
+    if not witness.calls:
+        raise PackedRowNotReached(f"{what}: {family}: no attention call went through {VARLEN_ATTENTION} (no attention "
+                                  f"layer, or its own attention code): nothing keeps the packed sequences apart; set "
+                                  f"{fix}")
+    if witness.missed:
+        got = "the shared-prompt layout" if layout is not None else "the sequence bounds"
+        raise PackedRowNotReached(f"{what}: {family}: {got} did not reach {len(witness.missed)} of its "
+                                  f"{witness.calls} attention calls ({witness.missed[0]}: its layers do not pass "
+                                  f"keyword arguments on to the attention, or it masks the row itself); its numbers "
+                                  f"would be wrong: set {fix}")
+    if witness.not_causal:
+        raise PackedRowNotReached(f"{what}: {family}: its attention ({witness.not_causal[0]}) is not causal (an "
+                                  f"encoder, or a decoder config with is_decoder=false); set {fix}")
+    expected = expected_attention_calls(model)
+    if expected is not None and witness.calls < expected:  # differential attention calls it twice a layer
+        raise PackedRowNotReached(f"{what}: {family}: {witness.calls} attention calls for {expected} layers: the other "
+                                  f"layers mix tokens outside attention (state-space, convolution or linear-attention "
+                                  f"layers), across the packed sequences; set {fix}")
+
+
 def _window_mask(length: int, window: int, device) -> torch.Tensor:
     i = torch.arange(length, device=device)
     d = i[:, None] - i[None, :]
@@ -86,10 +181,14 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     packed_row = attention_mask is None and query.shape[0] == 1 and query.shape[2] == key.shape[2] > 1
     window = kwargs.get("sliding_window")
     groups = kwargs.pop(PROMPT_GROUPS_KWARG, None)
+    witness = _WITNESS.get()
+    if witness is not None:
+        witness.record(module, query, key, attention_mask, groups, kwargs)
     if groups is not None and packed_row:
-        if window:
+        if window and window < groups.longest:  # a window that covers every sequence changes nothing
             raise ValueError(f"{PROMPT_GROUPS_KWARG}: shared prompts need full attention; this layer has a sliding "
-                             f"window of {window} (set model.share_prompts=false)")
+                             f"window of {window} tokens and the row a sequence of {groups.longest} (set "
+                             f"model.share_prompts=false)")
         return _shared_prompt_attention(module, query, key, value, groups, dropout, scaling, kwargs), None
     bounds = None
     if packed_row:  # no position ids either: one sequence (a sliding window still needs its mask here)
@@ -127,7 +226,8 @@ def _attend(module, query, key, value, mask, dropout: float = 0.0, scaling: floa
 
 def _explicit_attention(query, key, value, mask, scaling: float) -> torch.Tensor:
     """softmax(q k^T * scaling + mask) v as sdpa computes it, with the query heads of one key/value head folded into
-    its rows (no repeated keys); a bool mask's fully masked rows give 0, as sdpa's. -> (B, Lq, heads, d)."""
+    its rows (no repeated keys); a bool mask's fully masked rows give 0, as sdpa's. -> (B, Lq, heads, dv), dv the
+    value head size (DeepSeek-V2/V3's MLA: not the query's)."""
     B, H, Lq, D = query.shape
     Hkv, Lk = key.shape[1], key.shape[2]
     g = H // Hkv
@@ -145,8 +245,8 @@ def _explicit_attention(query, key, value, mask, scaling: float) -> torch.Tensor
             m = mask.unsqueeze(2)
             grouped.add_(m if m.shape[1] == 1 else m.reshape(m.shape[0], Hkv, g, Lq, Lk))
         probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, value)  # (B, Hkv, g * Lq, d)
-    return out.view(B, H, Lq, D).transpose(1, 2).contiguous()
+    out = torch.matmul(probs, value)  # (B, Hkv, g * Lq, dv): MLA's value heads may be narrower than its query heads
+    return out.view(B, H, Lq, value.shape[-1]).transpose(1, 2).contiguous()
 
 
 def _shared_prompt_attention(module, query, key, value, layout, dropout, scaling, kwargs) -> torch.Tensor:
