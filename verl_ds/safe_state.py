@@ -52,7 +52,7 @@ def _encode(obj: Any, tensors: dict, where: str) -> Any:
             raise TypeError(f"{where}: dict keys must be strings to be saved as JSON, got {bad[0]!r}")
         out = {k: _encode(v, tensors, f"{where}.{k}") for k, v in obj.items()}
         return {"__dict__": out} if len(out) == 1 and next(iter(out)) in _TAGS else out
-    raise TypeError(f"{where}: a {type(obj).__name__} cannot be saved as data (JSON or a tensor); "
+    raise TypeError(f"{where}: a value of type {type(obj).__name__} cannot be saved as data (JSON or a tensor); "
                     "give the state_dict plain values")
 
 

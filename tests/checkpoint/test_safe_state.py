@@ -42,7 +42,7 @@ def test_plain_values_are_exact_and_lookalike_dicts_survive(tmp_path):
 
 
 def test_what_is_not_data_is_refused_by_path():
-    with pytest.raises(TypeError, match=r"state\.models\.ppo\.ctrl: a object cannot be saved as data"):
+    with pytest.raises(TypeError, match=r"state\.models\.ppo\.ctrl: a value of type object cannot be saved as data"):
         safe_state.encode({"models": {"ppo": {"ctrl": object()}}})
     with pytest.raises(TypeError, match=r"state\.m: dict keys must be strings to be saved as JSON, got 3"):
         safe_state.encode({"m": {3: "x"}})

@@ -14,7 +14,6 @@ from e2e_utils import FAST, ROOT, TRAIN, base_env
 from reliability_testutil import metric_steps
 from verl_ds.checkpoint import verify
 from verl_ds.runtime import PreemptionHandler
-from verl_ds.runtime.run_lock import RunDirectoryBusy, RunLock
 
 COMMON = ["trainer.export_hf=false", "trainer.val_every=0"]
 START_TIMEOUT = 600
@@ -47,6 +46,8 @@ def _wait_for_step(proc, out: str, log_path: str, step: int = 1) -> None:
 
 
 def test_the_lock_names_its_holder_and_a_dead_holders_lock_is_taken_over(tmp_path, caplog):
+    from verl_ds.runtime.run_lock import RunDirectoryBusy, RunLock
+
     first = RunLock(str(tmp_path)).acquire()
     holder = json.load(open(tmp_path / "run.lock"))
     assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
