@@ -327,7 +327,13 @@ def load(step_dir: str, engines: dict, verify: Optional[str] = "edges", seed: in
     manifest, reason = _read_manifest(step_dir)
     if reason is not None:
         raise CheckpointDamaged(f"cannot resume from {step_dir}: {reason}")
-    state, rng = _read_states(step_dir, manifest)  # before any engine changes: a bad state file loads nothing
+    try:  # before any engine changes: a bad state file loads nothing, and every rank stops on any rank's
+        state, rng, error = *_read_states(step_dir, manifest), None
+    except CheckpointError as exc:
+        state, rng, error = None, None, str(exc)
+    error = next((e for e in vdist.gather_object(error) if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
     saved_world = int(manifest.get("world_size") or vdist.world_size())
     trained = _trained(engines)
     saved_roles = manifest.get("roles", ["actor", "critic"])

@@ -37,7 +37,12 @@ class RunLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as exc:
+            if not isinstance(exc, BlockingIOError):  # a file system without locks: say so, do not stop the job
+                os.close(fd)
+                log.warning("cannot lock %s (%s): a second job on this run directory would not be detected",
+                            self.path, exc.strerror)
+                return self
             holder = _describe(_read(fd))
             os.close(fd)
             raise RunDirectoryBusy(
