@@ -3,17 +3,23 @@
 Layout under ``<output_dir>/checkpoints``::
 
     global_step_<N>/<role>/state/...   DeepSpeed save_checkpoint of each trained engine (actor, critic if any)
-    global_step_<N>/rng_rank<r>.pt     every rank's RNG states (python, numpy, torch, cuda)
-    global_step_<N>/trainer_state.pt   the trainer state (pickled, exact); trainer_state.json: the same, readable
-    global_step_<N>/COMPLETE           manifest: world size, roles and ZeRO stages, every file's size, a digest of
-                                       its first and last MiB and (digest="full") the sha256 of all its bytes;
-                                       written after every rank finished
+    global_step_<N>/rng_rank<r>.json   every rank's RNG states (python, numpy, torch, cuda); the arrays in
+                                       rng_rank<r>.safetensors
+    global_step_<N>/trainer_state.json the trainer state, exact (``verl_ds.safe_state``: JSON + safetensors)
+    global_step_<N>/COMPLETE           manifest: format, world size, roles and ZeRO stages, every file's size, a
+                                       digest of its first and last MiB and (digest="full") the sha256 of all its
+                                       bytes; written after every rank finished
     latest                             the name of the newest complete checkpoint, written last
 
-A directory without a valid manifest (a job killed while saving), with a missing or truncated file, or
+A directory without a valid manifest (a job killed while saving), with a missing, truncated or unlisted file, or
 with a file whose first or last MiB changed (overwritten, a torn write; a torch/zip file keeps its
 index at the end) is skipped, with a message naming it, for the previous complete one. ``verify(mode="full")``
 re-hashes every byte (a bit flip in the middle of a large shard), each rank a share of the files.
+
+verl_ds's own files load without running code (JSON, safetensors; checkpoints of format 1, which pickled them,
+through torch's ``weights_only`` unpickler). DeepSpeed's engine files are pickles read by DeepSpeed's loader:
+whoever can write a checkpoint directory can run code in the job that resumes from it (the trust boundary,
+docs/reliability.md). A save that runs out of disk space stops with a CheckpointError saying so.
 
 Frozen engines (the reference, a reward model) are not saved: they are rebuilt from the model. Nor is the
 frozen base of a LoRA engine: its checkpoint holds the adapters and their optimizer state, and the manifest
@@ -30,12 +36,13 @@ into M rank slices instead of N.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import random
-import re
+import resource
 import shutil
 from typing import Callable, Optional
 
@@ -43,38 +50,16 @@ import numpy as np
 import torch
 
 from verl_ds import dist as vdist
+from verl_ds import safe_state
+from verl_ds.checkpoint_manifest import (BLOCK as _BLOCK, CONVERTED, MANIFEST, STEP_DIR as _STEP_DIR, VERIFY_MODES,  # noqa: F401
+                                         CheckpointDamaged, CheckpointError, edge_digest, find_resumable, fsync_dir,
+                                         fsync_write, full_digest, list_files as _manifest, read_manifest as _read_manifest,
+                                         scan, share as _share, step_of, verify, verify_distributed)
 
 log = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
-MANIFEST = "COMPLETE"
 TAG = "state"
-_EDGE = 1 << 20  # bytes hashed at each end of a file: cheap even for multi-GB shards
-_BLOCK = 8 << 20  # read size of a full hash
-VERIFY_MODES = ("sizes", "edges", "full")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message names the directory and what is wrong."""
-
-
-def fsync_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+FORMAT = 2  # 2: trainer and RNG states as JSON + safetensors; 1 (no "format" in the manifest): pickles
 
 
 def rng_state() -> dict:
@@ -92,171 +77,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _manifest(step_dir: str) -> dict:
-    files = {}
-    for root, _, names in os.walk(step_dir):
-        for name in names:
-            if name == MANIFEST or ".tmp." in name:
-                continue
-            full = os.path.join(root, name)
-            files[os.path.relpath(full, step_dir)] = os.path.getsize(full)
-    return files
-
-
-def edge_digest(path: str) -> str:
-    """sha256 of the size, the first and the last MiB of a file."""
-    h = hashlib.sha256()
-    size = os.path.getsize(path)
-    h.update(str(size).encode())
-    with open(path, "rb") as fh:
-        h.update(fh.read(_EDGE))
-        if size > _EDGE:
-            fh.seek(max(_EDGE, size - _EDGE))
-            h.update(fh.read(_EDGE))
-    return h.hexdigest()
-
-
 def _fsync_tree(step_dir: str) -> None:
     for root, _, names in os.walk(step_dir):
         for name in names:
             with open(os.path.join(root, name), "rb") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(root)
-
-
-def full_digest(path: str) -> str:
-    """sha256 of every byte of a file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            block = fh.read(_BLOCK)
-            if not block:
-                return h.hexdigest()
-            h.update(block)
-
-
-def _read_manifest(step_dir: str):
-    """(manifest dict, None) or (None, the reason it cannot be used)."""
-    path = os.path.join(step_dir, MANIFEST)
-    if not os.path.isfile(path):
-        return None, "no COMPLETE manifest (the save did not finish)"
-    try:
-        with open(path, encoding="utf-8") as fh:
-            manifest = json.load(fh)
-        if not isinstance(manifest["files"], dict):
-            raise TypeError("'files' is not a mapping")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return None, f"unreadable COMPLETE manifest ({exc})"
-    return manifest, None
-
-
-def _check_files(step_dir: str, manifest: dict, mode: str, names) -> Optional[str]:
-    """The first problem among ``names`` (manifest paths) under ``mode``, or None."""
-    edges = manifest.get("digests", {})
-    full = manifest.get("sha256", {})
-    for rel in names:
-        size = manifest["files"][rel]
-        path = os.path.join(step_dir, rel)
-        if not os.path.isfile(path):
-            return f"missing file {rel}"
-        if os.path.getsize(path) != size:
-            return f"file {rel} has {os.path.getsize(path)} bytes, the manifest says {size}"
-        if mode == "edges" and rel in edges and edge_digest(path) != edges[rel]:
-            return f"file {rel} is corrupt (its content differs from the manifest's digest)"
-        if mode == "full":
-            if rel not in full:
-                return (f"the manifest has no full digest of {rel} (saved with digest='edges'); verify it with "
-                        "mode='edges'")
-            if full_digest(path) != full[rel]:
-                return f"file {rel} is corrupt (the sha256 of its bytes differs from the manifest's)"
-    return None
-
-
-def _check_mode(mode: str) -> str:
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"verify mode: expected one of {', '.join(VERIFY_MODES)}, got {mode!r}")
-    return mode
-
-
-def verify(step_dir: str, mode: str = "edges", digests: bool = True) -> Optional[str]:
-    """None when ``step_dir`` is a complete checkpoint, else the reason it is not.
-
-    ``mode``: "sizes" (every file present with its size), "edges" (also the digests of each file's first and
-    last MiB: fast), "full" (also the sha256 of every byte: reads the whole checkpoint, ~0.4 GB/s per core
-    here; ``benchmarks/checkpoint_verify.py``). ``digests=False`` is the older spelling of mode="sizes".
-    """
-    mode = _check_mode("sizes" if not digests else mode)
-    manifest, reason = _read_manifest(step_dir)
-    if reason is not None:
-        return reason
-    return _check_files(step_dir, manifest, mode, sorted(manifest["files"]))
-
-
-def verify_distributed(step_dir: str, mode: str = "edges") -> Optional[str]:
-    """``verify`` with the files shared out over the ranks (a collective; same answer on every rank)."""
-    mode = _check_mode(mode)
-    manifest, reason = _read_manifest(step_dir)
-    if reason is None:
-        mine = _share(manifest["files"], vdist.rank(), vdist.world_size())
-        reason = _check_files(step_dir, manifest, mode, mine)
-    reasons = vdist.gather_object(reason)
-    return next((r for r in reasons if r is not None), None)
-
-
-def _share(sizes: dict, rank: int, world: int) -> list:
-    """This rank's files: largest first, each to the rank with the fewest bytes so far (balanced reading)."""
-    load = [0] * world
-    mine = []
-    for rel in sorted(sizes, key=lambda r: (-sizes[r], r)):
-        owner = min(range(world), key=lambda k: (load[k], k))
-        load[owner] += sizes[rel]
-        if owner == rank:
-            mine.append(rel)
-    return mine
-
-
-def step_of(step_dir: str) -> int:
-    m = _STEP_DIR.match(os.path.basename(os.path.normpath(step_dir)))
-    if not m:
-        raise CheckpointError(f"{step_dir!r} is not a checkpoint directory (expected a name like global_step_12)")
-    return int(m.group(1))
-
-
-def find_resumable(ckpt_root: str) -> Optional[str]:
-    """The newest complete checkpoint under ``ckpt_root``: the ``latest`` one when valid, else scan backwards.
-
-    Every directory passed over is named in a warning with the reason, including newer ones than ``latest``
-    (a save killed before it finished, or before it updated ``latest``).
-    """
-    if not os.path.isdir(ckpt_root):
-        return None
-    candidates = []
-    latest_file = os.path.join(ckpt_root, "latest")
-    if os.path.isfile(latest_file):
-        with open(latest_file, encoding="utf-8") as fh:
-            name = fh.read().strip()
-        if name:
-            candidates.append(name)
-    names = sorted((n for n in os.listdir(ckpt_root) if _STEP_DIR.match(n)), key=lambda n: -int(_STEP_DIR.match(n).group(1)))
-    candidates += [n for n in names if n not in candidates]
-    for i, name in enumerate(candidates):
-        step_dir = os.path.join(ckpt_root, name)
-        if not os.path.isdir(step_dir):
-            log.warning("checkpoint %s named by 'latest' does not exist; looking for an older one", step_dir)
-            continue
-        reason = verify(step_dir)
-        if reason is not None:
-            log.warning("skipping checkpoint %s: %s; trying the previous one", step_dir, reason)
-            continue
-        if i == 0 and _STEP_DIR.match(name):  # 'latest' is valid: say what newer directories are left behind
-            for newer in (n for n in names if int(_STEP_DIR.match(n).group(1)) > step_of(step_dir)):
-                why = verify(os.path.join(ckpt_root, newer))
-                log.warning("skipping checkpoint %s: %s; resuming from %s (named by 'latest')",
-                            os.path.join(ckpt_root, newer),
-                            why or "complete, but 'latest' was not updated to it (a save killed at its very end, "
-                                   "or a run abandoned by resuming from an older checkpoint)", step_dir)
-        return step_dir
-    return None
 
 
 def _trained(engines: dict) -> dict:
@@ -316,17 +142,16 @@ def save(ckpt_root: str, step: int, engines: dict, trainer_state: dict, keep_las
     vdist.barrier()
     from verl_ds.engines.universal import client_state
 
-    for role, engine in trained.items():  # a frozen base (LoRA) is rebuilt from the model, never saved
-        engine.save_checkpoint(os.path.join(step_dir, role), tag=TAG, save_latest=False, client_state=client_state(),
-                               exclude_frozen_parameters=_has_frozen(engine))
-        hook(f"after_{role}")
-    torch.save(rng_state(), os.path.join(step_dir, f"rng_rank{vdist.rank()}.pt"))
-    if vdist.rank() == 0:
-        torch.save(trainer_state, os.path.join(step_dir, "trainer_state.pt"))
-        fsync_write(os.path.join(step_dir, "trainer_state.json"),
-                    json.dumps(trainer_state, indent=1, sort_keys=True, default=str).encode())
+    with _explain_disk_errors(ckpt_root, step_dir):
+        for role, engine in trained.items():  # a frozen base (LoRA) is rebuilt from the model, never saved
+            engine.save_checkpoint(os.path.join(step_dir, role), tag=TAG, save_latest=False,
+                                   client_state=client_state(), exclude_frozen_parameters=_has_frozen(engine))
+            hook(f"after_{role}")
+        safe_state.dump(rng_state(), os.path.join(step_dir, f"rng_rank{vdist.rank()}.json"), fsync_write)
+        if vdist.rank() == 0:  # exact and readable: JSON (tensors, if a model's state has any, in safetensors)
+            safe_state.dump(trainer_state, os.path.join(step_dir, "trainer_state.json"), fsync_write)
     vdist.barrier()
-    files = _manifest(step_dir) if vdist.rank() == 0 else None
+    files = _manifest(step_dir, trained) if vdist.rank() == 0 else None
     files = vdist.broadcast_object(files)
     full = {}
     if digest == "full":  # each rank hashes its share of the bytes; rank 0 collects
@@ -334,17 +159,18 @@ def save(ckpt_root: str, step: int, engines: dict, trainer_state: dict, keep_las
                                          for rel in _share(files, vdist.rank(), vdist.world_size())}):
             full.update(part)
     if vdist.rank() == 0:
-        _fsync_tree(step_dir)
-        hook("before_manifest")
-        manifest = {"step": step, "world_size": vdist.world_size(), "roles": list(trained),
-                    "zero_stage": {role: _zero_stage(e) for role, e in trained.items()},
-                    "trainable": {role: trainable_signature(e) for role, e in trained.items()}, "files": files,
-                    "digests": {rel: edge_digest(os.path.join(step_dir, rel)) for rel in files}}
-        if full:
-            manifest["sha256"] = full
-        fsync_write(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
-        hook("before_latest")
-        fsync_write(os.path.join(ckpt_root, "latest"), name.encode())
+        with _explain_disk_errors(ckpt_root, step_dir):
+            _fsync_tree(step_dir)
+            hook("before_manifest")
+            manifest = {"format": FORMAT, "step": step, "world_size": vdist.world_size(), "roles": list(trained),
+                        "zero_stage": {role: _zero_stage(e) for role, e in trained.items()},
+                        "trainable": {role: trainable_signature(e) for role, e in trained.items()}, "files": files,
+                        "digests": {rel: edge_digest(os.path.join(step_dir, rel)) for rel in files}}
+            if full:
+                manifest["sha256"] = full
+            fsync_write(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1).encode())
+            hook("before_latest")
+            fsync_write(os.path.join(ckpt_root, "latest"), name.encode())
         _prune(ckpt_root, keep_last)
     vdist.barrier()
     return step_dir
@@ -363,10 +189,43 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little") % 2**63
 
 
-def _restore_rng(step_dir: str, step: int, seed: int) -> None:
-    rng_file = os.path.join(step_dir, f"rng_rank{vdist.rank()}.pt")
-    if os.path.isfile(rng_file):
-        set_rng_state(torch.load(rng_file, weights_only=False))
+def _read_states(step_dir: str, manifest: dict) -> tuple:
+    """(trainer state, this rank's RNG state or None), read as data only: JSON + safetensors, or an older
+    version's pickles through torch's restricted unpickler. Nothing in them can run code."""
+    fmt = manifest.get("format", 1)
+    if not isinstance(fmt, int) or fmt > FORMAT:
+        raise CheckpointError(f"{step_dir} was written in checkpoint format {fmt!r} by a newer verl_ds (this one reads "
+                              f"formats 1-{FORMAT}); resume it with that version")
+    rng_name = f"rng_rank{vdist.rank()}"
+    try:
+        if fmt >= 2:
+            state = safe_state.load(os.path.join(step_dir, "trainer_state.json"))
+            rng_file = os.path.join(step_dir, f"{rng_name}.json")
+            rng = safe_state.load(rng_file) if os.path.isfile(rng_file) else None
+        else:  # format 1 (before checkpoints were data only): the same content, pickled
+            legacy = safe_state.find_legacy(step_dir, "trainer_state")
+            if legacy is None:
+                raise CheckpointError(f"{step_dir} holds no trainer state (trainer_state.pt, format 1, or "
+                                      f"trainer_state.json with format {FORMAT} in its manifest): not a verl_ds checkpoint")
+            state = safe_state.load_legacy_pickle(legacy)
+            rng_file = safe_state.find_legacy(step_dir, rng_name)
+            rng = safe_state.load_legacy_pickle(rng_file) if rng_file else None
+    except safe_state.UnsafeStateError as exc:
+        raise CheckpointError(f"refusing to resume from {step_dir}: {exc}. verl_ds reads its own checkpoint state as "
+                              "data only, so this file was not written by verl_ds as it is (a checkpoint directory must "
+                              "be writable by the job's owner alone: docs/reliability.md, 'Trust model'); resume from "
+                              "another checkpoint (trainer.resume=<dir>) or start fresh (trainer.resume=none)") from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"cannot resume from {step_dir}: its trainer or RNG state is unreadable "
+                              f"({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or "global_step" not in state:
+        raise CheckpointError(f"cannot resume from {step_dir}: its trainer state is not a verl_ds trainer state")
+    return state, rng
+
+
+def _restore_rng(step_dir: str, rng: Optional[dict], step: int, seed: int) -> None:
+    if rng is not None:
+        set_rng_state(rng)
         return
     s = derived_seed(seed, step, vdist.rank())
     random.seed(s)
@@ -374,6 +233,58 @@ def _restore_rng(step_dir: str, step: int, seed: int) -> None:
     torch.manual_seed(s)  # all devices, CUDA included
     log.warning("rank %d has no saved RNG in %s (saved by fewer ranks): seeded from (seed=%d, step=%d, rank)",
                 vdist.rank(), step_dir, seed, step)
+
+
+class _explain_disk_errors:
+    """Turn a write that failed for want of space (ENOSPC, EDQUOT, EFBIG, or torch's zip writer giving up in the
+    middle of a file: "unexpected pos") into a CheckpointError that says so, with the path and the free space."""
+
+    def __init__(self, ckpt_root: str, step_dir: str):
+        self.ckpt_root, self.step_dir = ckpt_root, step_dir
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        why = _disk_trouble(exc) if isinstance(exc, Exception) else None
+        if why is None:
+            return False
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(
+            f"cannot save checkpoint {self.step_dir} (rank {vdist.rank()}): {why} ({type(exc).__name__}: {first}); "
+            f"out of disk space? {_space_report(self.ckpt_root)}. Free disk space (or lower trainer.keep_last) and "
+            f"restart: the previous complete checkpoint is untouched, and the incomplete "
+            f"{os.path.basename(self.step_dir)} is never resumed") from exc
+
+
+_DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large for the file system or the process's file size limit"}
+
+
+def _disk_trouble(exc: BaseException) -> Optional[str]:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+            return _DISK_ERRNOS[exc.errno]
+        if isinstance(exc, RuntimeError) and any(k in str(exc) for k in ("unexpected pos", "file write failed",
+                                                                         "failed writing")):
+            return "a file could not be written to its end"
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _space_report(path: str) -> str:
+    try:
+        st = os.statvfs(path)
+        report = (f"the file system of {path} has {st.f_bavail * st.f_frsize / 2**20:.1f} MiB free of "
+                  f"{st.f_blocks * st.f_frsize / 2**20:.1f} MiB")
+    except OSError as exc:
+        report = f"the free space of {path} is unknown ({exc.strerror})"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        report += f"; this process may not write files larger than {limit} bytes (ulimit -f)"
+    return report
 
 
 def _load_engine(step_dir: str, role: str, engine, saved_world: int, stage: int) -> None:
@@ -385,7 +296,7 @@ def _load_engine(step_dir: str, role: str, engine, saved_world: int, stage: int)
         path, _ = engine.load_checkpoint(role_dir, tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True,
                                          load_module_strict=not _has_frozen(engine))
     else:
-        uni_dir = os.path.join(role_dir, "universal")
+        uni_dir = os.path.join(role_dir, CONVERTED)
         error = None
         if vdist.rank() == 0:
             try:
@@ -401,17 +312,28 @@ def _load_engine(step_dir: str, role: str, engine, saved_world: int, stage: int)
         raise CheckpointError(f"DeepSpeed could not load the {role} checkpoint in {role_dir}")
 
 
-def load(step_dir: str, engines: dict, verify: str = "edges", seed: int = 0) -> dict:
+def load(step_dir: str, engines: dict, verify: Optional[str] = "edges", seed: int = 0) -> dict:
     """Restore the trained engines (weights, optimizer; role -> engine as in ``save``) and this rank's RNG, at
     the saved world size or another one (see the module docstring); returns the trainer state.
 
-    ``verify``: the check run first ("sizes", "edges" or "full"; the files are shared out over the ranks).
+    ``verify``: the check run first ("sizes", "edges" or "full"; the files are shared out over the ranks; None: the
+    caller verified it). CheckpointDamaged when it fails: nothing was loaded.
     ``seed``: the run's seed, for ranks that have no saved RNG.
     """
-    reason = verify_distributed(step_dir, verify)
+    if verify is not None:
+        reason = verify_distributed(step_dir, verify)
+        if reason is not None:
+            raise CheckpointDamaged(f"cannot resume from {step_dir}: {reason}")
+    manifest, reason = _read_manifest(step_dir)
     if reason is not None:
-        raise CheckpointError(f"cannot resume from {step_dir}: {reason}")
-    manifest, _ = _read_manifest(step_dir)
+        raise CheckpointDamaged(f"cannot resume from {step_dir}: {reason}")
+    try:  # before any engine changes: a bad state file loads nothing, and every rank stops on any rank's
+        state, rng, error = *_read_states(step_dir, manifest), None
+    except CheckpointError as exc:
+        state, rng, error = None, None, str(exc)
+    error = next((e for e in vdist.gather_object(error) if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
     saved_world = int(manifest.get("world_size") or vdist.world_size())
     trained = _trained(engines)
     saved_roles = manifest.get("roles", ["actor", "critic"])
@@ -428,10 +350,7 @@ def load(step_dir: str, engines: dict, verify: str = "edges", seed: int = 0) -> 
         if saved_sig is not None and saved_sig["digest"] != sig["digest"]:
             raise CheckpointError(f"{step_dir}: the {role} was saved training {_describe_trainable(saved_sig)}, this run "
                                   f"trains {_describe_trainable(sig)}; resume with the same {role}.lora_* keys")
+        # DeepSpeed's engine files are read by its own loader (torch.load of pickles): the trust boundary
         _load_engine(step_dir, role, engine, saved_world, stages.get(role, _zero_stage(engine)))
-    state_file = os.path.join(step_dir, "trainer_state.pt")
-    if not os.path.isfile(state_file):
-        raise CheckpointError(f"{step_dir} holds no trainer_state.pt (not a verl_ds checkpoint of this version?)")
-    state = torch.load(state_file, weights_only=False)
-    _restore_rng(step_dir, step_of(step_dir), seed)
+    _restore_rng(step_dir, rng, step_of(step_dir), seed)
     return state

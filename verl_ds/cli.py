@@ -142,17 +142,23 @@ def main(argv=None) -> int:
     from verl_ds.config import ConfigError
     from verl_ds.dist import LaunchError
 
+    from verl_ds.checkpoint import CheckpointError
     from verl_ds.models.reward import RewardFunctionError
     from verl_ds.runtime import NonFiniteError, RankFailure
+    from verl_ds.runtime.run_lock import RunDirectoryBusy
 
     try:
         return args.func(args)
-    except (ConfigError, LaunchError) as exc:  # caught before any model was built
+    except (ConfigError, LaunchError, RunDirectoryBusy) as exc:  # caught before any model was built
         print(f"verl_ds: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 2
-    except (RankFailure, NonFiniteError, RewardFunctionError) as exc:  # explained failures: one clear line
+    except (RankFailure, NonFiniteError, RewardFunctionError, CheckpointError) as exc:  # explained: one clear line
         print(f"verl_ds: error: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # SIGINT before the trainer took it over (start-up): nothing was trained yet
+        print("verl_ds: interrupted (SIGINT) during start-up, before any step: nothing to save", file=sys.stderr,
+              flush=True)
+        return 130
 
 
 def _one_line(exc: BaseException) -> str:

@@ -35,12 +35,12 @@ def save_checkpoint(trainer) -> str:
                      digest=trainer.cfg.trainer.checkpoint_digest)
 
 
-def resume_from(trainer, step_dir: str) -> int:
-    """Restore everything from ``step_dir`` (collective); returns its step."""
+def resume_from(trainer, step_dir: str, verify: bool = True) -> int:
+    """Restore everything from ``step_dir`` (collective; ``verify=False``: the caller verified it); returns its step."""
     from verl_ds.config import initial_state
 
     # another world size is fine (DeepSpeed's universal checkpoint; data order and RNG policy: verl_ds.checkpoint)
-    saved = ckpt.load(step_dir, trainer.c.engines, verify=trainer.cfg.trainer.verify_checkpoint,
+    saved = ckpt.load(step_dir, trainer.c.engines, verify=trainer.cfg.trainer.verify_checkpoint if verify else None,
                       seed=trainer.cfg.trainer.seed)
     st = trainer.state
     st.load_state_dict(saved["shared_state"])
@@ -60,6 +60,8 @@ def resume_from(trainer, step_dir: str) -> int:
     trainer.registry.restore_versions({k: v for k, v in saved["registry_versions"].items() if k in trainer.registry})
     trainer.c.sampler.load_state_dict(saved["sampler"])
     trainer.guard.load_state_dict(saved.get("reliability", {}))
+    # the generation replica still holds the weights it last copied (a fallback replaced them): copy them again
+    trainer.registry.get("actor").rollout_engine.refresh()
     step = int(saved["global_step"])
     trainer.metrics.truncate_after(step)
     trainer.boundary.schedule_replay(step)
@@ -68,15 +70,46 @@ def resume_from(trainer, step_dir: str) -> int:
     return step
 
 
+def _resume_first_sound(trainer, candidates: list, skipped: list) -> Optional[int]:
+    """Resume from the first of ``candidates`` (the same list on every rank) that verifies under
+    ``trainer.verify_checkpoint`` on every rank (a collective); the ones that do not are named and added to
+    ``skipped``. Returns the step, or None when none does."""
+    mode = trainer.cfg.trainer.verify_checkpoint
+    for step_dir in candidates:
+        reason = ckpt.verify_distributed(step_dir, mode)
+        if reason is None:
+            return resume_from(trainer, step_dir, verify=False)
+        if trainer.is_main:
+            log.warning("skipping checkpoint %s: %s (trainer.verify_checkpoint=%s); trying the previous one", step_dir,
+                        reason, mode)
+        skipped.append((step_dir, reason))
+    return None
+
+
+def _refuse_to_start_over(trainer, skipped: list) -> None:
+    """Every checkpoint that a save completed is damaged: starting at step 0 would silently throw the run away."""
+    complete = [(d, why) for d, why in skipped if os.path.isfile(os.path.join(d, ckpt.MANIFEST))]
+    if complete:
+        listed = "; ".join(f"{d}: {why}" for d, why in complete)
+        raise ckpt.CheckpointError(
+            f"trainer.resume=auto: none of the {len(complete)} complete checkpoint(s) in {trainer.ckpt_root} can be "
+            f"resumed ({listed}). Not starting over at step 0: restore a checkpoint, resume one explicitly "
+            f"(trainer.resume=<dir>), or start fresh on purpose with trainer.resume=none")
+
+
 def maybe_resume(trainer) -> int:
-    """Resume per ``trainer.resume`` (auto: the latest complete checkpoint); returns the step (0: fresh start)."""
+    """Resume per ``trainer.resume`` (auto: the newest complete checkpoint that verifies, else the previous one;
+    refused when every complete checkpoint is damaged); returns the step (0: fresh start)."""
     mode = trainer.cfg.trainer.resume
-    step_dir = None
-    if mode != "none":
-        step_dir = ckpt.find_resumable(trainer.ckpt_root) if mode == "auto" else mode
-        step_dir = vdist.broadcast_object(step_dir)
-    if step_dir is not None:
-        return resume_from(trainer, step_dir)
+    if mode not in ("auto", "none"):
+        return resume_from(trainer, mode)
+    if mode == "auto":
+        found = ckpt.scan(trainer.ckpt_root) if trainer.is_main else None
+        candidates, skipped = vdist.broadcast_object(found)
+        step = _resume_first_sound(trainer, candidates, skipped)
+        if step is not None:
+            return step
+        _refuse_to_start_over(trainer, skipped)
     if trainer.is_main:  # a fresh run in a used directory: the previous run's logs must not mix in, nor be lost
         for name in ("metrics.jsonl", AUDIT_FILE, JOURNAL_FILE):
             path = os.path.join(trainer.out_dir, name)
@@ -87,29 +120,17 @@ def maybe_resume(trainer) -> int:
     return 0
 
 
-def previous_checkpoint(trainer, before_step: int) -> Optional[str]:
-    """The newest complete checkpoint older than ``before_step`` (the same answer on every rank), or None."""
-    found = None
-    if trainer.is_main and os.path.isdir(trainer.ckpt_root):
-        steps = sorted((ckpt.step_of(n), n) for n in os.listdir(trainer.ckpt_root) if n.startswith("global_step_"))
-        for step, name in reversed(steps):
-            path = os.path.join(trainer.ckpt_root, name)
-            if step < before_step and ckpt.verify(path) is None:
-                found = path
-                break
-    return vdist.broadcast_object(found)
-
-
 def fall_back_after_resume(trainer, step: int, resumed: int) -> bool:
     """Non-finite steps within a few steps of resuming from ``resumed`` (a checkpoint damaged where its digests do
     not look, say): resume from the previous complete checkpoint instead (collective); False when there is none
     or the run is past that window."""
     if not resumed or step - resumed > 2 * trainer.cfg.trainer.max_bad_steps:
         return False
-    earlier = previous_checkpoint(trainer, resumed)
-    if earlier is None:
+    found = ckpt.scan(trainer.ckpt_root) if trainer.is_main else None
+    candidates, _ = vdist.broadcast_object(found)
+    earlier = [d for d in candidates if ckpt.step_of(d) < resumed]
+    if not earlier:
         return False
     log.warning("step %d: non-finite values right after resuming from step %d: falling back once to the previous "
-                "complete checkpoint %s", step, resumed, earlier)
-    resume_from(trainer, earlier)
-    return True
+                "complete checkpoint %s", step, resumed, earlier[0])
+    return _resume_first_sound(trainer, earlier, []) is not None

@@ -41,6 +41,7 @@ from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, 
                              raise_if_any_rank_failed)
 from verl_ds.runtime.malloc import keep_freed_memory
 from verl_ds.runtime.preemption import stop_for_preemption
+from verl_ds.runtime.run_lock import lock_run_dir
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +55,15 @@ class Trainer:
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device
         if self.device == "cpu" and cfg.trainer.cpu_keep_freed_memory:
             keep_freed_memory()  # before any model is built: every step reuses the same pages
-        self.preemption = PreemptionHandler().install()  # SIGTERM/SIGUSR1: checkpoint, exit 75
+        self.preemption = PreemptionHandler().install()  # SIGTERM/USR1/INT/HUP: checkpoint, exit 75
         vdist.init_distributed(launch, cfg.trainer.dist_timeout_s, self.device)
         self.rank, self.world = vdist.rank(), vdist.world_size()
         self.is_main = self.rank == 0
         vdist.seed_everything(cfg.trainer.seed * 1000 + self.rank)
         self.out_dir = cfg.trainer.output_dir
         self.ckpt_root = os.path.join(self.out_dir, "checkpoints")
+        self.run_lock = lock_run_dir(self.out_dir)  # a second job on this directory is refused, naming the first
         if self.is_main:
-            os.makedirs(self.out_dir, exist_ok=True)
             write_run_config(cfg, os.path.join(self.out_dir, "config.yaml"))  # secrets redacted, mode 0600
         vdist.barrier()
         self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard=cfg.trainer.tensorboard,
@@ -391,3 +392,6 @@ class Trainer:
         # changes still staged: dropped (audited) when the run is complete, else journaled for a resume
         self.boundary.close(completed=self.state.get("global_step") >= self.cfg.trainer.total_steps)
         self.metrics.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None

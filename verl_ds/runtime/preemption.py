@@ -1,6 +1,8 @@
-"""Preemption: SIGTERM / SIGUSR1 (what Slurm sends at preemption and before the time limit) set a flag; at the
-next step boundary every rank agrees (a sum over ranks), the trainer saves a checkpoint and exits with
-``PREEMPTED_EXIT_CODE`` (75, EX_TEMPFAIL), the status the sbatch scripts requeue on."""
+"""Preemption: SIGTERM / SIGUSR1 (what Slurm sends at preemption and before the time limit), SIGINT (Ctrl-C) and
+SIGHUP (the terminal went away) set a flag; at the next step boundary every rank agrees (a sum over ranks), the
+trainer saves a checkpoint and exits with ``PREEMPTED_EXIT_CODE`` (75, EX_TEMPFAIL), the status the sbatch scripts
+requeue on. SIGINT and SIGHUP that the process inherited as ignored (``nohup``, a background job of a
+non-interactive shell) stay ignored."""
 from __future__ import annotations
 
 import logging
@@ -29,9 +31,11 @@ class Preempted(SystemExit):
 
 
 class PreemptionHandler:
-    """Turns SIGTERM / SIGUSR1 into a stop request that the training loop honours at a step boundary."""
+    """Turns SIGTERM / SIGUSR1 / SIGINT / SIGHUP into a stop request that the training loop honours at a step
+    boundary."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
+    RESPECT_IGNORED = ("SIGINT", "SIGHUP")  # nohup's promise, and a shell's for its background jobs
 
     def __init__(self):
         self.received: Optional[str] = None
@@ -41,10 +45,12 @@ class PreemptionHandler:
     def install(self) -> "PreemptionHandler":
         """Install the handlers (main thread only: Python delivers signals there)."""
         if threading.current_thread() is not threading.main_thread():
-            log.warning("not in the main thread: SIGTERM/SIGUSR1 will not stop training cleanly")
+            log.warning("not in the main thread: SIGTERM/SIGUSR1/SIGINT/SIGHUP will not stop training cleanly")
             return self
         for name in self.SIGNALS:
             sig = getattr(signal, name)
+            if name in self.RESPECT_IGNORED and signal.getsignal(sig) == signal.SIG_IGN:
+                continue
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
