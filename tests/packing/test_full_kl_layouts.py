@@ -106,3 +106,33 @@ def test_padded_fused_head_scores_a_batch_like_the_logits_path():
     got = PolicyModel(lm, fused_lm_head=True).get_logprob(obs, obs[:, -R:], mask, T_SAMPLE, return_entropy=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g * rmask, w * rmask, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_no_model_builds_more_than_a_chunk_of_logits(monkeypatch, layout):
+    """A spy on the heads' outputs and on the KL's logit chunks: neither model's LM head returns (n, V) logits, and
+    each chunk holds at most chunk_rows tokens' logits per model, forward and backward."""
+    import verl_ds.algos.head_kl as head_kl
+
+    chunk_rows = 3
+    monkeypatch.setattr(head_kl, "_CPU_CHUNK_ELEMS", chunk_rows * VOCAB)
+    seen, real = [], head_kl.full_symmetric_kl
+
+    def spy(x, y, t):
+        seen.append((tuple(x.shape), tuple(y.shape)))
+        return real(x, y, t)
+
+    monkeypatch.setattr(head_kl, "full_symmetric_kl", spy)
+    actor_lm, ref_lm = tiny_lm("llama", seed=1), tiny_lm("llama", seed=2)
+    widths = []
+    for lm in (actor_lm, ref_lm):
+        lm.get_output_embeddings().register_forward_hook(lambda m, i, o: widths.append(o.shape[-1]))
+    obs, mask = _batch()
+    kw = LAYOUTS[layout]
+    _, _, kl = logprobs_with_full_kl(PolicyModel(actor_lm, **kw), ReferenceModel(ref_lm, **kw), obs, obs[:, -R:],
+                                     mask, 1.0)
+    kl.sum().backward()
+    assert widths and max(widths) <= 3  # [log-prob, entropy, kl] per row, never V logits
+    n_fwd = -(-int(mask[:, -R:].sum() if layout == "packed" else obs.shape[0] * (R + 1)) // chunk_rows)
+    assert len(seen) == 2 * n_fwd  # forward and backward went chunk by chunk
+    assert all(x[0] <= chunk_rows and x == y and x[1] == VOCAB for x, y in seen), seen
