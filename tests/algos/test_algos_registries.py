@@ -138,7 +138,7 @@ def test_register_a_custom_estimator():
 # --- KL estimators, loss aggregation ---------------------------------------------------------------
 
 def test_kl_kinds_view_and_custom_estimator():
-    assert tuple(KL_KINDS) == ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "symmetric")
+    assert tuple(KL_KINDS) == ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "symmetric", "full_symmetric")
 
     @register_kl_estimator("test_sq", aliases=("test_square",))
     def sq(log_probs, ref_log_probs):

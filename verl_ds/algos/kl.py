@@ -9,6 +9,8 @@ with d = log_probs - ref_log_probs for tokens sampled from pi:
                                               and the result to [-10, 10] as verl does
     symmetric          0.5 d (1 - exp(-d))    >= 0, unbiased for 0.5 (KL(pi||ref) + KL(ref||pi)),
                                               since E_pi[exp(-d) (-d)] = KL(ref||pi); d clamped to [-20, 20]
+    full_symmetric     the same from sampled  in the loss the actor computes the exact value over the whole
+                       log-probs              vocabulary instead (``verl_ds.algos.head_kl``, loss placement only)
 
 The estimators are a registry: ``@register_kl_estimator("name", aliases=(...))`` on a function
 ``fn(log_probs, ref_log_probs) -> (...) float32`` (both float32, same shape) adds one; ``KL_KINDS`` is a
@@ -64,6 +66,15 @@ def _symmetric(log_probs, ref_log_probs):
     d = (log_probs - ref_log_probs).clamp(-_CLAMP_D, _CLAMP_D)
     # -expm1(-d) = 1 - exp(-d) without cancellation near d = 0
     return 0.5 * d * -torch.expm1(-d)
+
+
+FULL_SYMMETRIC = "full_symmetric"
+
+
+@register_kl_estimator(FULL_SYMMETRIC)
+def _full_symmetric_sampled(log_probs, ref_log_probs):
+    # only the sampled tokens' log-probs are known here (the KL controller's observation): the unbiased estimate
+    return _symmetric(log_probs, ref_log_probs)
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:

@@ -14,6 +14,8 @@ from typing import Iterable, Mapping, Optional
 # grad E_{y~pi}[log pi(y) - log pi_ref(y)] with y held fixed = E_{y~pi}[grad log pi(y)] = 0 (the score function
 # identity), so as a loss term they regularise nothing (Schulman, "Approximating KL Divergence", 2020).
 ZERO_GRADIENT_KL = ("k1", "kl")
+# the exact full-vocabulary KL (verl_ds.models.full_kl): needs the actor's LM head, so the loss only
+FULL_KL_KIND = "full_symmetric"
 LOSS_KL_DEFAULT = "low_var_kl"
 REWARD_KL_DEFAULT = "k1"
 # config.json keys holding a model's context length, by architecture family
@@ -26,6 +28,10 @@ def kl_placement_rule(kl_placement: str, kl_kind: str) -> Optional[str]:
         return (f"{kl_kind!r} in the loss (algo.kl_placement=loss) regularises nothing: the gradient of "
                 f"k1 = log(pi/pi_ref) has zero expectation under the policy's own samples; use low_var_kl (k3, "
                 f"the default for the loss) or k2 (mse), or put the KL in the reward")
+    if kl_placement == "reward" and kl_kind == FULL_KL_KIND:
+        return (f"{kl_kind!r} is computed over the whole vocabulary from the actor's LM head during its update, so "
+                f"it can only be a loss term: set algo.kl_placement=loss, or use 'symmetric' (its sampled-token "
+                f"estimate) in the reward")
     return None
 
 

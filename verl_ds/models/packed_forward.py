@@ -93,11 +93,14 @@ def _packed_kwargs(inner: Any, packed: Packed) -> dict:
 
 @contextlib.contextmanager
 def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: float = 1.0,
-                             compute_entropy: bool = True, keep: torch.Tensor | None = None, **chunks):
+                             compute_entropy: bool = True, keep: torch.Tensor | None = None, head_kl: Any = None,
+                             **chunks):
     """While active, ``model``'s output-embedding Linear returns, in place of logits (1, n, V), the
     (1, n, 2) float32 [log-prob of ``labels``, entropy] (or (1, n, 1) without entropy) from
-    ``fused_linear_logprobs``. ``keep``: rows to take when the head is given all N hidden states
-    (a model without ``logits_to_keep``). Not thread-safe for the same model."""
+    ``fused_linear_logprobs`` ((B, k, 2) for a padded batch's (B, k, H) hidden states). ``keep``: rows to take when the head is given all N hidden states
+    (a model without ``logits_to_keep``). ``head_kl`` (``verl_ds.models.full_kl``): one more column, its
+    ``(head, hidden rows)`` result (the full-vocabulary KL), or the whole output when it ``replaces_head``.
+    Not thread-safe for the same model."""
     inner = unwrap_module(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
@@ -114,12 +117,16 @@ def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: floa
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
+        lead = hidden.shape[:-1]  # (B, R+1) padded, (1, n) packed
         if keep is not None and h.shape[0] != labels.shape[0]:
-            h = h[keep]
+            h, lead = h[keep], (1, keep.numel())
+        if head_kl is not None and head_kl.replaces_head:
+            return head_kl(head, h).view(*lead, -1)
         # weight/bias read here, inside the module call: ZeRO-3 has gathered them
         lp, ent = fused_linear_logprobs(h, head.weight, labels, temperature, getattr(head, "bias", None),
                                         compute_entropy, **chunks)
-        return (torch.stack([lp, ent], -1) if ent is not None else lp.unsqueeze(-1)).unsqueeze(0)
+        cols = [lp] + ([ent] if ent is not None else []) + ([head_kl(head, h)] if head_kl is not None else [])
+        return torch.stack(cols, -1).view(*lead, len(cols))
 
     head.forward = forward  # an instance attribute: nn.Module.__call__ (and its hooks) still wrap it
     try:
@@ -129,15 +136,17 @@ def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: floa
 
 
 def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: float = 1.0, *,
-                    compute_entropy: bool = False, fused_lm_head: bool = False, **chunks):
+                    compute_entropy: bool = False, fused_lm_head: bool = False, head_kl: Any = None, **chunks):
     """(log_probs (B, R), entropy (B, R) or None), float32, of the response tokens of a packed batch under
     the causal LM ``lm`` (a HF model or a DeepSpeed engine around one) at ``temperature``: the padded
     ``PolicyModel.get_logprob`` on the same batch, 0 at padded response positions. Differentiable.
-    ``fused_lm_head``: never build the (n, V) logits (``chunks``: chunk_rows / vocab_chunk)."""
+    ``fused_lm_head``: never build the (n, V) logits (``chunks``: chunk_rows / vocab_chunk). ``head_kl``
+    (fused only, see ``lm_head_returns_logprobs``): a third item, its column as (B, R)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
     idx = response_index(packed, response_width)
     B = packed.shape[0]
+    fused_lm_head = fused_lm_head or head_kl is not None  # the extra column rides on the fused head's output
     inner = unwrap_module(lm)
     kwargs = _packed_kwargs(inner, packed)
     names, _ = _accepts(inner)
@@ -147,7 +156,7 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
     labels = idx.label_ids
     if fused_lm_head:
         ctx = lm_head_returns_logprobs(lm, labels, temperature, compute_entropy,
-                                       keep=None if keep_arg else idx.preds, **chunks)
+                                       keep=None if keep_arg else idx.preds, head_kl=head_kl, **chunks)
     else:
         ctx = contextlib.nullcontext()
     with ctx, packed_row_witness(lm, packed.num_tokens, getattr(packed, "groups", None)):
@@ -167,7 +176,8 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
         else:
             lp, ent = logprobs_from_logits(logits, labels, temperature), None
     shape = (B, response_width)
-    return _scatter(lp, idx, shape), (_scatter(ent, idx, shape) if ent is not None else None)
+    out = _scatter(lp, idx, shape), (_scatter(ent, idx, shape) if ent is not None else None)
+    return out if head_kl is None else (*out, _scatter(logits[:, -1], idx, shape))
 
 
 def packed_values(critic: Any, packed: Packed, response_width: int) -> torch.Tensor:

@@ -112,13 +112,14 @@ class ReferenceModel(LogProbRole):
         return logits[:, -keep:]
 
     def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None,
-                    temperature: float = 1.0, return_entropy: bool = False):
+                    temperature: float = 1.0, return_entropy: bool = False, head_kl=None):
         """Log-probs (B, R) float32 of the response tokens ``action`` (B, R) = observation[:, -R:].
 
         logits[:, -R-1:-1] predict them; computed by ``verl_ds.kernels.response_logprob`` in one
         pass, at ``temperature`` (the rollout's). Differentiable: the PPO update calls it under grad.
         With return_entropy, also the entropy (B, R) of each position's distribution. Values at
-        padded response positions are meaningless; mask them with the response mask.
+        padded response positions are meaningless; mask them with the response mask. ``head_kl``
+        (``verl_ds.models.full_kl``): the fused LM head runs, and its extra column comes back last, (B, R).
         """
         who = f"{type(self).__name__}.get_logprob"
         observation = check_observation(observation, who)
@@ -145,32 +146,33 @@ class ReferenceModel(LogProbRole):
                 packed = pack_shared_prompts(observation, mask, R, share_prefixes=self._share_prefixes)
             else:
                 packed = pack(observation, mask, R)
-            log_probs, entropy = packed_logprobs(self.lm, packed, R, temperature,
-                                                 compute_entropy=return_entropy, fused_lm_head=self._fused_lm_head)
-            return (log_probs, entropy) if return_entropy else log_probs
-        observation, mask = left_align_prompts(observation, mask, R)  # logits[:, -R-1] must be the prompt's last token
-        if self._fused_lm_head:
-            log_probs, entropy = self._fused_padded(observation, mask, action.long(), temperature, return_entropy)
-        else:  # (B, R+1, V): position t predicts response token t; read in place (no (B, R, V) copy for backward)
-            log_probs, entropy = response_logprobs(self._logits(observation, mask, R + 1), action.long(), temperature,
-                                                   compute_entropy=return_entropy)
+            out = packed_logprobs(self.lm, packed, R, temperature, compute_entropy=return_entropy,
+                                  fused_lm_head=self._fused_lm_head, head_kl=head_kl)
+            log_probs, entropy = out[:2]
+        else:
+            observation, mask = left_align_prompts(observation, mask, R)  # logits[:, -R-1] must be the prompt's last
+            if self._fused_lm_head or head_kl is not None:
+                out = self._fused_padded(observation, mask, action.long(), temperature, return_entropy, head_kl)
+                log_probs, entropy = out[:2]
+            else:  # (B, R+1, V): position t predicts response token t; read in place (no (B, R, V) copy for backward)
+                log_probs, entropy = response_logprobs(self._logits(observation, mask, R + 1), action.long(),
+                                                       temperature, compute_entropy=return_entropy)
+        if head_kl is not None:
+            return (log_probs, entropy, out[2]) if return_entropy else (log_probs, out[2])
         return (log_probs, entropy) if return_entropy else log_probs
 
-    def _fused_padded(self, observation, mask, action, temperature, return_entropy):
+    def _fused_padded(self, observation, mask, action, temperature, return_entropy, head_kl=None):
         """The LM head returns the log-probs of the last R + 1 positions itself (no (B, R+1, V) logits); the last
         position predicts nothing (ignore_index)."""
         from verl_ds.models.packed_forward import lm_head_returns_logprobs
 
         B, R = action.shape
         labels = torch.cat([action, action.new_full((B, 1), -100)], 1).reshape(-1)
-        with lm_head_returns_logprobs(self.lm, labels, temperature, return_entropy):
-            out = self._forward(observation, mask, R + 1)  # (1, B*(R+1), 1 or 2): [log-prob, entropy]
-        if not isinstance(out, torch.Tensor) or out.dim() != 3 or out.shape[:2] != (1, B * (R + 1)):
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise ValueError(f"{type(self).__name__}: the fused LM head returned {got}, expected (1, {B * (R + 1)}, k) "
-                             f"(a model whose forward takes logits_to_keep); use model.fused_lm_head=false")
+        with lm_head_returns_logprobs(self.lm, labels, temperature, return_entropy, head_kl=head_kl):
+            out = self._logits(observation, mask, R + 1)  # (B, R+1, 1 to 3): [log-prob, entropy, head_kl]
         out = out.reshape(B, R + 1, -1)[:, :-1]
-        return out[..., 0], (out[..., 1] if return_entropy else None)
+        lp_ent = out[..., 0], (out[..., 1] if return_entropy else None)
+        return lp_ent if head_kl is None else (*lp_ent, out[..., -1])
 
 
 

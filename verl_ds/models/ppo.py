@@ -19,7 +19,9 @@ import torch
 from verl_ds import algos
 from verl_ds.algos.losses import truncated_is_weights
 from verl_ds.batch import RolloutBatch
+from verl_ds.config.limits import FULL_KL_KIND
 from verl_ds.models.base import MissingModuleError, TrainableRole
+from verl_ds.models.full_kl import logprobs_with_full_kl
 from verl_ds.models.policy import PolicyModel, ReferenceModel
 from verl_ds.models.reward import RewardModel
 from verl_ds.models.value import ValueModel
@@ -220,7 +222,8 @@ class PPOModel(TrainableRole):
     # ---- losses ------------------------------------------------------------------------------------
     def compute_policy_loss(self, batch: Any, normalizer: float | torch.Tensor | None = None):
         """(loss, metrics): clipped surrogate (dual clip) - entropy_coef * agg(entropy)
-        [+ kl_coef * agg(kl_penalty(log_probs, ref_log_probs, kl_kind)) when the KL is in the loss].
+        [+ kl_coef * agg(kl_penalty(log_probs, ref_log_probs, kl_kind)) when the KL is in the loss; for
+        kl_kind=full_symmetric the exact value over the vocabulary (``verl_ds.models.full_kl``)].
 
         The actor runs WITH grad (get_logprob at the state's temperature); batch.old_log_probs are the rollout
         policy's, or, when the trainer skipped that pass because the update is on-policy and its forward is that
@@ -239,8 +242,13 @@ class PPOModel(TrainableRole):
             _need(batch, ("ref_log_probs",), who)
         mask = batch.response_mask
         mode, max_len = self._loss_agg_mode, hot["max_new_tokens"]
-        log_probs, entropy = self.actor.get_logprob(batch.observation, batch.action, mask=batch.mask,
-                                                    temperature=hot["temperature"], return_entropy=True)
+        kl = None
+        if kl_in_loss and hot["kl_kind"] == FULL_KL_KIND:  # exact over the vocabulary, from the LM heads
+            log_probs, entropy, kl = logprobs_with_full_kl(self.actor, self.ref, batch.observation, batch.action,
+                                                           batch.mask, hot["temperature"])
+        else:
+            log_probs, entropy = self.actor.get_logprob(batch.observation, batch.action, mask=batch.mask,
+                                                        temperature=hot["temperature"], return_entropy=True)
         old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
         is_weights, is_metrics = None, {}
         if self.is_cap is not None:  # the sampler's log-probs differ from the trainer's (vLLM, bf16): TIS
@@ -256,7 +264,8 @@ class PPOModel(TrainableRole):
         metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": algos.masked_mean(entropy.detach(), mask)}
         metrics.update({f"actor/{k}": v for k, v in pg_metrics.items()})
         if kl_in_loss:
-            kl = algos.kl_penalty(log_probs, batch.ref_log_probs, hot["kl_kind"])
+            if kl is None:
+                kl = algos.kl_penalty(log_probs, batch.ref_log_probs, hot["kl_kind"])
             kl_loss = algos.agg_loss(kl, mask, mode, normalizer=normalizer, max_len=max_len)
             loss = loss + hot["kl_coef"] * kl_loss
             metrics.update({"actor/kl_loss": kl_loss.detach(), "actor/kl_coef": torch.tensor(hot["kl_coef"], dtype=torch.float64)})

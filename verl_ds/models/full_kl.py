@@ -1,0 +1,81 @@
+"""``algo.kl_kind=full_symmetric`` in the actor's loss: the exact symmetric KL over the whole vocabulary at each
+response position (``verl_ds.algos.head_kl``), with no (N, V) logits of either model.
+
+The reference's LM-head inputs (its final hidden states, (n, H), not its (n, V) logits) are recomputed in the
+update, one no-grad forward per micro-batch, in the actor's own row layout (padded, packed, shared prompts):
+the reference runs the same fused-head code path on the same micro-batch, and its head, instead of scoring,
+records the rows it is given (``RefHeadRows``). The actor's fused head then adds the KL of each row as one more
+output column (``HeadSymmetricKL``), inside the head's own module call, so under ZeRO-3 DeepSpeed gathers the
+actor's head for the forward and again for the backward that recomputes each chunk's logits. The reference's
+head weight is copied while its module call has it gathered (ZeRO-3); otherwise it is used in place.
+A LoRA actor's reference is its engine with the adapters off (``AdaptersOffReferenceModel``), as for log-probs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_ds.algos.head_kl import head_symmetric_kl
+
+__all__ = ["RefHeadRows", "HeadSymmetricKL", "logprobs_with_full_kl"]
+
+
+def _frozen(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    # a ZeRO-3 parameter's gathered storage is released (and reused) after the module call: keep a copy
+    return t.detach().clone() if hasattr(t, "ds_id") else t.detach()
+
+
+class RefHeadRows:
+    """``head_kl`` of the reference's pass: its LM head records its input rows and weights and scores nothing."""
+
+    replaces_head = True
+
+    def __init__(self):
+        self.hidden = self.weight = self.bias = None
+
+    def __call__(self, head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        self.hidden = hidden.detach()
+        self.weight, self.bias = _frozen(head.weight), _frozen(getattr(head, "bias", None))
+        return hidden.new_zeros(hidden.shape[0], 3, dtype=torch.float32)  # [log-prob, entropy, kl] unused
+
+
+class HeadSymmetricKL:
+    """``head_kl`` of the actor's pass: the full symmetric KL of each row against ``ref``'s rows."""
+
+    replaces_head = False
+
+    def __init__(self, ref: RefHeadRows, temperature: float):
+        self.ref, self.temperature = ref, temperature
+
+    def __call__(self, head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        ref = self.ref
+        if ref.hidden is None or ref.hidden.shape[0] != hidden.shape[0]:
+            got = None if ref.hidden is None else ref.hidden.shape[0]
+            raise ValueError(f"full_symmetric KL: the reference's LM head saw {got} rows, the actor's {hidden.shape[0]}: "
+                             f"the two models must score the micro-batch in the same layout")
+        return head_symmetric_kl(hidden, head.weight, ref.hidden.to(hidden.dtype), ref.weight.to(hidden.dtype),
+                                 bias=getattr(head, "bias", None), temperature=self.temperature,
+                                 ref_bias=None if ref.bias is None else ref.bias.to(hidden.dtype))
+
+
+_LAYOUT = ("_remove_padding", "_share_prompts", "_share_prefixes")
+
+
+def logprobs_with_full_kl(actor: Any, ref: Any, observation: torch.Tensor, action: torch.Tensor,
+                          mask: torch.Tensor, temperature: float):
+    """(log_probs, entropy, kl), each (B, R) float32 with grad into the actor: ``actor.get_logprob`` with entropy
+    (always through the fused LM head) and the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the vocabulary at each
+    response position, at ``temperature``. ``ref``: a ReferenceModel scoring in the actor's layout."""
+    layout = {k: getattr(actor, k, None) for k in _LAYOUT}
+    ref_layout = {k: getattr(ref, k, None) for k in _LAYOUT}
+    if layout != ref_layout:
+        raise ValueError(f"full_symmetric KL: the actor and the reference must pack micro-batches alike, got "
+                         f"{layout} and {ref_layout}")
+    rows = RefHeadRows()
+    with torch.no_grad():
+        ref.get_logprob(observation, action, mask, temperature, head_kl=rows)
+    return actor.get_logprob(observation, action, mask, temperature, return_entropy=True,
+                             head_kl=HeadSymmetricKL(rows, temperature))
