@@ -1,5 +1,7 @@
 """Tiny HF models built from configs and padded batches for the packing tests, and the obviously-correct
 reference: every sequence run alone, without padding (a plain module: conftest.py names clash across folders)."""
+import os
+
 import torch
 
 VOCAB = 151
@@ -64,3 +66,33 @@ def per_sequence_reference(lm, critic, obs, mask, R, temperature):
         if critic is not None:
             val[b, out_cols] = critic(input_ids=ids)[0, resp - 1]
     return lp, ent, val
+
+
+def run_zero3_worker(source: str, timeout: float = 400) -> dict:
+    """Run ``source`` (a script that writes a JSON dict to sys.argv[1]; sys.argv[2] is tests/packing) as rank 0 of
+    a one-rank torch.distributed job on the CPU accelerator, and return that dict."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        script, result = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
+        with open(script, "w") as f:
+            f.write(source)
+        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+               "PYTHONWARNINGS": "ignore::FutureWarning", "PYTHONPATH": root,
+               "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(root, ".torch_ext"))}
+        env.pop("TRITON_INTERPRET", None)
+        proc = subprocess.run([sys.executable, script, result, here], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        with open(result) as f:
+            return json.load(f)

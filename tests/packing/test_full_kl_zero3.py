@@ -2,19 +2,11 @@
 head is gathered by its module hooks for the forward and for the backward's recomputed chunks, the reference's
 head is copied while gathered, so one SGD step on the KL gives the same weights as plain torch, in the padded and
 the packed layout."""
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-
 import pytest
+from packing_testutil import run_zero3_worker
 
 pytestmark = pytest.mark.slow  # real DeepSpeed engines in a subprocess
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 WORKER = r'''
 import copy, json, sys
@@ -71,27 +63,8 @@ with open(sys.argv[1], "w") as f:
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_full_kl_step_under_zero3_equals_plain_torch():
-    with tempfile.TemporaryDirectory() as tmp:
-        script, result = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
-        with open(script, "w") as f:
-            f.write(WORKER)
-        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-               "PYTHONWARNINGS": "ignore::FutureWarning", "PYTHONPATH": ROOT,
-               "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_ext"))}
-        env.pop("TRITON_INTERPRET", None)
-        proc = subprocess.run([sys.executable, script, result, HERE], env=env, capture_output=True, text=True,
-                              timeout=400)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        with open(result) as f:
-            out = json.load(f)
+    out = run_zero3_worker(WORKER)
     for key in ("padded", "packed"):
         assert out[key + "_partitioned"], key  # real ZeRO-3 partitions, actor and reference
         assert out[key + "_moved"] > 1e-4, key  # the KL's gradient reached the LM head

@@ -2,17 +2,10 @@
 head the partitioned head weight is gathered for the forward and the backward and its gradient reduced by
 DeepSpeed's module hooks, so one SGD step gives the same weights as the logits path and as plain torch."""
 import pytest
-import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
+from packing_testutil import run_zero3_worker
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 
 WORKER = r'''
 import copy, json, sys
@@ -81,27 +74,8 @@ with open(sys.argv[1], "w") as f:
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_fused_head_and_packed_forwards_under_zero3():
-    with tempfile.TemporaryDirectory() as tmp:
-        script, result = os.path.join(tmp, "worker.py"), os.path.join(tmp, "out.json")
-        with open(script, "w") as f:
-            f.write(WORKER)
-        env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-               "PYTHONWARNINGS": "ignore::FutureWarning", "PYTHONPATH": ROOT,
-               "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".torch_ext"))}
-        env.pop("TRITON_INTERPRET", None)
-        proc = subprocess.run([sys.executable, script, result, HERE], env=env, capture_output=True, text=True,
-                              timeout=400)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        with open(result) as f:
-            out = json.load(f)
+    out = run_zero3_worker(WORKER)
     assert out["logits_partitioned"] and out["fused_partitioned"]  # real ZeRO-3 partitions
     assert out["moved"] > 1e-4  # the step changed every parameter
     for key in ("logits", "fused"):
