@@ -124,8 +124,8 @@ def test_launcher_runs_two_ranks_and_rank0_alone_writes(runs, name, launcher):
     assert len(banners) == 1 and banners[0].startswith(f"verl_ds: launcher={launcher} world_size=2 "), banners
     # both ranks took part under their own rank: one RNG state and one ZeRO shard per rank, ranks 0 and 1
     step_dir = os.path.join(res["dir"], "checkpoints", "global_step_2")
-    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(step_dir, "rng_rank*.pt"))) == \
-        ["rng_rank0.pt", "rng_rank1.pt"]
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(step_dir, "rng_rank*.json"))) == \
+        ["rng_rank0.json", "rng_rank1.json"]
     shards = sorted(os.path.basename(p) for p in glob.glob(os.path.join(step_dir, "actor", "state", "*model_states.pt")))
     assert shards == ["zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
     # one metrics line per step: a second writer would duplicate them

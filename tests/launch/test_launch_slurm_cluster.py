@@ -61,7 +61,7 @@ def assert_complete_checkpoint(run_dir: str, step: int, world_size: int = 2) -> 
     assert manifest["step"] == step and manifest["world_size"] == world_size, manifest
     files = manifest["files"]
     for rank in range(world_size):
-        assert f"rng_rank{rank}.pt" in files, sorted(files)
+        assert f"rng_rank{rank}.json" in files, sorted(files)
         assert any(f"zero_pp_rank_{rank}_" in name for name in files), sorted(files)
     assert read(os.path.join(run_dir, "checkpoints", "latest")).strip() == f"global_step_{step}"
 

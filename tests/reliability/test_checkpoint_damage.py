@@ -15,7 +15,7 @@ import pytest
 
 from ckpt_damage_util import (copy_run, flip_middle_bit, nan_in_the_middle, optim_shard, rewrite_manifest, to_format_1,
                               write_payload)
-from e2e_utils import FAST, ROOT, TRAIN, base_env, read_metrics, run_train
+from e2e_utils import FAST, ROOT, TRAIN, base_env, merged, read_metrics, run_train
 from verl_ds.checkpoint import verify
 
 pytestmark = pytest.mark.slow  # real training runs
@@ -238,8 +238,8 @@ def test_a_full_disk_during_a_save_is_named_with_the_path(tmp_path):
     first save fail: one line that names disk space and the checkpoint's path (it used to be 'RuntimeError:
     unexpected pos'); 'latest' never names the partial directory."""
     out = str(tmp_path / "run")
-    args = [sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, *COMMON, "trainer.total_steps=2",
-            "trainer.save_every=1"]
+    args = [sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, COMMON,
+                                          ["trainer.total_steps=2", "trainer.save_every=1"])]
     proc = subprocess.run(args, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=600,
                           preexec_fn=_limit_file_size(150_000))
     assert proc.returncode == 1, proc.stderr[-4000:]

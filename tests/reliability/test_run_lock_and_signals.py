@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env
+from e2e_utils import FAST, ROOT, TRAIN, base_env, merged
 from reliability_testutil import metric_steps
 from verl_ds.checkpoint import verify
 from verl_ds.runtime import PreemptionHandler
@@ -27,7 +27,7 @@ def _terminal_signals():
 
 def _start(out: str, overrides=(), log_name="job"):
     log = open(os.path.join(os.path.dirname(out), f"{log_name}.log"), "w")
-    proc = subprocess.Popen([sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, *COMMON, *overrides], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, COMMON, overrides)], cwd=ROOT,
                             env=base_env(), stdout=log, stderr=subprocess.STDOUT, preexec_fn=_terminal_signals)
     log.close()
     return proc, log.name
@@ -74,7 +74,7 @@ def test_a_second_job_on_the_same_run_directory_is_refused(tmp_path):
     try:
         _wait_for_step(a, out, a_log)
         config_before = open(os.path.join(out, "config.yaml")).read()
-        b = subprocess.run([sys.executable, TRAIN, f"trainer.output_dir={out}", *FAST, *COMMON, "trainer.seed=7"],
+        b = subprocess.run([sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, COMMON, ["trainer.seed=7"])],
                            cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=START_TIMEOUT)
         assert b.returncode == 2, b.stderr[-4000:]
         assert "Traceback" not in b.stderr
