@@ -318,5 +318,7 @@ if __name__ == "__main__":  # print docs/models.md's table for the installed tra
         try:
             cells = family_status(name)
         except pytest.skip.Exception as exc:
-            cells = ("untestable here", str(exc).split(" here (")[-1].rstrip(")")[:90].replace("|", "/"), "")
+            why = " ".join(str(exc).split(" here (")[-1].split())  # one line, for the Markdown table
+            why = why[:-1] if why.endswith(")") else why
+            cells = ("untestable here", why[:90].replace("|", "/"), "")
         print(f"| `{name}` | " + " | ".join(cells) + " |", file=sys.stdout, flush=True)
