@@ -9,7 +9,6 @@ import torch
 
 from verl_ds.batch import RolloutBatch
 from verl_ds.models import ActionRole, LogProbRole, PolicyModel, ReferenceModel, TrainableRole
-from verl_ds.models.policy import filter_logits
 from verl_ds.state import SharedState
 
 from models_testutil import BOS, EOS, PAD, PlainBigram, bigram_table, make_bigram_lm
@@ -318,18 +317,6 @@ def test_get_action_needs_pad_and_eos_ids(bigram):
     # a tokenizer's ids win over the config's: with 6 as EOS, 3 -> 6 ends the response at once
     action, _, _ = PolicyModel(bigram, tokenizer=Ids()).get_action(torch.tensor([[3]]), max_new_tokens=3, greedy=True)
     assert action.tolist() == [[6, PAD, PAD]]
-
-
-def test_filter_logits_hand_cases():
-    x = torch.tensor([[1.0, 4.0, 2.0, 3.0]])
-    assert torch.equal(filter_logits(x, 2.0, 0, 1.0), x / 2)  # disabled truncation
-    assert torch.equal(filter_logits(x, 1.0, -1, 1.0), x)  # -1 disables too
-    assert filter_logits(x, 1.0, 2, 1.0).tolist() == [[-math.inf, 4.0, -math.inf, 3.0]]
-    y = torch.tensor([[0.0, 1.0, 2.0]])  # p = [0.090, 0.245, 0.665]
-    assert torch.isinf(filter_logits(y, 1.0, 0, 0.6)).tolist() == [[True, True, False]]
-    assert torch.isinf(filter_logits(y, 10.0, 0, 0.6)).tolist() == [[True, False, False]]
-    assert torch.isinf(filter_logits(y, 1.0, 2, 0.7)).tolist() == [[True, True, False]]
-    assert torch.isinf(filter_logits(y, 1.0, 0, 0.9)).tolist() == [[True, False, False]]
 
 
 # ---- update: a hand-computed gradient ------------------------------------------------------------------------------

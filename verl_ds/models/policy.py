@@ -13,7 +13,7 @@ from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_m
                                  left_align_prompts, optimizer_step, position_ids_from_mask, unwrap_module)
 from verl_ds.state import SharedState
 
-__all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "filter_logits", "active_dropout"]
+__all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "active_dropout"]
 
 
 def _check_sampling(temperature: float, top_k: int, top_p: float, who: str) -> None:
@@ -23,27 +23,6 @@ def _check_sampling(temperature: float, top_k: int, top_p: float, who: str) -> N
         raise ValueError(f"{who}: top_k must be an int >= 0 (0 or -1 disables it), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"{who}: top_p must be in (0, 1] (1.0 disables it), got {top_p!r}")
-
-
-def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """vLLM order: divide by temperature, then keep the top_k largest, then the smallest set whose
-    probability reaches top_p; removed entries become -inf. logits (B, V) -> (B, V) float32.
-
-    top_k <= 0 and top_p = 1.0 disable truncation. Ties at the k-th value are all kept.
-    """
-    x = logits.float() / temperature
-    V = x.shape[-1]
-    if 0 < top_k < V:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        mass_before = probs.cumsum(-1) - probs
-        drop_sorted = mass_before >= top_p  # the first token always stays (mass_before = 0 < top_p)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        x = x.masked_fill(drop, float("-inf"))
-    return x
 
 
 def active_dropout(module: torch.nn.Module) -> list[str]:
