@@ -6,7 +6,7 @@ from setuptools import find_packages, setup
 install_requires = [
     "torch>=2.4,<3",  # 2.13.0 (the CPU wheel used in CI) satisfies this range
     "deepspeed>=0.15",
-    "transformers>=5.0",  # 4.50-4.57 let a checkpoint's generation_config override explicit sampling arguments
+    "transformers>=5.0,<5.25",  # 4.50-4.57 let a checkpoint's generation_config override explicit sampling arguments; 5.25 imports a top-level `kernels` package, which this repository's kernels/ shadows when the checkout is on sys.path (the tests)
     "accelerate>=0.34",
     "tokenizers>=0.19",
     "pyyaml>=6",
