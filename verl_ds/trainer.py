@@ -35,7 +35,7 @@ from verl_ds.models.ppo import LOSS_SHARE_METRICS
 from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
 from verl_ds.reward_trial import check_swap_rows, trial
-from verl_ds.rewards import parse_reward_swap
+from verl_ds.reward_spec import parse_reward_swap
 from verl_ds.rollout import SamplingError, collect
 from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
                              raise_if_any_rank_failed)

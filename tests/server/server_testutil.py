@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import torch.nn as nn
 
 from verl_ds.registry import ModelRegistry
-from verl_ds.rewards import parse_reward_swap
+from verl_ds.reward_spec import parse_reward_swap
 from verl_ds.state import STATE_KEYS, SharedState
 
 TOKEN = "s3cret-token"
@@ -31,7 +31,7 @@ def range_text(key: str) -> str:
 
 class RecordingRewardSwapper:
     """A small real reward swapper that does what the trainer does: re-checks the (already validated)
-    request with ``rewards.parse_reward_swap`` (no user code runs) and records what it staged."""
+    request with ``reward_spec.parse_reward_swap`` (no user code runs) and records what it staged."""
 
     def __init__(self, state: SharedState):
         self.state = state

@@ -1,4 +1,4 @@
-"""rewards.check_reward_spec: the one validation of a reward swap. Pure: it reads files (config.json, reward
+"""reward_spec.check_reward_spec: the one validation of a reward swap. Pure: it reads files (config.json, reward
 source) but never imports or runs reward code; every refusal names the field and what was found."""
 import os
 import sys
@@ -6,7 +6,8 @@ import sys
 import pytest
 from server_testutil import variant
 
-from verl_ds.rewards import MAX_SWAP_FUNCTIONS, REWARD_FNS, check_reward_spec, parse_reward_swap
+from verl_ds.reward_spec import MAX_SWAP_FUNCTIONS, check_reward_spec, parse_reward_swap
+from verl_ds.rewards import REWARD_FNS
 
 HTTP = dict(allow_code=False, swappable=(), reward_model_dir=None, vocab_size=None)
 

@@ -7,7 +7,8 @@ import pytest
 
 from verl_ds.control import AUDIT_FILE, JOURNAL_FILE, StepBoundary
 from verl_ds.models import RewardModel
-from verl_ds.rewards import parse_reward_swap, resolve_reward_fn
+from verl_ds.reward_spec import parse_reward_swap
+from verl_ds.rewards import resolve_reward_fn
 from verl_ds.state import SharedState
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 from urllib.parse import unquote
 
-from verl_ds.rewards import REWARD_FNS, check_reward_spec
+from verl_ds.reward_spec import check_reward_spec
+from verl_ds.rewards import REWARD_FNS
 from verl_ds.server.jsonio import HTTPError
 from verl_ds.server.prometheus import prometheus_text
 from verl_ds.state import STATE_KEYS, StateValidationError, UnknownStateKeyError
@@ -139,7 +140,7 @@ def patch_state(srv: "ControlServer", arg: str, body: dict, client: str) -> tupl
 
 
 def swap_reward(srv: "ControlServer", arg: str, body: dict, client: str) -> tuple[int, dict]:
-    """Validate with ``rewards.check_reward_spec`` (no user code runs here), then stage through the swapper."""
+    """Validate with ``reward_spec.check_reward_spec`` (no user code runs here), then stage through the swapper."""
     if srv.reward_swapper is None:
         raise HTTPError(501, "reward swapping is not available: this server has no reward_swapper "
                              "(the trainer provides one)")
