@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from verl_ds.models.base import unwrap_module
-from verl_ds.models.varlen_attention import family_name, use_varlen_attention
+from verl_ds.models.varlen_attention import family_name, text_config, use_varlen_attention
 
 __all__ = ["PackingSupport", "packing_support", "shared_generation_refusal", "sliding_window"]
 
@@ -38,16 +38,10 @@ class PackingSupport:
     sharing: Optional[str] = None
 
 
-def _text_config(model: Any):
-    inner = unwrap_module(model)
-    cfg = getattr(inner, "config", None) or getattr(getattr(inner, "backbone", None), "config", None)
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def sliding_window(model: Any, kind: str = "sliding") -> Optional[int]:
     """The attention window (``kind="sliding"``) or chunk (``"chunked"``) some layer of ``model`` uses, None when no
     layer does (a Qwen2 config may name a window it does not use: ``use_sliding_window=false`` or no such layer)."""
-    cfg = _text_config(model)
+    cfg = text_config(model)
     size = getattr(cfg, "sliding_window" if kind == "sliding" else "attention_chunk_size", None)
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return None
@@ -160,7 +154,7 @@ def _probe_batch(vocab: int, device) -> tuple:
 
 
 def _vocab(model: Any) -> int:
-    return int(getattr(_text_config(model), "vocab_size", 0) or 32)
+    return int(getattr(text_config(model), "vocab_size", 0) or 32)
 
 
 def _device(model: Any):

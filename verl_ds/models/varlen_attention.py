@@ -115,12 +115,16 @@ def family_name(model: Any) -> str:
     return f"{getattr(_config(model), 'model_type', None) or '?'} ({type(unwrap_module(model)).__name__})"
 
 
+def text_config(model: Any):
+    """The text part of ``model``'s config (a multimodal config's language model's, else the config itself)."""
+    cfg = _config(model)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
 def expected_attention_calls(model: Any) -> int | None:
     """Attention calls one forward of ``model`` makes, one per decoder layer (the text config's
     ``num_hidden_layers``); None when the config does not say."""
-    cfg = _config(model)
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    n = getattr(text, "num_hidden_layers", None)
+    n = getattr(text_config(model), "num_hidden_layers", None)
     return n if isinstance(n, int) and n > 0 else None
 
 
