@@ -6,7 +6,7 @@ from setuptools import find_packages, setup
 install_requires = [
     "torch>=2.4,<3",  # 2.13.0 (the CPU wheel used in CI) satisfies this range
     "deepspeed>=0.15",
-    "transformers>=5.0,<5.25",  # 4.50-4.57 let a checkpoint's generation_config override explicit sampling arguments; 5.25 imports a top-level `kernels` package, which this repository's kernels/ shadows when the checkout is on sys.path (the tests)
+    "transformers>=5.0,<5.26",  # 4.50-4.57 let a checkpoint's generation_config override explicit sampling arguments
     "accelerate>=0.34",
     "tokenizers>=0.19",
     "pyyaml>=6",
@@ -23,8 +23,7 @@ setup(
     version="0.1.0",
     description="RLHF (PPO) training launcher for LLMs on DeepSpeed ZeRO-3, with fused Triton kernels",
     python_requires=">=3.10",
-    packages=find_packages(include=["verl_ds", "verl_ds.*"]) + ["verl_ds.kernels"],
-    package_dir={"verl_ds.kernels": "kernels"},
+    packages=find_packages(include=["verl_ds", "verl_ds.*"]),
     package_data={"verl_ds.tasks": ["data/*.jsonl"]},
     install_requires=install_requires,
     extras_require={

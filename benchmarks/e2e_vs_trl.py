@@ -313,7 +313,7 @@ def _revision() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "verl_ds", "kernels"], cwd=ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "verl_ds"], cwd=ROOT,
                                capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "(no git)"

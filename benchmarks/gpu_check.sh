@@ -18,7 +18,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     exit 2
 fi
 if ! "$PY" -c "import verl_ds.kernels" 2>/dev/null; then
-    # kernels/ becomes verl_ds.kernels only through setup.py's package_dir; install in place, offline
+    # install in place, offline
     "$PY" -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu_check: cannot install verl_ds" >&2; exit 2; }
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT_DIR/gpu.txt"

@@ -1,4 +1,4 @@
-"""kernels/dispatch.py and the kernels' own launch checks: VERL_DS_KERNELS and TRITON_INTERPRET."""
+"""verl_ds/kernels/dispatch.py and the kernels' own launch checks: VERL_DS_KERNELS and TRITON_INTERPRET."""
 import os
 import subprocess
 import sys

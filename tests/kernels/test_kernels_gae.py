@@ -1,4 +1,4 @@
-"""kernels/gae.py: masked GAE (verl semantics), loop and scan kernels vs an explicit per-step loop."""
+"""verl_ds/kernels/gae.py: masked GAE (verl semantics), loop and scan kernels vs an explicit per-step loop."""
 import pytest
 import torch
 from kernel_refs import DEVICE, assert_close, ref_gae

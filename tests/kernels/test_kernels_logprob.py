@@ -1,4 +1,4 @@
-"""kernels/logprob.py: fused log-prob + entropy vs float64 log_softmax + gather, forward and backward."""
+"""verl_ds/kernels/logprob.py: fused log-prob + entropy vs float64 log_softmax + gather, forward and backward."""
 import pytest
 import torch
 from kernel_refs import DEVICE, GRAD_TOL, TOL, assert_close, ref_logprob_entropy

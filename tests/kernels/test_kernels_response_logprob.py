@@ -1,4 +1,4 @@
-"""kernels/response_logprob.py: response log-probs from (B, R+1, V) logits without a copy of the logits.
+"""verl_ds/kernels/response_logprob.py: response log-probs from (B, R+1, V) logits without a copy of the logits.
 
 Equal (forward and backward) to the path the policy uses today, ``logprobs_and_entropy(logits[:, :-1], labels)``,
 and to a float64 reference; an allocation recorder (a TorchDispatchMode that sees every op's new output

@@ -1,4 +1,4 @@
-"""kernels/symkl.py: full-vocabulary symmetric KL and the fused log-prob + entropy + KL estimator."""
+"""verl_ds/kernels/symkl.py: full-vocabulary symmetric KL and the fused log-prob + entropy + KL estimator."""
 import math
 
 import pytest

@@ -6,7 +6,7 @@ row kernel copies the whole (B, R, V) block (about 20 GB at 65536 tokens x 15206
 keeps that copy alive until the backward. Here the kernel reads the logits in place instead: the
 (B, R+1, V) tensor is viewed as (B*(R+1), V) rows and the last position of each sample gets the label
 ``ignore_index``, for which the kernel streams no column and returns 0 with a zero gradient
-(``kernels/logprob.py``). Nothing of the logits' size is allocated in the forward; the backward
+(``verl_ds/kernels/logprob.py``). Nothing of the logits' size is allocated in the forward; the backward
 allocates only the gradient of the logits themselves.
 
 On the torch path (``VERL_DS_KERNELS=torch``, CPU tensors, float64) ``verl_ds.algos`` already reads a
