@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from verl_ds.batch import RolloutBatch
 from verl_ds.models.base import forward_params
+from verl_ds.rows import position_ids_from_mask, prompt_groups
 from verl_ds.sampling_config import only_this_generation_config, rollout_generation_config
 
 log = logging.getLogger(__name__)
@@ -207,21 +208,20 @@ class SharedPrefill:
 @torch.no_grad()
 def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    expand: bool = True) -> Optional[SharedPrefill]:
-    """Prefill each run of identical consecutive prompt rows once (None when no row repeats; with ``expand=False``,
-    a batch of one row or of distinct prompts is prefilled too, for ``decode_distinct``).
+    """Prefill each distinct prompt once (``verl_ds.rows.prompt_groups``; None when no prompt repeats; with
+    ``expand=False``, a batch of one row or of distinct prompts is prefilled too, for ``decode_distinct``).
 
-    Positions follow ``generate``'s own rule (cumulative mask - 1, pads at 0), so the cached keys are those
-    ``generate`` would compute; a row's cache and logits are those of its run's prompt. ``expand``: the cache
+    Positions follow ``generate``'s own rule at the real tokens (``position_ids_from_mask``), so the cached keys are
+    those ``generate`` would compute; a row's cache and logits are those of its group's prompt. ``expand``: the cache
     copied to one row per batch row (for ``generate``), else one row per distinct prompt."""
-    b, width = input_ids.shape
+    b = input_ids.shape[0]
     if b < 2 and expand:
         return None
-    rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
-    unique, inverse = torch.unique_consecutive(rows, dim=0, return_inverse=True)
-    if unique.shape[0] == b and expand:
+    inverse, first = prompt_groups(input_ids, attention_mask)
+    if first.numel() == b and expand:
         return None
-    ids, mask = unique[:, :width], unique[:, width:]
-    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    ids, mask = input_ids[first], attention_mask[first].long()
+    positions = position_ids_from_mask(mask)
     params = forward_params(model)
     name = "cache" if "cache" in params else "past_key_values"  # transformers 5.24 says cache, 5.19 past_key_values
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # the next token's logits only

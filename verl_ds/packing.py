@@ -5,7 +5,7 @@ Packing (``model.remove_padding``). ``pack(input_ids, attention_mask)`` keeps th
 (B, T) batch, row after row, in one (1, N) row whose ``position_ids`` restart at 0 for each sequence;
 ``unpack`` puts per-token results back at their (B, T) places with zeros at padding. Left, right and
 any other padding pattern work: the position of a token is the number of real tokens before it in
-its row, the ids ``verl_ds.models.base.position_ids_from_mask`` gives the padded path. How a model
+its row, the ids ``verl_ds.rows.position_ids_from_mask`` gives the padded path. How a model
 keeps sequences apart in the packed row is in ``verl_ds.models.varlen_attention``.
 
 Scoring responses (``pack(..., response_width=R)``): the output at a token predicts the next one, so the
@@ -32,26 +32,14 @@ accumulation steps k and averages gradients over W ranks, pass ``normalizer=G / 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
-__all__ = ["Packed", "ResponseIndex", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
-           "agree_num_micro_batches", "micro_batch_groups", "prompt_runs"]
+from verl_ds.rows import ResponseIndex, index_responses, position_ids_from_mask, prompt_groups
 
-
-class ResponseIndex(NamedTuple):
-    """The real response tokens of a packed batch: ``label_ids`` (n,) their token ids, ``preds`` (n,) the packed
-    indices whose outputs predict them (the previous real token of the same sequence), ``out`` (n,) their flat
-    index row * R + column in the (B, R) response block. ``take`` (m,), where samples share a response prefix
-    (``verl_ds.prompt_sharing``): ``out`` has m places and place i reads the scored pair ``take[i]`` (the same
-    token predicted by the same packed position is scored once for all the samples that hold it); None: one pair
-    per place."""
-
-    label_ids: torch.Tensor
-    preds: torch.Tensor
-    out: torch.Tensor
-    take: torch.Tensor | None = None
+__all__ = ["Packed", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
+           "agree_num_micro_batches", "micro_batch_groups"]
 
 
 @dataclass(frozen=True)
@@ -154,15 +142,12 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
     indices = mask.reshape(-1).nonzero().flatten()
     cu = torch.zeros(B + 1, dtype=torch.int64, device=input_ids.device)
     torch.cumsum(lengths, 0, out=cu[1:])
-    # a token's position = its index in the row minus where its sequence starts
-    positions = torch.arange(indices.numel(), device=input_ids.device) - cu[:-1].repeat_interleave(lengths)
+    positions = position_ids_from_mask(mask).reshape(-1)[indices]
     targets = None
     if response_width is not None:
-        rows, cols = full[:, T - R:].nonzero().unbind(1)  # row-major: the packed order
-        cols = cols + (T - R)
-        local = (full.long().cumsum(1) - 1)[rows, cols]  # its index among its row's real tokens
-        targets = ResponseIndex(label_ids=input_ids[rows, cols].long(), preds=cu[:-1][rows] + local - 1,
-                                out=rows * R + cols - (T - R))
+        place = torch.zeros(B * T, dtype=torch.int64, device=input_ids.device)
+        place.index_copy_(0, indices, torch.arange(indices.numel(), device=input_ids.device))
+        targets = index_responses(input_ids, full, R, place.view(B, T))
     return Packed(input_ids=input_ids.reshape(-1)[indices].long().unsqueeze(0),
                   position_ids=positions.unsqueeze(0), cu_seqlens=cu.to(torch.int32), indices=indices,
                   lengths=lengths, max_seqlen=int(lengths.max()), shape=(B, T), targets=targets,
@@ -323,32 +308,20 @@ def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int 
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
 
-def prompt_runs(observation: torch.Tensor, mask: torch.Tensor, prompt_width: int) -> list[list[int]]:
-    """Runs of consecutive rows whose prompt columns (the first ``prompt_width``) hold the same tokens in the
-    same places. ``verl_ds.prompt_sharing`` packs each run with one copy of its prompt (it also merges equal prompts
-    that are not adjacent: a budget counted by runs can only overestimate its packed row)."""
-    P, B = int(prompt_width), observation.shape[0]
-    ids = observation[:, :P].masked_fill(~mask[:, :P].bool(), -1)  # padding compares equal whatever its id
-    same = (ids[1:] == ids[:-1]).all(dim=1).tolist() if B > 1 else []
-    runs = [[0]] if B else []
-    for row, joins in enumerate(same, start=1):
-        if joins:
-            runs[-1].append(row)
-        else:
-            runs.append([row])
-    return runs
-
-
 def _shared_units(batch, budget: int) -> tuple[list[list[int]], list[int]]:
     """Rows grouped as the shared packing puts them (a prompt once, then its responses), each unit's cost its
     tokens in the packed row, units over ``budget`` cut into consecutive pieces that fit (each piece pays the
     prompt: apart they would not share it)."""
     prompt = batch.prompt_length.tolist()
     response = batch.response_length.tolist()
+    group = prompt_groups(batch.observation, batch.mask, batch.prompt_width)[0].tolist()
+    members: list[list[int]] = [[] for _ in range(max(group, default=-1) + 1)]
+    for row, g in enumerate(group):
+        members[g].append(row)
     units, costs = [], []
-    for run in prompt_runs(batch.observation, batch.mask, batch.prompt_width):
+    for rows in members:
         piece, cost = [], 0
-        for row in run:
+        for row in rows:
             if piece and cost + response[row] > budget:
                 units.append(piece)
                 costs.append(cost)
@@ -365,7 +338,7 @@ def micro_batch_groups(batch, size: int, budget: int | None, share_prompts: bool
     every rank (a collective: ZeRO-3 forwards must line up).
 
     A row costs its prompt and response tokens. With ``share_prompts`` (the model packs each prompt once for
-    its consecutive samples, ``verl_ds.prompt_sharing``) the samples of a prompt stay in one micro-batch and
+    all its samples, ``verl_ds.prompt_sharing``; rows grouped by ``verl_ds.rows.prompt_groups``) the samples of a prompt stay in one micro-batch and
     cost the prompt once, as the packed row holds them; a group over the budget is cut into pieces that fit."""
     if budget is None:
         return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
@@ -384,4 +357,4 @@ def micro_batch_groups(batch, size: int, budget: int | None, share_prompts: bool
         costs[i:i + 1] = [prompt + int(batch.response_length[rows[:half]].sum()),
                           prompt + int(batch.response_length[rows[half:]].sum())]
     bins = token_budget_micro_batches(costs, budget, k)
-    return [[row for u in b for row in units[u]] for b in bins]
+    return [sorted(row for u in b for row in units[u]) for b in bins]

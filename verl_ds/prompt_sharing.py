@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_ds.packing import ResponseIndex, _check_batch, _no_prompt_rows, check_response_width, last_response_token
+from verl_ds.packing import _check_batch, _no_prompt_rows, check_response_width, last_response_token
+from verl_ds.rows import ResponseIndex, index_responses, position_ids_from_mask, prompt_groups
 
 __all__ = ["SharedPacked", "PromptGroups", "GroupBatch", "pack_shared_prompts", "PROMPT_GROUPS_KWARG"]
 
@@ -261,9 +262,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     P, dev = T - R, input_ids.device
     ids, rows = input_ids.long(), torch.arange(B, device=dev)
     plen, rlen = mask[:, :P].sum(1), mask[:, P:].sum(1)
-    distinct, group = torch.unique(torch.where(mask[:, :P], ids[:, :P], -1), dim=0, return_inverse=True)
-    first = torch.full((distinct.shape[0],), B, device=dev).scatter_reduce(0, group, rows, "amin")
-    group = torch.argsort(torch.argsort(first))[group]  # renumbered by first appearance
+    group = prompt_groups(ids, mask, P)[0]
     fed = mask & ~last_response_token(mask, R)  # a response's last token predicts nothing: a label only
     # prefixes are compared column by column: only responses that start at column P (a rollout's) take part
     share_prefixes = share_prefixes and not bool((mask[:, P + 1:] & ~mask[:, P:-1]).any())
@@ -292,7 +291,8 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     src_rows = order.repeat_interleave(T)[sel]  # each packed token's row and column in the padded batch
     src_cols = cols.repeat(B)[sel]
     input_ids_packed = ids[src_rows, src_cols]
-    positions = (mask.long().cumsum(1) - 1)[src_rows, src_cols]  # its place in its own prompt + response
+    rank = position_ids_from_mask(mask)  # a token's place in its own prompt + response
+    positions = rank[src_rows, src_cols]
     counts = emit[order].sum(1)
     row_start = torch.empty_like(counts).scatter_(0, order, counts.cumsum(0) - counts)  # by row
     response_start = row_start + torch.where(leads, plen, 0)  # where a row's own response tokens begin in the row
@@ -303,15 +303,11 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     holder = order[holder_pos]  # (B, R) in `order`
     node = torch.empty((B, R), dtype=torch.long, device=dev)
     node[order] = response_start[holder] + torch.arange(R, device=dev)[None, :] - shared[holder]
-    # every real response token (the last ones included), in packed order, and the index that predicts it
-    lab = mask[:, P:][order].reshape(-1)
-    lrows = order.repeat_interleave(R)[lab]
-    lcols = torch.arange(R, device=dev).repeat(B)[lab]
-    j = (mask[:, P:].long().cumsum(1) - 1)[lrows, lcols]  # its index in its own response
-    preds = torch.where(j == 0, row_start[lead_of[group[lrows]]] + plen[lrows] - 1,  # the prompt's last token
-                        node[lrows, (j - 1).clamp(min=0)])
-    out = lrows * R + lcols
-    labels = ids[lrows, lcols + P]
+    # where the packed row holds each token of a row's sequence: its group's prompt, then its response's nodes
+    place = torch.where(cols[None, :] < P, row_start[lead_of[group]][:, None] + rank,
+                        node.gather(1, (rank - plen[:, None]).clamp(0, R - 1)))
+    targets = index_responses(ids, mask, R, place, order)
+    preds, labels = targets.preds, targets.label_ids
     take = None
     if share_prefixes and bool((shared > 0).any()):  # the same (predictor, token) pair scored once
         V = int(labels.max()) + 1
@@ -331,5 +327,5 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
               for start, p, lengths, links in groups]
     layout = PromptGroups(groups=tuple(groups), device=dev)  # its masks are built when the attention first asks
     return SharedPacked(input_ids=input_ids_packed.unsqueeze(0), position_ids=positions.unsqueeze(0), groups=layout,
-                        targets=ResponseIndex(label_ids=labels, preds=preds, out=out, take=take), shape=(B, T),
+                        targets=targets._replace(label_ids=labels, preds=preds, take=take), shape=(B, T),
                         response_width=R)

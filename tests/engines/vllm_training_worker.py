@@ -17,7 +17,7 @@ import torch
 @torch.no_grad()
 def greedy_gaps(model, input_ids, attention_mask, responses, lengths):
     """Per row: min over its response tokens of (top-1 - top-2) logit of the position that predicts the token."""
-    from verl_ds.models.base import position_ids_from_mask
+    from verl_ds.rows import position_ids_from_mask
 
     P, R = input_ids.shape[1], responses.shape[1]
     valid = torch.arange(R)[None, :] < lengths[:, None]

@@ -9,7 +9,7 @@ import torch
 from verl_ds.algos import make_kl_controller
 from verl_ds.models import (ActionRole, BaseModel, LogProbRole, MissingModuleError, PolicyModel, PPOModel,
                             ReferenceModel, RewardModel, RewardRole, TrainableRole, ValueModel, ValueRole)
-from verl_ds.models.base import check_mask, check_observation, optimizer_step, position_ids_from_mask
+from verl_ds.models.base import check_mask, check_observation, optimizer_step
 from verl_ds.registry import model_classes
 from verl_ds.state import SharedState
 
@@ -177,11 +177,6 @@ def test_mask_checks():
         check_mask([[1]], torch.ones(1, 1, dtype=torch.long), "who")
     assert check_mask(torch.ones(2, 5, dtype=torch.long), obs, "who").dtype == torch.bool
     assert check_mask(None, obs, "who").tolist() == [[True] * 5] * 2
-
-
-def test_position_ids_from_left_padded_mask():
-    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]]).bool()
-    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]
 
 
 def test_observation_checks():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.masking_utils import find_packed_sequence_indices
 
-from verl_ds.models.base import position_ids_from_mask
+from verl_ds.rows import position_ids_from_mask
 from verl_ds.packing import pack, unpack
 
 

@@ -7,7 +7,8 @@ import torch
 
 import verl_ds.packing as packing
 from verl_ds.batch import RolloutBatch
-from verl_ds.packing import micro_batch_groups, prompt_runs
+from verl_ds.packing import micro_batch_groups
+from verl_ds.rows import prompt_groups
 from verl_ds.prompt_sharing import pack_shared_prompts
 
 PAD, EOS = 0, 1
@@ -38,12 +39,23 @@ def _cost(batch, rows):
 def test_hand_case_counts_each_prompt_once():
     # prompts of 4, 2 and 3 tokens, 2 samples each, responses 3+3, 2+1, 4+4: shared costs 10, 5, 11
     b = _batch([[7, 8, 9, 10], [11, 12], [13, 14, 15]], 2, [3, 3, 2, 1, 4, 4], R=4)
-    assert prompt_runs(b.observation, b.mask, b.prompt_width) == [[0, 1], [2, 3], [4, 5]]
+    assert prompt_groups(b.observation, b.mask, b.prompt_width)[0].tolist() == [0, 0, 1, 1, 2, 2]
     assert micro_batch_groups(b, 2, 16, share_prompts=True) == [[0, 1, 2, 3], [4, 5]]  # 10 + 5 fit, 11 alone
     # row by row the same budget needs three micro-batches (7 7 4 3 7 7) and splits prompts' samples
     assert len(micro_batch_groups(b, 2, 16)) == 3
     # a group over the budget is cut into pieces that fit, each paying its prompt
     assert micro_batch_groups(b, 2, 8, share_prompts=True) == [[0], [1], [2, 3], [4], [5]]
+
+
+def test_equal_prompts_apart_in_the_batch_count_once():
+    """Rows 0, 1 and 4, 5 share prompt a (``verl_ds.rows.prompt_groups``, the rule the shared packing follows): one
+    micro-batch pays it once, 4 + 3 * 4 = 16 tokens; counted as two runs (10 + 10 + 5 with prompt b) they would
+    take the budget as 15 and 10."""
+    b = _batch([[7, 8, 9, 10], [11, 12], [7, 8, 9, 10]], 2, [3, 3, 2, 1, 3, 3], R=4)
+    assert prompt_groups(b.observation, b.mask, b.prompt_width)[0].tolist() == [0, 0, 1, 1, 0, 0]
+    assert micro_batch_groups(b, 2, 16, share_prompts=True) == [[0, 1, 4, 5], [2, 3]]
+    sub = b.select([0, 1, 4, 5])
+    assert pack_shared_prompts(sub.observation, sub.mask, 4).input_ids.shape[1] == 16 - 4  # last tokens unfed
 
 
 def test_random_batches_keep_groups_and_the_budget():

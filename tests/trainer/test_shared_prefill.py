@@ -81,15 +81,15 @@ def _forwards(model, fn) -> list:
 
 
 def test_the_prompt_runs_once_per_group():
-    """Tokens through the model: the prefill takes each run of equal rows once, whole, and generate's first step
-    then takes each row's first sampled token (instead of every row's whole prompt): one forward as many as
-    generate alone makes, with n - 1 of every n prompts left out."""
+    """Tokens through the model: the prefill takes each distinct prompt once, whole (wherever its rows are), and
+    generate's first step then takes each row's first sampled token (instead of every row's whole prompt): one
+    forward as many as generate alone makes, with n - 1 of every n prompts left out."""
     model = _model("llama")
     ids, mask = _batch(GROUPS)
     shared_calls = _forwards(model, lambda: _generate(model, ids, mask, True, seed=0, greedy=True, share_decode=False))
     calls = _forwards(model, lambda: _generate(model, ids, mask, False, seed=0, greedy=True))
     width = ids.shape[1]
-    assert shared_calls[0] == (4, width)  # 4 runs of equal rows (the last group repeats the first prompt)
+    assert shared_calls[0] == (3, width)  # 3 distinct prompts (the last group repeats the first prompt)
     assert shared_calls[1:] == [(10, 1)] * 6  # tokens 1..6 of 7 (the 7th is sampled, never fed)
     assert calls == [(10, width)] + [(10, 1)] * 6
 
@@ -105,14 +105,14 @@ def test_shared_decoding_runs_one_row_per_distinct_state(sampling):
     out = []
     calls = _forwards(model, lambda: out.append(_generate(model, ids, mask, True, seed=3, **kw)))
     gen = out[0]
-    run = [i for i, (_, count) in enumerate(GROUPS) for _ in range(count)]  # each row's run of equal prompts
+    run = [text for text, count in GROUPS for _ in range(count)]  # each row's prompt
     want = []
     for t in range(1, 7):  # the step that feeds token t - 1 and draws token t
         live = [b for b in range(len(run)) if TOK.eos_token_id not in gen.responses[b, :t].tolist()]
         if not live:
             break
         want.append((len({(run[b], tuple(gen.responses[b, :t].tolist())) for b in live}), 1))
-    assert calls[0] == (4, ids.shape[1]) and calls[1:] == want
+    assert calls[0] == (3, ids.shape[1]) and calls[1:] == want
     if sampling == "temperature":
         assert max(rows for rows, _ in want) > 4  # some runs split: their rows then draw independently
         assert sum(rows for rows, _ in want) < 10 * len(want)  # and some rows still share a state
@@ -120,11 +120,25 @@ def test_shared_decoding_runs_one_row_per_distinct_state(sampling):
 
 def test_nothing_to_share_adds_no_forward():
     model = _model("llama")
-    ids, mask = _batch([("odd : 3 =>", 1), ("even : 2 4 =>", 1), ("odd : 3 =>", 1)])  # equal rows, not adjacent
+    ids, mask = _batch([("odd : 3 =>", 1), ("even : 2 4 =>", 1), ("odd : 1 =>", 1)])
     assert shared_prefill(model, ids, mask) is None
     assert shared_prefill(model, ids[:1], mask[:1]) is None
     one = shared_prefill(model, ids[:, -1:], mask[:, -1:])  # equal one-token prompts ("=>") are shared too
     assert one is not None and one.logits.shape == (3, len(TOK)) and one.logits.dtype == torch.float32
+
+
+def test_equal_prompts_apart_in_the_batch_are_prefilled_once():
+    """Rows 0 and 2 hold the same prompt (``verl_ds.rows.prompt_groups``, the shared packing's rule): one prefill row
+    for both, and each gets the logits HF's own forward gives its prompt."""
+    model = _model("llama")
+    ids, mask = _batch([("odd : 3 =>", 1), ("even : 2 4 =>", 1), ("odd : 3 =>", 1)])
+    pre = []
+    calls = _forwards(model, lambda: pre.append(shared_prefill(model, ids, mask)))
+    assert calls == [(2, ids.shape[1])]
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask.long(),
+                     position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0)).logits[:, -1]
+    torch.testing.assert_close(pre[0].logits, want.float(), atol=1e-6, rtol=0)
 
 
 def test_rows_with_equal_tokens_but_other_masks_are_not_merged():

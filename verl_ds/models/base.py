@@ -29,7 +29,7 @@ from verl_ds.registry import register_model_class
 from verl_ds.state import SharedState
 
 __all__ = ["BaseModel", "MissingModuleError", "ActionRole", "LogProbRole", "ValueRole", "RewardRole", "TrainableRole",
-           "check_observation", "check_mask", "left_align_prompts", "position_ids_from_mask", "unwrap_module",
+           "check_observation", "check_mask", "left_align_prompts", "unwrap_module",
            "forward_params", "optimizer_step"]
 
 
@@ -106,12 +106,6 @@ def check_mask(mask: Any, observation: torch.Tensor, who: str) -> torch.Tensor:
         row = int((~mask.any(-1)).nonzero()[0])
         raise ValueError(f"{who}: mask row {row} has no real token")
     return mask
-
-
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids counting real tokens only (cumsum - 1, clamped at 0), so left padding does not
-    shift the positions of the prompt (the same ids HF generate() uses)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def left_align_prompts(observation: torch.Tensor, mask: torch.Tensor,

@@ -31,10 +31,11 @@ from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
 from verl_ds.algos.fused_lm_head import fused_linear_logprobs
 from verl_ds.models.base import unwrap_module
 from verl_ds.models.varlen_attention import packed_row_witness
-from verl_ds.packing import Packed, ResponseIndex
+from verl_ds.packing import Packed, _no_prompt_rows, check_response_width
 from verl_ds.prompt_sharing import SharedPacked
+from verl_ds.rows import ResponseIndex, index_responses
 
-__all__ = ["ResponseIndex", "response_index", "packed_logprobs", "packed_values", "lm_head_returns_logprobs"]
+__all__ = ["response_index", "packed_logprobs", "packed_values", "lm_head_returns_logprobs"]
 
 # config attributes of models whose forward transforms the LM head's output (then the fused head,
 # which returns log-probs in place of logits, would be transformed too)
@@ -52,17 +53,13 @@ def response_index(packed: Packed | SharedPacked, response_width: int) -> Respon
             raise ValueError(f"response_width R={response_width} differs from the width {what} with "
                              f"({packed.response_width})")
         return packed.targets
-    if isinstance(R, bool) or not isinstance(R, int) or not 1 <= R < T:
-        raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
-    col = packed.indices % T
-    labels = (col >= T - R).nonzero().flatten()
-    first = packed.position_ids[0, labels] == 0
-    if bool(first.any()):
-        rows = sorted(set((packed.indices[labels[first]] // T).tolist()))
-        raise ValueError(f"rows {rows} have no real token before their response (an empty prompt): nothing "
-                         f"predicts the first response token")
-    out = (packed.indices[labels] // T) * R + (col[labels] - (T - R))
-    return ResponseIndex(label_ids=packed.input_ids[0, labels], preds=labels - 1, out=out)
+    R = check_response_width(R, T)
+    flat = packed.indices  # a batch packed whole: rebuild its (B, T) ids, mask and places to read the responses
+    mask = torch.zeros(B * T, dtype=torch.bool, device=flat.device).index_fill_(0, flat, True).view(B, T)
+    _no_prompt_rows(mask, R)
+    ids = torch.zeros(B * T, dtype=torch.int64, device=flat.device).index_copy_(0, flat, packed.input_ids[0])
+    place = torch.zeros_like(ids).index_copy_(0, flat, torch.arange(flat.numel(), device=flat.device))
+    return index_responses(ids.view(B, T), mask, R, place.view(B, T))
 
 
 def _scatter(values: torch.Tensor, idx: ResponseIndex, shape: tuple[int, int]) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 
 from verl_ds.kernels.response_logprob import response_logprobs
 from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_mask, check_observation, forward_params,
-                                 left_align_prompts, optimizer_step, position_ids_from_mask, unwrap_module)
+                                 left_align_prompts, optimizer_step, unwrap_module)
+from verl_ds.rows import position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "active_dropout"]

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import (RewardRole, check_mask, check_observation, last_token_index, position_ids_from_mask,
-                                 unwrap_module)
+from verl_ds.models.base import RewardRole, check_mask, check_observation, last_token_index, unwrap_module
+from verl_ds.rows import position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["RewardModel", "RewardFunctionError", "EOS_REWARD_MODES"]

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from verl_ds.models.base import (TrainableRole, ValueRole, check_mask, check_observation, last_token_index,
-                                 left_align_prompts, optimizer_step, position_ids_from_mask)
+                                 left_align_prompts, optimizer_step)
+from verl_ds.rows import position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["CriticLM", "ValueModel", "VALUE_HEAD_FILE"]

@@ -1,0 +1,68 @@
+"""Where the tokens of a padded (B, T) batch stand: one rule for each question every packing and forward asks.
+
+- ``prompt_groups``: which rows share a prompt (the shared packing, the token budget that keeps a prompt's samples
+  together and the shared prefill of generation all group rows by it);
+- ``position_ids_from_mask``: each token's position in its own sequence (the padded forwards, both packings);
+- ``index_responses``: the response tokens, the packed place of the token that predicts each and their place in the
+  (B, R) response block (``pack``, the shared packing, the packed forwards).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ResponseIndex", "prompt_groups", "position_ids_from_mask", "index_responses"]
+
+
+class ResponseIndex(NamedTuple):
+    """The real response tokens of a packed batch: ``label_ids`` (n,) their token ids, ``preds`` (n,) the packed
+    indices whose outputs predict them (the previous real token of the same sequence), ``out`` (n,) their flat
+    index row * R + column in the (B, R) response block. ``take`` (m,), where samples share a response prefix
+    (``verl_ds.prompt_sharing``): ``out`` has m places and place i reads the scored pair ``take[i]`` (the same
+    token predicted by the same packed position is scored once for all the samples that hold it); None: one pair
+    per place."""
+
+    label_ids: torch.Tensor
+    preds: torch.Tensor
+    out: torch.Tensor
+    take: torch.Tensor | None = None
+
+
+def prompt_groups(input_ids: torch.Tensor, mask: torch.Tensor, width: int | None = None) -> tuple:
+    """(group (B,), first (G,)) int64: rows share a prompt when their first ``width`` columns (all by default) hold
+    the same real tokens in the same places, wherever they are in the batch (padding compares equal whatever its
+    id; a real token never equals a pad). Groups are numbered in the order of their first row, ``first``."""
+    P = input_ids.shape[1] if width is None else int(width)
+    key = input_ids[:, :P].long().masked_fill(~mask[:, :P].bool(), -1)
+    distinct, group = torch.unique(key, dim=0, return_inverse=True)
+    rows = torch.arange(key.shape[0], device=key.device)
+    first = torch.full((distinct.shape[0],), key.shape[0], device=key.device).scatter_reduce(0, group, rows, "amin")
+    order = torch.argsort(first)
+    renumber = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=key.device))
+    return renumber[group], first[order]
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's index among the real tokens of its row (cumsum - 1, clamped at 0 before the first one), so
+    left padding does not shift the positions of the prompt (the same ids HF generate() uses)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def index_responses(input_ids: torch.Tensor, mask: torch.Tensor, response_width: int, place: torch.Tensor,
+                    order: torch.Tensor | None = None) -> ResponseIndex:
+    """The ``ResponseIndex`` of the real tokens (``mask``) in the last ``response_width`` columns of ``input_ids``
+    (B, T), each predicted by the real token before it in its row, which the packed row holds at ``place`` (B, T)
+    int64 (its own copy or the one it shares). Rows in the order the packed row holds them (``order``, (B,);
+    batch order by default), columns ascending. Every row needs a real token before its response
+    (``verl_ds.packing`` refuses an empty prompt)."""
+    B, T = mask.shape
+    P = T - response_width
+    rows, cols = (mask[:, P:] if order is None else mask[order, P:]).nonzero().unbind(1)
+    rows, cols = (rows if order is None else order[rows]), cols + P
+    rank = position_ids_from_mask(mask)
+    real = mask.nonzero(as_tuple=True)
+    by_rank = torch.zeros_like(place)  # by_rank[b, i]: where the row's i-th real token is packed
+    by_rank[real[0], rank[real]] = place[real]
+    return ResponseIndex(label_ids=input_ids[rows, cols].long(), preds=by_rank[rows, rank[rows, cols] - 1],
+                         out=rows * response_width + cols - P)
