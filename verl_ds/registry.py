@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelRegistry", "UnknownModelError", "default_registry", "model_classes", "register_model_class"]
+__all__ = ["ModelRegistry", "UnknownModelError", "model_classes", "register_model_class"]
 
 _MISSING = object()
 
@@ -198,14 +198,6 @@ class ModelRegistry:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
-
-
-_DEFAULT = ModelRegistry()
-
-
-def default_registry() -> ModelRegistry:
-    """The process-wide registry (what /v1/models shows). Tests build their own ModelRegistry()."""
-    return _DEFAULT
 
 
 # ---- class table ------------------------------------------------------------------------------------

@@ -55,30 +55,6 @@ def ref_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature
     return 0.5 * ((p * (logp - logq)).sum(-1) + (q * (logq - logp)).sum(-1))
 
 
-def ref_kl_estimator(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """Schulman, "Approximating KL Divergence" (2020): k1 delta, abs |delta|, k2 delta^2/2, k3 verl's clamped e^{-delta} - 1 + delta,
-    symmetric delta (1 - e^{-delta}) / 2 with delta clamped to [-20, 20];
-    a trailing '+' keeps the value and takes the gradient of k2 (straight-through)."""
-    delta = logprob - ref_logprob
-    base = kind.rstrip("+")
-    if base in ("k1", "kl"):
-        value = delta
-    elif base == "abs":
-        value = delta.abs()
-    elif base in ("k2", "mse"):
-        value = 0.5 * delta ** 2
-    elif base == "symmetric":  # 1/2 (d (1 - e^{-d})): E_pi of it is 1/2 (KL(pi||ref) + KL(ref||pi))
-        d = delta.clamp(-20, 20)
-        value = 0.5 * d * (1 - torch.exp(-d))
-    else:
-        u = (-delta).clamp(-20, 20)
-        value = (u.exp() - u - 1).clamp(-10, 10)
-    if kind.endswith("+"):
-        k2 = 0.5 * delta ** 2
-        value = k2 - k2.detach() + value.detach()
-    return value
-
-
 def ref_gae(token_rewards, values, response_mask, gamma: float, lam: float):
     """verl's masked GAE as an explicit per-step Python loop in float64."""
     n_rows, n_steps = token_rewards.shape

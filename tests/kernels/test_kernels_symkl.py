@@ -1,13 +1,11 @@
-"""verl_ds/kernels/symkl.py: full-vocabulary symmetric KL and the fused log-prob + entropy + KL estimator."""
+"""verl_ds/kernels/symkl.py: full-vocabulary symmetric KL."""
 import math
 
 import pytest
 import torch
-from kernel_refs import (DEVICE, GRAD_TOL, TOL, assert_close, ref_kl_estimator, ref_logprob_entropy,
-                         ref_symmetric_kl)
+from kernel_refs import DEVICE, GRAD_TOL, TOL, assert_close, ref_symmetric_kl
 
-from verl_ds.kernels.symkl import KL_KIND_CHOICES, full_symmetric_kl, logprob_entropy_kl
-from verl_ds.kernels.symkl import KL_KINDS as KERNEL_KL_KINDS
+from verl_ds.kernels.symkl import full_symmetric_kl
 
 # Padding columns load -inf for both rows; the interpreter (numpy) warns on the -inf - -inf it then
 # masks away. Compiled kernels compute the same select silently.
@@ -99,87 +97,6 @@ def test_symkl_errors_name_the_argument():
         full_symmetric_kl(logits, ref_logits, temperature=-1.0)
 
 
-# --- fused log-prob + entropy + token-level KL estimator -------------------------------------------
-
-def _check_fused(n_rows, n_cols, kind, dtype=torch.float32, temperature=1.0):
-    logits = (torch.randn(n_rows, n_cols) * 2).to(dtype).to(DEVICE)
-    labels = torch.randint(0, n_cols, (n_rows,))
-    labels[0] = -100
-    labels = labels.to(DEVICE)
-    # reference log-probs spread so that delta covers both signs and k3's clamp at |delta| > 20
-    ref_logprob = (-torch.rand(n_rows) * 12 - 0.1).to(DEVICE)
-    ref_logprob[-1] = -40.0
-    x = logits.clone().requires_grad_()
-    logprob, entropy, kl = logprob_entropy_kl(x, labels, ref_logprob, kind, temperature)
-    x_ref = logits.detach().double().requires_grad_()
-    logprob_ref, entropy_ref = ref_logprob_entropy(x_ref, labels, temperature)
-    active = labels != -100
-    kl_ref = torch.where(active, ref_kl_estimator(logprob_ref, ref_logprob.double(), kind), 0.0)
-    assert_close(logprob, logprob_ref, **TOL[dtype], what="logprob")
-    assert_close(entropy, entropy_ref, **TOL[dtype], what="entropy")
-    assert_close(kl, kl_ref, atol=TOL[dtype]["atol"] * 10, rtol=TOL[dtype]["rtol"] * 10, what=f"kl {kind}")
-    w = torch.randn(3, n_rows, device=DEVICE)
-    ((w[0] * logprob).sum() + (w[1] * entropy).sum() + (w[2] * kl).sum()).backward()
-    w = w.double()
-    ((w[0] * logprob_ref).sum() + (w[1] * entropy_ref).sum() + (w[2] * kl_ref).sum()).backward()
-    assert_close(x.grad, x_ref.grad, **GRAD_TOL[dtype], what=f"grad logits ({kind})")
-
-
-@pytest.mark.parametrize("kind", KL_KIND_CHOICES)
-def test_fused_every_kind_vs_float64(kind):
-    _check_fused(12, 301, kind, temperature=0.8)
-
-
-def test_fused_large_vocab_and_bf16():
-    _check_fused(2, 32003, "k3")
-    _check_fused(6, 1000, "low_var_kl+", torch.bfloat16, temperature=1.1)
-
-
-def test_fused_straight_through_has_k2_gradient():
-    logits = torch.randn(5, 64, device=DEVICE)
-    labels = torch.randint(0, 64, (5,), device=DEVICE)
-    ref_logprob = torch.full((5,), -3.0, device=DEVICE)
-    grads = {}
-    for kind in ("k3+", "k2", "k3"):
-        x = logits.clone().requires_grad_()
-        lp, _, kl = logprob_entropy_kl(x, labels, ref_logprob, kind)
-        kl.sum().backward()
-        grads[kind] = (x.grad, kl.detach())
-    assert torch.equal(grads["k3+"][0], grads["k2"][0])
-    assert torch.equal(grads["k3+"][1], grads["k3"][1])
-
-
-def test_fused_matches_unfused_logprob_kernel():
-    from verl_ds.kernels.logprob import logprobs_and_entropy
-    logits = torch.randn(7, 513, device=DEVICE)
-    labels = torch.randint(0, 513, (7,), device=DEVICE)
-    lp, ent, kl = logprob_entropy_kl(logits, labels, torch.zeros(7, device=DEVICE), "k1")
-    lp2, ent2 = logprobs_and_entropy(logits, labels)
-    assert torch.equal(lp, lp2) and torch.equal(ent, ent2) and torch.equal(kl, lp)
-
-
-def test_fused_errors_name_the_argument():
-    logits = torch.randn(3, 10, device=DEVICE)
-    labels = torch.zeros(3, dtype=torch.long, device=DEVICE)
-    with pytest.raises(ValueError, match="kind must be one of k1, kl, abs.*got 'full'"):
-        logprob_entropy_kl(logits, labels, torch.zeros(3, device=DEVICE), "full")
-    with pytest.raises(ValueError, match=r"ref_logprob must have shape \(3,\), got \(2,\)"):
-        logprob_entropy_kl(logits, labels, torch.zeros(2, device=DEVICE), "k1")
-    with pytest.raises(TypeError, match="ref_logprob must be a float tensor, got torch.int64"):
-        logprob_entropy_kl(logits, labels, labels, "k1")
-
-
-def test_fused_symmetric_estimator_precise_near_zero():
-    logits = torch.randn(8, 100, device=DEVICE)
-    labels = torch.randint(0, 100, (8,), device=DEVICE)
-    lp0, _, _ = logprob_entropy_kl(logits, labels, torch.zeros(8, device=DEVICE), "k1")
-    ref_logprob = lp0 - torch.logspace(-6, -1, 8, device=DEVICE)
-    lp, _, kl = logprob_entropy_kl(logits, labels, ref_logprob, "symmetric")
-    d = lp.double() - ref_logprob.double()
-    assert (kl > 0).all()
-    assert_close(kl, 0.5 * d * -torch.expm1(-d), atol=0, rtol=1e-5, what="symmetric near 0")
-
-
 # --- against the torch twins in verl_ds.algos.kl (principle 12) -------------------------------------
 
 @pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.bfloat16, 0.8)])
@@ -195,34 +112,6 @@ def test_full_symmetric_kl_matches_algos_torch_path(dtype, temperature):
     (w * kl).sum().backward()
     (w * kl_t).sum().backward()
     assert_close(x.grad, x_t.grad, **GRAD_TOL[dtype], what="grad vs algos")
-
-
-def test_fused_kinds_are_the_algos_token_kinds():
-    """Every per-token estimator of verl_ds.algos has a fused kernel; full_symmetric is not per-token (it reads both
-    models' LM heads, verl_ds.models.full_kl)."""
-    from verl_ds.algos.kl import KL_KINDS
-    from verl_ds.config.limits import FULL_KL_KIND
-
-    assert set(KL_KINDS) - {FULL_KL_KIND} == set(KERNEL_KL_KINDS)
-
-
-@pytest.mark.parametrize("kind", sorted(KERNEL_KL_KINDS))
-def test_fused_estimators_match_algos_kl_penalty(kind):
-    from verl_ds.algos.kl import kl_penalty
-    from verl_ds.algos.logprob import logprobs_and_entropy_torch
-    logits = torch.randn(6, 211, device=DEVICE) * 2
-    labels = torch.randint(0, 211, (6,), device=DEVICE)
-    ref_logprob = -torch.rand(6, device=DEVICE) * 12
-    ref_logprob[0] = -40.0  # outside the +-20 clamp
-    x = logits.clone().requires_grad_()
-    lp, ent, kl = logprob_entropy_kl(x, labels, ref_logprob, kind)
-    x_t = logits.clone().requires_grad_()
-    lp_t, ent_t = logprobs_and_entropy_torch(x_t, labels, 1.0)
-    kl_t = kl_penalty(lp_t, ref_logprob, kind)
-    assert_close(kl, kl_t, atol=2e-4, rtol=2e-5, what=f"{kind} vs kl_penalty")
-    (lp.sum() + ent.sum() + kl.sum()).backward()
-    (lp_t.sum() + ent_t.sum() + kl_t.sum()).backward()
-    assert_close(x.grad, x_t.grad, atol=1e-5, rtol=1e-4, what=f"{kind} grad vs kl_penalty")
 
 
 def test_algos_dispatch_reaches_the_kernel(monkeypatch):

@@ -5,7 +5,7 @@ import time
 import pytest
 import torch.nn as nn
 
-from verl_ds.registry import ModelRegistry, UnknownModelError, default_registry
+from verl_ds.registry import ModelRegistry, UnknownModelError
 
 
 class Box:
@@ -121,11 +121,6 @@ def test_hot_swap_under_concurrent_gets():
     assert not bad
     assert reg.version("reward") == 300 and reg.get("reward_model").tag == 299
     assert len(seen) > 1  # the readers did observe swaps
-
-
-def test_default_registry_is_process_wide():
-    assert default_registry() is default_registry()
-    assert isinstance(default_registry(), ModelRegistry)
 
 
 def test_alias_must_differ_from_name():

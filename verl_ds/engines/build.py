@@ -78,10 +78,6 @@ def _dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
 
 
-def _is_tiny(cfg: Config, role: str) -> bool:
-    return (cfg.model.critic_path or cfg.model.path) is None if role == "critic" else cfg.model.path is None
-
-
 def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") % 2**63
 
@@ -392,9 +388,3 @@ def build_reward_engine(cfg: Config, derived: Derived, model_path: str):
         model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
     disable_dropout(model)
     return make_engine(model, cfg, derived, "ref")
-
-
-def set_lr(engine, lr: float) -> None:
-    """Apply a (hot-updated) learning rate to every parameter group."""
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr

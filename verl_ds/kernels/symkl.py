@@ -1,5 +1,4 @@
-"""Full-vocabulary symmetric KL between actor and reference logits, and a fused log-prob + entropy +
-token-level KL kernel.
+"""Full-vocabulary symmetric KL between actor and reference logits.
 
 Symmetric KL (half the Jeffreys divergence), with x = logits / T, y = ref_logits / T, p = softmax(x),
 q = softmax(y) and d = x - y:
@@ -19,9 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import (NEG_BIG, check_float_2d, check_labels, check_runnable, check_temperature,
-                     unit_col_stride, vocab_meta)
-from .logprob import logprob_entropy_backward, row_logprob_entropy
+from ._utils import NEG_BIG, check_float_2d, check_runnable, check_temperature, unit_col_stride, vocab_meta
 
 
 @triton.jit
@@ -155,139 +152,3 @@ def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperatur
     temperature = check_temperature(temperature)
     check_runnable(logits, "full_symmetric_kl")
     return SymmetricKLFunction.apply(unit_col_stride(logits), unit_col_stride(ref_logits.detach()), temperature)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Fused token-level variant: log-prob, entropy and a KL estimator of delta = logprob - ref_logprob in
-# the same single pass over the actor logits (the estimator is an epilogue on two scalars per row).
-
-# the names of verl_ds.algos.kl.kl_penalty (Schulman, "Approximating KL Divergence", 2020) -> the kernel's KL_KIND
-KL_KINDS = {"k1": 1, "kl": 1, "abs": 2, "k2": 3, "mse": 3, "k3": 4, "low_var_kl": 4, "symmetric": 5}
-KL_KIND_CHOICES = tuple(KL_KINDS) + tuple(k + "+" for k in KL_KINDS)
-
-
-@triton.jit
-def _logprob_entropy_kl_fwd_kernel(
-    logits_ptr, logits_row_stride, labels_ptr, ref_logprob_ptr, logprob_ptr, entropy_ptr, kl_ptr, max_ptr, log_sum_ptr,
-    n_cols, inv_temperature, ignore_index, KL_KIND: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    # 1. The log-prob and entropy pass of logprob.py.
-    active, logprob, entropy, m, log_s = row_logprob_entropy(logits_ptr, logits_row_stride, labels_ptr, row, n_cols,
-                                                             inv_temperature, ignore_index, True, BLOCK_V)
-    # 2. The estimator on delta = logprob - ref (Schulman 2020; k3 with verl's clamps; the torch twin
-    #    is verl_ds.algos.kl.kl_penalty).
-    delta = logprob - tl.load(ref_logprob_ptr + row).to(tl.float32)
-    if KL_KIND == 1:
-        kl = delta
-    elif KL_KIND == 2:
-        kl = tl.abs(delta)
-    elif KL_KIND == 3:
-        kl = 0.5 * delta * delta
-    elif KL_KIND == 4:
-        u = tl.minimum(tl.maximum(-delta, -20.0), 20.0)
-        kl = tl.minimum(tl.maximum(tl.exp(u) - u - 1.0, -10.0), 10.0)
-    else:
-        # symmetric: 1/2 d (1 - e^{-d}), d clamped to [-20, 20]; near 0 the series of 1 - e^{-d}
-        # (there is no expm1 in the interpreter) keeps the ~d^2/2 value's relative precision
-        d = tl.minimum(tl.maximum(delta, -20.0), 20.0)
-        one_minus_exp = tl.where(tl.abs(d) < 1e-3, d * (1.0 - d * (0.5 - d / 6.0)), 1.0 - tl.exp(-d))
-        kl = 0.5 * d * one_minus_exp
-    tl.store(logprob_ptr + row, logprob)
-    tl.store(entropy_ptr + row, entropy)
-    tl.store(kl_ptr + row, tl.where(active, kl, 0.0))
-    tl.store(max_ptr + row, m)
-    tl.store(log_sum_ptr + row, log_s)
-
-
-def kl_estimator_grad(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
-    """d kl / d logprob of the estimator ``kind`` (N,), matching torch autograd of the forward formula.
-
-    A trailing ``+`` is verl's straight-through variant: the forward value of the estimator with the
-    gradient of k2 (which is delta).
-    """
-    delta = logprob - ref_logprob
-    base = kind[:-1] if kind.endswith("+") else kind
-    if kind.endswith("+") or KL_KINDS[base] == 3:
-        return delta
-    if KL_KINDS[base] == 1:
-        return torch.ones_like(delta)
-    if KL_KINDS[base] == 2:
-        return torch.sign(delta)
-    if KL_KINDS[base] == 5:
-        # symmetric: d/dd [1/2 d (1 - e^{-d})] = 1/2 (1 - e^{-d}) + 1/2 d e^{-d}, zero where d is clamped
-        d = delta.clamp(-20.0, 20.0)
-        grad = 0.5 * (-torch.expm1(-d)) + 0.5 * d * torch.exp(-d)
-        return torch.where(delta.abs() <= 20.0, grad, torch.zeros_like(grad))
-    # k3: u = clamp(-delta, -20, 20), kl = clamp(e^u - u - 1, -10, 10); d kl/d logprob = 1 - e^u where
-    # neither clamp is active (torch passes the gradient at the clamp bounds too).
-    u = (-delta).clamp(-20.0, 20.0)
-    k = torch.exp(u) - u - 1.0
-    live = (delta.abs() <= 20.0) & (k >= -10.0) & (k <= 10.0)
-    return torch.where(live, 1.0 - torch.exp(u), torch.zeros_like(u))
-
-
-class LogprobEntropyKLFunction(torch.autograd.Function):
-    """Autograd wrapper for the fused kernel; the backward is logprob.py's with the KL folded into the
-    log-prob's incoming gradient: g_logprob + g_kl * d kl / d logprob."""
-
-    @staticmethod
-    def forward(ctx, logits, labels, ref_logprob, kind, temperature, ignore_index):
-        n_rows, n_cols = logits.shape
-        logprob = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        entropy, kl = torch.empty_like(logprob), torch.empty_like(logprob)
-        stats = torch.empty(2, n_rows, dtype=torch.float32, device=logits.device)
-        if n_rows:
-            _logprob_entropy_kl_fwd_kernel[(n_rows,)](
-                logits, logits.stride(0), labels, ref_logprob, logprob, entropy, kl, stats[0], stats[1],
-                n_cols, 1.0 / temperature, ignore_index, KL_KIND=KL_KINDS[kind.rstrip("+")], **vocab_meta(n_cols))
-        ctx.save_for_backward(logits, labels, ref_logprob, logprob, entropy, stats)
-        ctx.kind, ctx.temperature, ctx.ignore_index = kind, temperature, ignore_index
-        ctx.set_materialize_grads(False)
-        return logprob, entropy, kl
-
-    @staticmethod
-    def backward(ctx, grad_logprob, grad_entropy, grad_kl):
-        logits, labels, ref_logprob, logprob, entropy, stats = ctx.saved_tensors
-        if grad_logprob is None and grad_entropy is None and grad_kl is None:
-            return (None,) * 6
-        coef = torch.zeros_like(logprob) if grad_logprob is None else grad_logprob.float()
-        if grad_kl is not None:
-            coef = coef + grad_kl.float() * kl_estimator_grad(logprob, ref_logprob, ctx.kind)
-        grad_logits = logprob_entropy_backward(logits, labels, stats, entropy, coef, grad_entropy,
-                                               ctx.temperature, ctx.ignore_index)
-        return grad_logits, None, None, None, None, None
-
-
-def logprob_entropy_kl(logits: torch.Tensor, labels: torch.Tensor, ref_logprob: torch.Tensor, kind: str,
-                       temperature: float = 1.0, ignore_index: int = -100):
-    """Log-prob, entropy and a token-level KL estimator in one Triton pass over the actor logits.
-
-    Parameters:
-        logits: (N, V) float32/bfloat16/float16 actor logits.
-        labels: (N,) int64 token ids, or ``ignore_index`` for rows to skip (all outputs 0 there).
-        ref_logprob: (N,) reference log-probs of the same tokens (float; treated as constant).
-        kind: ``k1``/``kl`` (delta), ``abs``, ``k2``/``mse`` (delta^2 / 2), ``k3``/``low_var_kl``
-            (e^{-delta} - 1 + delta with verl's clamps), ``symmetric`` (delta (1 - e^{-delta}) / 2),
-            as in ``verl_ds.algos.kl.kl_penalty``; each optionally with ``+`` (value of the
-            estimator, gradient of k2: verl's straight-through), where delta = logprob - ref_logprob.
-        temperature: positive float dividing the logits.
-    Returns:
-        (logprob, entropy, kl), each (N,) float32 and differentiable w.r.t. ``logits``.
-    """
-    if not isinstance(kind, str) or kind not in KL_KIND_CHOICES:
-        raise ValueError(f"kind must be one of {', '.join(KL_KIND_CHOICES)}, got {kind!r}")
-    check_float_2d("logits", logits)
-    check_labels(labels, logits.shape[0], logits.shape[1], ignore_index)
-    if not isinstance(ref_logprob, torch.Tensor) or not ref_logprob.is_floating_point():
-        raise TypeError(f"ref_logprob must be a float tensor, got {getattr(ref_logprob, 'dtype', type(ref_logprob))}")
-    if ref_logprob.shape != labels.shape:
-        raise ValueError(f"ref_logprob must have shape {tuple(labels.shape)}, got {tuple(ref_logprob.shape)}")
-    for name, t in (("labels", labels), ("ref_logprob", ref_logprob)):
-        if t.device != logits.device:
-            raise ValueError(f"{name} must be on the logits' device {logits.device}, got {t.device}")
-    temperature = check_temperature(temperature)
-    check_runnable(logits, "logprob_entropy_kl")
-    return LogprobEntropyKLFunction.apply(unit_col_stride(logits), labels.contiguous(),
-                                          ref_logprob.detach().float().contiguous(), kind, temperature,
-                                          int(ignore_index))
