@@ -188,8 +188,7 @@ def implementations(device, triton_ok: bool):
         "naive per-step loop": (naive_gae, None),
         "ours torch": ((lambda r, v, m, g, l: ours_gae(r, v, m, g, l)) if ours_gae else None,
                        "verl_ds.algos.gae missing"),
-        "ours triton loop": ((lambda r, v, m, g, l: tri["gae"](r, v, m, g, l, method="loop")) if tri else None, no_gpu),
-        "ours triton scan": ((lambda r, v, m, g, l: tri["gae"](r, v, m, g, l, method="scan")) if tri else None, no_gpu),
+        "ours triton scan": ((lambda r, v, m, g, l: tri["gae"](r, v, m, g, l)) if tri else None, no_gpu),
         "verl compute_gae_advantage_return": (
             (lambda r, v, m, g, l: verl_gae(r, v, m.float(), g, l)) if verl_gae else None, "verl not installed"),
     }

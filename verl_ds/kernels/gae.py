@@ -1,4 +1,4 @@
-"""Masked GAE over (B, T) in verl's semantics, as a per-row reverse loop or an associative scan.
+"""Masked GAE over (B, T) in verl's semantics, as an associative scan.
 
 verl (``compute_gae_advantage_return`` in ``verl/trainer/ppo/core_algos.py``) walks t = T-1 .. 0 carrying the next valid
 value v+ and the running advantage g (both 0 at the start):
@@ -17,14 +17,10 @@ positions after t. Both are computed by ``tl.associative_scan`` over a block of 
 reverse time order (a forward scan: Triton's reverse=True with a non-commutative combine has been
 unreliable on GPU, triton #4362), in chunks whose carry (v+, g) passes to the next-earlier chunk.
 
-Why the scan is the default: the loop is T dependent steps of a few loads each, so on a GPU its
-time is about T memory latencies whatever B is (B only fills more lanes); the scan reads each
-row once with coalesced loads and does O(log BLOCK_T) dependent steps per chunk, so for long T
-(4096) it is expected to be one to two orders of magnitude faster (``benchmarks/kernels.py``
-measures both). Triton's CPU interpreter is the exception: it runs a custom-combine scan one
-element at a time in Python (~0.2 ms per element), so there the loop is faster; that does not
-matter for real use, where the torch path serves CPU tensors. The loop stays as the
-obviously-correct kernel and for comparison.
+Why a scan: a per-row reverse loop is T dependent steps of a few loads each, so on a GPU its time is about T memory
+latencies whatever B is; the scan reads each row once with coalesced loads and does O(log BLOCK_T) dependent steps
+per chunk (``benchmarks/kernels.py`` times it against verl's loop). Triton's CPU interpreter runs a custom-combine
+scan one element at a time in Python (~0.2 ms per element); CPU tensors take the torch path instead.
 """
 from __future__ import annotations
 
@@ -32,37 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import INTERPRETING_AT_IMPORT, check_runnable
+from ._utils import check_runnable
 
-METHODS = ("scan", "loop")
 # Longest chunk the scan holds at once: 2048 steps keep it in registers (8 warps x 32 lanes x 8
 # values per tensor); longer rows loop over chunks with a carry. A module constant so tests can
 # shrink it to exercise the carry.
 SCAN_BLOCK_T_MAX = 2048
-
-
-@triton.jit
-def _gae_loop_kernel(
-    rewards_ptr, values_ptr, mask_ptr, adv_ptr, ret_ptr, n_rows, n_steps,
-    rewards_stride, values_stride, mask_stride, out_stride, gamma, gamma_lam, BLOCK_B: tl.constexpr,
-):
-    # 1. BLOCK_B rows side by side, one per lane; the loop over t is sequential.
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_ok = rows < n_rows
-    rows = rows.to(tl.int64)
-    v_next = tl.zeros([BLOCK_B], tl.float32)
-    g = tl.zeros([BLOCK_B], tl.float32)
-    for i in range(0, n_steps):
-        t = n_steps - 1 - i
-        r = tl.load(rewards_ptr + rows * rewards_stride + t, mask=row_ok, other=0.0).to(tl.float32)
-        v = tl.load(values_ptr + rows * values_stride + t, mask=row_ok, other=0.0).to(tl.float32)
-        m = tl.load(mask_ptr + rows * mask_stride + t, mask=row_ok, other=0) != 0
-        # 2. verl's step; where() rather than m * x + (1 - m) * y so junk (inf/NaN) at masked
-        #    positions cannot leak into the carry.
-        g = tl.where(m, r + gamma * v_next - v + gamma_lam * g, g)
-        v_next = tl.where(m, v, v_next)
-        tl.store(adv_ptr + rows * out_stride + t, g, mask=row_ok)
-        tl.store(ret_ptr + rows * out_stride + t, g + v, mask=row_ok)
 
 
 @triton.jit
@@ -109,9 +80,7 @@ def _gae_scan_kernel(
         g_carry = tl.sum(tl.where(last, g, 0.0), 0)
 
 
-def _check_inputs(token_rewards, values, response_mask, gamma, lam, method):
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+def _check_inputs(token_rewards, values, response_mask, gamma, lam):
     for name, t in (("token_rewards", token_rewards), ("values", values), ("response_mask", response_mask)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -134,7 +103,7 @@ def _check_inputs(token_rewards, values, response_mask, gamma, lam, method):
 
 
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
-                gamma: float, lam: float, method: str = "scan"):
+                gamma: float, lam: float):
     """Masked GAE (verl semantics, module docstring) with a Triton kernel; no gradient.
 
     Parameters:
@@ -142,11 +111,10 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask
         values: (B, T) float, critic values.
         response_mask: (B, T) bool, True on trainable tokens; False positions are skipped.
         gamma, lam: discount and GAE lambda.
-        method: "scan" (default, faster on GPU for long T) or "loop" (per-row reverse loop).
     Returns:
         (advantages, returns), each (B, T) float32; returns = advantages + values.
     """
-    _check_inputs(token_rewards, values, response_mask, gamma, lam, method)
+    _check_inputs(token_rewards, values, response_mask, gamma, lam)
     check_runnable(token_rewards, "compute_gae")
     n_rows, n_steps = token_rewards.shape
     rewards = token_rewards.detach()
@@ -161,13 +129,6 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask
     args = (rewards, vals, mask, advantages, returns)
     strides = (rewards.stride(0), vals.stride(0), mask.stride(0), advantages.stride(0),
                float(gamma), float(gamma) * float(lam))
-    if method == "loop":
-        # One row per lane; 32 lanes make one warp. The interpreter runs lanes as a vector, so wider there.
-        block_b = min(triton.next_power_of_2(n_rows), 64 if INTERPRETING_AT_IMPORT else 32)
-        _gae_loop_kernel[(triton.cdiv(n_rows, block_b),)](*args, n_rows, n_steps, *strides, BLOCK_B=block_b,
-                                                          num_warps=1)
-    else:
-        block_t = max(16, min(triton.next_power_of_2(n_steps), SCAN_BLOCK_T_MAX))
-        _gae_scan_kernel[(n_rows,)](*args, n_steps, *strides, BLOCK_T=block_t,
-                                    num_warps=max(1, min(8, block_t // 256)))
+    block_t = max(16, min(triton.next_power_of_2(n_steps), SCAN_BLOCK_T_MAX))
+    _gae_scan_kernel[(n_rows,)](*args, n_steps, *strides, BLOCK_T=block_t, num_warps=max(1, min(8, block_t // 256)))
     return advantages, returns
