@@ -67,23 +67,20 @@ class ReferenceModel(LogProbRole):
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether scoring packs each prompt once for its consecutive samples (``verl_ds.prompt_sharing``): a
+        """Whether scoring packs each prompt once for all its samples (``verl_ds.prompt_sharing``): a
         token budget then counts the prompt once and keeps its samples in one micro-batch."""
         return self._share_prompts
 
     # ---- forward ---------------------------------------------------------------------------------
-    def _forward(self, observation: torch.Tensor, mask: torch.Tensor, keep: int):
-        """The lm's output tensor for the padded batch (its logits, or what a fused LM head returned)."""
+    def _logits(self, observation: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
+        """The lm's output at the last ``keep`` positions of the padded batch, (B, keep, V): its logits, or what a
+        fused LM head returned."""
         kwargs = dict(self._extra_kwargs)
         if self._keep_logits:
             kwargs["logits_to_keep"] = keep
         out = self.lm(input_ids=observation, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask),
                       **kwargs)
-        return out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
-
-    def _logits(self, observation: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
-        """Logits of the last ``keep`` positions, (B, keep, V)."""
-        logits = self._forward(observation, mask, keep)
+        logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:1] != observation.shape[:1]:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise ValueError(f"{type(self).__name__}: the lm must return logits of shape (B, T, V); got {got}")
@@ -153,7 +150,6 @@ class ReferenceModel(LogProbRole):
         out = out.reshape(B, R + 1, -1)[:, :-1]
         lp_ent = out[..., 0], (out[..., 1] if return_entropy else None)
         return lp_ent if head_kl is None else (*lp_ent, out[..., -1])
-
 
 
 class AdaptersOffReferenceModel(ReferenceModel):
