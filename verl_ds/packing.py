@@ -36,10 +36,12 @@ from typing import Sequence
 
 import torch
 
-from verl_ds.rows import ResponseIndex, index_responses, position_ids_from_mask, prompt_groups
+from verl_ds.rows import ResponseIndex, check_batch, index_responses, position_ids_from_mask, prompt_groups
 
 __all__ = ["Packed", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
            "agree_num_micro_batches", "micro_batch_groups"]
+
+PACK_NAMES = ("input_ids", "attention_mask")  # what the packers' errors call their arguments
 
 
 @dataclass(frozen=True)
@@ -75,34 +77,6 @@ class Packed:
                 "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
 
 
-def _check_batch(input_ids, attention_mask) -> torch.Tensor:
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"pack: input_ids must be a (B, T) int64 tensor, got {type(input_ids).__name__}")
-    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-        raise ValueError(f"pack: input_ids must be 2-D (B, T) with T >= 1, got shape {tuple(input_ids.shape)}")
-    if input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"pack: input_ids must hold int64 token ids, got dtype {input_ids.dtype}")
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"pack: attention_mask must be a (B, T) bool tensor, got {type(attention_mask).__name__}")
-    if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"pack: attention_mask must have input_ids' shape (B, T) = {tuple(input_ids.shape)}, "
-                         f"got {tuple(attention_mask.shape)}")
-    if attention_mask.device != input_ids.device:
-        raise ValueError(f"pack: attention_mask is on {attention_mask.device} but input_ids is on {input_ids.device}")
-    if attention_mask.dtype != torch.bool:
-        if attention_mask.dtype.is_floating_point or attention_mask.is_complex():
-            raise TypeError(f"pack: attention_mask must be bool (or 0/1 integers), got dtype {attention_mask.dtype}")
-        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-            raise ValueError(f"pack: attention_mask must hold only 0/1, got values "
-                             f"{sorted(set(attention_mask.unique().tolist()) - {0, 1})[:5]}")
-        attention_mask = attention_mask.bool()
-    empty = ~attention_mask.any(-1)
-    if bool(empty.any()):
-        rows = empty.nonzero().flatten().tolist()
-        raise ValueError(f"pack: attention_mask rows {rows} have no real token; every sequence needs at least one")
-    return attention_mask
-
-
 def check_response_width(response_width, T: int) -> int:
     if isinstance(response_width, bool) or not isinstance(response_width, int) or not 1 <= response_width < T:
         raise ValueError(f"response_width (R) must be an int with 1 <= R < T={T}, got {response_width!r}")
@@ -131,7 +105,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
     row in column order, as one (1, N) row with per-sequence position ids (see ``Packed``). With
     ``response_width`` R (the last R columns hold responses), each row's last real response token is left out
     and ``targets`` locates every response token (see the module docstring)."""
-    mask = _check_batch(input_ids, attention_mask)
+    input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     full = mask
     if response_width is not None:

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from verl_ds.packing import _check_batch, _no_prompt_rows, check_response_width, last_response_token
-from verl_ds.rows import ResponseIndex, index_responses, position_ids_from_mask, prompt_groups
+from verl_ds.packing import PACK_NAMES, _no_prompt_rows, check_response_width, last_response_token
+from verl_ds.rows import ResponseIndex, check_batch, index_responses, position_ids_from_mask, prompt_groups
 
 __all__ = ["SharedPacked", "PromptGroups", "GroupBatch", "pack_shared_prompts", "PROMPT_GROUPS_KWARG"]
 
@@ -255,7 +255,7 @@ def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, r
     ``share_prefixes``: the responses of a prompt also share the leading tokens they have in common (the module
     docstring's response prefixes); a group's rows then come in the order of their responses (lexicographic, ties
     in batch order), so that each row's shared part is in the row before its own tokens."""
-    mask = _check_batch(input_ids, attention_mask)
+    input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     R = check_response_width(response_width, T)
     _no_prompt_rows(mask, R)

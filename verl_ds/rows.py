@@ -1,5 +1,6 @@
 """Where the tokens of a padded (B, T) batch stand: one rule for each question every packing and forward asks.
 
+- ``check_batch``: whether token ids and an attention mask make a batch (every forward and packing checks with it);
 - ``prompt_groups``: which rows share a prompt (the shared packing, the token budget that keeps a prompt's samples
   together and the shared prefill of generation all group rows by it);
 - ``position_ids_from_mask``: each token's position in its own sequence (the padded forwards, both packings);
@@ -8,11 +9,11 @@
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ResponseIndex", "prompt_groups", "position_ids_from_mask", "index_responses"]
+__all__ = ["ResponseIndex", "check_batch", "prompt_groups", "position_ids_from_mask", "index_responses"]
 
 
 class ResponseIndex(NamedTuple):
@@ -27,6 +28,43 @@ class ResponseIndex(NamedTuple):
     preds: torch.Tensor
     out: torch.Tensor
     take: torch.Tensor | None = None
+
+
+def check_batch(observation: Any, mask: Any, who: str, names: tuple = ("observation", "mask")) -> tuple:
+    """(observation as int64, mask as bool): ``observation`` a (B, T) integer tensor of token ids with T >= 1, ``mask``
+    None (every token real) or a (B, T) bool or 0/1 integer tensor on its device with a real token in every row.
+    A (B, T, T) attention matrix is refused: HF models build the causal matrix themselves, and a 3-D mask where a
+    2-D one is expected silently masks everything out in some models. Errors start with ``who`` and use ``names``."""
+    ids, m = names
+    if not isinstance(observation, torch.Tensor):
+        raise TypeError(f"{who}: {ids} must be a (B, T) int64 tensor of token ids, got {type(observation).__name__}")
+    if observation.dim() != 2:
+        raise ValueError(f"{who}: {ids} must be 2-D (B, T), got shape {tuple(observation.shape)}")
+    if observation.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{who}: {ids} must hold int64 token ids, got dtype {observation.dtype}")
+    if observation.shape[1] == 0:
+        raise ValueError(f"{who}: {ids} is empty: shape {tuple(observation.shape)}")
+    if mask is None:
+        return observation.long(), torch.ones_like(observation, dtype=torch.bool)
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{who}: {m} must be a (B, T) bool tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(observation.shape):
+        extra = (" (pass the (B, T) attention mask, not a (B, T, T) attention matrix)" if mask.dim() == 3 else "")
+        raise ValueError(f"{who}: {m} must have the shape of {ids}, (B, T) = {tuple(observation.shape)}, "
+                         f"got {tuple(mask.shape)}{extra}")
+    if mask.device != observation.device:
+        raise ValueError(f"{who}: {m} is on {mask.device} but {ids} is on {observation.device}")
+    if mask.dtype != torch.bool:
+        if mask.dtype.is_floating_point or mask.is_complex():
+            raise TypeError(f"{who}: {m} must be bool (or 0/1 integers), got dtype {mask.dtype}")
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"{who}: {m} must hold only 0/1, got values {sorted(set(mask.unique().tolist()) - {0, 1})[:5]}")
+        mask = mask.bool()
+    empty = ~mask.any(-1)
+    if bool(empty.any()):
+        raise ValueError(f"{who}: {m} rows {empty.nonzero().flatten().tolist()} have no real token; every sequence "
+                         f"needs at least one")
+    return observation.long(), mask
 
 
 def prompt_groups(input_ids: torch.Tensor, mask: torch.Tensor, width: int | None = None) -> tuple:

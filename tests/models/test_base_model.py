@@ -9,7 +9,7 @@ import torch
 from verl_ds.algos import make_kl_controller
 from verl_ds.models import (ActionRole, BaseModel, LogProbRole, MissingModuleError, PolicyModel, PPOModel,
                             ReferenceModel, RewardModel, RewardRole, TrainableRole, ValueModel, ValueRole)
-from verl_ds.models.base import check_mask, check_observation, optimizer_step
+from verl_ds.models.base import optimizer_step
 from verl_ds.registry import model_classes
 from verl_ds.state import SharedState
 
@@ -158,37 +158,6 @@ def test_update_writes_hot_state():
     m = Toy(encoder=torch.nn.Linear(1, 1), state=state)
     m.update(None, {"kl_coef": 0.5})
     assert state["kl_coef"] == 0.5 and m.state is state
-
-
-def test_mask_checks():
-    obs = torch.ones(2, 5, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"mask must have the observation's shape \(B, T\) = \(2, 5\), got "
-                                         r"\(2, 5, 5\) \(pass the \(B, T\) attention mask, not a \(B, T, T\)"):
-        check_mask(torch.ones(2, 5, 5, dtype=torch.bool), obs, "who")
-    with pytest.raises(ValueError, match=r"got \(2, 4\)"):
-        check_mask(torch.ones(2, 4, dtype=torch.bool), obs, "who")
-    with pytest.raises(ValueError, match="mask row 1 has no real token"):
-        check_mask(torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), obs, "who")
-    with pytest.raises(ValueError, match="values other than 0/1"):
-        check_mask(torch.full((2, 5), 2), obs, "who")
-    with pytest.raises(ValueError, match="values other than 0/1"):
-        check_mask(torch.ones(2, 5), obs, "who")  # float masks are refused
-    with pytest.raises(TypeError, match=r"who: mask must be a \(B, T\) bool tensor, got list"):
-        check_mask([[1]], torch.ones(1, 1, dtype=torch.long), "who")
-    assert check_mask(torch.ones(2, 5, dtype=torch.long), obs, "who").dtype == torch.bool
-    assert check_mask(None, obs, "who").tolist() == [[True] * 5] * 2
-
-
-def test_observation_checks():
-    with pytest.raises(TypeError, match=r"who: observation must be a \(B, T\) int64 tensor of token ids, got list"):
-        check_observation([[1, 2]], "who")
-    with pytest.raises(ValueError, match=r"who: observation must be 2-D \(B, T\), got shape \(3,\)"):
-        check_observation(torch.ones(3, dtype=torch.long), "who")
-    with pytest.raises(ValueError, match=r"who: observation is empty: shape \(2, 0\)"):
-        check_observation(torch.ones(2, 0, dtype=torch.long), "who")
-    with pytest.raises(TypeError, match="who: observation must hold int64 token ids, got dtype torch.float32"):
-        check_observation(torch.ones(2, 2), "who")
-    assert check_observation(torch.ones(1, 2, dtype=torch.int32), "who").dtype == torch.int64
 
 
 def test_optimizer_step_hand_case():

@@ -286,7 +286,7 @@ def test_get_action_argument_errors(bigram):
     pol = PolicyModel(bigram)
     obs = torch.tensor([[PAD, 3, 4], [3, 4, 5]])
     mask = obs != PAD
-    with pytest.raises(ValueError, match=r"mask must have the observation's shape \(B, T\) = \(2, 3\), got "
+    with pytest.raises(ValueError, match=r"mask must have the shape of observation, \(B, T\) = \(2, 3\), got "
                                          r"\(2, 3, 3\)"):
         pol.get_action(obs, mask.unsqueeze(1).expand(2, 3, 3))
     with pytest.raises(ValueError, match="temperature must be a float > 0, got 0"):
@@ -302,7 +302,7 @@ def test_get_action_argument_errors(bigram):
         pol.get_action(right_padded, right_padded != PAD)
     with pytest.raises(TypeError, match="observation must hold int64 token ids"):
         pol.get_action(obs.float(), mask)
-    with pytest.raises(ValueError, match="mask row 0 has no real token"):
+    with pytest.raises(ValueError, match=r"mask rows \[0\] have no real token"):
         pol.get_action(obs, torch.zeros_like(mask).index_fill_(0, torch.tensor([1]), True))
 
 

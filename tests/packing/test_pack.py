@@ -106,7 +106,7 @@ def test_unpack_restores_the_padded_layout_with_fill_and_gradients():
 
 def test_bad_input_is_named():
     ids, mask = _batch()
-    with pytest.raises(ValueError, match=r"attention_mask must have input_ids' shape .* = \(5, 6\), got \(5, 5\)"):
+    with pytest.raises(ValueError, match=r"pack: attention_mask must have the shape of input_ids, .* = \(5, 6\), got \(5, 5\)"):
         pack(ids, mask[:, :5])
     with pytest.raises(ValueError, match=r"rows \[1\] have no real token"):
         pack(ids, torch.tensor([[1] * 6, [0] * 6, [1] * 6, [1] * 6, [1] * 6]))

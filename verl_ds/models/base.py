@@ -29,7 +29,7 @@ from verl_ds.registry import register_model_class
 from verl_ds.state import SharedState
 
 __all__ = ["BaseModel", "MissingModuleError", "ActionRole", "LogProbRole", "ValueRole", "RewardRole", "TrainableRole",
-           "check_observation", "check_mask", "left_align_prompts", "unwrap_module",
+           "left_align_prompts", "unwrap_module",
            "forward_params", "optimizer_step"]
 
 
@@ -68,44 +68,6 @@ def forward_params(module: Any) -> set[str]:
         return set(inspect.signature(fwd).parameters)
     except (TypeError, ValueError):
         return set()
-
-
-def check_observation(observation: Any, who: str) -> torch.Tensor:
-    """observation must be a (B, T) integer tensor."""
-    if not isinstance(observation, torch.Tensor):
-        raise TypeError(f"{who}: observation must be a (B, T) int64 tensor of token ids, got {type(observation).__name__}")
-    if observation.dim() != 2:
-        raise ValueError(f"{who}: observation must be 2-D (B, T), got shape {tuple(observation.shape)}")
-    if observation.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{who}: observation must hold int64 token ids, got dtype {observation.dtype}")
-    if observation.shape[1] == 0:
-        raise ValueError(f"{who}: observation is empty: shape {tuple(observation.shape)}")
-    return observation.long()
-
-
-def check_mask(mask: Any, observation: torch.Tensor, who: str) -> torch.Tensor:
-    """A (B, T) attention mask matching the observation (None -> all ones); returned as bool.
-
-    A (B, T, T) attention matrix is refused: HF models build the causal matrix themselves, and a 3-D
-    mask where a 2-D one is expected silently masks everything out in some models.
-    """
-    if mask is None:
-        return torch.ones_like(observation, dtype=torch.bool)
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{who}: mask must be a (B, T) bool tensor, got {type(mask).__name__}")
-    if tuple(mask.shape) != tuple(observation.shape):
-        extra = (" (pass the (B, T) attention mask, not a (B, T, T) attention matrix)" if mask.dim() == 3 else "")
-        raise ValueError(f"{who}: mask must have the observation's shape (B, T) = {tuple(observation.shape)}, "
-                         f"got {tuple(mask.shape)}{extra}")
-    if mask.dtype != torch.bool:
-        if mask.dtype.is_floating_point or bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError(f"{who}: mask must be bool (or 0/1 integers), got dtype {mask.dtype} with values "
-                             f"other than 0/1")
-        mask = mask.bool()
-    if bool((~mask.any(-1)).any()):
-        row = int((~mask.any(-1)).nonzero()[0])
-        raise ValueError(f"{who}: mask row {row} has no real token")
-    return mask
 
 
 def left_align_prompts(observation: torch.Tensor, mask: torch.Tensor,

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from verl_ds.kernels.response_logprob import response_logprobs
-from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, check_mask, check_observation, forward_params,
-                                 left_align_prompts, optimizer_step, unwrap_module)
-from verl_ds.rows import position_ids_from_mask
+from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, forward_params, left_align_prompts,
+                                 optimizer_step, unwrap_module)
+from verl_ds.rows import check_batch, position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "active_dropout"]
@@ -99,8 +99,7 @@ class ReferenceModel(LogProbRole):
         (``verl_ds.models.full_kl``): the fused LM head runs, and its extra column comes back last, (B, R).
         """
         who = f"{type(self).__name__}.get_logprob"
-        observation = check_observation(observation, who)
-        mask = check_mask(mask, observation, who)
+        observation, mask = check_batch(observation, mask, who)
         if not isinstance(action, torch.Tensor) or action.dim() != 2 or action.shape[0] != observation.shape[0]:
             got = tuple(action.shape) if isinstance(action, torch.Tensor) else type(action).__name__
             raise ValueError(f"{who}: action must be (B, R) = ({observation.shape[0]}, R) response ids, got {got}")
@@ -230,8 +229,7 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
         top-k and top-p act on the logits in that order (vLLM). ``greedy`` ignores the sampling knobs.
         """
         who = "PolicyModel.get_action"
-        observation = check_observation(observation, who)
-        mask = check_mask(mask, observation, who)
+        observation, mask = check_batch(observation, mask, who)
         _check_sampling(temperature, top_k, top_p, who)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{who}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")

@@ -22,8 +22,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import RewardRole, check_mask, check_observation, last_token_index, unwrap_module
-from verl_ds.rows import position_ids_from_mask
+from verl_ds.models.base import RewardRole, last_token_index, unwrap_module
+from verl_ds.rows import check_batch, position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["RewardModel", "RewardFunctionError", "EOS_REWARD_MODES"]
@@ -166,8 +166,7 @@ class RewardModel(RewardRole):
         if self.model is None:
             raise ValueError(f"{who}: this RewardModel has no neural scorer (only reward functions: "
                              f"{[f.name for f in self._fns]}); use compute_rewards")
-        observation = check_observation(observation, who)
-        mask = check_mask(mask, observation, who)
+        observation, mask = check_batch(observation, mask, who)
         mb = self.micro_batch_size
         return torch.cat([self._score(observation[i:i + mb], mask[i:i + mb], who)
                           for i in range(0, observation.shape[0], mb)])

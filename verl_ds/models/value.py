@@ -9,9 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import (TrainableRole, ValueRole, check_mask, check_observation, last_token_index,
-                                 left_align_prompts, optimizer_step)
-from verl_ds.rows import position_ids_from_mask
+from verl_ds.models.base import TrainableRole, ValueRole, last_token_index, left_align_prompts, optimizer_step
+from verl_ds.rows import check_batch, position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["CriticLM", "ValueModel", "VALUE_HEAD_FILE"]
@@ -147,8 +146,7 @@ class ValueModel(ValueRole, TrainableRole):
     def get_value(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) float32: the value at the last real token of each row (a (B,) output is taken as is)."""
         who = "ValueModel.get_value"
-        observation = check_observation(observation, who)
-        mask = check_mask(mask, observation, who)
+        observation, mask = check_batch(observation, mask, who)
         values = self._raw(observation, mask)
         if values.dim() == 1:
             return values
@@ -158,8 +156,7 @@ class ValueModel(ValueRole, TrainableRole):
         """(B, R) float32 per-token values aligned with the R response tokens: values[:, -R-1:-1]
         (the value of the state before each response token, as verl's critic). Differentiable."""
         who = "ValueModel.get_values"
-        observation = check_observation(observation, who)
-        mask = check_mask(mask, observation, who)
+        observation, mask = check_batch(observation, mask, who)
         T = observation.shape[1]
         if isinstance(response_length, bool) or not isinstance(response_length, int) or not 1 <= response_length < T:
             raise ValueError(f"{who}: response_length (the response width R) must be an int with 1 <= R < T={T}, "
