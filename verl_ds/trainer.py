@@ -372,11 +372,12 @@ class Trainer:
         return summary
 
     def export_hf(self, directory: Optional[str] = None) -> str:
-        """The trained actor in HF format (safetensors shards written by rank 0), plus the tokenizer."""
-        from verl_ds.export import export_hf
+        """The trained actor per ``trainer.export_format`` (safetensors written by rank 0), plus the tokenizer."""
+        from verl_ds.export import export_actor
 
         directory = directory or os.path.join(self.out_dir, "hf_actor")
-        export_hf(self.actor_engine.module, self.tokenizer, directory)
+        export_actor(self.actor_engine.module, self.tokenizer, directory, self.cfg.trainer.export_format,
+                     base_model_path=self.cfg.model.path)
         return directory
 
     def close(self) -> None:

@@ -92,3 +92,24 @@ def test_lora_dropout_keeps_the_old_log_prob_pass_of_an_on_policy_update(tmp_pat
     for m in plain:
         assert "timing_s/old_log_prob" not in m and "rollout/log_prob_diff_mean" not in m
         assert m["actor/ppo_kl"] == 0.0 and m["actor/pg_clipfrac"] == 0.0
+
+
+def test_adapter_export_writes_peft_files_that_load_on_the_base(tmp_path):
+    """trainer.export_format=adapter: peft's adapter files and, for a model built from config, its base beside them;
+    the base with the adapters merged differs from the base (the trained adapters are in the files)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    run_train(str(out), [*LORA, "trainer.total_steps=1", "trainer.export_format=adapter"])
+    export = out / "hf_actor"
+    config = json.loads((export / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str((export / "base").resolve())
+    adapters = load_file(str(export / "adapter_model.safetensors"))
+    assert adapters and all(".lora_" in k for k in adapters), sorted(adapters)[:5]
+    base = AutoModelForCausalLM.from_pretrained(export / "base").state_dict()
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(export / "base"), export).merge_and_unload()
+    merged = merged.state_dict()
+    assert merged.keys() == base.keys()
+    assert any(not torch.equal(merged[k], base[k]) for k in base)
