@@ -11,50 +11,109 @@ shuffle), the group-std epsilon (verl_ds 1e-6, TRL 1e-4), the KL clamp of verl_d
 (DeepSpeed vs plain torch). Both skip the old-log-prob pass on an on-policy step (verl_ds:
 ``actor.reuse_on_policy_log_probs``).
 
+Regimes (``--regime``, comma-separated; each runs every size of ``--sizes``):
+- ``default``: 32 prompts x n=4, responses of at most 8 tokens over the task's 18-token vocabulary. The samples of a
+  prompt often agree on their first tokens, which verl_ds computes once (shared prompts, prefill, response prefixes
+  and decoding steps); TRL computes every sample's every token.
+- ``long_diverse``: 8 prompts x n=4, responses of up to 256 tokens drawn at temperature 1 from a fresh model over a
+  2,048-word vocabulary (the task's words plus made-up ones; the model's context 512): near-uniform sampling, so the
+  samples of a prompt share nothing beyond the prompt (the share of response tokens in common prefixes, measured at
+  the initial weights, is printed) and the prompt (~10 tokens) is a small part of each sequence. Both sides score
+  in micro-batches of the same size (verl_ds ``rollout.log_prob_micro_batch_size`` = TRL's per-device batch).
+  Scores stay near 0 (a digit among 2,048 words): the regime measures throughput, not learning.
+
     python benchmarks/e2e_vs_trl.py                          # both sizes: ~10-20 min on 2 loaded CPU cores
     python benchmarks/e2e_vs_trl.py --sizes tiny --steps-tiny 20
+    python benchmarks/e2e_vs_trl.py --regime long_diverse --sizes 30m --zero-stages 0
 
 Per side it prints seconds per step (median after warm-up), generated (response) tokens per second over the
 measured steps, and the mean score of the first and last 10% of steps; then verl_ds's per-phase profile of one
-step (median of ``timing_s/<phase>`` from metrics.jsonl) and one ``e2e_vs_trl ...`` line of ratios.
+step (median of ``timing_s/<phase>`` from metrics.jsonl) and one ``e2e_vs_trl ...`` line of ratios (keys of the
+long_diverse regime start with ``long_``).
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import importlib.util
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # verl_ds from this checkout, installed or not
+
+
+def _sibling(name: str):
+    """benchmarks/<name>.py as the module ``name``, by its path (a test loads this script without benchmarks/ on
+    sys.path)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+_sides = _sibling("e2e_vs_trl_sides")  # first: the figures' module reads its PHASES
+_figures = _sibling("e2e_vs_trl_figures")
+ENV, PHASES, run_trl, run_verl_ds = _sides.ENV, _sides.PHASES, _sides.run_trl, _sides.run_verl_ds
+trl_worker, verl_ds_worker = _sides.trl_worker, _sides.verl_ds_worker
+summarise, gemm_rate, arithmetic_floor, _profile = (_figures.summarise, _figures.gemm_rate, _figures.arithmetic_floor,
+                                                    _figures._profile)
+
 # model.* shapes; "30m": hidden 512, 8 layers, MLP 2048, 8 heads (4 KV): about 31M parameters
 SIZES = {
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
     "30m": {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4},
 }
-PHASES = ("boundary", "gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "weight_sync", "kl_ctrl")
-ENV = {"DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore::FutureWarning", "TRANSFORMERS_VERBOSITY": "error",
-       "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-       "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true"}
+# each regime's job (the command line's values replace these); vocab: None for the task's 18 tokens, else the words
+# of the tokenizer; context: the model's max_position_embeddings; prefix: of its keys in the last line
+REGIMES = {
+    "default": {"prompts_per_step": 32, "n": 4, "micro_batch": 16, "max_new_tokens": 8, "steps_tiny": 40,
+                "steps_30m": 6, "vocab": None, "context": 256, "same_log_prob_chunks": False, "prefix": "",
+                "label": ""},
+    "long_diverse": {"prompts_per_step": 8, "n": 4, "micro_batch": 8, "max_new_tokens": 256, "steps_tiny": 5,
+                     "steps_30m": 4, "vocab": 2048, "context": 512, "same_log_prob_chunks": True, "prefix": "long_",
+                     "label": ":long"},
+}
 
 
-def prepare(work: str, size: str, n_prompts: int, seed: int) -> tuple[str, str, int, int]:
-    """Save the size's tiny Llama (verl_ds's own construction and init) with its tokenizer, and the prompt file;
-    returns (model_dir, prompts_file, number of parameters, parameters in matrix products: every 2-D weight but
-    the input embedding, a lookup)."""
+def wide_vocab(words: int) -> list[str]:
+    """``words`` words (special tokens excluded): verl_ds's built-in vocabulary (the task's words among them), then
+    made-up lower-case ones ('qa', 'qb', ... never a real word of it)."""
+    from verl_ds.tokenizer import default_vocab
+
+    vocab, i = list(default_vocab()), 0
+    known = set(vocab)
+    while len(vocab) < words:
+        word, k = "q", i
+        while True:
+            word, k = word + "abcdefghijklmnopqrstuvwxyz"[k % 26], k // 26
+            if not k:
+                break
+        if word not in known:
+            vocab.append(word)
+        i += 1
+    return vocab[:words]
+
+
+def prepare(work: str, size: str, n_prompts: int, seed: int, regime: str = "default") -> tuple[str, str, int, int]:
+    """Save the size's tiny Llama (verl_ds's own construction and init) with its tokenizer (the regime's vocabulary),
+    and the prompt file; returns (model_dir, prompts_file, number of parameters, parameters in matrix products: every
+    2-D weight but the input embedding, a lookup)."""
     os.environ.update(ENV)  # quiet HF progress bars and DeepSpeed's accelerator warning here too
     from verl_ds.config import load_config
     from verl_ds.engines.build import build_actor_model, load_tokenizer
     from verl_ds.tasks import parity
+    from verl_ds.tokenizer import build_tokenizer
 
-    cfg = load_config(overrides=[f"model.{k}={v}" for k, v in SIZES[size].items()])
-    tok = load_tokenizer(cfg)  # the built-in task's vocabulary (parity.VOCAB), as the default job uses
+    spec = REGIMES[regime]
+    cfg = load_config(overrides=[f"model.{k}={v}" for k, v in SIZES[size].items()]
+                      + [f"model.max_position_embeddings={spec['context']}"])
+    # the built-in task's vocabulary (parity.VOCAB), as the default job uses, or the regime's wide one
+    tok = load_tokenizer(cfg) if spec["vocab"] is None else build_tokenizer(wide_vocab(spec["vocab"] - 4))
     model = build_actor_model(cfg, tok)
     from transformers.utils import logging as hf_logging
 
@@ -68,244 +127,41 @@ def prepare(work: str, size: str, n_prompts: int, seed: int) -> tuple[str, str, 
     return model_dir, prompts, sum(p.numel() for p in model.parameters()), matmul
 
 
-def _run(cmd: list, threads: int, what: str, timeout: float) -> float:
-    env = dict(os.environ, **ENV, OMP_NUM_THREADS=str(threads))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise SystemExit(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return time.perf_counter() - t0
+def shared_prefix_share(model_dir: str, prompts: str, n: int, max_new_tokens: int, groups: int = 4,
+                        seed: int = 0) -> tuple[float, float]:
+    """(share of the response tokens that lie in a prefix the sample has in common with another sample of its prompt,
+    mean response length) of ``n`` samples for each of the first ``groups`` prompts, drawn at temperature 1 from the
+    saved model (HF generate, EOS included): how much verl_ds's shared response prefixes could save."""
+    import json
 
-
-def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float, extra: tuple = ()) -> tuple[list[dict], float]:
-    """launch/train.py on the job (1 process), with ``extra`` overrides last; returns (one row per step, process
-    wall seconds)."""
-    beta = job["beta"]
-    args = [f"model.path={job['model_dir']}", f"data.train_files={job['prompts']}", "data.max_prompt_length=16",
-            f"rollout.batch_size={job['prompts_per_step']}", f"rollout.n={job['n']}",
-            f"rollout.max_new_tokens={job['max_new_tokens']}", "rollout.temperature=1.0", "rollout.top_k=0",
-            "rollout.top_p=1.0", f"actor.lr={job['lr']}", f"actor.mini_batch_size={job['prompts_per_step'] * job['n']}",
-            f"actor.micro_batch_size={job['micro_batch']}", "actor.ppo_epochs=1", "actor.grad_clip=1.0",
-            "actor.weight_decay=0.0", "algo.adv_estimator=grpo", "algo.kl_placement=loss", "algo.kl_kind=low_var_kl",
-            f"algo.kl_coef={beta}", "algo.kl_ctrl=fixed", f"algo.use_kl_penalty={str(beta > 0).lower()}",
-            "algo.clip_ratio_c=null", "algo.loss_agg_mode=token-mean", "algo.entropy_coef=0.0", "model.dtype=fp32",
-            f"deepspeed.zero_stage={zero_stage}", f"trainer.total_steps={job['steps']}", f"trainer.seed={job['seed']}",
-            f"trainer.output_dir={out}", "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false",
-            "trainer.export_hf=false", "trainer.val_every=0"]
-    given = {o.split("=", 1)[0] for o in extra}  # verl-ds refuses a key given twice: extra replaces the job's
-    args = [o for o in args if o.split("=", 1)[0] not in given] + list(extra)
-    shutil.rmtree(out, ignore_errors=True)  # a fresh run appends to an old metrics.jsonl in its directory
-    cpu_file = os.path.join(out, "cpu_s.json")
-    wall = _run([sys.executable, os.path.abspath(__file__), "--verl-ds-worker", cpu_file, *args], job["threads"],
-                f"verl_ds (ZeRO-{zero_stage})", timeout)
-    with open(cpu_file, encoding="utf-8") as fh:
-        cpu = json.load(fh)
-    rows = []
-    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
-        for m in map(json.loads, fh):
-            if "timing_s/step" in m:
-                c = cpu[len(rows)]
-                rows.append({"step_s": m["timing_s/step"], "tokens": m["perf/total_num_tokens"],
-                             "prompt_len": m["prompt_length/mean"], "response_len": m["response_length/mean"],
-                             "score": m["rollout/score/mean"], "cpu_s": c["cpu_s"],
-                             **{p: m.get(f"timing_s/{p}", 0.0) for p in PHASES},
-                             **{f"cpu_{p}": c.get(f"cpu_{p}", 0.0) for p in PHASES}})
-    return rows, wall
-
-
-def verl_ds_worker(cpu_file: str, args: list) -> int:
-    """``launch/train.py args`` in this interpreter, with each ``Trainer.train_step`` and each of its timed phases
-    (``verl_ds.metrics.Timings``) also measured in process CPU seconds (all threads), which a loaded machine
-    inflates far less than wall time; one {"cpu_s", "cpu_<phase>"...} per step is written to ``cpu_file``."""
-    from contextlib import contextmanager
-
-    from verl_ds import metrics, trainer
-    from verl_ds.cli import main as cli_main
-
-    step, phase = getattr(trainer.Trainer, "train_step", None), getattr(metrics.Timings, "__call__", None)
-    if step is None or phase is None:
-        raise SystemExit("verl_ds.trainer.Trainer.train_step or verl_ds.metrics.Timings.__call__ is gone: "
-                         "update benchmarks/e2e_vs_trl.py")
-    rows, current = [], {}
-
-    def timed_step(self):
-        current.clear()
-        t0 = time.process_time()
-        out = step(self)
-        rows.append({"cpu_s": time.process_time() - t0, **current})
-        return out
-
-    @contextmanager
-    def timed_phase(self, name):
-        t0 = time.process_time()
-        try:
-            with phase(self, name):
-                yield
-        finally:
-            current[f"cpu_{name}"] = current.get(f"cpu_{name}", 0.0) + time.process_time() - t0
-
-    trainer.Trainer.train_step, metrics.Timings.__call__ = timed_step, timed_phase
-    rc = cli_main(["train", *args])
-    os.makedirs(os.path.dirname(cpu_file), exist_ok=True)
-    with open(cpu_file, "w", encoding="utf-8") as fh:
-        json.dump(rows, fh)
-    return rc
-
-
-def run_trl(job: dict, out: str, timeout: float) -> tuple[list[dict], float]:
-    """TRL's GRPOTrainer on the job in its own interpreter (``--trl-worker``); returns (rows, wall seconds)."""
-    spec = os.path.join(out, "job.json")
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
-    with open(spec, "w", encoding="utf-8") as fh:
-        json.dump({**job, "out": out}, fh)
-    wall = _run([sys.executable, os.path.abspath(__file__), "--trl-worker", spec], job["threads"], "TRL", timeout)
-    with open(os.path.join(out, "trl_steps.json"), encoding="utf-8") as fh:
-        return json.load(fh), wall
-
-
-def trl_worker(spec_path: str) -> None:
-    """Runs in the TRL interpreter: GRPOTrainer with the job's settings; writes one row per step to trl_steps.json."""
     import torch
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_ds.tasks.parity import parity_reward
-
-    with open(spec_path, encoding="utf-8") as fh:
-        job = json.load(fh)
-    if job.get("keep_freed_memory"):
-        from verl_ds.runtime.malloc import keep_freed_memory
-
-        keep_freed_memory()
-    torch.set_num_threads(job["threads"])
-    with open(job["prompts"], encoding="utf-8") as fh:
-        data = Dataset.from_list([json.loads(line) for line in fh])
-    tok = AutoTokenizer.from_pretrained(job["model_dir"])
-    samples = job["prompts_per_step"] * job["n"]
-
-    def parity(prompts, completions, **_):
-        return parity_reward(prompts, completions)
-
-    class StepTimes(TrainerCallback):
-        """Seconds from on_step_begin to on_step_end (generation, scoring, every micro-batch, optimizer step)
-        and the logged reward / completion length of each optimizer step."""
-
-        def __init__(self):
-            self.t0, self.rows, self.logs = 0.0, [], {}
-
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0, self.c0 = time.perf_counter(), time.process_time()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.rows.append({"step_s": time.perf_counter() - self.t0, "cpu_s": time.process_time() - self.c0})
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                self.logs[state.global_step] = logs
-
-    args = GRPOConfig(
-        output_dir=job["out"], use_cpu=True, bf16=False, fp16=False, seed=job["seed"], data_seed=job["seed"],
-        max_steps=job["steps"], learning_rate=job["lr"], lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=0.0, optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        max_grad_norm=1.0, gradient_checkpointing=False,
-        per_device_train_batch_size=job["micro_batch"], gradient_accumulation_steps=samples // job["micro_batch"],
-        num_generations=job["n"], max_completion_length=job["max_new_tokens"], temperature=1.0, top_k=0, top_p=1.0,
-        num_iterations=1, beta=job["beta"], use_bias_correction_kl=False, epsilon=0.2, loss_type="dapo",
-        scale_rewards="group", disable_dropout=True, logging_steps=1, report_to="none", save_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
-    timer = StepTimes()
-    trainer = GRPOTrainer(model=job["model_dir"], reward_funcs=[parity], args=args, train_dataset=data,
-                          processing_class=tok, callbacks=[timer])
-    if job.get("onednn"):  # verl_ds's CPU Linear backend (model.cpu_linear=onednn) in TRL's policy and reference
-        from verl_ds.engines.cpu_linear import use_onednn_linears
-
-        for model in (trainer.model, getattr(trainer, "ref_model", None)):
-            if model is not None:
-                use_onednn_linears(model)
-    trainer.train()
-    rows = []
-    for i, row in enumerate(timer.rows, start=1):
-        logs = timer.logs[i]
-        rows.append({**row, "score": logs["reward"], "tokens": logs["completions/mean_length"] * samples,
-                     "logs": logs})
-    with open(os.path.join(job["out"], "trl_steps.json"), "w", encoding="utf-8") as fh:
-        json.dump(rows, fh)
-
-
-def summarise(rows: list[dict], warmup: int, repeats: tuple = ()) -> dict:
-    """s/step (median after warm-up), generated tokens/s over the measured steps, score of the first/last 10% (of
-    ``rows``). ``repeats``: the rows of further runs of the same job, whose measured steps join the timing."""
-    measured = [r for run in (rows, *repeats) for r in (run[warmup:] or run)]
-    k = max(1, math.ceil(len(rows) / 10))
-    out = {"step_s": statistics.median(r["step_s"] for r in measured),
-           "cpu_s": statistics.median(r["cpu_s"] for r in measured),
-           "tokens_per_s": sum(r["tokens"] for r in measured) / sum(r["step_s"] for r in measured),
-           "cpu_tokens_per_s": sum(r["tokens"] for r in measured) / sum(r["cpu_s"] for r in measured),
-           "score_first": statistics.fmean(r["score"] for r in rows[:k]),
-           "score_last": statistics.fmean(r["score"] for r in rows[-k:])}
-    if "gen" in rows[0]:  # the phases of one real step: the measured one whose time is nearest the median
-        for clock, key in (("wall", "step_s"), ("cpu", "cpu_s")):
-            typical = min(measured, key=lambda r: abs(r[key] - out[key]))
-            pre = "cpu_" if clock == "cpu" else ""
-            out[f"profile_{clock}"] = {"step_s": typical[key], **{p: typical[pre + p] for p in PHASES}}
-    return out
-
-
-def gemm_rate(m: int, k: int, n: int, threads: int, seconds: float = 1.0) -> float:
-    """FLOP/s of a float32 (m, k) @ (k, n) matrix product on ``threads`` threads: the best of several timed runs, of
-    torch's product (MKL) and, where this torch has it, oneDNN's (``verl_ds.engines.cpu_linear``): the faster
-    library's rate, so that neither side's floor assumes a slower one."""
-    import torch
-
-    from verl_ds.engines.cpu_linear import linear, onednn_available
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        products = [lambda: torch.mm(a, b)]
-        if onednn_available():
-            bt = b.t().contiguous()  # (n, k): the weight layout of a Linear
-            products.append(lambda: linear(a, bt))
-        best = float("inf")
-        for product in products:
-            for _ in range(3):
-                product()
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                product()
-                best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(before)
-    return 2 * m * k * n / best
-
-
-def arithmetic_floor(rows: list[dict], warmup: int, samples: int, matmul_params: int, beta: float, rate: float,
-                     n: int = 1, shared: bool = False) -> dict:
-    """The seconds per step that the matrix products alone take at ``rate`` FLOP/s: forward 2 x params x tokens
-    for the generation (prefill and decode of every sample), for the reference (when beta > 0) and in the update,
-    whose backward adds 4 x params x tokens. Tokens per sample: the prompt and response lengths of verl_ds's
-    measured steps; the generation feeds every token but the last sampled one. Unshared (TRL's arithmetic), the
-    reference and the update feed every sample's whole prompt and response; with ``shared``
-    (``model.share_prompts`` and ``rollout.share_prefill``) the generation's prefill, the reference and the update
-    compute each prompt once for its ``n`` samples, and the scoring passes leave out each response's last token
-    (it predicts nothing). Attention scores, norms and activations are left out (sequences of ~16 tokens), so no
-    implementation doing that arithmetic can run faster. The response tokens that samples of a prompt have in
-    common at their start (``model.share_response_prefixes``) are counted for every sample: verl_ds's scoring
-    passes feed them once, so it can step below the shared floor."""
-    measured = rows[warmup:] or rows
-    prompt = statistics.fmean(r["prompt_len"] for r in measured)
-    response = statistics.fmean(r["response_len"] for r in measured)
-    every = samples * (prompt + response)
-    prompts = samples / n * prompt if shared else samples * prompt
-    generated = prompts + samples * max(response - 1, 0)
-    scored = prompts + samples * max(response - 1, 0) if shared else every  # the reference and update passes
-    passes = (2 if beta > 0 else 0) + 6
-    flop = matmul_params * (2 * generated + passes * scored)
-    return {"flop": flop, "tokens": every, "scored_tokens": scored, "floor_s": flop / rate}
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with open(prompts, encoding="utf-8") as fh:
+        texts = [json.loads(line)["prompt"] for _, line in zip(range(groups), fh)]
+    shared = total = 0
+    torch.manual_seed(seed)
+    for text in texts:
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids.repeat(n, 1), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
+        responses = []
+        for row in out[:, ids.shape[1]:].tolist():
+            end = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+            responses.append(row[:end])
+        for i, r in enumerate(responses):
+            common = 0
+            for j, other in enumerate(responses):
+                if j != i:
+                    k = 0
+                    while k < min(len(r), len(other)) and r[k] == other[k]:
+                        k += 1
+                    common = max(common, k)
+            shared, total = shared + common, total + len(r)
+    return shared / max(total, 1), total / (len(texts) * n)
 
 
 def _revision() -> str:
@@ -320,52 +176,156 @@ def _revision() -> str:
     return (head or "(no git)") + ("+changes" if dirty else "")
 
 
-def _profile(name: str, prof: dict) -> str:
-    step = prof["step_s"]
-    phases = {p: prof[p] for p in PHASES if prof[p] > 0}
-    other = step - sum(phases.values())
-    parts = [f"{p} {v * 1000:.0f} ms ({100 * v / step:.0f}%)" for p, v in sorted(phases.items(), key=lambda kv: -kv[1])]
-    return f"  {name}: step {step * 1000:.0f} ms = " + ", ".join(parts) + f", untimed {other * 1000:.0f} ms"
+_JOB_KEYS = ("prompts_per_step", "n", "micro_batch", "max_new_tokens", "steps_tiny", "steps_30m")
 
 
-def main(argv=None) -> None:
+def _spec(a, regime: str) -> dict:
+    """The regime's job with the command line's values (those given) in place of its own."""
+    return {**REGIMES[regime], **{k: getattr(a, k) for k in _JOB_KEYS if getattr(a, k) is not None}}
+
+
+def _size_run(a, regime: str, size: str, stages: list, variants: list, work: str) -> dict:
+    """Both sides (and the extra rows) on one regime's job at one size; prints their table rows and returns the
+    results, ratios and arithmetic floor of this (regime, size)."""
+    spec = _spec(a, regime)
+    label = size + spec["label"]
+    steps = spec["steps_tiny"] if size == "tiny" else spec["steps_30m"]
+    samples = spec["prompts_per_step"] * spec["n"]
+    if steps <= a.warmup:
+        raise SystemExit(f"--steps-{size} must exceed --warmup ({a.warmup}); got {steps} ({regime})")
+    size_dir = os.path.join(work, regime, size) if regime != "default" else os.path.join(work, size)
+    model_dir, prompts, n_params, matmul_params = prepare(size_dir, size, max(4096, steps * spec["prompts_per_step"]),
+                                                          a.seed, regime)
+    job = {"model_dir": model_dir, "prompts": prompts, "steps": steps, "prompts_per_step": spec["prompts_per_step"],
+           "n": spec["n"], "micro_batch": spec["micro_batch"], "max_new_tokens": spec["max_new_tokens"], "lr": a.lr,
+           "beta": a.beta, "seed": a.seed, "threads": a.threads, "temperature": 1.0,
+           "log_prob_micro_batch": spec["micro_batch"] if spec["same_log_prob_chunks"] else None}
+    sides = [("trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
+    if a.trl_keep_freed_memory:  # what verl_ds's CPU malloc setting would give TRL (not used in the ratios)
+        sides.append(("trl kept memory", lambda: run_trl({**job, "keep_freed_memory": True},
+                                                         os.path.join(size_dir, "trl_kept"), a.timeout)))
+    if a.trl_onednn:  # what verl_ds's CPU Linear backend would give TRL (not used in the ratios)
+        sides.append(("trl onednn", lambda: run_trl({**job, "onednn": True}, os.path.join(size_dir, "trl_onednn"),
+                                                    a.timeout)))
+    sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
+                                                             a.timeout)) for z in stages]
+    sides += [(f"verl_ds {name}", lambda i=i, pairs=pairs: run_verl_ds(
+        job, stages[0], os.path.join(size_dir, f"verl_ds_variant{i}"), a.timeout, pairs))
+        for i, (name, pairs) in enumerate(variants)]
+    runs, results, verl_rows = {side: [] for side, _ in sides}, {}, {}
+    for _ in range(a.repeats - 1):  # the sides in turn, so that a slower hour weighs on each of them alike
+        for side, fn in sides:
+            runs[side].append(fn()[0])
+    for side, fn in sides:
+        rows, wall = fn()
+        if side.startswith("verl_ds"):
+            verl_rows[side] = rows
+        s = results[label, side] = summarise(rows, a.warmup, tuple(runs[side]))
+        print(f"{label:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} "
+              f"{s['cpu_tokens_per_s']:9.0f} {s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}", flush=True)
+    trl_s, ours = results[label, "trl"], results[label, f"verl_ds ZeRO-{stages[0]}"]
+    key = spec["prefix"] + ("tiny" if size == "tiny" else "big")
+    ratios = {f"{key}_step_ratio": ours["step_s"] / trl_s["step_s"],
+              f"{key}_tokens_per_s_ratio": ours["tokens_per_s"] / trl_s["tokens_per_s"],
+              f"{key}_cpu_step_ratio": ours["cpu_s"] / trl_s["cpu_s"],
+              f"{key}_cpu_tokens_per_s_ratio": ours["cpu_tokens_per_s"] / trl_s["cpu_tokens_per_s"],
+              f"{key}_score_last_diff": ours["score_last"] - trl_s["score_last"]}
+    head = verl_rows[f"verl_ds ZeRO-{stages[0]}"]
+    note = ""
+    if regime == "long_diverse":  # how little the samples of a prompt have in common
+        share, length = shared_prefix_share(model_dir, prompts, spec["n"], spec["max_new_tokens"], seed=a.seed)
+        ratios[f"{key}_shared_prefix_share"] = share
+        measured = head[a.warmup:] or head
+        note = (f"; responses {statistics.fmean(r['response_len'] for r in measured):.0f} tokens on average (verl_ds's "
+                f"measured steps), {100 * share:.1f}% of response tokens in a prefix shared with another sample of "
+                f"the prompt ({length:.0f}-token samples at the initial weights)")
+    print(f"      ({label}: {n_params / 1e6:.2f}M parameters{note})", flush=True)
+    cfg = SIZES[size]  # the update's products: a micro-batch's tokens x hidden x MLP width, the best-fed shape
+    m_tokens = spec["micro_batch"] * (spec["max_new_tokens"] + 8)
+    rate = max(gemm_rate(m_tokens, cfg["hidden_size"], cfg["intermediate_size"], a.threads),
+               gemm_rate(m_tokens, cfg["intermediate_size"], cfg["hidden_size"], a.threads))
+    floor = arithmetic_floor(head, a.warmup, samples, matmul_params, a.beta, rate)
+    floor["shared"] = arithmetic_floor(head, a.warmup, samples, matmul_params, a.beta, rate, spec["n"], shared=True)
+    floor["rate"] = rate
+    ratios[f"{key}_floor_step_ratio"] = floor["floor_s"] / trl_s["step_s"]
+    return {"results": results, "ratios": ratios, "floor": (label, floor)}
+
+
+def _print_summary(results: dict, floors: dict, stages: list, threads: int) -> None:
+    print("\nverl_ds per-phase profile of one step (the measured step nearest the median), in wall and CPU seconds:")
+    for (label, side), s in results.items():
+        for clock in ("wall", "cpu"):
+            if f"profile_{clock}" in s:
+                print(_profile(f"{label} {side} {clock}", s[f"profile_{clock}"]))
+    print("\nArithmetic floor: the matrix products alone at the measured float32 GEMM rate on "
+          f"{threads} thread(s), computing every sample's prompt in every pass (as TRL does), and with each "
+          "prompt once per group in the generation, reference and update passes (verl_ds's model.share_prompts and "
+          "rollout.share_prefill), each response's last token left out of the scoring passes (shared response "
+          "prefixes counted for every sample: verl_ds feeds them once, model.share_response_prefixes):")
+    for label, f in floors.items():
+        trl_s, ours = results[label, "trl"]["step_s"], results[label, f"verl_ds ZeRO-{stages[0]}"]["step_s"]
+        sh = f["shared"]
+        print(f"  {label}: {f['flop']:.3g} FLOP per step ({f['tokens']:.0f} tokens per pass) at {f['rate'] / 1e9:.1f} "
+              f"GFLOP/s = {f['floor_s']:.3f} s/step, {f['floor_s'] / trl_s:.2f} x TRL's {trl_s:.3f} s "
+              f"({100 * f['floor_s'] / trl_s:.0f}% of the rate); shared prompts: {sh['flop']:.3g} FLOP "
+              f"({sh['scored_tokens']:.0f} tokens per pass) = {sh['floor_s']:.3f} s/step, "
+              f"verl_ds ZeRO-{stages[0]} {ours:.3f} s ({100 * sh['floor_s'] / ours:.0f}% of the rate)")
+
+
+def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--regime", default="default", help="comma-separated, from " + ", ".join(REGIMES))
     p.add_argument("--sizes", default="tiny,30m", help="comma-separated, from " + ", ".join(SIZES))
-    p.add_argument("--steps-tiny", type=int, default=40)
-    p.add_argument("--steps-30m", type=int, default=6)
+    p.add_argument("--steps-tiny", type=int, default=None, help="default: the regime's (default 40, long_diverse 5)")
+    p.add_argument("--steps-30m", type=int, default=None, help="default: the regime's (default 6, long_diverse 4)")
     p.add_argument("--warmup", type=int, default=2, help="steps dropped from the timing (not from the scores)")
-    p.add_argument("--prompts-per-step", type=int, default=32)
-    p.add_argument("--n", type=int, default=4, help="samples per prompt (TRL num_generations)")
-    p.add_argument("--micro-batch", type=int, default=16, help="samples per forward/backward (TRL per-device batch)")
-    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--prompts-per-step", type=int, default=None, help="default: the regime's (32, long_diverse 8)")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (TRL num_generations); the regime's: 4")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per forward/backward (TRL per-device batch); the regime's: 16, long_diverse 8")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="the regime's: 8, long_diverse 256")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.01, help="KL coefficient (k3 in the loss; 0: no reference)")
     p.add_argument("--zero-stages", default="0,3", help="verl_ds ZeRO stages to run; the first is the headline")
     p.add_argument("--repeats", type=int, default=1, help="runs of each side, interleaved; the timing pools their "
                    "measured steps (a shared machine's speed drifts by 2x from one hour to the next)")
     p.add_argument("--trl-keep-freed-memory", action="store_true",
-                   help="also run TRL with verl_ds's CPU malloc setting (trainer.cpu_keep_freed_memory), a row of its own")
+                   help="also run TRL with verl_ds's CPU malloc setting (trainer.cpu_keep_freed_memory), a row of its "
+                        "own")
     p.add_argument("--trl-onednn", action="store_true",
-                   help="also run TRL with its Linear layers on verl_ds's oneDNN backend (model.cpu_linear=onednn), a row "
-                        "of its own")
+                   help="also run TRL with its Linear layers on verl_ds's oneDNN backend (model.cpu_linear=onednn), "
+                        "a row of its own")
     p.add_argument("--verl-ds-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                    help="an extra verl_ds row (at the first of --zero-stages) with these launch/train.py overrides, "
-                        "e.g. 'torch linear:model.cpu_linear=torch'; repeatable, not used in the ratios")
+                        "e.g. 'no prefix sharing:model.share_response_prefixes=false'; repeatable, not used in the "
+                        "ratios")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per side and size")
     p.add_argument("--work-dir", default=None, help="keep models, prompts and runs here (default: a temp dir)")
     p.add_argument("--trl-worker", default=None, help=argparse.SUPPRESS)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    a = _parse(argv)
     if a.trl_worker:
         return trl_worker(a.trl_worker)
+    regimes = [r.strip() for r in a.regime.split(",") if r.strip()]
     sizes = [s.strip() for s in a.sizes.split(",") if s.strip()]
     stages = [int(z) for z in a.zero_stages.split(",")]
+    bad = [r for r in regimes if r not in REGIMES]
+    if bad or not regimes:
+        raise SystemExit(f"--regime must name regimes from {sorted(REGIMES)}; got {bad or a.regime!r}")
     bad = [s for s in sizes if s not in SIZES] + [z for z in stages if z not in (0, 1, 2, 3)]
     if bad or not sizes or not stages:
         raise SystemExit(f"--sizes must name sizes from {sorted(SIZES)} and --zero-stages stages 0-3; got {bad or a}")
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1; got {a.repeats}")
+    for flag, module in (("--trl-onednn", "verl_ds.engines.cpu_linear"), ("--trl-keep-freed-memory",
+                                                                         "verl_ds.runtime.malloc")):
+        if getattr(a, flag[2:].replace("-", "_")) and importlib.util.find_spec(module) is None:
+            raise SystemExit(f"{flag} needs {module}, which this verl_ds tree no longer has")
     variants = []
     for v in a.verl_ds_variant:
         name, sep, overrides = v.partition(":")
@@ -373,9 +333,11 @@ def main(argv=None) -> None:
         if not sep or not name.strip() or not pairs or not all("=" in o for o in pairs):
             raise SystemExit(f"--verl-ds-variant must be NAME:KEY=VALUE[,KEY=VALUE...]; got {v!r}")
         variants.append((name.strip(), tuple(pairs)))
-    samples = a.prompts_per_step * a.n
-    if a.micro_batch < 1 or samples % a.micro_batch:
-        raise SystemExit(f"--micro-batch must divide prompts per step x n = {samples}; got {a.micro_batch}")
+    for regime in regimes:  # refused before any run starts
+        spec = _spec(a, regime)
+        samples = spec["prompts_per_step"] * spec["n"]
+        if spec["micro_batch"] < 1 or samples % spec["micro_batch"]:
+            raise SystemExit(f"--micro-batch must divide prompts per step x n = {samples}; got {spec['micro_batch']}")
     try:
         import transformers
         import trl
@@ -384,87 +346,26 @@ def main(argv=None) -> None:
                          "print(torch.__version__)')) 'trl>=1.16'") from None
     work = a.work_dir or tempfile.mkdtemp(prefix="verl_ds_vs_trl_")
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"e2e_vs_trl: GRPO, {a.prompts_per_step} prompts x n={a.n} per step, micro-batch {a.micro_batch}, "
-          f"max_new_tokens {a.max_new_tokens}, lr {a.lr}, beta {a.beta}, 1 process, CPU, OMP_NUM_THREADS={a.threads}, "
+    jobs = "; ".join(f"{r}: {j['prompts_per_step']} prompts x n={j['n']} per step, micro-batch {j['micro_batch']}, "
+                     f"max_new_tokens {j['max_new_tokens']}" for r, j in ((r, _spec(a, r)) for r in regimes))
+    print(f"e2e_vs_trl: GRPO, {jobs}, lr {a.lr}, beta {a.beta}, 1 process, CPU, OMP_NUM_THREADS={a.threads}, "
           f"TRL {trl.__version__}, transformers {transformers.__version__}, verl_ds {_revision()}, "
           f"load average {load:.1f}, {a.repeats} run(s) of each side, work dir {work}")
     header = f"{'size':5s} {'side':16s} {'steps':>5s} {'s/step':>7s} {'cpu s/step':>10s} {'tok/s':>7s} " \
              f"{'tok/cpu-s':>9s} {'score first':>11s} {'score last':>10s} {'wall s':>7s}"
     print(header + "\n" + "-" * len(header), flush=True)
     results, ratios, floors = {}, {}, {}
-    for size in sizes:
-        steps = a.steps_tiny if size == "tiny" else a.steps_30m
-        if steps <= a.warmup:
-            raise SystemExit(f"--steps-{size} must exceed --warmup ({a.warmup}); got {steps}")
-        size_dir = os.path.join(work, size)
-        model_dir, prompts, n_params, matmul_params = prepare(size_dir, size, max(4096, steps * a.prompts_per_step),
-                                                              a.seed)
-        job = {"model_dir": model_dir, "prompts": prompts, "steps": steps, "prompts_per_step": a.prompts_per_step,
-               "n": a.n, "micro_batch": a.micro_batch, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
-               "seed": a.seed, "threads": a.threads}
-        sides = [("trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
-        if a.trl_keep_freed_memory:  # what verl_ds's CPU malloc setting would give TRL (not used in the ratios)
-            sides.append(("trl kept memory", lambda: run_trl({**job, "keep_freed_memory": True},
-                                                             os.path.join(size_dir, "trl_kept"), a.timeout)))
-        if a.trl_onednn:  # what verl_ds's CPU Linear backend would give TRL (not used in the ratios)
-            sides.append(("trl onednn", lambda: run_trl({**job, "onednn": True}, os.path.join(size_dir, "trl_onednn"),
-                                                        a.timeout)))
-        verl_rows = {}
-        sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
-                                                                 a.timeout)) for z in stages]
-        sides += [(f"verl_ds {name}", lambda i=i, pairs=pairs: run_verl_ds(
-            job, stages[0], os.path.join(size_dir, f"verl_ds_variant{i}"), a.timeout, pairs))
-            for i, (name, pairs) in enumerate(variants)]
-        runs = {side: [] for side, _ in sides}
-        for _ in range(a.repeats - 1):  # the sides in turn, so that a slower hour weighs on each of them alike
-            for side, fn in sides:
-                runs[side].append(fn()[0])
-        for side, fn in sides:
-            rows, wall = fn()
-            if side.startswith("verl_ds"):
-                verl_rows[side] = rows
-            s = results[size, side] = summarise(rows, a.warmup, tuple(runs[side]))
-            print(f"{size:5s} {side:16s} {len(rows):5d} {s['step_s']:7.3f} {s['cpu_s']:10.3f} {s['tokens_per_s']:7.0f} "
-                  f"{s['cpu_tokens_per_s']:9.0f} {s['score_first']:11.3f} {s['score_last']:10.3f} {wall:7.0f}",
-                  flush=True)
-        trl_s, ours = results[size, "trl"], results[size, f"verl_ds ZeRO-{stages[0]}"]
-        key = "tiny" if size == "tiny" else "big"
-        ratios[f"{key}_step_ratio"] = ours["step_s"] / trl_s["step_s"]
-        ratios[f"{key}_tokens_per_s_ratio"] = ours["tokens_per_s"] / trl_s["tokens_per_s"]
-        ratios[f"{key}_cpu_step_ratio"] = ours["cpu_s"] / trl_s["cpu_s"]
-        ratios[f"{key}_cpu_tokens_per_s_ratio"] = ours["cpu_tokens_per_s"] / trl_s["cpu_tokens_per_s"]
-        ratios[f"{key}_score_last_diff"] = ours["score_last"] - trl_s["score_last"]
-        print(f"      ({size}: {n_params / 1e6:.2f}M parameters)", flush=True)
-        cfg = SIZES[size]  # the update's products: a micro-batch's tokens x hidden x MLP width, the best-fed shape
-        m_tokens = a.micro_batch * (a.max_new_tokens + 8)
-        rate = max(gemm_rate(m_tokens, cfg["hidden_size"], cfg["intermediate_size"], a.threads),
-                   gemm_rate(m_tokens, cfg["intermediate_size"], cfg["hidden_size"], a.threads))
-        head = verl_rows[f"verl_ds ZeRO-{stages[0]}"]
-        floor = floors[size] = arithmetic_floor(head, a.warmup, samples, matmul_params, a.beta, rate)
-        floor["shared"] = arithmetic_floor(head, a.warmup, samples, matmul_params, a.beta, rate, a.n, shared=True)
-        floor["rate"] = rate
-        ratios[f"{key}_floor_step_ratio"] = floor["floor_s"] / trl_s["step_s"]
-    print("\nverl_ds per-phase profile of one step (the measured step nearest the median), in wall and CPU seconds:")
-    for (size, side), s in results.items():
-        for clock in ("wall", "cpu"):
-            if f"profile_{clock}" in s:
-                print(_profile(f"{size} {side} {clock}", s[f"profile_{clock}"]))
-    print("\nArithmetic floor: the matrix products alone at the measured float32 GEMM rate on "
-          f"{a.threads} thread(s), computing every sample's prompt in every pass (as TRL does), and with each "
-          "prompt once per group in the generation, reference and update passes (verl_ds's model.share_prompts and "
-          "rollout.share_prefill), each response's last token left out of the scoring passes (shared response "
-          "prefixes counted for every sample: verl_ds feeds them once, model.share_response_prefixes):")
-    for size, f in floors.items():
-        trl_s, ours = results[size, "trl"]["step_s"], results[size, f"verl_ds ZeRO-{stages[0]}"]["step_s"]
-        sh = f["shared"]
-        print(f"  {size}: {f['flop']:.3g} FLOP per step ({f['tokens']:.0f} tokens per pass) at {f['rate'] / 1e9:.1f} "
-              f"GFLOP/s = {f['floor_s']:.3f} s/step, {f['floor_s'] / trl_s:.2f} x TRL's {trl_s:.3f} s "
-              f"({100 * f['floor_s'] / trl_s:.0f}% of the rate); shared prompts: {sh['flop']:.3g} FLOP "
-              f"({sh['scored_tokens']:.0f} tokens per pass) = {sh['floor_s']:.3f} s/step, "
-              f"verl_ds ZeRO-{stages[0]} {ours:.3f} s ({100 * sh['floor_s'] / ours:.0f}% of the rate)")
+    for regime in regimes:
+        for size in sizes:
+            out = _size_run(a, regime, size, stages, variants, work)
+            results.update(out["results"])
+            ratios.update(out["ratios"])
+            floors[out["floor"][0]] = out["floor"][1]
+    _print_summary(results, floors, stages, a.threads)
     print(f"\nratios use verl_ds ZeRO-{stages[0]}; step ratio = verl_ds s/step / TRL s/step (< 1: verl_ds faster), "
           "tokens/s ratio = verl_ds / TRL (wall), cpu step ratio = the same in process CPU seconds (less sensitive to "
-          "other load), score diff = verl_ds - TRL (last 10% of steps), floor step ratio = the unshared arithmetic floor / TRL s/step")
+          "other load), score diff = verl_ds - TRL (last 10% of steps), floor step ratio = the unshared arithmetic "
+          "floor / TRL s/step, long_*: the long_diverse regime (shared prefix share: see its size line)")
     print("e2e_vs_trl " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()) + f" load={load:.1f}")
 
 

@@ -1,5 +1,6 @@
-"""benchmarks/e2e_vs_trl.py: its summary arithmetic on hand-made rows, its argument errors, and one real run of
-both sides (TRL's GRPOTrainer and verl_ds GRPO on ZeRO-0) at the smallest size."""
+"""benchmarks/e2e_vs_trl.py: its summary arithmetic on hand-made rows, its argument errors, and real runs of both
+sides (TRL's GRPOTrainer and verl_ds GRPO on ZeRO-0) at the smallest size, in the default regime and in the long,
+diverse one."""
 import json
 import math
 import os
@@ -89,6 +90,9 @@ def test_arithmetic_floor_by_hand():
     (["--repeats", "0"], "--repeats must be >= 1; got 0"),
     (["--verl-ds-variant", "model.cpu_linear=torch"], "--verl-ds-variant must be NAME:KEY=VALUE"),
     (["--verl-ds-variant", "torch linear:"], "--verl-ds-variant must be NAME:KEY=VALUE"),
+    (["--regime", "long"], "--regime must name regimes from ['default', 'long_diverse']; got ['long']"),
+    # the long_diverse regime's own job: 8 prompts x n=4
+    (["--regime", "default,long_diverse", "--micro-batch", "64"], "prompts per step x n = 32; got 64"),
 ])
 def test_bad_arguments_are_named(args, message):
     with pytest.raises(SystemExit) as exc:
@@ -131,3 +135,38 @@ def test_both_sides_run_at_the_smallest_size(tmp_path):
     assert len(steps) == 2 and all("actor/kl_loss" in m and "critic/vf_loss" not in m for m in steps)
     cpu = json.loads((tmp_path / "tiny" / "verl_ds_z0" / "cpu_s.json").read_text())
     assert len(cpu) == 2 and all(c["cpu_s"] >= c["cpu_gen"] + c["cpu_update_actor"] > 0 for c in cpu)
+
+
+def test_the_wide_vocabulary_of_the_long_regime():
+    mod = _load()
+    words = mod.wide_vocab(2044)
+    assert len(words) == len(set(words)) == 2044
+    assert {"even", "odd", "=>", ":"} | {str(d) for d in range(10)} <= set(words)  # the task's prompts encode
+    assert all(w and not any(c.isspace() for c in w) for w in words)
+
+
+@pytest.mark.timeout(1500)  # two training processes with 24-token responses
+def test_both_sides_run_the_long_diverse_regime_at_the_smallest_size(tmp_path):
+    pytest.importorskip("trl", reason="TRL is not installed (optional benchmark dependency, setup.py extra 'bench')")
+    cmd = [sys.executable, SCRIPT, "--regime", "long_diverse", "--sizes", "tiny", "--steps-tiny", "2", "--warmup",
+           "1", "--zero-stages", "0", "--prompts-per-step", "2", "--n", "2", "--micro-batch", "2", "--max-new-tokens",
+           "24", "--threads", "1", "--timeout", "600", "--work-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    table = {ln.split()[1]: ln.split() for ln in lines if ln.startswith("tiny:long ") and len(ln.split()) >= 8}
+    assert set(table) == {"trl", "verl_ds"}, proc.stdout
+    figures = dict(kv.split("=") for kv in re.fullmatch(r"e2e_vs_trl (.*)", lines[-1]).group(1).split())
+    assert {"long_tiny_step_ratio", "long_tiny_tokens_per_s_ratio", "long_tiny_shared_prefix_share"} <= set(figures)
+    assert not any(k.startswith("tiny_") for k in figures)
+    # diverse: samples of a prompt share (almost) no response prefix; long: a fresh model over 2,048 words rarely
+    # draws EOS, so responses run to the limit on both sides (over the task's 18 tokens they end after ~12)
+    assert float(figures["long_tiny_shared_prefix_share"]) < 0.2
+    run = tmp_path / "long_diverse" / "tiny"
+    trl_rows = json.loads((run / "trl" / "trl_steps.json").read_text())
+    assert all(18 <= r["logs"]["completions/mean_length"] <= 24 for r in trl_rows)
+    with open(run / "verl_ds_z0" / "metrics.jsonl", encoding="utf-8") as fh:
+        steps = [m for m in map(json.loads, fh) if "timing_s/step" in m]
+    assert len(steps) == 2 and all(18 <= m["response_length/mean"] <= 24 for m in steps)
+    with open(run / "model_tiny" / "config.json", encoding="utf-8") as fh:
+        assert json.load(fh)["vocab_size"] == 2048

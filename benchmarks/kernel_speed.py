@@ -7,9 +7,9 @@ by a large copy, the peak extra memory of one call, and the max abs difference f
 reference. On a machine without CUDA it runs the torch paths only (the Triton interpreter is a
 correctness tool, not something to time) and says so.
 
-    python benchmarks/kernels.py              # the default shapes (needs a GPU-sized memory)
-    python benchmarks/kernels.py --quick      # small shapes, for CPU or a smoke run
-    python benchmarks/kernels.py --sweep      # also time the log-prob kernel over launch shapes
+    python benchmarks/kernel_speed.py              # the default shapes (needs a GPU-sized memory)
+    python benchmarks/kernel_speed.py --quick      # small shapes, for CPU or a smoke run
+    python benchmarks/kernel_speed.py --sweep      # also time the log-prob kernel over launch shapes
 """
 from __future__ import annotations
 
