@@ -83,7 +83,7 @@ def unit_col_stride(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
-# Set by benchmarks/kernels.py --sweep to time other launch shapes; None in normal use.
+# Set by benchmarks/kernel_speed.py --sweep to time other launch shapes; None in normal use.
 VOCAB_LAUNCH_OVERRIDE: dict | None = None
 
 

@@ -19,7 +19,7 @@ unreliable on GPU, triton #4362), in chunks whose carry (v+, g) passes to the ne
 
 Why a scan: a per-row reverse loop is T dependent steps of a few loads each, so on a GPU its time is about T memory
 latencies whatever B is; the scan reads each row once with coalesced loads and does O(log BLOCK_T) dependent steps
-per chunk (``benchmarks/kernels.py`` times it against verl's loop). Triton's CPU interpreter runs a custom-combine
+per chunk (``benchmarks/kernel_speed.py`` times it against verl's loop). Triton's CPU interpreter runs a custom-combine
 scan one element at a time in Python (~0.2 ms per element); CPU tensors take the torch path instead.
 """
 from __future__ import annotations
