@@ -128,3 +128,39 @@ def test_bad_limits_and_mismatched_inputs_are_named():
         EpisodeLimits(max_turns=0)
     with pytest.raises(ValueError, match="2 environments for 1 samples"):
         run_episodes(scripted(lambda t: "1"), ChatTokens(TOK), [Raises(), Raises()], [{}])
+
+
+def test_a_real_engine_turn_by_turn_keeps_its_sampled_ids():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verl_ds.agent.episodes import engine_turns
+    from verl_ds.generation import HFRolloutEngine
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(TOK), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    engine = HFRolloutEngine(model, pad_token_id=TOK.pad_token_id, eos_token_id=STOP, gather_params=False)
+    calls = []
+
+    def recording(prompts, max_new):
+        torch.manual_seed(len(calls))
+        out = engine_turns(engine, TOK.pad_token_id, temperature=1.0)(prompts, max_new)
+        calls.append((prompts, out))
+        return out
+    rows = [{"secret": 5, "high": h} for h in (8, 9, 10)]  # distinct prompts: a turn is matched to its row
+    # the untrained model rarely emits the stop token: let turn_length end most; bias it towards the stop token
+    with torch.no_grad():
+        model.lm_head.weight[STOP] += 2.0
+    trajs = run_episodes(recording, ChatTokens(TOK), [make_environment("guess_number") for _ in rows], rows,
+                         EpisodeLimits(max_turns=3, max_turn_tokens=12))
+    assert calls
+    for t in trajs:
+        assert t.end in ("done", "max_turns", "turn_length") and 1 <= t.turns <= 3
+        # every model turn in the trajectory is exactly what the engine returned for that row, log-probs included
+        sampled = [(ids, lp) for prompts, out in calls for p, (ids, lp) in zip(prompts, out)
+                   if p == (t.prompt_ids + t.ids)[:len(p)]]
+        got = [tok for tok, m in zip(t.ids, t.model_mask) if m]
+        assert got == [tok for ids, _ in sampled for tok in ids]
+        assert [lp for lp, m in zip(t.log_probs, t.model_mask) if m] == [x for _, lp in sampled for x in lp]
+        assert all(lp <= 0.0 for lp in t.log_probs)

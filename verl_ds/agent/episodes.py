@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from verl_ds.agent.chat_tokens import ChatTokens
 from verl_ds.agent.env import Environment, Step
 
-__all__ = ["EpisodeLimits", "Trajectory", "run_episodes", "END_REASONS"]
+__all__ = ["EpisodeLimits", "Trajectory", "run_episodes", "END_REASONS", "engine_turns"]
 
 # "done": the environment ended it; the others are truncations
 END_REASONS = ("done", "max_turns", "max_tool_calls", "context", "turn_length", "env_error", "env_timeout")
@@ -68,6 +68,23 @@ class Trajectory:
         self.ids += list(ids)
         self.model_mask += [int(sampled)] * len(ids)
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+
+
+def engine_turns(engine, pad_token_id: int, **sampling) -> GenerateFn:
+    """A GenerateFn over a rollout engine (``HFRolloutEngine`` / ``VLLMRollout``: left-padded prompts in, a
+    ``Generation`` out): each row's sampled ids up to and including its stop token, with their log-probs."""
+    import torch
+
+    def generate(prompts: list, max_new_tokens: int) -> list:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        gen = engine.generate(ids.to(engine.device), mask.to(engine.device), max_new_tokens=max_new_tokens, **sampling)
+        lengths = gen.response_length.tolist()
+        return [(gen.responses[row, :n].tolist(), gen.log_probs[row, :n].tolist()) for row, n in enumerate(lengths)]
+    return generate
 
 
 def _timed(fn, *args):
