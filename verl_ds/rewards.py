@@ -19,6 +19,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from verl_ds.agent.code_reward import code_tests_reward
 from verl_ds.tasks.gsm8k import exact_match_reward
 from verl_ds.tasks.parity import parity_reward
 from verl_ds.verifiable import format_reward, math_answer_reward
@@ -37,6 +38,7 @@ REWARD_FNS: dict[str, RewardFn] = {
     "exact_match": exact_match_reward,
     "math_verify": math_answer_reward,  # needs pip install 'verl_ds[math]'
     "format": format_reward,  # <think>...</think> then an answer with \boxed{...}
+    "code_tests": code_tests_reward,  # the last code block with the row's `tests`, in a sandbox (verl_ds.agent)
 }
 # the shipped functions above return one float per sample: per_token=True would fail at the first step
 SEQUENCE_REWARDS = frozenset(REWARD_FNS)

@@ -1,0 +1,102 @@
+"""Token in / token out: a trajectory grows by the model's tokens exactly as sampled and by the chat template's
+rendering of the messages that follow, never by decoding and re-encoding the conversation.
+
+Re-tokenising the decoded conversation makes the trainer score ids the sampler never produced (a merge across a
+turn boundary, a normalised space, a template that rewrites earlier turns); see verl issues #6501 and #3960 and
+TRL PR #5242. Here the environment's tokens are the template's *delta*: the text that
+``apply_chat_template(BASE + messages, add_generation_prompt=True)`` adds after ``apply_chat_template(BASE)``, where
+BASE is a fixed two-turn conversation, plus whatever the template writes after an assistant turn's end-of-turn
+token (Qwen's newline after ``<|im_end|>``). No earlier turn is rendered again.
+
+Where a template renders history differently from how it was sampled (Qwen3 drops the reasoning of earlier
+turns), the incremental ids cannot equal a whole-conversation rendering: ``rewrites_history`` says so, once, at
+start-up, and training goes on with the ids the model produced.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ChatTokens", "TemplateError"]
+
+_BASE = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
+
+
+class TemplateError(ValueError):
+    """A chat template that cannot be extended turn by turn (it rewrites what it rendered before)."""
+
+
+class ChatTokens:
+    """The token pieces of a conversation under one tokenizer's chat template (and ``tools``)."""
+
+    def __init__(self, tokenizer: Any, tools: list | None = None):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise TemplateError(f"{type(tokenizer).__name__} has no chat_template: multi-turn rollouts render the "
+                                f"environment's messages with it (set tokenizer.chat_template)")
+        self.tokenizer, self.tools = tokenizer, tools or None
+        self.stop_ids = self._stop_ids()
+        base = self._render(_BASE)
+        end = base.rindex(_BASE[-1]["content"]) + len(_BASE[-1]["content"])
+        closing = base[end:]  # what follows the assistant's content: its end-of-turn token, then perhaps more
+        marker = next((t for t in self._stop_texts() if closing.startswith(t)), None)
+        if marker is None:
+            raise TemplateError(f"the chat template ends an assistant turn with {closing[:40]!r}, which starts with "
+                                f"none of the stop tokens {self._stop_texts()}: a sampled turn could not end where "
+                                f"the template expects")
+        self._base, self._after_turn = base, closing[len(marker):]
+
+    def _render(self, messages: list, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def _stop_texts(self) -> list[str]:
+        return [self.tokenizer.convert_ids_to_tokens(i) for i in self.stop_ids]
+
+    def _stop_ids(self) -> list[int]:
+        eos = self.tokenizer.eos_token_id
+        ids = eos if isinstance(eos, list) else [eos]
+        gen = getattr(self.tokenizer, "generation_stop_ids", None) or []
+        return [i for i in dict.fromkeys([*ids, *gen]) if i is not None]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def prompt(self, messages: list) -> list[int]:
+        """The first prompt: the whole rendering of ``messages`` with the generation prompt."""
+        return self._encode(self._render(messages, generation_prompt=True))
+
+    def after_turn(self, messages: list) -> list[int]:
+        """The ids after a model turn that ended on a stop token, up to the next generation prompt: the template's
+        closing of that turn, ``messages`` rendered, and the assistant header."""
+        grown = self._render(_BASE + list(messages), generation_prompt=True)
+        if not grown.startswith(self._base):
+            raise TemplateError("the chat template renders the earlier turns differently once messages follow them; "
+                                "the environment's tokens cannot be appended to what was sampled")
+        return self._encode(self._after_turn + grown[len(self._base):])
+
+    def ended(self, turn_ids: list[int]) -> bool:
+        """Whether a sampled turn ends on a stop token (else it was cut by the length limit)."""
+        return bool(turn_ids) and turn_ids[-1] in self.stop_ids
+
+    def rewrites_history(self, messages: list) -> bool:
+        """Whether rendering ``messages`` whole differs from building them turn by turn: the template rewrites
+        earlier turns (Qwen3 drops earlier reasoning), or its tokens merge across a turn boundary."""
+        return self.whole(messages) != self.incremental(messages)
+
+    def whole(self, messages: list) -> list[int]:
+        """``apply_chat_template`` over the whole conversation (ending in a non-assistant message) and the
+        generation prompt."""
+        return self._encode(self._render(messages, generation_prompt=True))
+
+    def incremental(self, messages: list) -> list[int]:
+        """The same conversation built turn by turn: the first prompt, each assistant turn as a model emits it (its
+        content's ids and a stop token), each run of other messages as ``after_turn``."""
+        if not messages or messages[-1]["role"] == "assistant":
+            raise ValueError("incremental: the conversation must end with a non-assistant message")
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        ids = self.prompt(messages[:first])
+        i = first
+        while i < len(messages):
+            j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
+            ids += self._encode(messages[i]["content"]) + self.stop_ids[:1] + self.after_turn(messages[i + 1:j])
+            i = j
+        return ids

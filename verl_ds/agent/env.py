@@ -1,0 +1,127 @@
+"""Environments for multi-turn rollouts: the interface, the registry, and the tool-calling environment.
+
+An episode is ``reset(sample) -> messages``, then for each model turn ``step(turn text) -> Step``: the messages
+the environment answers with (tool results, feedback), a reward, whether the episode is over, and an info dict.
+The rollout owns the tokens (the model's, exactly as sampled, and the chat template's rendering of the messages
+in between); an environment only sees and returns text, so it can be a plain Python class in the user's package::
+
+    from verl_ds.agent import Environment, Step, register_environment
+
+    @register_environment("echo")
+    class Echo(Environment):
+        def reset(self, sample):
+            return [{"role": "user", "content": sample["prompt"]}]
+
+        def step(self, turn):
+            return Step([], reward=float(turn.strip() == "hi"), done=True)
+
+and is named in the config by its registered name or as ``package.module:Class``.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from verl_ds.agent.tools import TOOL_CALL_FORMATS, ToolSet, parse_tool_calls
+
+__all__ = ["Environment", "Step", "ToolEnvironment", "register_environment", "make_environment", "ENVIRONMENTS"]
+
+ENVIRONMENTS: dict[str, type] = {}
+
+
+@dataclass
+class Step:
+    """One environment step: the ``messages`` to append (role ``tool`` or ``user``), its ``reward`` (a
+    trajectory's score is the sum of its steps'), ``done`` when the episode is over, and ``info`` for metrics."""
+    messages: list
+    reward: float = 0.0
+    done: bool = False
+    info: dict = field(default_factory=dict)
+
+
+class Environment:
+    """One instance per trajectory. ``tools`` (a ToolSet or None) is rendered into the chat template."""
+    tools: ToolSet | None = None
+
+    def __init__(self, **kwargs: Any):
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} takes no arguments, got {sorted(kwargs)}")
+
+    def reset(self, sample: dict) -> list:
+        """The episode's first messages, from a data set row (its fields as the data set gives them)."""
+        raise NotImplementedError
+
+    def step(self, turn: str) -> Step:
+        """React to the model's turn (its text, as decoded from the sampled tokens)."""
+        raise NotImplementedError
+
+
+def register_environment(name: str) -> Callable[[type], type]:
+    """Class decorator: make an Environment subclass available under ``name``."""
+    def add(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"register_environment({name!r}): {cls!r} is not a subclass of verl_ds.agent.Environment")
+        if name in ENVIRONMENTS and ENVIRONMENTS[name] is not cls:
+            raise ValueError(f"environment name {name!r} is already registered ({ENVIRONMENTS[name].__module__}."
+                             f"{ENVIRONMENTS[name].__qualname__})")
+        ENVIRONMENTS[name] = cls
+        return cls
+    return add
+
+
+def environment_class(spec: str) -> type:
+    """The class a config names: a registered name, or ``package.module:Class``."""
+    if ":" in spec:
+        where, _, attr = spec.rpartition(":")
+        try:
+            cls = getattr(importlib.import_module(where), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"environment {spec!r}: cannot load {attr!r} from {where!r} ({type(e).__name__}: {e})") from e
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise ValueError(f"environment {spec!r} is {cls!r}, not a subclass of verl_ds.agent.Environment")
+        return cls
+    import verl_ds.agent.tasks  # noqa: F401  (registers the built-in environments)
+
+    if spec not in ENVIRONMENTS:
+        close = difflib.get_close_matches(spec, ENVIRONMENTS, n=2, cutoff=0.5)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"unknown environment {spec!r}; registered: {sorted(ENVIRONMENTS)}.{hint} (a user class is "
+                         "given as 'package.module:Class')")
+    return ENVIRONMENTS[spec]
+
+
+def make_environment(spec: str, args: dict | None = None) -> Environment:
+    """A new environment for one trajectory; bad arguments name the environment."""
+    cls = environment_class(spec)
+    try:
+        return cls(**(args or {}))
+    except TypeError as e:
+        raise ValueError(f"environment {spec!r}: its arguments {sorted(args or {})} do not fit {cls.__name__}: {e}") from e
+
+
+class ToolEnvironment(Environment):
+    """The model calls tools until it answers: each turn with tool calls gets one ``tool`` message per call (a
+    malformed call gets its error as one); a turn without calls is the final answer, scored by ``score``."""
+    tool_format = "hermes"
+
+    def __init__(self, tools: ToolSet, tool_format: str | None = None):
+        self.tools = tools
+        self.tool_format = tool_format or self.tool_format
+        if self.tool_format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tool_format {self.tool_format!r} is unknown; expected one of {TOOL_CALL_FORMATS}")
+
+    def score(self, answer: str) -> float:
+        """The reward of the final answer (the last turn's text)."""
+        raise NotImplementedError
+
+    def step(self, turn: str) -> Step:
+        parsed = parse_tool_calls(turn, self.tool_format)
+        if not parsed.calls and not parsed.errors:
+            return Step([], reward=self.score(turn), done=True, info={"tool_calls": 0, "tool_errors": 0})
+        results = [self.tools.run(call) for call in parsed.calls]
+        messages = [{"role": "tool", "name": r.name, "tool_call_id": r.call_id, "content": r.content} for r in results]
+        messages += [{"role": "tool", "name": "error", "content": f"Error: {e}"} for e in parsed.errors]
+        errors = len(parsed.errors) + sum(r.error is not None for r in results)
+        return Step(messages, info={"tool_calls": len(parsed.calls) + len(parsed.errors), "tool_errors": errors})

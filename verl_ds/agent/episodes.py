@@ -1,0 +1,177 @@
+"""Multi-turn episodes: every active trajectory advances together, one model turn for all of them per generate
+call, then one environment step each in a worker pool; finished ones drop out.
+
+A trajectory is its first prompt's ids and one growing token list after it: each model turn's ids exactly as
+sampled (``model_mask`` 1, their sampling log-probs kept when the engine gives them), then the chat template's
+delta for the environment's answer (``model_mask`` 0). The limits end an episode with a reason, never an
+exception: ``max_turns`` model turns, ``max_tool_calls`` calls, ``max_context_tokens`` for prompt and turns
+together (a turn starts only if ``max_turn_tokens`` more fit), a turn cut by ``max_turn_tokens`` (no stop token), an environment step that raises, returns something
+other than a Step, or takes more than ``step_timeout_s`` (its thread is abandoned: Python cannot stop it).
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from verl_ds.agent.chat_tokens import ChatTokens
+from verl_ds.agent.env import Environment, Step
+
+__all__ = ["EpisodeLimits", "Trajectory", "run_episodes", "END_REASONS", "engine_turns"]
+
+# "done": the environment ended it; the others are truncations
+END_REASONS = ("done", "max_turns", "max_tool_calls", "context", "turn_length", "env_error", "env_timeout")
+
+# one model turn per row: (prompt ids per active trajectory, max new tokens) -> (ids, log-probs or None) per row
+GenerateFn = Callable[[list, int], list]
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int = 4
+    max_tool_calls: int = 8
+    max_context_tokens: int = 1024
+    max_turn_tokens: int = 64
+    step_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        for name in ("max_turns", "max_tool_calls", "max_context_tokens", "max_turn_tokens", "step_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"EpisodeLimits.{name} must be a positive number, got {value!r}")
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list
+    ids: list = field(default_factory=list)  # after the prompt: model turns and environment deltas
+    model_mask: list = field(default_factory=list)  # 1 on the sampled tokens
+    log_probs: list = field(default_factory=list)  # sampling log-prob per token of ids (0.0 on environment tokens)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_seconds: float = 0.0
+    end: str = ""
+    reason: str = ""  # what ended a truncated episode, in words
+
+    @property
+    def active(self) -> bool:
+        return not self.end
+
+    def finish(self, end: str, reason: str = "") -> None:
+        self.end, self.reason = end, reason
+
+    def append(self, ids: Sequence[int], sampled: bool, log_probs: Sequence[float] | None = None) -> None:
+        self.ids += list(ids)
+        self.model_mask += [int(sampled)] * len(ids)
+        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
+
+
+def engine_turns(engine, pad_token_id: int, **sampling) -> GenerateFn:
+    """A GenerateFn over a rollout engine (``HFRolloutEngine`` / ``VLLMRollout``: left-padded prompts in, a
+    ``Generation`` out): each row's sampled ids up to and including its stop token, with their log-probs."""
+    import torch
+
+    def generate(prompts: list, max_new_tokens: int) -> list:
+        width = max(map(len, prompts))
+        ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        gen = engine.generate(ids.to(engine.device), mask.to(engine.device), max_new_tokens=max_new_tokens, **sampling)
+        lengths = gen.response_length.tolist()
+        return [(gen.responses[row, :n].tolist(), gen.log_probs[row, :n].tolist()) for row, n in enumerate(lengths)]
+    return generate
+
+
+def _timed(fn, *args):
+    start = time.monotonic()
+    return fn(*args), time.monotonic() - start
+
+
+def _call_all(pool, calls: list, timeout_s: float) -> list:
+    """Run ``calls`` ((fn, arg), ...) in ``pool``; each -> (result, seconds) or an Exception / FutureTimeout."""
+    futures = [pool.submit(_timed, fn, arg) for fn, arg in calls]
+    deadline = time.monotonic() + timeout_s
+    out = []
+    for fut in futures:
+        try:
+            out.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+        except FutureTimeout as e:
+            out.append(e)
+        except Exception as e:  # the environment's own failure: the trajectory ends, the run goes on
+            out.append(e)
+    return out
+
+
+def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environment], samples: Sequence[dict],
+                 limits: EpisodeLimits = EpisodeLimits(), workers: int = 8) -> list[Trajectory]:
+    """Run one episode per (environment, sample) pair to its end; returns the trajectories in order."""
+    if len(envs) != len(samples):
+        raise ValueError(f"run_episodes: {len(envs)} environments for {len(samples)} samples")
+    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(envs))), thread_name_prefix="verl_ds-env")
+    try:
+        trajs = []
+        for (env, sample), got in zip(zip(envs, samples), _call_all(pool, [(e.reset, s) for e, s in zip(envs, samples)],
+                                                                    limits.step_timeout_s)):
+            traj = Trajectory(prompt_ids=[])
+            if isinstance(got, BaseException):
+                traj.finish("env_timeout" if isinstance(got, FutureTimeout) else "env_error", f"reset: {got!r}")
+            else:
+                traj.prompt_ids, traj.env_seconds = chat.prompt(got[0]), got[1]
+                if len(traj.prompt_ids) >= limits.max_context_tokens:
+                    traj.finish("context", f"the first prompt has {len(traj.prompt_ids)} tokens")
+            trajs.append(traj)
+        while True:
+            for t in trajs:  # a turn starts only where a whole turn fits: one generate call serves all rows alike
+                if t.active and len(t.prompt_ids) + len(t.ids) + limits.max_turn_tokens > limits.max_context_tokens:
+                    t.finish("context", f"no room for turn {t.turns + 1} within {limits.max_context_tokens} tokens")
+            active = [(t, env) for t, env in zip(trajs, envs) if t.active]
+            if not active:
+                return trajs
+            turns = generate([t.prompt_ids + t.ids for t, _ in active], limits.max_turn_tokens)
+            stepping = []
+            for (t, env), (ids, log_probs) in zip(active, turns):
+                t.append(ids, sampled=True, log_probs=log_probs)
+                t.turns += 1
+                if chat.ended(ids):
+                    stepping.append((t, env.step, chat.tokenizer.decode(ids[:-1])))
+                else:
+                    t.finish("turn_length", f"turn {t.turns} reached {len(ids)} tokens without a stop token")
+            results = _call_all(pool, [(step, text) for _, step, text in stepping], limits.step_timeout_s)
+            for (t, _, _), got in zip(stepping, results):
+                _advance(t, got, chat, limits)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _advance(t: Trajectory, got, chat: ChatTokens, limits: EpisodeLimits) -> None:
+    if isinstance(got, FutureTimeout):
+        return t.finish("env_timeout", f"step of turn {t.turns} took more than {limits.step_timeout_s} s")
+    if isinstance(got, BaseException):
+        return t.finish("env_error", f"step of turn {t.turns} raised {type(got).__name__}: {got}")
+    step, seconds = got
+    t.env_seconds += seconds
+    if not isinstance(step, Step) or not isinstance(step.messages, list) or isinstance(step.reward, bool) \
+            or not isinstance(step.reward, (int, float)) or step.reward != step.reward:
+        return t.finish("env_error", f"step of turn {t.turns} returned {step!r:.200}, expected a Step with a list of "
+                                     f"messages and a finite reward")
+    t.reward += float(step.reward)
+    t.tool_calls += int(step.info.get("tool_calls", 0))
+    t.tool_errors += int(step.info.get("tool_errors", 0))
+    if step.done:
+        return t.finish("done")
+    if t.turns >= limits.max_turns:
+        return t.finish("max_turns", f"{t.turns} turns")
+    if t.tool_calls > limits.max_tool_calls:
+        return t.finish("max_tool_calls", f"{t.tool_calls} tool calls")
+    try:
+        delta = chat.after_turn(step.messages)
+    except Exception as e:  # messages the template cannot render (a wrong role, a missing field)
+        return t.finish("env_error", f"messages of turn {t.turns} cannot be rendered: {type(e).__name__}: {e}")
+    if len(t.prompt_ids) + len(t.ids) + len(delta) >= limits.max_context_tokens:
+        return t.finish("context", f"turn {t.turns}'s answer would pass {limits.max_context_tokens} tokens")
+    t.append(delta, sampled=False)
