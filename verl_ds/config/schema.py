@@ -46,12 +46,6 @@ def _adv_estimators() -> tuple:
     return tuple(ADV_ESTIMATOR_NAMES)
 
 
-def _rollout_engines() -> tuple:
-    from verl_ds.rollout_engines import ROLLOUT_ENGINES  # local: the engines import torch
-
-    return tuple(ROLLOUT_ENGINES.names())
-
-
 def _loss_agg_modes() -> tuple:
     from verl_ds.algos import LOSS_AGG_MODES
 
@@ -107,7 +101,7 @@ class RolloutConfig:
     gather_params: bool = _f(True, "Gather the actor's ZeRO-3 parameters once per generate call into a replica (fast); False: per-token gathering under synced_gpus.")
     share_prefill: bool = _f(True, "HF engine: the n samples of a prompt share one prefill (the prompt runs once, its key/value cache is copied to each sample and each sample's first token is drawn from its last logits, so generate takes one step fewer; not under gather_params=false on several ranks); the same tokens.")
     share_decode: bool = _f(True, "HF engine, with share_prefill: each decoding step runs one row per distinct (prompt, tokens so far) among the unfinished samples instead of one per sample (samples that drew the same tokens share a key/value cache row until they differ; finished samples run nothing); the same tokens.")
-    engine: str = _f("hf", "Rollout engine: hf (HF generate on the actor, see gather_params) or vllm (a colocated in-process vLLM engine per rank, weights synced from the actor after every update; install with scripts/install_vllm.sh, see docs/vllm.md).", choices=_rollout_engines)
+    engine: Literal["hf", "vllm"] = _f("hf", "Rollout engine: hf (HF generate on the actor, see gather_params) or vllm (a colocated in-process vLLM engine per rank, weights synced from the actor after every update; install with scripts/install_vllm.sh, see docs/vllm.md).")
     vllm_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "vLLM's weight and compute dtype; auto: model.dtype. A dtype other than the trainer's makes the rollout slightly off-policy (see is_correction).")
     vllm_gpu_memory_utilization: float = _f(0.5, "vLLM on a GPU: the fraction of the GPU's memory vLLM may take for its weights and KV cache (it reserves it up front; leave room for the DeepSpeed engines). Unused on CPU, where vllm_kv_cache_bytes sizes the cache.", gt=0.0, max=1.0)
     vllm_kv_cache_bytes: Optional[int] = _f(None, "vLLM's KV cache in bytes; null: 256 MiB on CPU, the room vllm_gpu_memory_utilization leaves on a GPU.", min=1 << 20)

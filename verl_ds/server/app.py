@@ -10,15 +10,12 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from verl_ds.server.jsonio import HTTPError, dumps, parse_json_object
 from verl_ds.server.protocol import (BODY_ANNOUNCED, BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES, check_framing,
                                      warn_throttled)
 from verl_ds.server.views import ROUTE_LIST, resolve, shown_method
-
-if TYPE_CHECKING:
-    from verl_ds.server.control import ControlServer
 
 __all__ = ["ControlApp", "WorkerPool"]
 
@@ -98,9 +95,9 @@ class _Request:
 
 
 class ControlApp:
-    """ASGI 3 application of one ControlServer."""
+    """ASGI 3 application of one ``ControlServer`` (``control``; that module imports this one, never the reverse)."""
 
-    def __init__(self, control: "ControlServer", pool: WorkerPool):
+    def __init__(self, control: Any, pool: WorkerPool):
         self.control, self.pool = control, pool
         self.in_progress = 0  # only touched on the event loop
 
