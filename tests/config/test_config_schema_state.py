@@ -207,9 +207,9 @@ def test_batch_arithmetic_with_groups_and_a_critic_micro_batch():
 
 def test_new_keys_and_their_defaults():
     cfg = Config()
-    assert (cfg.algo.adv_estimator, cfg.rollout.n, cfg.critic.micro_batch_size, cfg.reward.micro_batch_size) == (
+    assert (cfg.algo.adv_estimator, cfg.rollout.n, cfg.critic.micro_batch_size, cfg.rollout.log_prob_micro_batch_size) == (
         "gae", 1, 16, 64)
-    assert (cfg.trainer.verify_checkpoint, cfg.server.swappable_rewards, cfg.server.allow_reward_code,
+    assert (cfg.trainer.checkpoint_digest, cfg.server.swappable_rewards, cfg.server.allow_reward_code,
             cfg.server.reward_model_dir) == ("edges", [], False, None)
 
 

@@ -45,10 +45,6 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
             # step 9-14% faster, a ZeRO-0 actor's (its reference then still ZeRO-3) 22%. A deepspeed.config_file may
             # turn it back on.
             "memory_efficient_linear": False,
-            "stage3_max_live_parameters": ds.stage3_max_live_parameters,
-            "stage3_max_reuse_distance": ds.stage3_max_reuse_distance,
-            "stage3_prefetch_bucket_size": ds.stage3_prefetch_bucket_size,
-            "stage3_param_persistence_threshold": ds.stage3_param_persistence_threshold,
         })
         if train and derived.world_size == 1:
             # One rank: DeepSpeed's default reduce-scatter path flattens each bucket of gradients (torch.cat) and

@@ -159,8 +159,8 @@ class ControlApp:
         if length is None and "transfer-encoding" not in req.headers:
             raise HTTPError(411, "Content-Length header required (or Transfer-Encoding: chunked)", close=True)
         if length is not None and int(length) > limit:  # h11 has checked it is a number
-            raise HTTPError(413, f"request body of {int(length)} bytes is over the limit of {limit} bytes "
-                                 "(server.max_body_bytes)", close=True)
+            raise HTTPError(413, f"request body of {int(length)} bytes is over the limit of {limit} bytes",
+                            close=True)
         loop = asyncio.get_running_loop()
         parts, total = [], 0
         while True:
@@ -178,7 +178,7 @@ class ControlApp:
             # a chunk's size line is enough: 'FFFFFFFFFFFFFFFF' is refused before any of its bytes arrive
             if max(total, req.scope.get(BODY_ANNOUNCED, 0)) > limit:
                 raise HTTPError(413, f"{'chunked ' if length is None else ''}request body is over the limit of "
-                                     f"{limit} bytes (server.max_body_bytes)", close=True)
+                                     f"{limit} bytes", close=True)
             parts.append(chunk)
             if not message.get("more_body", False):
                 break
