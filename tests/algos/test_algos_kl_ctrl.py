@@ -5,10 +5,8 @@ import pytest
 import torch
 
 from verl_ds.algos import (
-    AdaptiveKLController,
     BandKLController,
     FixedKLController,
-    MultiplicativeKLController,
     ZieglerKLController,
     make_kl_controller,
     observed_kl,
@@ -20,7 +18,7 @@ def _run(ctrl, kls, n=None):
 
 
 def test_multiplicative_sequence_by_hand():
-    ctrl = MultiplicativeKLController(0.1, target_kl=0.02)
+    ctrl = BandKLController(0.1, target_kl=0.02)
     # band: > 0.03 raises x1.5, < 0.01 lowers x0.8, otherwise unchanged
     kls = [0.05, 0.05, 0.02, 0.0301, 0.03, 0.01, 0.0099, 0.0, 0.02]
     expected, coef = [], 0.1
@@ -32,13 +30,13 @@ def test_multiplicative_sequence_by_hand():
 
 
 def test_multiplicative_clamps_and_custom_factors():
-    ctrl = MultiplicativeKLController(0.1, 1.0, up=2.0, down=0.5, min_coef=0.02, max_coef=0.5)
+    ctrl = BandKLController(0.1, 1.0, up=2.0, down=0.5, min_coef=0.02, max_coef=0.5)
     assert _run(ctrl, [10, 10, 10, 10]) == pytest.approx([0.2, 0.4, 0.5, 0.5])
     assert _run(ctrl, [0, 0, 0, 0, 0]) == pytest.approx([0.25, 0.125, 0.0625, 0.03125, 0.02])
 
 
 def test_adaptive_ziegler_sequence():
-    ctrl = AdaptiveKLController(0.2, target_kl=6.0, horizon=10000)
+    ctrl = ZieglerKLController(0.2, target_kl=6.0, horizon=10000)
     kls = [6.0, 9.0, 3.0, 12.0, 0.0, 6.6]
     n = 256
     coef, expected = 0.2, []
@@ -48,7 +46,7 @@ def test_adaptive_ziegler_sequence():
         expected.append(coef)
     assert _run(ctrl, kls, n) == pytest.approx(expected, rel=1e-12)
     # the step is +-0.2 n / H at most: 0.2 * (1 + 0.2 * 256 / 1e4) after a KL far above target
-    ctrl = AdaptiveKLController(0.2, 6.0, 10000)
+    ctrl = ZieglerKLController(0.2, 6.0, 10000)
     assert ctrl.update(1e6, 256) == pytest.approx(0.2 * (1 + 0.2 * 0.0256))
 
 
@@ -70,9 +68,9 @@ def test_state_dict_round_trip_resumes_exactly(kind, kwargs):
 
 def test_factory_kinds_and_tensor_inputs():
     assert isinstance(make_kl_controller("fixed", 0.1, None), FixedKLController)
-    assert isinstance(make_kl_controller("adaptive", 0.1, 0.05), AdaptiveKLController)
+    assert isinstance(make_kl_controller("adaptive", 0.1, 0.05), ZieglerKLController)
     m = make_kl_controller("multiplicative", 0.1, 0.05, min_coef=0.01)
-    assert isinstance(m, MultiplicativeKLController) and m.min_coef == 0.01
+    assert isinstance(m, BandKLController) and m.min_coef == 0.01
     assert m.update(torch.tensor(1.0), 4) == pytest.approx(0.15)  # a 0-d tensor KL is accepted
 
 
@@ -88,14 +86,14 @@ def test_controller_errors():
     with pytest.raises(TypeError, match="unexpected arguments for the 'ziegler' KL controller: up"):
         make_kl_controller("adaptive", 0.1, 0.05, up=2.0)
     with pytest.raises(ValueError, match="target_kl must be > 0, got 0.0"):
-        MultiplicativeKLController(0.1, 0.0)
+        BandKLController(0.1, 0.0)
     with pytest.raises(ValueError, match="init_kl_coef must be >= 0, got -0.1"):
-        AdaptiveKLController(-0.1, 0.05)
+        ZieglerKLController(-0.1, 0.05)
     with pytest.raises(ValueError, match="up must be >= 1"):
-        MultiplicativeKLController(0.1, 0.05, up=0.9)
+        BandKLController(0.1, 0.05, up=0.9)
     with pytest.raises(ValueError, match=r"init_kl_coef must be in \[min_coef, max_coef\]"):
-        MultiplicativeKLController(0.1, 0.05, min_coef=0.2)
-    ctrl = AdaptiveKLController(0.1, 0.05)
+        BandKLController(0.1, 0.05, min_coef=0.2)
+    ctrl = ZieglerKLController(0.1, 0.05)
     with pytest.raises(ValueError, match="ZieglerKLController.update needs n_samples"):
         ctrl.update(0.1)
     with pytest.raises(ValueError, match="n_samples must be a positive int .* got 0"):
@@ -117,7 +115,8 @@ def test_band_by_name_is_the_documented_rule():
     # > 1.5 * target: x1.5; < 0.5 * target: x0.8; in between (bounds included): unchanged
     assert _run(ctrl, [0.16, 0.15, 0.05, 0.049, 0.1]) == pytest.approx([1.5, 1.5, 1.5, 1.2, 1.2], rel=1e-12)
     assert isinstance(make_kl_controller("ziegler", 0.1, 0.05), ZieglerKLController)
-    assert AdaptiveKLController is ZieglerKLController and MultiplicativeKLController is BandKLController
+    import verl_ds.algos  # the old class names are gone (0.x): one name per controller
+    assert not hasattr(verl_ds.algos, "AdaptiveKLController") and not hasattr(verl_ds.algos, "MultiplicativeKLController")
 
 
 def test_state_saved_under_an_old_name_loads():

@@ -23,10 +23,8 @@ from .gae import compute_gae, compute_gae_torch
 from .kl import KL_KINDS, full_symmetric_kl, full_symmetric_kl_torch, kl_penalty, register_kl_estimator
 from .kl_ctrl import (
     KL_CTRL_KINDS,
-    AdaptiveKLController,
     BandKLController,
     FixedKLController,
-    MultiplicativeKLController,
     ZieglerKLController,
     make_kl_controller,
     observed_kl,
@@ -46,7 +44,6 @@ __all__ = [
     "AdvantageEstimator", "register_advantage_estimator", "get_advantage_estimator", "ADV_ESTIMATOR_NAMES",
     "masked_mean", "masked_var", "masked_whiten", "agg_loss", "LOSS_AGG_MODES", "register_loss_agg",
     "policy_loss", "value_loss",
-    "FixedKLController", "BandKLController", "ZieglerKLController", "MultiplicativeKLController",
-    "AdaptiveKLController", "make_kl_controller", "register_kl_controller", "KL_CTRL_KINDS", "observed_kl",
+    "FixedKLController", "BandKLController", "ZieglerKLController", "make_kl_controller", "register_kl_controller", "KL_CTRL_KINDS", "observed_kl",
     "overlong_reward_penalty", "groups_with_signal", "pass_at_k", "mean_at_k",
 ]

@@ -202,11 +202,6 @@ class BandKLController(_KLController):
         return self.value
 
 
-# the old class names, kept for callers that import them
-AdaptiveKLController = ZieglerKLController
-MultiplicativeKLController = BandKLController
-
-
 def make_kl_controller(kind: str, init_kl_coef: float, target_kl: float | None = None, horizon: int = 10000,
                        **kwargs) -> _KLController:
     """Build a registered controller by name ("fixed", "band", "ziegler"; see the module docstring).

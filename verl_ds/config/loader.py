@@ -129,21 +129,13 @@ def _build(cls, data, prefix: str):
         spec = spec_of(by_name[key])
         checked, why = check_value(tp, value, spec, key=prefix + key)
         if why is not None and spec.secret:  # by key, whatever the value's type: 12345678 is a token too
-            raise ConfigError(f"{prefix}{key}: expected {type_name(tp)}, got {_secret_shown(value)}")
+            raise ConfigError(f"{prefix}{key}: expected {type_name(tp)}, got {type(value).__name__} (the value is "
+                              "not shown: the key is a secret)")
         value = checked
         if why is not None:
             raise ConfigError(f"{prefix}{key}{'' if why.startswith('[') else ': '}{why}")
         kwargs[key] = value
     return cls(**kwargs)
-
-
-def _secret_shown(value: Any) -> str:
-    """A secret's value in an error: its type only."""
-    return f"{type(value).__name__} (the value is not shown: the key is a secret)"
-
-
-def _secret_keys() -> set[str]:
-    return {dotted for dotted, _, spec, _ in iter_fields() if spec.secret}
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -166,7 +158,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip().lstrip("-")
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
-    if key in _secret_keys():  # neither the value nor the YAML parser's quote of it
+    if any(spec.secret and dotted == key for dotted, _, spec, _ in iter_fields()):  # no value, nor YAML's quote of it
         try:
             return key, yaml_load(raw, "") if raw.strip() else ""
         except ConfigError:

@@ -49,22 +49,13 @@ REMOVED_KEYS = {
 }
 
 
-def _kl_kinds() -> tuple:
-    from verl_ds.algos import KL_KINDS  # local: the numerics import torch; only needed to check this key
+def _algos(name: str):
+    """The names of an algos registry, read when the key is checked (the numerics import torch)."""
+    def names() -> tuple:
+        import verl_ds.algos
 
-    return tuple(KL_KINDS)
-
-
-def _adv_estimators() -> tuple:
-    from verl_ds.algos import ADV_ESTIMATOR_NAMES
-
-    return tuple(ADV_ESTIMATOR_NAMES)
-
-
-def _loss_agg_modes() -> tuple:
-    from verl_ds.algos import LOSS_AGG_MODES
-
-    return tuple(LOSS_AGG_MODES)
+        return tuple(getattr(verl_ds.algos, name))
+    return names
 
 
 @dataclass
@@ -159,12 +150,12 @@ class CriticConfig:
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = _f("gae", "Advantage estimator from the registry in verl_ds.algos (gae needs the critic; the others are critic-free).", choices=_adv_estimators)
+    adv_estimator: str = _f("gae", "Advantage estimator from the registry in verl_ds.algos (gae needs the critic; the others are critic-free).", choices=_algos("ADV_ESTIMATOR_NAMES"))
     gamma: float = _f(1.0, "Discount.", min=0.0, max=1.0, hot="gamma")
     lam: float = _f(0.95, "GAE lambda.", min=0.0, max=1.0, hot="lam")
     kl_placement: Literal["auto", "reward", "loss"] = _f("auto", "Where the KL penalty goes: subtracted from the token rewards, or added to the actor loss; auto = the estimator's convention: the loss for grpo, dr_grpo, reinforce_plus_plus and reinforce_plus_plus_baseline (their std normalisation or batch whitening would turn KL noise between equally rewarded samples into unit advantages), the reward for gae, rloo and remax.")
     use_kl_penalty: bool = _f(True, "Apply the KL penalty at all (it is off when kl_coef is 0 with the fixed controller).", hot="use_kl_penalty")
-    kl_kind: str = _f("auto", "KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, symmetric (per token, from the sampled tokens' log-probs), or full_symmetric: the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the whole vocabulary at each response position, loss placement only (the reference's final hidden states are recomputed in the update; the KL controller sees the symmetric estimate); auto = k1 in the reward, low_var_kl in the loss (k1 in the loss has a zero-mean gradient and is refused).", choices=_kl_kinds, config_only=("auto",), hot="kl_kind")
+    kl_kind: str = _f("auto", "KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, symmetric (per token, from the sampled tokens' log-probs), or full_symmetric: the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the whole vocabulary at each response position, loss placement only (the reference's final hidden states are recomputed in the update; the KL controller sees the symmetric estimate); auto = k1 in the reward, low_var_kl in the loss (k1 in the loss has a zero-mean gradient and is refused).", choices=_algos("KL_KINDS"), config_only=("auto",), hot="kl_kind")
     kl_coef: float = _f(0.01, "KL coefficient beta (the KL controller rewrites it after each update).", min=0.0, max=1e3, hot="kl_coef")
     kl_ctrl: Literal["fixed", "band", "ziegler"] = _f("band", "KL controller: fixed; band (coef x1.5 when KL > 1.5 target, x0.8 when KL < 0.5 target); ziegler (Ziegler et al. 2019, proportional). Old names adaptive=ziegler, multiplicative=band.", aliases={"adaptive": "ziegler", "multiplicative": "band"}, hot="kl_ctrl_type")
     target_kl: float = _f(0.1, "Target per-token KL (nats) of the band and ziegler controllers.", gt=0.0, max=1e3, hot="target_kl")
@@ -173,7 +164,7 @@ class AlgoConfig:
     clip_ratio_high: float = _f(0.2, "PPO ratio clip above 1 (epsilon_high).", min=0.0, max=10.0, hot="clip_ratio_high")
     clip_ratio_c: Optional[float] = _f(3.0, "Dual-clip constant for negative advantages (> 1; null disables).", gt=1.0)
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.", min=0.0, max=1.0, hot="entropy_coef")
-    loss_agg_mode: str = _f("auto", "How per-token losses are aggregated (exact across ranks and accumulation); auto = the estimator's convention: seq-mean-token-sum-norm for dr_grpo (Liu et al. 2025: each sequence's token sum over the constant rollout.max_new_tokens), token-mean for the others.", choices=_loss_agg_modes, config_only=("auto",))
+    loss_agg_mode: str = _f("auto", "How per-token losses are aggregated (exact across ranks and accumulation); auto = the estimator's convention: seq-mean-token-sum-norm for dr_grpo (Liu et al. 2025: each sequence's token sum over the constant rollout.max_new_tokens), token-mean for the others.", choices=_algos("LOSS_AGG_MODES"), config_only=("auto",))
     whiten_advantages: bool = _f(True, "Whiten advantages with statistics global across data-parallel ranks.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling (Yu et al. 2025): drop groups whose rewards (before the overlong penalty) are all equal and draw more prompts until the batch is full (paper: on).")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: most rounds of prompts drawn per step; a rank still short then fills up with dropped groups.", min=1)
