@@ -216,3 +216,15 @@ def test_new_keys_and_their_defaults():
 def test_state_limits_must_be_run_limits():
     with pytest.raises(TypeError, match=r"limits must be a RunLimits .* got dict"):
         SharedState(rank=0, limits={"max_new_tokens": 5})
+
+
+def test_the_rollout_engine_names_are_the_registrys():
+    """rollout.engine's allowed names are declared in the config (which never imports the engines); they must be
+    exactly the engines registered in verl_ds.rollout_engines."""
+    import typing
+
+    from verl_ds.config.fields import choices_of
+    from verl_ds.rollout_engines import ROLLOUT_ENGINES
+
+    (tp, spec), = [(tp, spec) for dotted, tp, spec, _ in iter_fields() if dotted == "rollout.engine"]
+    assert choices_of(tp, spec) == ROLLOUT_ENGINES.names() == typing.get_args(tp)
