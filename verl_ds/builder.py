@@ -225,7 +225,7 @@ def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] =
     scorer = build_reward_engine(cfg, derived, model_path) if model_path is not None else None
     reward = RewardModel(model=scorer, tokenizer=tok, state=state, eos_reward=rc.eos_reward,
                          model_weight=rc.model_weight if model_weight is None else model_weight,
-                         micro_batch_size=rc.micro_batch_size, num_workers=rc.num_workers)
+                         micro_batch_size=cfg.rollout.log_prob_micro_batch_size, num_workers=rc.num_workers)
     for spec in functions:
         spec = {"name": spec} if isinstance(spec, str) else dict(spec)
         name = spec["name"]

@@ -302,7 +302,7 @@ def start_control_server(trainer):
 
     sc = trainer.cfg.server
     server = ControlServer(trainer.state, trainer.registry, host=sc.host, port=sc.port, token=sc.token,
-                           max_body_bytes=sc.max_body_bytes, run_dir=trainer.out_dir,
+                           run_dir=trainer.out_dir,
                            metrics_fn=trainer.metrics.snapshot, reward_swapper=trainer.boundary,
                            swappable_rewards=sc.swappable_rewards, allow_reward_code=sc.allow_reward_code,
                            reward_model_dir=sc.reward_model_dir, policy_vocab_size=len(trainer.tokenizer))

@@ -8,7 +8,6 @@ variables are an error before any collective is entered.
 from __future__ import annotations
 
 import atexit
-
 import math
 import os
 import re
@@ -148,9 +147,8 @@ def init_distributed(info: LaunchInfo, timeout_s: int, device: str) -> None:
 
 
 def _destroy_at_exit() -> None:
-    # a process that ends without shutdown() (an error, a script that just returns) still ends its group before the
-    # interpreter tears down: left to that, gloo's threads can be destroyed unjoined and abort the rank ("terminate
-    # called without an active exception", seen in 2-rank tests); no barrier, another rank may be gone
+    # a process that ends without shutdown() (an error, a script that returns) still ends its group (see shutdown);
+    # no barrier: another rank may be gone
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -172,8 +170,12 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _several() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _several():
         dist.barrier()
 
 
@@ -186,7 +188,7 @@ def comm_device() -> torch.device:
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over ranks (returned on ``t``'s device); a no-op at world size 1."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _several():
         buf = t.to(comm_device())
         dist.all_reduce(buf, op=dist.ReduceOp.SUM)
         return buf.to(t.device)
@@ -201,7 +203,7 @@ def any_rank(local: bool) -> bool:
 
 def gather_object(obj) -> list:
     """Collective: every rank's ``obj``, in rank order, on every rank."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several():
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
@@ -209,7 +211,7 @@ def gather_object(obj) -> list:
 
 
 def broadcast_object(obj, src: int = 0):
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not _several():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src)

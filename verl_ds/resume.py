@@ -14,6 +14,7 @@ from typing import Optional
 
 from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
+from verl_ds.checkpoint_manifest import read_manifest
 from verl_ds.control import AUDIT_FILE, JOURNAL_FILE
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def resume_from(trainer, step_dir: str, verify: bool = True) -> int:
     from verl_ds.config import initial_state
 
     # another world size is fine (DeepSpeed's universal checkpoint; data order and RNG policy: verl_ds.checkpoint)
-    saved = ckpt.load(step_dir, trainer.c.engines, verify=trainer.cfg.trainer.verify_checkpoint if verify else None,
+    saved = ckpt.load(step_dir, trainer.c.engines, verify=verify_mode(step_dir) if verify else None,
                       seed=trainer.cfg.trainer.seed)
     st = trainer.state
     st.load_state_dict(saved["shared_state"])
@@ -70,18 +71,24 @@ def resume_from(trainer, step_dir: str, verify: bool = True) -> int:
     return step
 
 
+def verify_mode(step_dir: str) -> str:
+    """How a resume checks ``step_dir``: with the digests it was saved with, whole files ("full") when it has them
+    (``trainer.checkpoint_digest=full``), else each file's first and last MiB ("edges")."""
+    manifest, _ = read_manifest(step_dir)  # an unreadable manifest fails the check itself, with its reason
+    return "full" if manifest is not None and manifest.get("sha256") else "edges"
+
+
 def _resume_first_sound(trainer, candidates: list, skipped: list) -> Optional[int]:
-    """Resume from the first of ``candidates`` (the same list on every rank) that verifies under
-    ``trainer.verify_checkpoint`` on every rank (a collective); the ones that do not are named and added to
-    ``skipped``. Returns the step, or None when none does."""
-    mode = trainer.cfg.trainer.verify_checkpoint
+    """Resume from the first of ``candidates`` (the same list on every rank) that verifies (``verify_mode``) on
+    every rank (a collective); the ones that do not are named and added to ``skipped``. Returns the step, or None
+    when none does."""
     for step_dir in candidates:
+        mode = verify_mode(step_dir)
         reason = ckpt.verify_distributed(step_dir, mode)
         if reason is None:
             return resume_from(trainer, step_dir, verify=False)
         if trainer.is_main:
-            log.warning("skipping checkpoint %s: %s (trainer.verify_checkpoint=%s); trying the previous one", step_dir,
-                        reason, mode)
+            log.warning("skipping checkpoint %s: %s (checked: %s); trying the previous one", step_dir, reason, mode)
         skipped.append((step_dir, reason))
     return None
 

@@ -6,13 +6,8 @@ token and shared decoding (``verl_ds.generation``) must therefore all draw from 
 
 A checkpoint's ``generation_config.json`` can set any ``GenerationConfig`` field
 (https://huggingface.co/docs/transformers/main_classes/text_generation#transformers.GenerationConfig): logits
-processors (suppress_tokens, begin_suppress_tokens, bad_words_ids, sequence_bias, min_length, min_new_tokens,
-repetition_penalty, no_repeat_ngram_size, forced_bos_token_id, forced_eos_token_id,
-exponential_decay_length_penalty, guidance_scale, watermarking_config, renormalize_logits, remove_invalid_values),
-warpers (min_p, top_h, typical_p, epsilon_cutoff, eta_cutoff), stopping criteria (stop_strings, max_time,
-max_length), other decoding modes (num_beams, penalty_alpha, dola_layers, prompt_lookup_num_tokens, use_mtp,
-assistant_early_exit, token_healing) and the output's form (num_return_sequences, return_dict_in_generate).
-``generate`` fills every field its ``generation_config`` argument leaves at None from the model's own
+processors (repetition_penalty, suppress_tokens, ...), warpers (min_p, typical_p, ...), stopping criteria
+(stop_strings, max_time, ...), other decoding modes (num_beams, ...) and the output's form. ``generate`` fills every field its ``generation_config`` argument leaves at None from the model's own
 ``generation_config`` (transformers ``GenerationMixin._prepare_generation_config``), and for most of these fields
 None is the only value that turns them off. So ``rollout_generation_config`` sets each field whose neutral value
 is not None explicitly, and ``generate`` runs inside ``only_this_generation_config``, which puts that config in

@@ -115,6 +115,8 @@ def test_band_by_name_is_the_documented_rule():
     # > 1.5 * target: x1.5; < 0.5 * target: x0.8; in between (bounds included): unchanged
     assert _run(ctrl, [0.16, 0.15, 0.05, 0.049, 0.1]) == pytest.approx([1.5, 1.5, 1.5, 1.2, 1.2], rel=1e-12)
     assert isinstance(make_kl_controller("ziegler", 0.1, 0.05), ZieglerKLController)
+    import verl_ds.algos  # the old class names are gone (0.x): one name per controller
+    assert not hasattr(verl_ds.algos, "AdaptiveKLController") and not hasattr(verl_ds.algos, "MultiplicativeKLController")
 
 
 def test_state_saved_under_an_old_name_loads():

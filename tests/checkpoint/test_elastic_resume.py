@@ -26,9 +26,11 @@ from verl_ds.engines.build import build_engines, load_tokenizer
 mode, root, stage = sys.argv[2], sys.argv[3], sys.argv[4]
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
 rank, world = vdist.rank(), vdist.world_size()
+ds_file = os.path.join(root, f"ds_rank{rank}.json")  # every tensor partitioned, however small
+with open(ds_file, "w") as fh:
+    json.dump({"zero_optimization": {"stage3_param_persistence_threshold": 0}}, fh)
 cfg = load_config(None, ["rollout.batch_size=4", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
-                         "trainer.device=cpu", "deepspeed.stage3_param_persistence_threshold=0",
-                         f"deepspeed.zero_stage={stage}"])
+                         "trainer.device=cpu", f"deepspeed.config_file={ds_file}", f"deepspeed.zero_stage={stage}"])
 tok = load_tokenizer(cfg)
 engines = build_engines(cfg, validate(cfg, world), tok, roles=("actor", "ref", "critic"))
 res = {"rank": rank}

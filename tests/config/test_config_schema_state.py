@@ -207,12 +207,24 @@ def test_batch_arithmetic_with_groups_and_a_critic_micro_batch():
 
 def test_new_keys_and_their_defaults():
     cfg = Config()
-    assert (cfg.algo.adv_estimator, cfg.rollout.n, cfg.critic.micro_batch_size, cfg.reward.micro_batch_size) == (
+    assert (cfg.algo.adv_estimator, cfg.rollout.n, cfg.critic.micro_batch_size, cfg.rollout.log_prob_micro_batch_size) == (
         "gae", 1, 16, 64)
-    assert (cfg.trainer.verify_checkpoint, cfg.server.swappable_rewards, cfg.server.allow_reward_code,
+    assert (cfg.trainer.checkpoint_digest, cfg.server.swappable_rewards, cfg.server.allow_reward_code,
             cfg.server.reward_model_dir) == ("edges", [], False, None)
 
 
 def test_state_limits_must_be_run_limits():
     with pytest.raises(TypeError, match=r"limits must be a RunLimits .* got dict"):
         SharedState(rank=0, limits={"max_new_tokens": 5})
+
+
+def test_the_rollout_engine_names_are_the_registrys():
+    """rollout.engine's allowed names are declared in the config (which never imports the engines); they must be
+    exactly the engines registered in verl_ds.rollout_engines."""
+    import typing
+
+    from verl_ds.config.fields import choices_of
+    from verl_ds.rollout_engines import ROLLOUT_ENGINES
+
+    (tp, spec), = [(tp, spec) for dotted, tp, spec, _ in iter_fields() if dotted == "rollout.engine"]
+    assert choices_of(tp, spec) == ROLLOUT_ENGINES.names() == typing.get_args(tp)

@@ -11,6 +11,7 @@ from verl_ds.config import load_config
 from verl_ds.data import REASONS, PromptDataset
 from verl_ds.engines.build import load_tokenizer
 from verl_ds.tasks import parity
+from verl_ds.tokenizer import build_tokenizer
 
 MAX_PROMPT = 32
 LONG = "odd : " + "1 " * 40 + "=>"  # 43 tokens
@@ -110,15 +111,19 @@ def test_overlong_rows_are_skipped_when_configured(tmp_path, tokenizer):
 
 @pytest.mark.slow
 def test_a_run_over_a_file_with_bad_rows_trains_and_reports_the_counts(tmp_path):
-    """Also a real run with pad == eos (model.pad_is_eos): masks come from lengths, never from token != pad."""
+    """Also a real run with pad == eos (a saved tokenizer, model.tokenizer_path): masks come from lengths, never
+    from token != pad."""
     lines = list(GOOD)
     for i, (raw, _) in enumerate(BAD_ROWS):  # spread the bad rows through the file
         lines.insert(2 + 3 * i, raw)
     data = tmp_path / "prompts.jsonl"
     data.write_bytes(b"\n".join(lines) + b"\n")
     out = tmp_path / "run"
+    tok_dir = tmp_path / "pad_is_eos_tokenizer"
+    build_tokenizer(pad_is_eos=True).save_pretrained(str(tok_dir))
     proc = run_train(str(out), [f"data.train_files={data}", "data.passthrough_keys=[target]",
-                                f"data.max_prompt_length={MAX_PROMPT}", "model.pad_is_eos=true", "trainer.export_hf=false"])
+                                f"data.max_prompt_length={MAX_PROMPT}", f"model.tokenizer_path={tok_dir}",
+                                "trainer.export_hf=false"])
     expected = Counter(reason for _, reason in BAD_ROWS)
     report = json.load(open(out / "data_report.json"))["train"]
     assert report["problems"] == dict(expected)

@@ -173,14 +173,14 @@ def test_a_file_left_out_of_the_manifest_is_not_trusted(small_run, tmp_path):
 
 
 def test_damage_found_by_full_verification_falls_back_to_the_previous_checkpoint(big_run, tmp_path):
-    """A flipped bit in the middle of a 6 MB shard: invisible to the edge digests, found by verify_checkpoint=full;
-    the run names it, resumes from the previous checkpoint and trains on (it used to end in a traceback)."""
+    """A flipped bit in the middle of a 6 MB shard: invisible to the edge digests, found by the whole-file digests
+    the run saved (trainer.checkpoint_digest=full: a resume checks what a checkpoint was saved with); the run names it, resumes from the previous checkpoint and trains on (it used to end in a traceback)."""
     out = copy_run(big_run, str(tmp_path / "run"))
     shard = optim_shard(_ckpt(out, 4))
     assert os.path.getsize(shard) > 4 << 20
     flip_middle_bit(shard)
     assert verify(_ckpt(out, 4), "edges") is None and verify(_ckpt(out, 4), "full") is not None
-    proc = run_train(out, [*COMMON, *BIG, "trainer.total_steps=5", "trainer.verify_checkpoint=full"], check=False)
+    proc = run_train(out, [*COMMON, *BIG, "trainer.total_steps=5"], check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (f"skipping checkpoint {_ckpt(out, 4)}: file actor/state/zero_pp_rank_0_mp_rank_00_optim_states.pt is "

@@ -128,8 +128,7 @@ def test_body_over_limit_is_413_before_reading(server, parts):
     head = (f"PATCH /v1/state HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
             "Content-Length: 10000000\r\n\r\n").encode()
     a = raw_exchange(server.port, head)
-    assert a.status == 413 and a.json["error"] == ("request body of 10000000 bytes is over the limit of 1024 bytes "
-                                                   "(server.max_body_bytes)")
+    assert a.status == 413 and a.json["error"] == "request body of 10000000 bytes is over the limit of 1024 bytes"
     assert a.headers["connection"] == "close"
     just_over = call(server.url, "PATCH", "/v1/state", raw=b'{"lam": 0.9' + b" " * 1020 + b"}", token=TOKEN)
     assert just_over.status == 413 and just_over.headers["connection"] == "close"

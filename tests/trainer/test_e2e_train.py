@@ -66,9 +66,11 @@ def test_two_ranks_exact_resume(tmp_path):
 def test_two_ranks_different_lengths_do_not_hang_with_per_token_gathering(tmp_path):
     """ZeRO-3 settings that force re-gathering every layer at every token; ranks stop at different lengths."""
     out = tmp_path / "nohang"
-    run_train(str(out), ["rollout.gather_params=false", "deepspeed.stage3_max_reuse_distance=0",
-                         "deepspeed.stage3_prefetch_bucket_size=0", "deepspeed.stage3_max_live_parameters=0",
-                         "deepspeed.stage3_param_persistence_threshold=0", "trainer.export_hf=false",
+    ds = tmp_path / "regather.json"
+    ds.write_text(json.dumps({"zero_optimization": {
+        "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
+        "stage3_param_persistence_threshold": 0}}))
+    run_train(str(out), ["rollout.gather_params=false", f"deepspeed.config_file={ds}", "trainer.export_hf=false",
                          "rollout.max_new_tokens=12"], nproc=2, timeout=300)
     metrics = [m for m in read_metrics(str(out)) if "rollout/score/mean" in m]
     assert len(metrics) == 2

@@ -76,9 +76,7 @@ def _group_scores(token_rewards, response_mask, group_index):
 
 def compute_grpo_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
                            eps: float = 1e-6, norm_by_std: bool = True):
-    """GRPO outcome advantage (norm_by_std=False: Dr.GRPO), see the module docstring.
-
-    token_rewards, response_mask: (B, R); group_index: B group ids. Returns (advantages, returns), equal."""
+    """GRPO outcome advantage (norm_by_std=False: Dr.GRPO), see the module docstring; returns = advantages."""
     eps = check_positive_number(eps, "eps")
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     _, mean, std = group_count_mean_std(scores, inverse, n_groups)
@@ -89,7 +87,7 @@ def compute_grpo_advantage(token_rewards: torch.Tensor, response_mask: torch.Ten
 
 def compute_rloo_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index):
     """RLOO advantage: the score minus the mean score of the other samples of its group (0 for a group
-    of one). token_rewards, response_mask: (B, R); group_index: B ids. Returns (advantages, returns), equal."""
+    of one); returns = advantages."""
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     count = group_sums(torch.ones_like(scores), inverse, n_groups)[inverse]
     others = group_sums(scores, inverse, n_groups)[inverse] - scores
@@ -118,10 +116,8 @@ def _discounted_returns(r: torch.Tensor, m: torch.Tensor, gamma: float) -> torch
 
 def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
                                    *, whiten_fn: Callable | None = None):
-    """REINFORCE++: discounted returns restarting after each masked token, whitened over the valid tokens.
-
-    token_rewards, response_mask: (B, R); gamma in [0, 1]. ``whiten_fn(x, response_mask)`` replaces the
-    local :func:`masked_whiten` (eps 1e-8, as verl). Returns (advantages, returns) float32, 0 off-response."""
+    """REINFORCE++: discounted returns (gamma in [0, 1]) restarting after each masked token, whitened over the
+    valid tokens; ``whiten_fn(x, response_mask)`` replaces the local :func:`masked_whiten` (eps 1e-8, as verl)."""
     gamma = check_unit_interval(gamma, "gamma")
     r, m = _prepare(token_rewards, response_mask)
     returns = _discounted_returns(r, m, gamma).to(torch.float32)
@@ -134,10 +130,7 @@ def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, respons
     """REINFORCE++ with a group baseline: (score - group mean) on every response token, whitened over the
     valid tokens by :func:`masked_whiten` (variance epsilon 1e-8, as verl's
     ``compute_reinforce_plus_plus_baseline_outcome_advantage``, whose ``epsilon`` is unused; a group of one has
-    mean 0).
-
-    token_rewards, response_mask: (B, R); group_index: B ids. ``whiten_fn(x, response_mask)`` replaces the
-    local whitening. Returns (advantages, returns), equal, float32, 0 off-response."""
+    mean 0); ``whiten_fn(x, response_mask)`` replaces the local whitening; returns = advantages."""
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     _, mean, _ = group_count_mean_std(scores, inverse, n_groups)
     centered = _spread(scores - mean, m)
@@ -147,10 +140,8 @@ def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, respons
 
 
 def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor):
-    """ReMax: returns G_t = sum of the response's rewards from t on, advantages G_t - baseline.
-
-    token_rewards, response_mask: (B, R); baseline_scores: (B,) score of the greedy response per sample.
-    Returns (advantages, returns) float32, 0 off-response."""
+    """ReMax: returns G_t = sum of the response's rewards from t on, advantages G_t - baseline_scores (B,), the
+    score of the greedy response per sample."""
     r, m = _prepare(token_rewards, response_mask)
     check_float_tensor(baseline_scores, "baseline_scores")
     if tuple(baseline_scores.shape) != (r.shape[0],):

@@ -35,24 +35,24 @@ def kl_placement_rule(kl_placement: str, kl_kind: str) -> Optional[str]:
     return None
 
 
+def _estimator_default(value: str, adv_estimator: str, attr: str) -> str:
+    if value != "auto":
+        return value
+    from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
+
+    return getattr(get_advantage_estimator(adv_estimator), attr)
+
+
 def resolve_kl_placement(kl_placement: str, adv_estimator: str) -> str:
     """``auto`` -> the advantage estimator's convention (in the loss for grpo, dr_grpo and the REINFORCE++ pair, in
     the reward for gae, rloo and remax); ``reward`` and ``loss`` are returned as they are."""
-    if kl_placement != "auto":
-        return kl_placement
-    from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
-
-    return get_advantage_estimator(adv_estimator).kl_placement
+    return _estimator_default(kl_placement, adv_estimator, "kl_placement")
 
 
 def resolve_loss_agg_mode(loss_agg_mode: str, adv_estimator: str) -> str:
     """``auto`` -> the advantage estimator's aggregation (seq-mean-token-sum-norm for dr_grpo, token-mean for the
     others); any other mode is returned as it is."""
-    if loss_agg_mode != "auto":
-        return loss_agg_mode
-    from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
-
-    return get_advantage_estimator(adv_estimator).loss_agg_mode
+    return _estimator_default(loss_agg_mode, adv_estimator, "loss_agg_mode")
 
 
 def resolve_kl_kind(kl_kind: str, kl_placement: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import yaml
 
 from .fields import ConfigError, check_value, show, spec_of, suggest, type_name
-from .schema import Config, iter_fields
+from .schema import REMOVED_KEYS, Config, iter_fields
 
 MAX_DEPTH = 64  # a config is 3 levels deep; 64 leaves room for data in lists and refuses hostile nesting
 MAX_BYTES = 16 << 20
@@ -118,6 +118,8 @@ def _build(cls, data, prefix: str):
     kwargs = {}
     for key, value in data.items():
         if key not in by_name:
+            if prefix + str(key) in REMOVED_KEYS:
+                raise ConfigError(f"{prefix}{key}: this key was removed; {REMOVED_KEYS[prefix + str(key)]}")
             raise ConfigError(f"unknown config key {show(prefix + str(key))}{suggest(str(key), by_name)} "
                               f"(valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(by_name)})")
         tp = hints[key]
@@ -127,21 +129,13 @@ def _build(cls, data, prefix: str):
         spec = spec_of(by_name[key])
         checked, why = check_value(tp, value, spec, key=prefix + key)
         if why is not None and spec.secret:  # by key, whatever the value's type: 12345678 is a token too
-            raise ConfigError(f"{prefix}{key}: expected {type_name(tp)}, got {_secret_shown(value)}")
+            raise ConfigError(f"{prefix}{key}: expected {type_name(tp)}, got {type(value).__name__} (the value is "
+                              "not shown: the key is a secret)")
         value = checked
         if why is not None:
             raise ConfigError(f"{prefix}{key}{'' if why.startswith('[') else ': '}{why}")
         kwargs[key] = value
     return cls(**kwargs)
-
-
-def _secret_shown(value: Any) -> str:
-    """A secret's value in an error: its type only."""
-    return f"{type(value).__name__} (the value is not shown: the key is a secret)"
-
-
-def _secret_keys() -> set[str]:
-    return {dotted for dotted, _, spec, _ in iter_fields() if spec.secret}
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -164,7 +158,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip().lstrip("-")
     if not key:
         raise ConfigError(f"override {text!r}: empty key")
-    if key in _secret_keys():  # neither the value nor the YAML parser's quote of it
+    if any(spec.secret and dotted == key for dotted, _, spec, _ in iter_fields()):  # no value, nor YAML's quote of it
         try:
             return key, yaml_load(raw, "") if raw.strip() else ""
         except ConfigError:

@@ -33,29 +33,29 @@ MAX_DIST_TIMEOUT_S = 30 * 86400
 # score and its square (the critic's squared error) stay finite there for raw scores up to 1e12.
 MAX_REWARD_WEIGHT = 1e6
 
-
-def _kl_kinds() -> tuple:
-    from verl_ds.algos import KL_KINDS  # local: the numerics import torch; only needed to check this key
-
-    return tuple(KL_KINDS)
-
-
-def _adv_estimators() -> tuple:
-    from verl_ds.algos import ADV_ESTIMATOR_NAMES
-
-    return tuple(ADV_ESTIMATOR_NAMES)
-
-
-def _rollout_engines() -> tuple:
-    from verl_ds.rollout_engines import ROLLOUT_ENGINES  # local: the engines import torch
-
-    return tuple(ROLLOUT_ENGINES.names())
+_DS_DEFAULT = "DeepSpeed's own default applies ({}); to change it set zero_optimization.{} in a deepspeed.config_file"
+# removed key -> what to do instead: a config that still sets one is refused naming it (exit 2), never ignored
+REMOVED_KEYS = {
+    **{f"deepspeed.{k}": _DS_DEFAULT.format(v, k) for k, v in (
+        ("stage3_max_live_parameters", "1e9"), ("stage3_max_reuse_distance", "1e9"),
+        ("stage3_prefetch_bucket_size", "5e7"), ("stage3_param_persistence_threshold", "1e5"))},
+    "model.pad_is_eos": "save a tokenizer whose pad token is its EOS token and point model.tokenizer_path at it",
+    "reward.micro_batch_size": "the reward model's forwards use rollout.log_prob_micro_batch_size, as every no-grad "
+                               "forward does",
+    "trainer.verify_checkpoint": "a resume checks the digests the checkpoint was saved with: whole files when "
+                                 "trainer.checkpoint_digest=full, else each file's first and last MiB",
+    "server.max_body_bytes": "request bodies are capped at 64 KiB, far above what a route takes (a state update or a "
+                             "reward swap: a few hundred bytes)",
+}
 
 
-def _loss_agg_modes() -> tuple:
-    from verl_ds.algos import LOSS_AGG_MODES
+def _algos(name: str):
+    """The names of an algos registry, read when the key is checked (the numerics import torch)."""
+    def names() -> tuple:
+        import verl_ds.algos
 
-    return tuple(LOSS_AGG_MODES)
+        return tuple(getattr(verl_ds.algos, name))
+    return names
 
 
 @dataclass
@@ -70,7 +70,6 @@ class ModelConfig:
     num_heads: int = _f(4, "Attention heads of the model built from config.", min=1, max=1 << 10)
     num_kv_heads: int = _f(2, "Key/value heads of the model built from config.", min=1, max=1 << 10)
     max_position_embeddings: int = _f(256, "Context length of the model built from config (prompt + response must fit).", min=8, max=1 << 20)
-    pad_is_eos: bool = _f(False, "Built-in tokenizer only: make pad == eos (a common real-world setup) to exercise that path.")
     dtype: Literal["fp32", "bf16"] = _f("fp32", "Parameter / compute dtype of actor, critic and reference engines.")
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in actor and critic (HF gradient_checkpointing_enable).")
     remove_padding: bool = _f(True, "Pack each micro-batch's real tokens into one row (position ids restart per sequence, attention never crosses sequences) for log-prob, value and update forwards, each response's last token read as a label only (its output would predict nothing); models whose attention cannot do it fall back to padded batches, with a log line.")
@@ -102,12 +101,12 @@ class RolloutConfig:
     temperature: float = _f(1.0, f"Sampling temperature, also used to score log-probs; >= {MIN_TEMPERATURE} so logits / temperature stays finite in fp32/bf16.", min=MIN_TEMPERATURE, max=100.0, hot="temperature")
     top_k: int = _f(0, "Top-k sampling (0 disables).", min=0, hot="top_k")
     top_p: float = _f(1.0, "Nucleus sampling (1.0 disables).", gt=0.0, max=1.0, hot="top_p")
-    log_prob_micro_batch_size: int = _f(64, "Samples per rank in one no-grad forward (old/ref log-probs, values, validation).", min=1)
+    log_prob_micro_batch_size: int = _f(64, "Samples per rank in one no-grad forward (old/ref log-probs, values, reward-model scores, validation).", min=1)
     log_prob_max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one no-grad forward (old/ref log-probs; shared prompts count once, as in actor.max_tokens_per_micro_batch); null: log_prob_micro_batch_size samples. Micro-batches are formed by total tokens, the same count on every rank.", min=1)
     gather_params: bool = _f(True, "Gather the actor's ZeRO-3 parameters once per generate call into a replica (fast); False: per-token gathering under synced_gpus.")
     share_prefill: bool = _f(True, "HF engine: the n samples of a prompt share one prefill (the prompt runs once, its key/value cache is copied to each sample and each sample's first token is drawn from its last logits, so generate takes one step fewer; not under gather_params=false on several ranks); the same tokens.")
     share_decode: bool = _f(True, "HF engine, with share_prefill: each decoding step runs one row per distinct (prompt, tokens so far) among the unfinished samples instead of one per sample (samples that drew the same tokens share a key/value cache row until they differ; finished samples run nothing); the same tokens.")
-    engine: str = _f("hf", "Rollout engine: hf (HF generate on the actor, see gather_params) or vllm (a colocated in-process vLLM engine per rank, weights synced from the actor after every update; install with scripts/install_vllm.sh, see docs/vllm.md).", choices=_rollout_engines)
+    engine: Literal["hf", "vllm"] = _f("hf", "Rollout engine: hf (HF generate on the actor, see gather_params) or vllm (a colocated in-process vLLM engine per rank, weights synced from the actor after every update; install with scripts/install_vllm.sh, see docs/vllm.md).")
     vllm_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "vLLM's weight and compute dtype; auto: model.dtype. A dtype other than the trainer's makes the rollout slightly off-policy (see is_correction).")
     vllm_gpu_memory_utilization: float = _f(0.5, "vLLM on a GPU: the fraction of the GPU's memory vLLM may take for its weights and KV cache (it reserves it up front; leave room for the DeepSpeed engines). Unused on CPU, where vllm_kv_cache_bytes sizes the cache.", gt=0.0, max=1.0)
     vllm_kv_cache_bytes: Optional[int] = _f(None, "vLLM's KV cache in bytes; null: 256 MiB on CPU, the room vllm_gpu_memory_utilization leaves on a GPU.", min=1 << 20)
@@ -151,12 +150,12 @@ class CriticConfig:
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = _f("gae", "Advantage estimator from the registry in verl_ds.algos (gae needs the critic; the others are critic-free).", choices=_adv_estimators)
+    adv_estimator: str = _f("gae", "Advantage estimator from the registry in verl_ds.algos (gae needs the critic; the others are critic-free).", choices=_algos("ADV_ESTIMATOR_NAMES"))
     gamma: float = _f(1.0, "Discount.", min=0.0, max=1.0, hot="gamma")
     lam: float = _f(0.95, "GAE lambda.", min=0.0, max=1.0, hot="lam")
     kl_placement: Literal["auto", "reward", "loss"] = _f("auto", "Where the KL penalty goes: subtracted from the token rewards, or added to the actor loss; auto = the estimator's convention: the loss for grpo, dr_grpo, reinforce_plus_plus and reinforce_plus_plus_baseline (their std normalisation or batch whitening would turn KL noise between equally rewarded samples into unit advantages), the reward for gae, rloo and remax.")
     use_kl_penalty: bool = _f(True, "Apply the KL penalty at all (it is off when kl_coef is 0 with the fixed controller).", hot="use_kl_penalty")
-    kl_kind: str = _f("auto", "KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, symmetric (per token, from the sampled tokens' log-probs), or full_symmetric: the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the whole vocabulary at each response position, loss placement only (the reference's final hidden states are recomputed in the update; the KL controller sees the symmetric estimate); auto = k1 in the reward, low_var_kl in the loss (k1 in the loss has a zero-mean gradient and is refused).", choices=_kl_kinds, config_only=("auto",), hot="kl_kind")
+    kl_kind: str = _f("auto", "KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, symmetric (per token, from the sampled tokens' log-probs), or full_symmetric: the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the whole vocabulary at each response position, loss placement only (the reference's final hidden states are recomputed in the update; the KL controller sees the symmetric estimate); auto = k1 in the reward, low_var_kl in the loss (k1 in the loss has a zero-mean gradient and is refused).", choices=_algos("KL_KINDS"), config_only=("auto",), hot="kl_kind")
     kl_coef: float = _f(0.01, "KL coefficient beta (the KL controller rewrites it after each update).", min=0.0, max=1e3, hot="kl_coef")
     kl_ctrl: Literal["fixed", "band", "ziegler"] = _f("band", "KL controller: fixed; band (coef x1.5 when KL > 1.5 target, x0.8 when KL < 0.5 target); ziegler (Ziegler et al. 2019, proportional). Old names adaptive=ziegler, multiplicative=band.", aliases={"adaptive": "ziegler", "multiplicative": "band"}, hot="kl_ctrl_type")
     target_kl: float = _f(0.1, "Target per-token KL (nats) of the band and ziegler controllers.", gt=0.0, max=1e3, hot="target_kl")
@@ -165,7 +164,7 @@ class AlgoConfig:
     clip_ratio_high: float = _f(0.2, "PPO ratio clip above 1 (epsilon_high).", min=0.0, max=10.0, hot="clip_ratio_high")
     clip_ratio_c: Optional[float] = _f(3.0, "Dual-clip constant for negative advantages (> 1; null disables).", gt=1.0)
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.", min=0.0, max=1.0, hot="entropy_coef")
-    loss_agg_mode: str = _f("auto", "How per-token losses are aggregated (exact across ranks and accumulation); auto = the estimator's convention: seq-mean-token-sum-norm for dr_grpo (Liu et al. 2025: each sequence's token sum over the constant rollout.max_new_tokens), token-mean for the others.", choices=_loss_agg_modes, config_only=("auto",))
+    loss_agg_mode: str = _f("auto", "How per-token losses are aggregated (exact across ranks and accumulation); auto = the estimator's convention: seq-mean-token-sum-norm for dr_grpo (Liu et al. 2025: each sequence's token sum over the constant rollout.max_new_tokens), token-mean for the others.", choices=_algos("LOSS_AGG_MODES"), config_only=("auto",))
     whiten_advantages: bool = _f(True, "Whiten advantages with statistics global across data-parallel ranks.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling (Yu et al. 2025): drop groups whose rewards (before the overlong penalty) are all equal and draw more prompts until the batch is full (paper: on).")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: most rounds of prompts drawn per step; a rank still short then fills up with dropped groups.", min=1)
@@ -178,7 +177,6 @@ class RewardConfig:
     functions: list = _f(["parity"], "Reward functions: shipped names (parity, exact_match, ...) or 'module:fn' / 'file.py:fn'; entries may be {name, weight, per_token} (|weight| <= 1e6; the shipped functions score whole sequences, per_token false).")
     model_path: Optional[str] = _f(None, "Local HF sequence-classification reward model (1 label), scored at the last real token.", nonempty=True)
     model_weight: float = _f(1.0, "Weight of the neural reward in the sum.", min=-MAX_REWARD_WEIGHT, max=MAX_REWARD_WEIGHT)
-    micro_batch_size: int = _f(64, "Samples per rank in one forward of the neural reward model.", min=1)
     num_workers: int = _f(1, "Threads scoring chunks of the batch with the reward functions (rule rewards can be slow; functions must be thread-safe).", min=1)
     eos_reward: Literal["zero", "keep"] = _f("zero", "Per-token rewards at the EOS position: zeroed or kept.")
 
@@ -188,10 +186,6 @@ class DeepSpeedConfig:
     zero_stage: int = _f(3, "ZeRO stage of actor and critic (0-3); the reference (an inference engine) is ZeRO-3 when this is 3, else unpartitioned (as DeepSpeed-Chat).", min=0, max=3)
     offload_optimizer: bool = _f(False, "Offload optimizer state to CPU.")
     offload_param: bool = _f(False, "Offload parameters to CPU (ZeRO-3 only).")
-    stage3_max_live_parameters: int = _f(1_000_000_000, "ZeRO-3 max_live_parameters.", min=0)
-    stage3_max_reuse_distance: int = _f(1_000_000_000, "ZeRO-3 max_reuse_distance (0 forces re-gathering; used by the no-hang test).", min=0)
-    stage3_prefetch_bucket_size: int = _f(50_000_000, "ZeRO-3 prefetch bucket size.", min=0)
-    stage3_param_persistence_threshold: int = _f(100_000, "ZeRO-3 parameter persistence threshold.", min=0)
     config_file: Optional[str] = _f(None, "A DeepSpeed JSON object whose entries override the generated ones (batch sizes stay derived).", nonempty=True)
     grad_accumulation_fusion: bool = _f(True, "ZeRO-0 engines with a plain torch optimizer (fp32): each Linear weight's gradient is added into .grad by its matrix product (addmm_) instead of a fresh product that AccumulateGrad then adds, as Megatron-LM's --gradient-accumulation-fusion (verl_ds.engines.grad_accum); the same sums. Stages 1-3 and fp16/bf16 optimizers hook each gradient as it arrives and keep autograd's path.")
 
@@ -204,8 +198,7 @@ class TrainerConfig:
     seed: int = _f(0, "Seed for data order, sampling and every rank's RNG.", min=0, max=MAX_SEED)
     save_every: int = _f(0, "Checkpoint every N steps (0: only at the end).", min=0)
     keep_last: int = _f(2, "Checkpoints kept (older ones are deleted).", min=1)
-    verify_checkpoint: Literal["edges", "full"] = _f("edges", "Checkpoint check on resume: digests of each file's first and last MiB (edges), or of whole files (full: finds a bit flip in the middle of a shard; about 5 s per GiB read; needs trainer.checkpoint_digest=full).")
-    checkpoint_digest: Literal["edges", "full"] = _f("edges", "Digests written with each checkpoint: first and last MiB of every file (edges), or also whole files (full, about 11 s per GiB at save time, split over the ranks), so verify_checkpoint=full can run.")
+    checkpoint_digest: Literal["edges", "full"] = _f("edges", "Digests written with each checkpoint and checked when it is resumed: each file's first and last MiB (edges), or also whole files (full: finds a bit flip in the middle of a shard; about 11 s per GiB at save time, split over the ranks, and 5 s per GiB read at resume).")
     val_every: int = _f(0, "Greedy validation on the held-out prompts every N steps (0: start and end only).", min=0)
     val_n: int = _f(1, "Validation samples per prompt: >1 adds sampled val/mean@n, val/pass@1 and val/pass@n (unbiased, Chen et al. 2021) to the greedy score.", min=1)
     val_pass_threshold: float = _f(1.0, "A validation sample counts as correct for pass@k when its score is at least this.")
@@ -227,7 +220,6 @@ class ServerConfig:
     host: str = _f("127.0.0.1", "Bind address; a non-loopback address needs a token.", nonempty=True)
     port: int = _f(0, "Port (0: any free port; the URL is written to the run directory).", min=0, max=65535)
     token: Optional[str] = _f(None, f"Bearer token for mutating routes; prefer the {TOKEN_ENV} environment variable (never printed or saved).", secret=True)
-    max_body_bytes: int = _f(65536, "Largest accepted request body.", min=1)
     swappable_rewards: list = _f([], "Reward function specs ('module:fn', 'file.py:fn') that POST /v1/models/reward may swap in, besides the shipped names.", items=str, nonempty=True)
     allow_reward_code: bool = _f(False, "Let POST /v1/models/reward import any reward function code (logged loudly); off: shipped names and swappable_rewards only.")
     reward_model_dir: Optional[str] = _f(None, "Directory under which POST /v1/models/reward may load reward models; null: model paths are refused over HTTP.", nonempty=True)

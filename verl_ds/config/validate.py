@@ -2,14 +2,13 @@
 except the small ones it names (a DeepSpeed JSON, a model's config.json for its context length)."""
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 
+from .deepspeed import check_deepspeed_file
 from .fields import ConfigError, show
 from .limits import kl_placement_rule, resolve_kl_kind, resolve_kl_placement, run_limits
-from .loader import read_text_file
 from .schema import MAX_REWARD_WEIGHT, Config, hot_fields
 
 # SharedState key -> the config key that sets its value at step 0
@@ -116,36 +115,6 @@ def _check_reward_functions(cfg: Config) -> None:
             raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {show(spec)}")
 
 
-def _check_deepspeed_file(cfg: Config, derived: Derived) -> None:
-    path = cfg.deepspeed.config_file
-    if path is None:
-        return
-    text = read_text_file(path, "deepspeed.config_file:")
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"deepspeed.config_file: {path!r} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"deepspeed.config_file: {path!r} must hold a JSON object, got a JSON {type(data).__name__}")
-    try:
-        bad = _non_finite(data)
-    except RecursionError:
-        raise ConfigError(f"deepspeed.config_file: {path!r} is nested too deeply") from None
-    if bad is not None:  # Python's json reads NaN and Infinity; DeepSpeed would clip (or scale) by them
-        raise ConfigError(f"deepspeed.config_file: {path!r}: {bad[0]} is {bad[1]!r}; expected a finite number")
-    clip = data.get("gradient_clipping", 0.0)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
-        raise ConfigError(f"deepspeed.config_file: {path!r}: gradient_clipping is {show(clip)}; expected a number "
-                          ">= 0 (0 disables)")
-    from verl_ds.engines.ds_config import make_ds_config  # local: the engines package imports torch
-
-    for role in ("actor", "critic", "ref"):  # each engine's JSON, as it will be built: refused here, not mid-build
-        try:
-            make_ds_config(cfg, derived, role, gpu=False)
-        except ValueError as exc:
-            raise ConfigError(str(exc).replace("deepspeed.config_file ", "deepspeed.config_file: ", 1)) from None
-
-
 # what every prompt item holds besides pass-through fields (verl_ds.data builds them)
 RESERVED_ITEM_KEYS = ("input_ids", "prompt")
 
@@ -160,19 +129,6 @@ def _check_data(cfg: Config) -> None:
         raise ConfigError(f"rollout.batch_size={cfg.rollout.batch_size} is larger than the prompt set "
                           f"(data.num_train_prompts={d.num_train_prompts}): a step draws rollout.batch_size distinct "
                           "prompts; raise data.num_train_prompts or lower rollout.batch_size")
-
-
-def _non_finite(data, where: str = "") -> tuple[str, float] | None:
-    """(dotted key, value) of the first NaN or infinity in a JSON value, or None."""
-    items = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
-    for key, value in items:
-        name = f"{where}.{key}" if where and isinstance(key, str) else f"{where}[{key}]" if where else str(key)
-        if isinstance(value, float) and not math.isfinite(value):
-            return name, value
-        found = _non_finite(value, name)
-        if found is not None:
-            return found
-    return None
 
 
 def initial_state(cfg: Config) -> dict:
@@ -218,5 +174,5 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "
                           f"got {cfg.trainer.resume!r}")
-    _check_deepspeed_file(cfg, derived)
+    check_deepspeed_file(cfg, derived)
     return derived

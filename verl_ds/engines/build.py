@@ -43,7 +43,7 @@ def load_tokenizer(cfg: Config):
 
         # the built-in task's own small vocabulary: a fresh model then samples task words, not 280 others
         vocab = parity.VOCAB if cfg.data.train_files is None else None
-        tok = build_tokenizer(vocab, pad_is_eos=cfg.model.pad_is_eos)
+        tok = build_tokenizer(vocab)
     else:
         if not os.path.isdir(path):
             raise ConfigError(f"model.tokenizer_path/model.path: {path!r} is not a directory")

@@ -10,15 +10,12 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from verl_ds.server.jsonio import HTTPError, dumps, parse_json_object
 from verl_ds.server.protocol import (BODY_ANNOUNCED, BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES, check_framing,
                                      warn_throttled)
 from verl_ds.server.views import ROUTE_LIST, resolve, shown_method
-
-if TYPE_CHECKING:
-    from verl_ds.server.control import ControlServer
 
 __all__ = ["ControlApp", "WorkerPool"]
 
@@ -98,9 +95,9 @@ class _Request:
 
 
 class ControlApp:
-    """ASGI 3 application of one ControlServer."""
+    """ASGI 3 application of one ``ControlServer`` (``control``; that module imports this one, never the reverse)."""
 
-    def __init__(self, control: "ControlServer", pool: WorkerPool):
+    def __init__(self, control: Any, pool: WorkerPool):
         self.control, self.pool = control, pool
         self.in_progress = 0  # only touched on the event loop
 
@@ -162,8 +159,8 @@ class ControlApp:
         if length is None and "transfer-encoding" not in req.headers:
             raise HTTPError(411, "Content-Length header required (or Transfer-Encoding: chunked)", close=True)
         if length is not None and int(length) > limit:  # h11 has checked it is a number
-            raise HTTPError(413, f"request body of {int(length)} bytes is over the limit of {limit} bytes "
-                                 "(server.max_body_bytes)", close=True)
+            raise HTTPError(413, f"request body of {int(length)} bytes is over the limit of {limit} bytes",
+                            close=True)
         loop = asyncio.get_running_loop()
         parts, total = [], 0
         while True:
@@ -181,7 +178,7 @@ class ControlApp:
             # a chunk's size line is enough: 'FFFFFFFFFFFFFFFF' is refused before any of its bytes arrive
             if max(total, req.scope.get(BODY_ANNOUNCED, 0)) > limit:
                 raise HTTPError(413, f"{'chunked ' if length is None else ''}request body is over the limit of "
-                                     f"{limit} bytes (server.max_body_bytes)", close=True)
+                                     f"{limit} bytes", close=True)
             parts.append(chunk)
             if not message.get("more_body", False):
                 break

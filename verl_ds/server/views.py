@@ -15,7 +15,7 @@ import difflib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 from urllib.parse import unquote
 
 from verl_ds.reward_spec import check_reward_spec
@@ -23,9 +23,6 @@ from verl_ds.rewards import REWARD_FNS
 from verl_ds.server.jsonio import HTTPError
 from verl_ds.server.prometheus import prometheus_text
 from verl_ds.state import STATE_KEYS, StateValidationError, UnknownStateKeyError
-
-if TYPE_CHECKING:
-    from verl_ds.server.control import ControlServer
 
 __all__ = ["Handler", "ROUTES", "Route", "resolve", "ROUTE_LIST", "shown_method"]
 
@@ -37,7 +34,8 @@ _ROLE_CLASSES = {"PolicyModel": "actor", "ValueModel": "critic", "RewardModel": 
 ROUTE_LIST = ("GET /healthz, GET /metrics, GET /v1/models, GET /v1/models/{id}, POST /v1/models/reward, "
               "GET|PATCH /v1/state, GET /v1/state/{key}")
 
-View = Callable[["ControlServer", str, "dict | None", str], "tuple[int, Any]"]
+Server = Any  # the ControlServer a view serves (verl_ds.server.control imports this module, never the reverse)
+View = Callable[[Server, str, "dict | None", str], "tuple[int, Any]"]
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"})
 
 
@@ -68,7 +66,7 @@ def _role_of(name: str, aliases: list[str], model: Any) -> str | None:
     return None
 
 
-def _model_entry(srv: "ControlServer", info: dict) -> dict:
+def _model_entry(srv: Server, info: dict) -> dict:
     """One /v1/models entry: the OpenAI fields plus verl_ds's."""
     model = srv.registry.get(info["name"], None)
     return {"id": info["name"], "object": "model", "created": int(info["registered_at"]), "owned_by": "verl_ds",
@@ -77,23 +75,23 @@ def _model_entry(srv: "ControlServer", info: dict) -> dict:
             "num_parameters": info["num_parameters"]}
 
 
-def health(srv: "ControlServer", arg: str, body: None, client: str) -> tuple[int, dict]:
+def health(srv: Server, arg: str, body: None, client: str) -> tuple[int, dict]:
     return 200, {"status": "ok", "global_step": srv.state.get("global_step"), "state_version": srv.state.version,
                  "uptime_s": round(time.time() - (srv.started_at or time.time()), 3),
                  "mutations": "enabled" if srv.mutations_enabled else "disabled"}
 
 
-def metrics(srv: "ControlServer", arg: str, body: None, client: str) -> tuple[int, str]:
+def metrics(srv: Server, arg: str, body: None, client: str) -> tuple[int, str]:
     return 200, prometheus_text(dict(srv.metrics_fn() or {}), srv.state.snapshot(), srv.state.version)
 
 
-def models(srv: "ControlServer", arg: str, body: None, client: str) -> tuple[int, dict]:
+def models(srv: Server, arg: str, body: None, client: str) -> tuple[int, dict]:
     state = srv.state.snapshot()
     return 200, {"object": "list", "data": [_model_entry(srv, i) for i in srv.registry.snapshot()],
                  "state": state, "state_version": srv.state.version, "global_step": state["global_step"]}
 
 
-def model(srv: "ControlServer", model_id: str, body: None, client: str) -> tuple[int, dict]:
+def model(srv: Server, model_id: str, body: None, client: str) -> tuple[int, dict]:
     snapshot = srv.registry.snapshot()
     for info in snapshot:
         if model_id == info["name"] or model_id in info["aliases"]:
@@ -110,13 +108,13 @@ def model(srv: "ControlServer", model_id: str, body: None, client: str) -> tuple
                     models=[i["name"] for i in snapshot], aliases=srv.registry.aliases())
 
 
-def state(srv: "ControlServer", arg: str, body: None, client: str) -> tuple[int, dict]:
+def state(srv: Server, arg: str, body: None, client: str) -> tuple[int, dict]:
     values = srv.state.snapshot()
     return 200, {"values": values, "schema": srv.state.schema(), "version": srv.state.version,
                  "global_step": values["global_step"], "pending": srv.state.staged()}
 
 
-def state_key(srv: "ControlServer", key: str, body: None, client: str) -> tuple[int, dict]:
+def state_key(srv: Server, key: str, body: None, client: str) -> tuple[int, dict]:
     try:
         value = srv.state.get(key)
     except UnknownStateKeyError:
@@ -127,7 +125,7 @@ def state_key(srv: "ControlServer", key: str, body: None, client: str) -> tuple[
     return 200, {"key": key, "value": value, "schema": STATE_KEYS[key].schema(), "version": srv.state.version}
 
 
-def patch_state(srv: "ControlServer", arg: str, body: dict, client: str) -> tuple[int, dict]:
+def patch_state(srv: Server, arg: str, body: dict, client: str) -> tuple[int, dict]:
     if not body:
         raise HTTPError(400, "empty update: send a JSON object of {key: value} with at least one key; "
                              "GET /v1/state lists the hot-updatable keys")
@@ -139,7 +137,7 @@ def patch_state(srv: "ControlServer", arg: str, body: dict, client: str) -> tupl
     return 202, {**result, "status": "staged"}
 
 
-def swap_reward(srv: "ControlServer", arg: str, body: dict, client: str) -> tuple[int, dict]:
+def swap_reward(srv: Server, arg: str, body: dict, client: str) -> tuple[int, dict]:
     """Validate with ``reward_spec.check_reward_spec`` (no user code runs here), then stage through the swapper."""
     if srv.reward_swapper is None:
         raise HTTPError(501, "reward swapping is not available: this server has no reward_swapper "
