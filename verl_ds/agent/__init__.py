@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tools and environments: the pieces an episode is made of (environments, tools, the
 sandbox for untrusted code)."""
-from verl_ds.agent.env import ENVIRONMENTS, Environment, Step, ToolEnvironment, make_environment, register_environment
+from verl_ds.agent.env import ENVIRONMENTS, Environment, Step, ToolEnvironment, register_environment
+from verl_ds.agent.registry import make_environment
 from verl_ds.agent.sandbox import SandboxLimits, SandboxResult, run_python
 from verl_ds.agent.tools import ToolCall, ToolSet, parse_tool_calls
 

@@ -15,18 +15,17 @@ in between); an environment only sees and returns text, so it can be a plain Pyt
         def step(self, turn):
             return Step([], reward=float(turn.strip() == "hi"), done=True)
 
-and is named in the config by its registered name or as ``package.module:Class``.
+and is named in the config by its registered name or as ``package.module:Class``
+(``verl_ds.agent.registry.make_environment``).
 """
 from __future__ import annotations
 
-import difflib
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from verl_ds.agent.tools import TOOL_CALL_FORMATS, ToolSet, parse_tool_calls
 
-__all__ = ["Environment", "Step", "ToolEnvironment", "register_environment", "make_environment", "ENVIRONMENTS"]
+__all__ = ["Environment", "Step", "ToolEnvironment", "register_environment", "ENVIRONMENTS"]
 
 ENVIRONMENTS: dict[str, type] = {}
 
@@ -69,36 +68,6 @@ def register_environment(name: str) -> Callable[[type], type]:
         ENVIRONMENTS[name] = cls
         return cls
     return add
-
-
-def environment_class(spec: str) -> type:
-    """The class a config names: a registered name, or ``package.module:Class``."""
-    if ":" in spec:
-        where, _, attr = spec.rpartition(":")
-        try:
-            cls = getattr(importlib.import_module(where), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"environment {spec!r}: cannot load {attr!r} from {where!r} ({type(e).__name__}: {e})") from e
-        if not (isinstance(cls, type) and issubclass(cls, Environment)):
-            raise ValueError(f"environment {spec!r} is {cls!r}, not a subclass of verl_ds.agent.Environment")
-        return cls
-    import verl_ds.agent.tasks  # noqa: F401  (registers the built-in environments)
-
-    if spec not in ENVIRONMENTS:
-        close = difflib.get_close_matches(spec, ENVIRONMENTS, n=2, cutoff=0.5)
-        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-        raise ValueError(f"unknown environment {spec!r}; registered: {sorted(ENVIRONMENTS)}.{hint} (a user class is "
-                         "given as 'package.module:Class')")
-    return ENVIRONMENTS[spec]
-
-
-def make_environment(spec: str, args: dict | None = None) -> Environment:
-    """A new environment for one trajectory; bad arguments name the environment."""
-    cls = environment_class(spec)
-    try:
-        return cls(**(args or {}))
-    except TypeError as e:
-        raise ValueError(f"environment {spec!r}: its arguments {sorted(args or {})} do not fit {cls.__name__}: {e}") from e
 
 
 class ToolEnvironment(Environment):
