@@ -218,12 +218,6 @@ def trl_worker(spec_path: str) -> None:
     timer = StepTimes()
     trainer = GRPOTrainer(model=job["model_dir"], reward_funcs=[parity], args=args, train_dataset=data,
                           processing_class=tok, callbacks=[timer])
-    if job.get("onednn"):  # verl_ds's CPU Linear backend (model.cpu_linear=onednn) in TRL's policy and reference
-        from verl_ds.engines.cpu_linear import use_onednn_linears
-
-        for model in (trainer.model, getattr(trainer, "ref_model", None)):
-            if model is not None:
-                use_onednn_linears(model)
     trainer.train()
     rows = []
     for i, row in enumerate(timer.rows, start=1):
@@ -254,30 +248,22 @@ def summarise(rows: list[dict], warmup: int, repeats: tuple = ()) -> dict:
 
 
 def gemm_rate(m: int, k: int, n: int, threads: int, seconds: float = 1.0) -> float:
-    """FLOP/s of a float32 (m, k) @ (k, n) matrix product on ``threads`` threads: the best of several timed runs, of
-    torch's product (MKL) and, where this torch has it, oneDNN's (``verl_ds.engines.cpu_linear``): the faster
-    library's rate, so that neither side's floor assumes a slower one."""
+    """FLOP/s of a float32 (m, k) @ (k, n) matrix product (torch's, MKL in the x86 wheels) on ``threads`` threads:
+    the best of several timed runs."""
     import torch
-
-    from verl_ds.engines.cpu_linear import linear, onednn_available
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        products = [lambda: torch.mm(a, b)]
-        if onednn_available():
-            bt = b.t().contiguous()  # (n, k): the weight layout of a Linear
-            products.append(lambda: linear(a, bt))
         best = float("inf")
-        for product in products:
-            for _ in range(3):
-                product()
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                product()
-                best = min(best, time.perf_counter() - t0)
+        for _ in range(3):
+            torch.mm(a, b)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
     return 2 * m * k * n / best
@@ -345,12 +331,9 @@ def main(argv=None) -> None:
                    "measured steps (a shared machine's speed drifts by 2x from one hour to the next)")
     p.add_argument("--trl-keep-freed-memory", action="store_true",
                    help="also run TRL with verl_ds's CPU malloc setting (trainer.cpu_keep_freed_memory), a row of its own")
-    p.add_argument("--trl-onednn", action="store_true",
-                   help="also run TRL with its Linear layers on verl_ds's oneDNN backend (model.cpu_linear=onednn), a row "
-                        "of its own")
     p.add_argument("--verl-ds-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                    help="an extra verl_ds row (at the first of --zero-stages) with these launch/train.py overrides, "
-                        "e.g. 'torch linear:model.cpu_linear=torch'; repeatable, not used in the ratios")
+                        "e.g. 'unshared:model.share_prompts=false'; repeatable, not used in the ratios")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per side and size")
@@ -406,9 +389,6 @@ def main(argv=None) -> None:
         if a.trl_keep_freed_memory:  # what verl_ds's CPU malloc setting would give TRL (not used in the ratios)
             sides.append(("trl kept memory", lambda: run_trl({**job, "keep_freed_memory": True},
                                                              os.path.join(size_dir, "trl_kept"), a.timeout)))
-        if a.trl_onednn:  # what verl_ds's CPU Linear backend would give TRL (not used in the ratios)
-            sides.append(("trl onednn", lambda: run_trl({**job, "onednn": True}, os.path.join(size_dir, "trl_onednn"),
-                                                        a.timeout)))
         verl_rows = {}
         sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
                                                                  a.timeout)) for z in stages]

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import yaml
 
 from .fields import ConfigError, check_value, show, spec_of, suggest, type_name
-from .schema import Config, iter_fields
+from .schema import REMOVED_KEYS, Config, iter_fields
 
 MAX_DEPTH = 64  # a config is 3 levels deep; 64 leaves room for data in lists and refuses hostile nesting
 MAX_BYTES = 16 << 20
@@ -117,6 +117,9 @@ def _build(cls, data, prefix: str):
     by_name = {f.name: f for f in fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if prefix + str(key) in REMOVED_KEYS:
+            raise ConfigError(f"{prefix}{key}: this key was removed ({REMOVED_KEYS[prefix + str(key)]}); delete it "
+                              "from the config")
         if key not in by_name:
             raise ConfigError(f"unknown config key {show(prefix + str(key))}{suggest(str(key), by_name)} "
                               f"(valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(by_name)})")

@@ -33,6 +33,14 @@ MAX_DIST_TIMEOUT_S = 30 * 86400
 # score and its square (the critic's squared error) stay finite there for raw scores up to 1e12.
 MAX_REWARD_WEIGHT = 1e6
 
+# Keys that existed and were taken out: a config that still sets one is refused by name (issue 32: CPU-only speed
+# switches left the package), never silently ignored.
+REMOVED_KEYS = {
+    "model.cpu_linear": "oneDNN Linear layers for AMD CPUs (no GPU counterpart); float32 CPU Linears use F.linear",
+    "deepspeed.grad_accumulation_fusion": "a ZeRO-0 CPU optimisation with no effect on the default ZeRO-3 job; "
+                                          "weight gradients accumulate through autograd",
+}
+
 
 def _kl_kinds() -> tuple:
     from verl_ds.algos import KL_KINDS  # local: the numerics import torch; only needed to check this key
@@ -77,7 +85,6 @@ class ModelConfig:
     share_prompts: bool = _f(True, "With remove_padding and rollout.n > 1: the samples of one prompt in a micro-batch share one copy of its tokens in the packed row (their responses attend to it), so log-prob and update forwards skip (n-1)/n of the prompt tokens; the same log-probs and gradients.")
     share_response_prefixes: bool = _f(True, "With share_prompts: the samples of one prompt also share the leading response tokens they have in common (a token's state depends on its prefix only), so those are computed once in log-prob and update forwards; the same log-probs and gradients. Saves most where samples agree on their first tokens (short answers, a policy that has converged).")
     fused_lm_head: bool = _f(False, "Log-probs and entropy from the final hidden states and the LM-head weight in chunks (online log-sum-exp), never building the (N, V) logits.")
-    cpu_linear: Literal["auto", "onednn", "torch"] = _f("auto", "Backend of the Linear layers of float32 models on a CPU: onednn (torch's bundled oneDNN inner product for the forward and the input gradient of layers whose products reach 2^24 multiply-adds; weight gradients stay torch products), torch (F.linear: MKL in the x86 wheels), auto (onednn on AMD CPUs with AVX-512, where MKL takes its AVX2 path: the 30M benchmark model's products 10-15% faster, its GRPO step 3-9%; torch elsewhere). Same sums in another order (last-bit differences); verl_ds.engines.cpu_linear.")
     init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).", min=0, max=MAX_SEED)
 
 
@@ -193,7 +200,6 @@ class DeepSpeedConfig:
     stage3_prefetch_bucket_size: int = _f(50_000_000, "ZeRO-3 prefetch bucket size.", min=0)
     stage3_param_persistence_threshold: int = _f(100_000, "ZeRO-3 parameter persistence threshold.", min=0)
     config_file: Optional[str] = _f(None, "A DeepSpeed JSON object whose entries override the generated ones (batch sizes stay derived).", nonempty=True)
-    grad_accumulation_fusion: bool = _f(True, "ZeRO-0 engines with a plain torch optimizer (fp32): each Linear weight's gradient is added into .grad by its matrix product (addmm_) instead of a fresh product that AccumulateGrad then adds, as Megatron-LM's --gradient-accumulation-fusion (verl_ds.engines.grad_accum); the same sums. Stages 1-3 and fp16/bf16 optimizers hook each gradient as it arrives and keep autograd's path.")
 
 
 @dataclass

@@ -22,8 +22,6 @@ import torch
 
 from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
-from verl_ds.engines.cpu_linear import log_choice, resolve_cpu_linear, use_onednn_linears
-from verl_ds.engines.grad_accum import fuse_grad_accumulation
 from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
 from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
                                    partitioned_construction, release_free_memory)
@@ -271,25 +269,12 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
         engine.train()
         skip_lone_rank_allreduce(engine)
-        if cfg.deepspeed.grad_accumulation_fusion:
-            fuse_grad_accumulation(engine)  # a no-op where ZeRO or DeepSpeed's optimizer hooks the gradients
     else:
         for p in model.parameters():
             p.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
         engine.eval()
-    place_cpu_linears(engine.module, cfg)
     return engine
-
-
-def place_cpu_linears(module, cfg: Config) -> int:
-    """Put a float32 CPU model's Linear layers on the backend ``model.cpu_linear`` resolves to (oneDNN or torch's
-    F.linear, ``verl_ds.engines.cpu_linear``); returns how many moved to oneDNN."""
-    if uses_gpu(cfg) or _dtype(cfg) != torch.float32:
-        return 0
-    backend = resolve_cpu_linear(cfg.model.cpu_linear)
-    log_choice(cfg.model.cpu_linear, backend)
-    return use_onednn_linears(module) if backend == "onednn" else 0
 
 
 def skip_lone_rank_allreduce(engine) -> bool:
