@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import logging
 import math
 import os
-import sys
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -233,25 +231,6 @@ def optimizer_name(cfg: Config) -> str:
     return "deepspeed_cpu_adam" if offloaded and uses_gpu(cfg) else "torch_adamw"
 
 
-def _import_muon_without_compiling() -> None:
-    """Import DeepSpeed's Muon module with ``torch.compile`` as the identity. Every ZeRO optimizer imports it
-    (``is_zero_supported_optimizer`` and ``stage3.py``, to ask whether the optimizer is Muon), and its
-    ``@torch.compile`` decorators load torch._dynamo and inductor: about 3.5 s of each process's start on CPU.
-    Our optimizers are AdamW (torch or DeepSpeed's CPU Adam), never Muon, so its functions are never called;
-    a process that imported the module before keeps it as it was."""
-    name = "deepspeed.runtime.zero.muon.muon_optimizer"
-    if name in sys.modules:
-        return
-    compile_fn = torch.compile
-    torch.compile = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
-    try:
-        importlib.import_module(name)
-    except ImportError:  # a DeepSpeed without Muon
-        pass
-    finally:
-        torch.compile = compile_fn
-
-
 def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0, weight_decay: float = 0.0,
                 grad_clip: float = 0.0):
     """Wrap ``model`` in a DeepSpeed engine; trainable roles get the optimizer ``optimizer_name(cfg)`` names."""
@@ -265,7 +244,6 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
         # frozen parameters (a LoRA base) get no optimizer state
         optimizer = OPTIMIZERS[optimizer_name(cfg)]([p for p in model.parameters() if p.requires_grad], lr,
                                                     weight_decay)
-        _import_muon_without_compiling()
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
         engine.train()
         skip_lone_rank_allreduce(engine)
