@@ -175,10 +175,6 @@ def trl_worker(spec_path: str) -> None:
 
     with open(spec_path, encoding="utf-8") as fh:
         job = json.load(fh)
-    if job.get("keep_freed_memory"):
-        from verl_ds.runtime.malloc import keep_freed_memory
-
-        keep_freed_memory()
     torch.set_num_threads(job["threads"])
     with open(job["prompts"], encoding="utf-8") as fh:
         data = Dataset.from_list([json.loads(line) for line in fh])
@@ -329,8 +325,6 @@ def main(argv=None) -> None:
     p.add_argument("--zero-stages", default="0,3", help="verl_ds ZeRO stages to run; the first is the headline")
     p.add_argument("--repeats", type=int, default=1, help="runs of each side, interleaved; the timing pools their "
                    "measured steps (a shared machine's speed drifts by 2x from one hour to the next)")
-    p.add_argument("--trl-keep-freed-memory", action="store_true",
-                   help="also run TRL with verl_ds's CPU malloc setting (trainer.cpu_keep_freed_memory), a row of its own")
     p.add_argument("--verl-ds-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                    help="an extra verl_ds row (at the first of --zero-stages) with these launch/train.py overrides, "
                         "e.g. 'unshared:model.share_prompts=false'; repeatable, not used in the ratios")
@@ -386,9 +380,6 @@ def main(argv=None) -> None:
                "n": a.n, "micro_batch": a.micro_batch, "max_new_tokens": a.max_new_tokens, "lr": a.lr, "beta": a.beta,
                "seed": a.seed, "threads": a.threads}
         sides = [("trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
-        if a.trl_keep_freed_memory:  # what verl_ds's CPU malloc setting would give TRL (not used in the ratios)
-            sides.append(("trl kept memory", lambda: run_trl({**job, "keep_freed_memory": True},
-                                                             os.path.join(size_dir, "trl_kept"), a.timeout)))
         verl_rows = {}
         sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
                                                                  a.timeout)) for z in stages]

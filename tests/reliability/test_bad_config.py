@@ -44,6 +44,7 @@ CORPUS = [
     # issue 32: keys taken out of the package are refused by name, never ignored
     (["model.cpu_linear=torch"], 1, r"model.cpu_linear: this key was removed \(oneDNN Linear layers .*\); delete it"),
     (["deepspeed.grad_accumulation_fusion=false"], 1, r"deepspeed.grad_accumulation_fusion: this key was removed"),
+    (["trainer.cpu_keep_freed_memory=true"], 1, r"trainer.cpu_keep_freed_memory: this key was removed .*MALLOC_"),
     # batch arithmetic and cross-field rules
     (["rollout.batch_size=30", "actor.mini_batch_size=16"], 1, r"actor.mini_batch_size=16 must divide rollout.batch_size=30"),
     (["rollout.batch_size=33", "actor.mini_batch_size=11", "actor.micro_batch_size=11"], 2,

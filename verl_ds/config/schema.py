@@ -39,6 +39,8 @@ REMOVED_KEYS = {
     "model.cpu_linear": "oneDNN Linear layers for AMD CPUs (no GPU counterpart); float32 CPU Linears use F.linear",
     "deepspeed.grad_accumulation_fusion": "a ZeRO-0 CPU optimisation with no effect on the default ZeRO-3 job; "
                                           "weight gradients accumulate through autograd",
+    "trainer.cpu_keep_freed_memory": "glibc malloc tuning for CPU runs; set MALLOC_MMAP_THRESHOLD_ and "
+                                     "MALLOC_TRIM_THRESHOLD_ in the environment instead (mallopt(3))",
 }
 
 
@@ -224,7 +226,6 @@ class TrainerConfig:
     dist_timeout_s: int = _f(300, "Collective timeout: a dead rank makes the others fail after this long.", min=1, max=MAX_DIST_TIMEOUT_S)
     max_bad_steps: int = _f(3, "Stop after this many consecutive steps with a non-finite loss or gradient.", min=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device for the engines (auto: cuda when available; cuda without CUDA is refused).")
-    cpu_keep_freed_memory: bool = _f(True, "CPU runs on glibc: malloc keeps freed memory for reuse instead of returning it to the OS and faulting it back in at every micro-batch (mallopt M_TRIM_THRESHOLD, M_MMAP_THRESHOLD 32 MiB; verl_ds.runtime.malloc), as jemalloc/tcmalloc do; the heap's peak stays resident. Not applied when the engines run on a GPU.")
 
 
 @dataclass
