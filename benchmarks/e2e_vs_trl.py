@@ -201,12 +201,6 @@ def _size_run(a, regime: str, size: str, stages: list, variants: list, work: str
            "beta": a.beta, "seed": a.seed, "threads": a.threads, "temperature": 1.0,
            "log_prob_micro_batch": spec["micro_batch"] if spec["same_log_prob_chunks"] else None}
     sides = [("trl", lambda: run_trl(job, os.path.join(size_dir, "trl"), a.timeout))]
-    if a.trl_keep_freed_memory:  # what verl_ds's CPU malloc setting would give TRL (not used in the ratios)
-        sides.append(("trl kept memory", lambda: run_trl({**job, "keep_freed_memory": True},
-                                                         os.path.join(size_dir, "trl_kept"), a.timeout)))
-    if a.trl_onednn:  # what verl_ds's CPU Linear backend would give TRL (not used in the ratios)
-        sides.append(("trl onednn", lambda: run_trl({**job, "onednn": True}, os.path.join(size_dir, "trl_onednn"),
-                                                    a.timeout)))
     sides += [(f"verl_ds ZeRO-{z}", lambda z=z: run_verl_ds(job, z, os.path.join(size_dir, f"verl_ds_z{z}"),
                                                              a.timeout)) for z in stages]
     sides += [(f"verl_ds {name}", lambda i=i, pairs=pairs: run_verl_ds(
@@ -289,12 +283,6 @@ def _parse(argv):
     p.add_argument("--zero-stages", default="0,3", help="verl_ds ZeRO stages to run; the first is the headline")
     p.add_argument("--repeats", type=int, default=1, help="runs of each side, interleaved; the timing pools their "
                    "measured steps (a shared machine's speed drifts by 2x from one hour to the next)")
-    p.add_argument("--trl-keep-freed-memory", action="store_true",
-                   help="also run TRL with verl_ds's CPU malloc setting (trainer.cpu_keep_freed_memory), a row of its "
-                        "own")
-    p.add_argument("--trl-onednn", action="store_true",
-                   help="also run TRL with its Linear layers on verl_ds's oneDNN backend (model.cpu_linear=onednn), "
-                        "a row of its own")
     p.add_argument("--verl-ds-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                    help="an extra verl_ds row (at the first of --zero-stages) with these launch/train.py overrides, "
                         "e.g. 'no prefix sharing:model.share_response_prefixes=false'; repeatable, not used in the "
@@ -322,10 +310,6 @@ def main(argv=None) -> None:
         raise SystemExit(f"--sizes must name sizes from {sorted(SIZES)} and --zero-stages stages 0-3; got {bad or a}")
     if a.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1; got {a.repeats}")
-    for flag, module in (("--trl-onednn", "verl_ds.engines.cpu_linear"), ("--trl-keep-freed-memory",
-                                                                         "verl_ds.runtime.malloc")):
-        if getattr(a, flag[2:].replace("-", "_")) and importlib.util.find_spec(module) is None:
-            raise SystemExit(f"{flag} needs {module}, which this verl_ds tree no longer has")
     variants = []
     for v in a.verl_ds_variant:
         name, sep, overrides = v.partition(":")

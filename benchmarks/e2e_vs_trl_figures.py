@@ -29,32 +29,22 @@ def summarise(rows: list[dict], warmup: int, repeats: tuple = ()) -> dict:
 
 
 def gemm_rate(m: int, k: int, n: int, threads: int, seconds: float = 1.0) -> float:
-    """FLOP/s of a float32 (m, k) @ (k, n) matrix product on ``threads`` threads: the best of several timed runs, of
-    torch's product (MKL) and, where this tree and torch have it, oneDNN's (``verl_ds.engines.cpu_linear``): the
-    faster library's rate, so that neither side's floor assumes a slower one."""
+    """FLOP/s of a float32 (m, k) @ (k, n) matrix product (torch's, MKL in the x86 wheels) on ``threads`` threads:
+    the best of several timed runs."""
     import torch
 
-    try:  # verl_ds's CPU Linear backend, where this tree still has it
-        from verl_ds.engines.cpu_linear import linear, onednn_available
-    except ImportError:
-        linear, onednn_available = None, lambda: False
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         a, b = torch.randn(m, k), torch.randn(k, n)
-        products = [lambda: torch.mm(a, b)]
-        if onednn_available():
-            bt = b.t().contiguous()  # (n, k): the weight layout of a Linear
-            products.append(lambda: linear(a, bt))
         best = float("inf")
-        for product in products:
-            for _ in range(3):
-                product()
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                product()
-                best = min(best, time.perf_counter() - t0)
+        for _ in range(3):
+            torch.mm(a, b)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
     finally:
         torch.set_num_threads(before)
     return 2 * m * k * n / best

@@ -129,10 +129,6 @@ def trl_worker(spec_path: str) -> None:
 
     with open(spec_path, encoding="utf-8") as fh:
         job = json.load(fh)
-    if job.get("keep_freed_memory"):
-        from verl_ds.runtime.malloc import keep_freed_memory
-
-        keep_freed_memory()
     torch.set_num_threads(job["threads"])
     with open(job["prompts"], encoding="utf-8") as fh:
         data = Dataset.from_list([json.loads(line) for line in fh])
@@ -173,12 +169,6 @@ def trl_worker(spec_path: str) -> None:
     timer = StepTimes()
     trainer = GRPOTrainer(model=job["model_dir"], reward_funcs=[parity], args=args, train_dataset=data,
                           processing_class=tok, callbacks=[timer])
-    if job.get("onednn"):  # verl_ds's CPU Linear backend (model.cpu_linear=onednn) in TRL's policy and reference
-        from verl_ds.engines.cpu_linear import use_onednn_linears
-
-        for model in (trainer.model, getattr(trainer, "ref_model", None)):
-            if model is not None:
-                use_onednn_linears(model)
     trainer.train()
     rows = []
     for i, row in enumerate(timer.rows, start=1):

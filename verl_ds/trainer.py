@@ -39,7 +39,6 @@ from verl_ds.reward_spec import parse_reward_swap
 from verl_ds.rollout import SamplingError, collect
 from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
                              raise_if_any_rank_failed)
-from verl_ds.runtime.malloc import keep_freed_memory
 from verl_ds.runtime.preemption import stop_for_preemption
 from verl_ds.runtime.run_lock import lock_run_dir
 
@@ -53,8 +52,6 @@ class Trainer:
         self.cfg = cfg
         self.derived = check_startup(cfg, launch.world_size, launch.rank)  # one gate: fails before any model is built
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device
-        if self.device == "cpu" and cfg.trainer.cpu_keep_freed_memory:
-            keep_freed_memory()  # before any model is built: every step reuses the same pages
         self.preemption = PreemptionHandler().install()  # SIGTERM/USR1/INT/HUP: checkpoint, exit 75
         vdist.init_distributed(launch, cfg.trainer.dist_timeout_s, self.device)
         self.rank, self.world = vdist.rank(), vdist.world_size()

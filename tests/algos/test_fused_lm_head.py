@@ -97,7 +97,7 @@ def test_bf16_is_as_close_to_float64_as_the_logits_path(bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_two_threads_split_tokens_forward_and_vocabulary_backward(dtype):
+def test_two_intra_op_threads_agree_with_one_and_float64(dtype):
     hidden, weight, b, labels = _inputs(29, 8, 97, dtype=dtype, bias=True, seed=5)
     torch.set_num_threads(2)  # the fixture restores one thread
     lp, ent = fused_linear_logprobs(hidden, weight, labels, 0.9, b, chunk_rows=4, vocab_chunk=10)
@@ -105,7 +105,7 @@ def test_two_threads_split_tokens_forward_and_vocabulary_backward(dtype):
     torch.set_num_threads(1)
     lp1, ent1 = fused_linear_logprobs(hidden, weight, labels, 0.9, b, chunk_rows=4, vocab_chunk=10)
     one = _grads([hidden, weight, b], lp1, ent1, torch.ones(29), torch.full((29,), -0.5))
-    torch.testing.assert_close(lp, lp1, atol=1e-6, rtol=0)  # the same tiles, only split between threads
+    torch.testing.assert_close(lp, lp1, atol=1e-6, rtol=0)  # the same tiles; only torch's intra-op threads differ
     torch.testing.assert_close(ent, ent1, atol=1e-6, rtol=0)
     for a, c in zip(got, one):
         torch.testing.assert_close(a, c, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=1e-5)

@@ -88,7 +88,7 @@ def test_arithmetic_floor_by_hand():
     (["--zero-stages", "4"], "stages 0-3"),
     (["--micro-batch", "3"], "--micro-batch must divide prompts per step x n = 128; got 3"),
     (["--repeats", "0"], "--repeats must be >= 1; got 0"),
-    (["--verl-ds-variant", "model.cpu_linear=torch"], "--verl-ds-variant must be NAME:KEY=VALUE"),
+    (["--verl-ds-variant", "model.share_prompts=false"], "--verl-ds-variant must be NAME:KEY=VALUE"),
     (["--verl-ds-variant", "torch linear:"], "--verl-ds-variant must be NAME:KEY=VALUE"),
     (["--regime", "long"], "--regime must name regimes from ['default', 'long_diverse']; got ['long']"),
     # the long_diverse regime's own job: 8 prompts x n=4

@@ -21,6 +21,9 @@ REMOVED = [
     ("reward.micro_batch_size", "8", "rollout.log_prob_micro_batch_size"),
     ("trainer.verify_checkpoint", "full", "trainer.checkpoint_digest=full"),
     ("server.max_body_bytes", "1024", "64 KiB"),
+    ("model.cpu_linear", "auto", "F.linear"),
+    ("deepspeed.grad_accumulation_fusion", "true", "autograd"),
+    ("trainer.cpu_keep_freed_memory", "true", "MALLOC_MMAP_THRESHOLD_"),
 ]
 
 

@@ -59,6 +59,7 @@ def gathered(module):
     return res
 
 # DeepSpeed replaces F.linear process-wide while building a ZeRO-3 model unless memory_efficient_linear is off
+# (verl_ds.engines.cpu_speed turns it off on CPU runs)
 out["torch_linear"] = torch.nn.functional.linear is torch._C._nn.linear
 a, r, c = gathered(actor.module), gathered(ref.module), gathered(critic.module)
 out["ref_equals_actor"] = sorted(a) == sorted(r) and all(torch.equal(a[k], r[k]) for k in a)

@@ -41,6 +41,10 @@ CORPUS = [
     (["reward.functions=parity"], 1, r"reward.functions: expected list, got str 'parity'"),
     (["model.path=3"], 1, r"model.path: expected str or null, got int 3"),
     (["actor.lr=5.0"], 1, r"actor.lr: 5.0 is out of range"),
+    # issue 32: keys taken out of the package are refused by name, never ignored
+    (["model.cpu_linear=torch"], 1, r"model.cpu_linear: this key was removed; oneDNN Linear layers .*delete the key"),
+    (["deepspeed.grad_accumulation_fusion=false"], 1, r"deepspeed.grad_accumulation_fusion: this key was removed"),
+    (["trainer.cpu_keep_freed_memory=true"], 1, r"trainer.cpu_keep_freed_memory: this key was removed; .*MALLOC_"),
     # batch arithmetic and cross-field rules
     (["rollout.batch_size=30", "actor.mini_batch_size=16"], 1, r"actor.mini_batch_size=16 must divide rollout.batch_size=30"),
     (["rollout.batch_size=33", "actor.mini_batch_size=11", "actor.micro_batch_size=11"], 2,

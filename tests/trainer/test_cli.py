@@ -20,6 +20,14 @@ def test_bad_override_exits_2_naming_the_key(capsys):
     assert "unknown config key 'actor.lrr'" in err and "did you mean 'lr'" in err
 
 
+def test_a_config_file_with_a_removed_key_exits_2_naming_it(tmp_path, capsys):
+    path = tmp_path / "old.yaml"
+    path.write_text("model:\n  cpu_linear: auto\n")  # a config written before issue 32
+    assert main(["config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "model.cpu_linear: this key was removed" in err and "delete the key" in err
+
+
 def test_config_check_runs_the_start_up_checks(tmp_path, capsys):
     assert main(["config", "--check", f"trainer.output_dir={tmp_path}/run"]) == 0
     assert os.path.isdir(tmp_path / "run")  # the run directory is created (and known writable)

@@ -109,9 +109,12 @@ def test_ds_config_is_derived_from_the_job_config():
     assert actor["bf16"]["enabled"] and actor["gradient_clipping"] == 1.0
     ref = make_ds_config(cfg, d, "ref")
     assert ref["zero_optimization"]["stage"] == 3 and "offload_optimizer" not in ref["zero_optimization"]
-    # DeepSpeed's process-wide replacement of F.linear is off wherever ZeRO-3 builds a model
+    # DeepSpeed's process-wide replacement of F.linear is off wherever ZeRO-3 builds a model on a CPU
+    # (verl_ds.engines.cpu_speed); on a GPU DeepSpeed's default (on: it saves activation memory) stands
     assert ref["zero_optimization"]["memory_efficient_linear"] is False
     assert actor["zero_optimization"]["memory_efficient_linear"] is False
+    for role in ("actor", "ref"):
+        assert "memory_efficient_linear" not in make_ds_config(cfg, d, role, gpu=True)["zero_optimization"]
     cfg0 = load_config(None, ["deepspeed.zero_stage=0"])
     assert make_ds_config(cfg0, validate(cfg0), "critic")["zero_optimization"] == {"stage": 0}
     # the reference is partitioned only with a ZeRO-3 actor (DeepSpeed-Chat's rule): below it is stage 0

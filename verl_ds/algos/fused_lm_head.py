@@ -14,11 +14,9 @@ for the raw logits x (d log p_y / dx_v = (1[v = y] - p_v) / t, dH / dx_v = -p_v 
 the tile of dL/dx then gives dL/dhidden += G W_c, dL/dW_c += G^T hidden, dL/db_c += column sums of G,
 accumulated in float32.
 
-On CPUs the tiles are split between threads with single-threaded ops (``_parallel.run_ranges``: an
-OpenMP fork/join per small op costs up to a scheduler tick on a busy machine): the forward by token
-ranges, the backward by vocabulary ranges, each thread with its own (N, H) float32 hidden-gradient
-accumulator. Peak extra memory: per thread two or three (chunk_rows x vocab_chunk) float32 tiles and,
-in the backward, the (N, H) accumulator and one (vocab_chunk x H) float32 weight-gradient chunk.
+The forward walks token ranges, the backward vocabulary ranges. Peak extra memory: two or three
+(chunk_rows x vocab_chunk) float32 tiles and, in the backward, the (N, H) float32 hidden-gradient
+accumulator and one (vocab_chunk x H) float32 weight-gradient chunk.
 
 verl's ``FusedLinearForPPO`` (verl/utils/experimental/torch_functional.py) chunks over tokens only,
 each chunk with full-vocabulary logits; here tiles bound both sides. This is the torch path (CPU, and
@@ -33,12 +31,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_tensor
-from ._parallel import run_ranges
 
 __all__ = ["fused_linear_logprobs", "default_chunks"]
 
-# float32 elements per (rows x vocab) tile: 2^20 (4 MiB) per CPU thread stays in a shared L3 and keeps
-# single-threaded matmuls efficient; GPUs want large ones
+# float32 elements per (rows x vocab) tile: 2^20 (4 MiB) on a CPU stays in a shared L3; GPUs want large ones
 CPU_TILE_ELEMS = 1 << 20
 CUDA_TILE_ELEMS = 1 << 24
 _LN2 = math.log(2.0)
@@ -97,36 +93,33 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         vranges = _vocab_ranges(v, vchunk)
         row_starts = list(range(0, n, rows))
 
-        def work(lo, hi):
-            zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
-            ebuf = torch.empty_like(zbuf)
-            lowp = torch.empty(rows, vchunk, dtype=lowdt, device=dev) if lowdt is not None else None
-            for r0 in row_starts[lo:hi]:
-                r1 = min(r0 + rows, n)
-                h, lab = hidden[r0:r1], safe[r0:r1]
-                r = r1 - r0
-                m_r, s_r, y_r = m[r0:r1].fill_(float("-inf")), s[r0:r1].zero_(), yy[r0:r1]
-                d_r = d[r0:r1].zero_() if want_ent else None
-                for c0, c1 in vranges:
-                    vc = c1 - c0
-                    y = _tile(h, weight[c0:c1], bias_c[c0:c1] if bias_c is not None else None, k, zbuf[:r, :vc],
-                              lowp[:r, :vc] if lowp is not None else None)
-                    hit = (lab >= c0) & (lab < c1)
-                    picked = y.gather(1, (lab - c0).clamp(0, vc - 1).unsqueeze(1)).squeeze(1)
-                    torch.where(hit, picked, y_r, out=y_r)
-                    m_new = torch.maximum(m_r, y.amax(dim=1))
-                    delta = m_r - m_new  # <= 0; -inf on the first chunk, where s = d = 0
-                    scale = delta.exp2()
-                    y.sub_(m_new.unsqueeze(1))  # w = y - m_new
-                    e = torch.exp2(y, out=ebuf[:r, :vc])
-                    if want_ent:  # d' = scale (d + s delta) + sum e w; s delta is 0 * -inf on the first chunk
-                        d_r.add_(torch.where(s_r > 0, s_r * delta, 0.0)).mul_(scale)
-                    s_r.mul_(scale).add_(e.sum(dim=1))
-                    if want_ent:
-                        d_r.add_(e.mul_(y).sum(dim=1))
-                    m_r.copy_(m_new)
-
-        run_ranges(len(row_starts), work, dev)
+        zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
+        ebuf = torch.empty_like(zbuf)
+        lowp = torch.empty(rows, vchunk, dtype=lowdt, device=dev) if lowdt is not None else None
+        for r0 in row_starts:
+            r1 = min(r0 + rows, n)
+            h, lab = hidden[r0:r1], safe[r0:r1]
+            r = r1 - r0
+            m_r, s_r, y_r = m[r0:r1].fill_(float("-inf")), s[r0:r1].zero_(), yy[r0:r1]
+            d_r = d[r0:r1].zero_() if want_ent else None
+            for c0, c1 in vranges:
+                vc = c1 - c0
+                y = _tile(h, weight[c0:c1], bias_c[c0:c1] if bias_c is not None else None, k, zbuf[:r, :vc],
+                          lowp[:r, :vc] if lowp is not None else None)
+                hit = (lab >= c0) & (lab < c1)
+                picked = y.gather(1, (lab - c0).clamp(0, vc - 1).unsqueeze(1)).squeeze(1)
+                torch.where(hit, picked, y_r, out=y_r)
+                m_new = torch.maximum(m_r, y.amax(dim=1))
+                delta = m_r - m_new  # <= 0; -inf on the first chunk, where s = d = 0
+                scale = delta.exp2()
+                y.sub_(m_new.unsqueeze(1))  # w = y - m_new
+                e = torch.exp2(y, out=ebuf[:r, :vc])
+                if want_ent:  # d' = scale (d + s delta) + sum e w; s delta is 0 * -inf on the first chunk
+                    d_r.add_(torch.where(s_r > 0, s_r * delta, 0.0)).mul_(scale)
+                s_r.mul_(scale).add_(e.sum(dim=1))
+                if want_ent:
+                    d_r.add_(e.mul_(y).sum(dim=1))
+                m_r.copy_(m_new)
         log2_s = s.log2()
         lse2 = m + log2_s  # base-2 log-sum-exp of the tempered logits
         lp = torch.where(valid, _LN2 * (yy - lse2), torch.zeros_like(lse2))
@@ -166,66 +159,53 @@ class _FusedLinearLogProbs(torch.autograd.Function):
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if (need_b and ctx.has_bias) else None
         vranges = _vocab_ranges(v, vchunk)
-        grad_h_parts: dict[int, torch.Tensor] = {}
-
-        def work(lo, hi):
-            gh = torch.zeros(n, hdim, dtype=f32, device=dev) if need_h else None
-            zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
-            cbuf = torch.empty_like(zbuf) if b is not None else None
-            lowp = torch.empty(rows, vchunk, dtype=lowdt, device=dev) if lowdt is not None else None
-            gw = torch.empty(vchunk, hdim, dtype=f32, device=dev) if need_w else None
-            gb = torch.empty(vchunk, dtype=f32, device=dev) if grad_b is not None else None
-            for c0, c1 in vranges[lo:hi]:
-                vc = c1 - c0
-                w_c = weight[c0:c1]
-                if gw is not None:
-                    gw[:vc].zero_()
-                if gb is not None:
-                    gb[:vc].zero_()
-                for r0 in range(0, n, rows):
-                    r1 = min(r0 + rows, n)
-                    r = r1 - r0
-                    lw = lowp[:r, :vc] if lowp is not None else None
-                    y = _tile(hidden[r0:r1], w_c, bias_c[c0:c1] if bias_c is not None else None, k, zbuf[:r, :vc],
-                              lw)
-                    y.sub_(lse2[r0:r1].unsqueeze(1))  # w = log2 p
-                    if b is not None:
-                        coef = torch.addcmul(a[r0:r1], y, b[r0:r1], out=cbuf[:r, :vc])  # a + b w
-                        y.exp2_().mul_(coef)
+        gh = torch.zeros(n, hdim, dtype=f32, device=dev) if need_h else None
+        zbuf = torch.empty(rows, vchunk, dtype=f32, device=dev)
+        cbuf = torch.empty_like(zbuf) if b is not None else None
+        lowp = torch.empty(rows, vchunk, dtype=lowdt, device=dev) if lowdt is not None else None
+        gw = torch.empty(vchunk, hdim, dtype=f32, device=dev) if need_w else None
+        gb = torch.empty(vchunk, dtype=f32, device=dev) if grad_b is not None else None
+        for c0, c1 in vranges:
+            vc = c1 - c0
+            w_c = weight[c0:c1]
+            if gw is not None:
+                gw[:vc].zero_()
+            if gb is not None:
+                gb[:vc].zero_()
+            for r0 in range(0, n, rows):
+                r1 = min(r0 + rows, n)
+                r = r1 - r0
+                lw = lowp[:r, :vc] if lowp is not None else None
+                y = _tile(hidden[r0:r1], w_c, bias_c[c0:c1] if bias_c is not None else None, k, zbuf[:r, :vc],
+                          lw)
+                y.sub_(lse2[r0:r1].unsqueeze(1))  # w = log2 p
+                if b is not None:
+                    coef = torch.addcmul(a[r0:r1], y, b[r0:r1], out=cbuf[:r, :vc])  # a + b w
+                    y.exp2_().mul_(coef)
+                else:
+                    y.exp2_().mul_(a[r0:r1])
+                lab = labels[r0:r1]
+                hit = ((lab >= c0) & (lab < c1)).nonzero().flatten()
+                if hit.numel():
+                    y[hit, lab[hit] - c0] += label_term[r0:r1][hit]
+                g = y if lw is None else lw.copy_(y)
+                if gh is not None:
+                    if lw is None:
+                        gh[r0:r1].addmm_(g, w_c)
                     else:
-                        y.exp2_().mul_(a[r0:r1])
-                    lab = labels[r0:r1]
-                    hit = ((lab >= c0) & (lab < c1)).nonzero().flatten()
-                    if hit.numel():
-                        y[hit, lab[hit] - c0] += label_term[r0:r1][hit]
-                    g = y if lw is None else lw.copy_(y)
-                    if gh is not None:
-                        if lw is None:
-                            gh[r0:r1].addmm_(g, w_c)
-                        else:
-                            gh[r0:r1] += g @ w_c
-                    if gw is not None:
-                        if lw is None:
-                            gw[:vc].addmm_(g.t(), hidden[r0:r1])
-                        else:
-                            gw[:vc] += g.t() @ hidden[r0:r1]
-                    if gb is not None:
-                        gb[:vc] += y.sum(dim=0)
-                if grad_w is not None:
-                    grad_w[c0:c1].copy_(gw[:vc])
-                if grad_b is not None:
-                    grad_b[c0:c1].copy_(gb[:vc])
-            if gh is not None:
-                grad_h_parts[lo] = gh
-
-        run_ranges(len(vranges), work, dev)
-        grad_h = None
-        if need_h:
-            parts = [grad_h_parts[key] for key in sorted(grad_h_parts)]
-            grad_h = parts[0]
-            for p in parts[1:]:
-                grad_h.add_(p)
-            grad_h = grad_h.to(dt)
+                        gh[r0:r1] += g @ w_c
+                if gw is not None:
+                    if lw is None:
+                        gw[:vc].addmm_(g.t(), hidden[r0:r1])
+                    else:
+                        gw[:vc] += g.t() @ hidden[r0:r1]
+                if gb is not None:
+                    gb[:vc] += y.sum(dim=0)
+            if grad_w is not None:
+                grad_w[c0:c1].copy_(gw[:vc])
+            if grad_b is not None:
+                grad_b[c0:c1].copy_(gb[:vc])
+        grad_h = gh.to(dt) if gh is not None else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
@@ -238,7 +218,7 @@ def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: to
     hidden: (N, H) float32/bfloat16/float16; weight: (V, H) and bias: (V,) of the same dtype; labels:
     (N,) int in [0, V) or ``ignore_index`` (log-prob 0 and no gradient through it; the entropy is still
     computed). ``want_entropy=False`` skips the entropy sums and returns None for it. chunk_rows /
-    vocab_chunk size the (rows x vocab) tile (defaults: 4 MiB float32 tiles per CPU thread)."""
+    vocab_chunk size the (rows x vocab) tile (defaults: 4 MiB float32 tiles on a CPU)."""
     check_float_tensor(hidden, "hidden")
     check_float_tensor(weight, "weight")
     check_tensor(labels, "labels")

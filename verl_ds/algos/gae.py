@@ -24,7 +24,6 @@ import math
 import torch
 
 from ._checks import as_bool_mask, check_float_tensor, check_same_shape, check_unit_interval
-from ._parallel import run_ranges
 
 # Rows per chunk so that the dozen (rows, T) temporaries stay in cache instead of faulting in fresh pages.
 _CHUNK_ELEMS = 1 << 16
@@ -94,12 +93,9 @@ def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, respons
     rows = max(1, _CHUNK_ELEMS // t) if token_rewards.device.type == "cpu" else b
     starts = range(0, b, rows)
 
-    def work(lo, hi):
-        for s in starts[lo:hi]:
-            e = min(s + rows, b)
-            _gae_rows(token_rewards[s:e], values[s:e], mask[s:e], float(gamma), float(lam), adv[s:e], ret[s:e])
-
-    run_ranges(len(starts), work, token_rewards.device)
+    for s in starts:
+        e = min(s + rows, b)
+        _gae_rows(token_rewards[s:e], values[s:e], mask[s:e], float(gamma), float(lam), adv[s:e], ret[s:e])
     return adv, ret
 
 

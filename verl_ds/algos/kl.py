@@ -24,7 +24,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_same_shape
-from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
+from ._chunks import as_row_blocks, chunk_plan, chunk_rows_of
 from .logprob import rows_per_chunk
 from .registry import Registry
 
@@ -107,19 +107,16 @@ class _SymmetricKL(torch.autograd.Function):
         rows = min(rows, max(logits.shape[-2], 1))
         chunks = chunk_plan(logits, rows)
 
-        def work(lo, hi):
-            bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(3)]
-            for chunk in chunks[lo:hi]:
-                p, q, d = _chunk_stats(chunk_rows_of(logits, chunk), chunk_rows_of(ref_logits, chunk), inv_t, bufs)
-                r, f0 = p.shape[0], chunk[3]
-                # nansum: 0 * (-inf) where one side masks an entry the other may not; d is in base 2
-                ep = torch.mul(p, d, out=p).nansum(dim=1).mul_(_LN2)
-                eq = torch.mul(q, d, out=q).nansum(dim=1).mul_(_LN2)
-                e_p[f0:f0 + r] = ep
-                e_q[f0:f0 + r] = eq
-                out[f0:f0 + r] = 0.5 * (ep - eq)
-
-        run_ranges(len(chunks), work, dev)
+        bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(3)]
+        for chunk in chunks:
+            p, q, d = _chunk_stats(chunk_rows_of(logits, chunk), chunk_rows_of(ref_logits, chunk), inv_t, bufs)
+            r, f0 = p.shape[0], chunk[3]
+            # nansum: 0 * (-inf) where one side masks an entry the other may not; d is in base 2
+            ep = torch.mul(p, d, out=p).nansum(dim=1).mul_(_LN2)
+            eq = torch.mul(q, d, out=q).nansum(dim=1).mul_(_LN2)
+            e_p[f0:f0 + r] = ep
+            e_q[f0:f0 + r] = eq
+            out[f0:f0 + r] = 0.5 * (ep - eq)
         ctx.save_for_backward(logits, ref_logits, e_p, e_q)
         ctx.inv_t, ctx.rows = inv_t, rows
         return out
@@ -137,23 +134,20 @@ class _SymmetricKL(torch.autograd.Function):
         scale = (0.5 * inv_t) * g.to(torch.float32)  # chain rule through x = logits / t
         chunks = chunk_plan(logits, rows)
 
-        def work(lo, hi):
-            bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(4)]
-            for chunk in chunks[lo:hi]:
-                p, q, d = _chunk_stats(chunk_rows_of(logits, chunk), chunk_rows_of(ref_logits, chunk), inv_t, bufs)
-                r, f0 = p.shape[0], chunk[3]
-                sc = scale[f0:f0 + r, None]
-                tmp = bufs[3][:r]
-                if want_x:
-                    # p (D - E_p[D] + 1) - q, D = ln2 d
-                    torch.add((1.0 - e_p[f0:f0 + r])[:, None], d, alpha=_LN2, out=tmp).mul_(p).sub_(q).mul_(sc)
-                    chunk_rows_of(gx, chunk).copy_(tmp)
-                if want_y:
-                    # q (E_q[D] + 1 - D) - p
-                    torch.add((e_q[f0:f0 + r] + 1.0)[:, None], d, alpha=-_LN2, out=tmp).mul_(q).sub_(p).mul_(sc)
-                    chunk_rows_of(gy, chunk).copy_(tmp)
-
-        run_ranges(len(chunks), work, dev)
+        bufs = [torch.empty(rows, v, dtype=torch.float32, device=dev) for _ in range(4)]
+        for chunk in chunks:
+            p, q, d = _chunk_stats(chunk_rows_of(logits, chunk), chunk_rows_of(ref_logits, chunk), inv_t, bufs)
+            r, f0 = p.shape[0], chunk[3]
+            sc = scale[f0:f0 + r, None]
+            tmp = bufs[3][:r]
+            if want_x:
+                # p (D - E_p[D] + 1) - q, D = ln2 d
+                torch.add((1.0 - e_p[f0:f0 + r])[:, None], d, alpha=_LN2, out=tmp).mul_(p).sub_(q).mul_(sc)
+                chunk_rows_of(gx, chunk).copy_(tmp)
+            if want_y:
+                # q (E_q[D] + 1 - D) - p
+                torch.add((e_q[f0:f0 + r] + 1.0)[:, None], d, alpha=-_LN2, out=tmp).mul_(q).sub_(p).mul_(sc)
+                chunk_rows_of(gy, chunk).copy_(tmp)
         return gx, gy, None, None
 
 

@@ -2,7 +2,7 @@
 
 The torch path walks the rows of the (N, V) logits in chunks sized to stay in cache, so no second
 logits-sized tensor is ever built (no full ``log_softmax``, no full ``logits / temperature`` copy):
-the extra memory is one or two fp32 scratch chunks per thread plus O(N) per-row statistics.
+the extra memory is one or two fp32 scratch chunks plus O(N) per-row statistics.
 
 It works in base 2, because torch's exp2 costs ~60% of its exp at the same 1-ulp accuracy: with
 k = log2(e) / t, y_v = k z_v (one fused multiply-add with the shift), a per-row shift S,
@@ -25,9 +25,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ._checks import check_float_tensor, check_positive_number, check_tensor
-from ._parallel import as_row_blocks, chunk_plan, chunk_rows_of, run_ranges
+from ._chunks import as_row_blocks, chunk_plan, chunk_rows_of
 
-# 256K fp32 elements (1 MiB) per scratch chunk on CPUs: each thread's chunks stay in its L2/L3 and
+# 256K fp32 elements (1 MiB) per scratch chunk on CPUs: the chunks stay in L2/L3 and
 # the Python loop costs a few % (1024 chunks for 8192x32000). GPUs (the Triton-less fallback) want big ones.
 CPU_CHUNK_ELEMS = 1 << 18
 CUDA_CHUNK_ELEMS = 1 << 24
@@ -87,14 +87,11 @@ class _LogProbEntropy(torch.autograd.Function):
             else:
                 torch.sum(w.exp2_(), dim=1, out=ssum[f0:f0 + r])
 
-        def work(lo, hi):
-            wbuf = torch.empty(rows, v, dtype=f32, device=dev)
-            ebuf = torch.empty_like(wbuf) if want_ent else wbuf
-            for chunk in chunks[lo:hi]:
-                r = chunk[2] - chunk[1]
-                stats(chunk_rows_of(logits, chunk), chunk[3], wbuf[:r], ebuf[:r], not label_shift)
-
-        run_ranges(len(chunks), work, dev)
+        wbuf = torch.empty(rows, v, dtype=f32, device=dev)
+        ebuf = torch.empty_like(wbuf) if want_ent else wbuf
+        for chunk in chunks:
+            r = chunk[2] - chunk[1]
+            stats(chunk_rows_of(logits, chunk), chunk[3], wbuf[:r], ebuf[:r], not label_shift)
         if label_shift:
             redo = torch.nonzero(~torch.isfinite(ssum)).flatten().tolist()  # rare; one sync
             if redo:
@@ -153,31 +150,28 @@ class _LogProbEntropy(torch.autograd.Function):
         flat_labels = labels.reshape(-1)
         chunks = chunk_plan(logits, rows)
 
-        def work(lo, hi):
-            wbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
-            ebuf = torch.empty_like(wbuf)
-            for chunk in chunks[lo:hi]:
-                c = chunk_rows_of(logits, chunk)
-                r, f0 = c.shape[0], chunk[3]
-                w, e = wbuf[:r], ebuf[:r]
-                torch.add(shift[f0:f0 + r, None].neg(), c, alpha=k, out=w)
-                torch.exp2(w, out=e)
-                if a is not None:
-                    w.clamp_(min=_NEG_FLOOR)
-                    torch.addcmul(b[f0:f0 + r, None], w, a[f0:f0 + r, None], out=w)
-                    coef = w
-                else:
-                    coef = b[f0:f0 + r, None]
-                if exact_out:
-                    torch.mul(e, coef, out=chunk_rows_of(grad, chunk))
-                else:
-                    # add the label term in fp32 before the single rounding to bf16/fp16
-                    torch.mul(e, coef, out=w)
-                    if label_term is not None:
-                        w[torch.arange(r, device=dev), flat_labels[f0:f0 + r]] += label_term[f0:f0 + r]
-                    chunk_rows_of(grad, chunk).copy_(w)
-
-        run_ranges(len(chunks), work, dev)
+        wbuf = torch.empty(rows, v, dtype=torch.float32, device=dev)
+        ebuf = torch.empty_like(wbuf)
+        for chunk in chunks:
+            c = chunk_rows_of(logits, chunk)
+            r, f0 = c.shape[0], chunk[3]
+            w, e = wbuf[:r], ebuf[:r]
+            torch.add(shift[f0:f0 + r, None].neg(), c, alpha=k, out=w)
+            torch.exp2(w, out=e)
+            if a is not None:
+                w.clamp_(min=_NEG_FLOOR)
+                torch.addcmul(b[f0:f0 + r, None], w, a[f0:f0 + r, None], out=w)
+                coef = w
+            else:
+                coef = b[f0:f0 + r, None]
+            if exact_out:
+                torch.mul(e, coef, out=chunk_rows_of(grad, chunk))
+            else:
+                # add the label term in fp32 before the single rounding to bf16/fp16
+                torch.mul(e, coef, out=w)
+                if label_term is not None:
+                    w[torch.arange(r, device=dev), flat_labels[f0:f0 + r]] += label_term[f0:f0 + r]
+                chunk_rows_of(grad, chunk).copy_(w)
         if exact_out and label_term is not None:
             grad.view(-1, v)[torch.arange(flat_labels.numel(), device=dev), flat_labels] += label_term
         return grad, None, None, None, None

@@ -46,6 +46,13 @@ REMOVED_KEYS = {
                                  "trainer.checkpoint_digest=full, else each file's first and last MiB",
     "server.max_body_bytes": "request bodies are capped at 64 KiB, far above what a route takes (a state update or a "
                              "reward swap: a few hundred bytes)",
+    # CPU-only speed switches (issue 32)
+    "model.cpu_linear": "oneDNN Linear layers for AMD CPUs left the package (no GPU counterpart); delete the key: "
+                        "float32 CPU Linears use F.linear",
+    "deepspeed.grad_accumulation_fusion": "a ZeRO-0 CPU optimisation that left the package; delete the key: weight "
+                                          "gradients accumulate through autograd",
+    "trainer.cpu_keep_freed_memory": "glibc malloc tuning for CPU runs left the package; delete the key, or set "
+                                     "MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ in the environment (mallopt(3))",
 }
 
 
@@ -76,7 +83,6 @@ class ModelConfig:
     share_prompts: bool = _f(True, "With remove_padding and rollout.n > 1: the samples of one prompt in a micro-batch share one copy of its tokens in the packed row (their responses attend to it), so log-prob and update forwards skip (n-1)/n of the prompt tokens; the same log-probs and gradients.")
     share_response_prefixes: bool = _f(True, "With share_prompts: the samples of one prompt also share the leading response tokens they have in common (a token's state depends on its prefix only), so those are computed once in log-prob and update forwards; the same log-probs and gradients. Saves most where samples agree on their first tokens (short answers, a policy that has converged).")
     fused_lm_head: bool = _f(False, "Log-probs and entropy from the final hidden states and the LM-head weight in chunks (online log-sum-exp), never building the (N, V) logits.")
-    cpu_linear: Literal["auto", "onednn", "torch"] = _f("auto", "Backend of the Linear layers of float32 models on a CPU: onednn (torch's bundled oneDNN inner product for the forward and the input gradient of layers whose products reach 2^24 multiply-adds; weight gradients stay torch products), torch (F.linear: MKL in the x86 wheels), auto (onednn on AMD CPUs with AVX-512, where MKL takes its AVX2 path: the 30M benchmark model's products 10-15% faster, its GRPO step 3-9%; torch elsewhere). Same sums in another order (last-bit differences); verl_ds.engines.cpu_linear.")
     init_seed: int = _f(1234, "Seed for the weights of models built from config (identical on every rank).", min=0, max=MAX_SEED)
 
 
@@ -187,7 +193,6 @@ class DeepSpeedConfig:
     offload_optimizer: bool = _f(False, "Offload optimizer state to CPU.")
     offload_param: bool = _f(False, "Offload parameters to CPU (ZeRO-3 only).")
     config_file: Optional[str] = _f(None, "A DeepSpeed JSON object whose entries override the generated ones (batch sizes stay derived).", nonempty=True)
-    grad_accumulation_fusion: bool = _f(True, "ZeRO-0 engines with a plain torch optimizer (fp32): each Linear weight's gradient is added into .grad by its matrix product (addmm_) instead of a fresh product that AccumulateGrad then adds, as Megatron-LM's --gradient-accumulation-fusion (verl_ds.engines.grad_accum); the same sums. Stages 1-3 and fp16/bf16 optimizers hook each gradient as it arrives and keep autograd's path.")
 
 
 @dataclass
@@ -211,7 +216,6 @@ class TrainerConfig:
     dist_timeout_s: int = _f(300, "Collective timeout: a dead rank makes the others fail after this long.", min=1, max=MAX_DIST_TIMEOUT_S)
     max_bad_steps: int = _f(3, "Stop after this many consecutive steps with a non-finite loss or gradient.", min=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device for the engines (auto: cuda when available; cuda without CUDA is refused).")
-    cpu_keep_freed_memory: bool = _f(True, "CPU runs on glibc: malloc keeps freed memory for reuse instead of returning it to the OS and faulting it back in at every micro-batch (mallopt M_TRIM_THRESHOLD, M_MMAP_THRESHOLD 32 MiB; verl_ds.runtime.malloc), as jemalloc/tcmalloc do; the heap's peak stays resident. Not applied when the engines run on a GPU.")
 
 
 @dataclass

@@ -157,12 +157,6 @@ def _check_built_model_fits(cfg: Config) -> None:
 
 
 def _check_device(cfg: Config) -> None:
-    if cfg.model.cpu_linear == "onednn":
-        from verl_ds.engines.cpu_linear import onednn_available
-
-        if not onednn_available():
-            raise ConfigError("model.cpu_linear: 'onednn' but this torch build has no oneDNN inner product "
-                              "(torch.ops.mkldnn._linear_pointwise); use model.cpu_linear=auto or torch")
     if cfg.trainer.device != "cuda":
         import torch
 

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib
 import logging
 import math
 import os
-import sys
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
-from verl_ds.engines.cpu_linear import log_choice, resolve_cpu_linear, use_onednn_linears
-from verl_ds.engines.grad_accum import fuse_grad_accumulation
 from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
 from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
                                    partitioned_construction, release_free_memory)
@@ -231,25 +227,6 @@ def optimizer_name(cfg: Config) -> str:
     return "deepspeed_cpu_adam" if offloaded and uses_gpu(cfg) else "torch_adamw"
 
 
-def _import_muon_without_compiling() -> None:
-    """Import DeepSpeed's Muon module with ``torch.compile`` as the identity. Every ZeRO optimizer imports it
-    (``is_zero_supported_optimizer`` and ``stage3.py``, to ask whether the optimizer is Muon), and its
-    ``@torch.compile`` decorators load torch._dynamo and inductor: about 3.5 s of each process's start on CPU.
-    Our optimizers are AdamW (torch or DeepSpeed's CPU Adam), never Muon, so its functions are never called;
-    a process that imported the module before keeps it as it was."""
-    name = "deepspeed.runtime.zero.muon.muon_optimizer"
-    if name in sys.modules:
-        return
-    compile_fn = torch.compile
-    torch.compile = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
-    try:
-        importlib.import_module(name)
-    except ImportError:  # a DeepSpeed without Muon
-        pass
-    finally:
-        torch.compile = compile_fn
-
-
 def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0, weight_decay: float = 0.0,
                 grad_clip: float = 0.0):
     """Wrap ``model`` in a DeepSpeed engine; trainable roles get the optimizer ``optimizer_name(cfg)`` names."""
@@ -263,29 +240,15 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
         # frozen parameters (a LoRA base) get no optimizer state
         optimizer = OPTIMIZERS[optimizer_name(cfg)]([p for p in model.parameters() if p.requires_grad], lr,
                                                     weight_decay)
-        _import_muon_without_compiling()
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_cfg)
         engine.train()
         skip_lone_rank_allreduce(engine)
-        if cfg.deepspeed.grad_accumulation_fusion:
-            fuse_grad_accumulation(engine)  # a no-op where ZeRO or DeepSpeed's optimizer hooks the gradients
     else:
         for p in model.parameters():
             p.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_cfg)
         engine.eval()
-    place_cpu_linears(engine.module, cfg)
     return engine
-
-
-def place_cpu_linears(module, cfg: Config) -> int:
-    """Put a float32 CPU model's Linear layers on the backend ``model.cpu_linear`` resolves to (oneDNN or torch's
-    F.linear, ``verl_ds.engines.cpu_linear``); returns how many moved to oneDNN."""
-    if uses_gpu(cfg) or _dtype(cfg) != torch.float32:
-        return 0
-    backend = resolve_cpu_linear(cfg.model.cpu_linear)
-    log_choice(cfg.model.cpu_linear, backend)
-    return use_onednn_linears(module) if backend == "onednn" else 0
 
 
 def skip_lone_rank_allreduce(engine) -> bool:

@@ -5,6 +5,7 @@ from typing import Optional
 
 from verl_ds.config import Config, Derived
 from verl_ds.config.deepspeed import derived_entries, merge_user_ds_config  # noqa: F401 (part of this module's API)
+from verl_ds.engines.cpu_speed import zero3_overrides
 
 
 def uses_gpu(cfg: Config) -> bool:
@@ -37,14 +38,7 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
     zero: dict = {"stage": stage}
     if stage == 3:
         zero.update({
-            # DeepSpeed's "memory efficient linear" replaces torch.nn.functional.linear for the whole process and
-            # for good once any ZeRO-3 model is built ("This will persist unless manually reset": zero.Init in
-            # deepspeed/runtime/zero/partition_parameters.py): every linear, the generation replica's and a ZeRO-0
-            # actor's included, then runs through a Python autograd Function. With torch's own linear the update is
-            # the same to the bit (ZeRO-3 re-gathers a weight before its backward either way) and the default job's
-            # step 9-14% faster, a ZeRO-0 actor's (its reference then still ZeRO-3) 22%. A deepspeed.config_file may
-            # turn it back on.
-            "memory_efficient_linear": False,
+            **zero3_overrides(gpu),  # CPU runs: torch's own linear (verl_ds.engines.cpu_speed)
         })
         if train and derived.world_size == 1:
             # One rank: DeepSpeed's default reduce-scatter path flattens each bucket of gradients (torch.cat) and

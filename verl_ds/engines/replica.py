@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 
-from verl_ds.engines import cpu_linear
 from verl_ds.engines.zero3 import is_partitioned, persistent_buffers
 
 
@@ -40,8 +39,7 @@ def _source_dtype(module: torch.nn.Module) -> torch.dtype:
 
 def build_empty_replica(module: torch.nn.Module, device=None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     """An un-partitioned model of ``module``'s class and config, uninitialised, on ``device`` in ``dtype``
-    (default: the source's parameter dtype), its Linear layers on the source's backend (``cpu_linear``). No RNG is
-    drawn and no collective is entered."""
+    (default: the source's parameter dtype). No RNG is drawn and no collective is entered."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a live HfDeepSpeedConfig would turn this into a (rank-local, hanging) zero.Init
@@ -65,8 +63,6 @@ def build_empty_replica(module: torch.nn.Module, device=None, dtype: Optional[to
     replica.to(device=device, dtype=dtype)
     replica.eval()
     replica.requires_grad_(False)
-    if cpu_linear.uses_onednn(module):  # the same Linear backend as the source (model.cpu_linear)
-        cpu_linear.use_onednn_linears(replica)
     return replica
 
 
