@@ -63,6 +63,15 @@ def full_numel(param: torch.Tensor) -> int:
     return param.ds_numel if is_partitioned(param) else param.numel()
 
 
+def gathered(params):
+    """``GatheredParameters`` over ``params`` when any is ZeRO-3 partitioned (a collective), else a no-op."""
+    if any(map(is_partitioned, params)):
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        return GatheredParameters(list(params), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
 def _partition_rank(param) -> int:
     group = getattr(param, "ds_process_group", None)
     return dist.get_rank(group=group) if dist.is_initialized() else 0
@@ -87,20 +96,13 @@ def copy_param(src: torch.Tensor, dst: torch.Tensor) -> None:
         if is_partitioned(src) and src.ds_tensor.ds_numel == dst.ds_tensor.ds_numel:
             shard.copy_(src.ds_tensor.data.to(shard.device))  # same layout: this rank's shard, no communication
         elif is_partitioned(src):  # another partitioning (not built by us): gather just this parameter
-            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-            with GatheredParameters([src], modifier_rank=None):
+            with gathered([src]):
                 shard[:count].copy_(src.data.reshape(-1)[start:start + count])
         else:
             shard[:count].copy_(src.data.reshape(-1)[start:start + count].to(shard.device))
         return
-    if is_partitioned(src):
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        with GatheredParameters([src], modifier_rank=None):
-            dst.data.copy_(src.data.to(dst.device))
-        return
-    dst.data.copy_(src.data.to(dst.device))
+    with gathered([src]):
+        dst.data.copy_(src.data.to(dst.device))
 
 
 def copy_params(src: torch.nn.Module, dst: torch.nn.Module, rename: Optional[Callable[[str], str]] = None) -> int:
@@ -126,7 +128,6 @@ def copy_params(src: torch.nn.Module, dst: torch.nn.Module, rename: Optional[Cal
             if key in src_buffers:
                 buf.copy_(src_buffers[key].to(buf.device))
     return copied
-
 
 
 @torch.no_grad()
