@@ -27,7 +27,6 @@ import dataclasses
 import difflib
 import json
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -370,21 +369,11 @@ class SharedState:
             self._version = version
 
     def save(self, path: str | os.PathLike) -> None:
-        """Atomic JSON: write a temp file in the same folder, fsync, then os.replace over ``path``."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
+        """Atomic JSON (``checkpoint_manifest.fsync_write``: a temp file in the same folder, fsync, rename)."""
+        from verl_ds.checkpoint_manifest import fsync_write
+
         data = json.dumps(self.state_dict(), indent=2, sort_keys=True, allow_nan=False)
-        fd, tmp = tempfile.mkstemp(prefix=".shared_state.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        fsync_write(os.path.abspath(os.fspath(path)), data.encode())
 
     def load(self, path: str | os.PathLike) -> None:
         """Load a file written by ``save`` (validated like ``load_state_dict``)."""

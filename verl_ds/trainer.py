@@ -199,9 +199,7 @@ class Trainer:
         from verl_ds.data import collate_prompts
 
         items = [self.c.train_set[i] for i in self.c.sampler.next_batch()]
-        prompts = collate_prompts(items, self.tokenizer.pad_token_id)
-        device = self.actor_engine.device
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+        return collate_prompts(items, self.tokenizer.pad_token_id, self.actor_engine.device)
 
     def _sampler_mismatch(self, batch) -> dict:
         """|sampler log-prob - trainer log-prob| over the response tokens (mean, and max over every rank's tokens);
@@ -366,7 +364,8 @@ class Trainer:
         except BaseException:
             self.close()
             raise
-        summary = summarize(self.metrics.history(), self.state.get("global_step"), time.perf_counter() - t0, tokens,
+        # the rows come from <output_dir>/metrics.jsonl, the whole run's (summarize reads it)
+        summary = summarize([], self.state.get("global_step"), time.perf_counter() - t0, tokens,
                             self.out_dir, export_dir, plot=cfg.trainer.plot, write=self.is_main, resumed_from=start)
         self.close()
         return summary

@@ -25,7 +25,7 @@ from verl_ds.engines.ds_config import make_ds_config, uses_gpu
 from verl_ds.engines.cpu_linear import log_choice, resolve_cpu_linear, use_onednn_linears
 from verl_ds.engines.grad_accum import fuse_grad_accumulation
 from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
-from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
+from verl_ds.engines.zero3 import (copy_param, copy_params, full_shape, has_partitioned_params,
                                    partitioned_construction, release_free_memory)
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,6 @@ def _dtype(cfg: Config) -> torch.dtype:
     return torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32
 
 
-def _is_tiny(cfg: Config, role: str) -> bool:
-    return (cfg.model.critic_path or cfg.model.path) is None if role == "critic" else cfg.model.path is None
-
-
 def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") % 2**63
 
@@ -109,7 +105,7 @@ def init_tiny_weights(model: torch.nn.Module, seed: int, std: float, prefix: str
                     value[pad] = 0.0
             else:
                 value = torch.zeros(tuple(full_shape(param)))
-            fill_param(param, value)
+            copy_param(value, param)  # every rank computed it whole: this rank keeps its slice
 
 
 def build_actor_model(cfg: Config, tok, seed_offset: int = 0, *, ds_config: Optional[dict] = None):
@@ -393,8 +389,3 @@ def build_reward_engine(cfg: Config, derived: Derived, model_path: str):
     disable_dropout(model)
     return make_engine(model, cfg, derived, "ref")
 
-
-def set_lr(engine, lr: float) -> None:
-    """Apply a (hot-updated) learning rate to every parameter group."""
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr

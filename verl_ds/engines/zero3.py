@@ -130,13 +130,6 @@ def copy_params(src: torch.nn.Module, dst: torch.nn.Module, rename: Optional[Cal
     return copied
 
 
-@torch.no_grad()
-def fill_param(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Set a plain or partitioned parameter from a whole tensor that every rank computed identically
-    (this rank keeps its slice: no communication)."""
-    copy_param(full, param)
-
-
 def persistent_buffers(module: torch.nn.Module) -> list:
     """[(name, buffer)] of the buffers a state dict holds (rotary caches etc. are non-persistent), without
     calling ``state_dict()`` (which would touch every partitioned parameter)."""
