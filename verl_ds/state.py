@@ -60,10 +60,6 @@ class StateKey:
         return base_type(self.annotation)
 
     @property
-    def nullable(self) -> bool:
-        return nullable(self.annotation)
-
-    @property
     def range(self) -> tuple | None:
         """(low, high), either may be None (unbounded); None for keys without bounds."""
         return None if self.spec.range_text() is None else (self.spec.lo, self.spec.hi)
@@ -76,9 +72,6 @@ class StateKey:
     def description(self) -> str:
         return self.spec.help
 
-    def range_text(self) -> str | None:
-        return self.spec.range_text()
-
     def check(self, value: Any) -> tuple[Any, str | None]:
         """Return (normalised value, None) or (None, reason why the value is refused)."""
         return check_value(self.annotation, value, self.spec, key=self.name)
@@ -88,10 +81,10 @@ class StateKey:
             "type": _TYPE_NAMES[self.type],
             "default": self.default,
             "range": None if self.range is None else list(self.range),
-            "range_text": self.range_text(),  # "(0.0, 100.0]": parentheses mark open bounds
+            "range_text": self.spec.range_text(),  # "(0.0, 100.0]": parentheses mark open bounds
             "choices": None if self.choices is None else list(self.choices),
             "hot": self.hot,
-            "nullable": self.nullable,
+            "nullable": nullable(self.annotation),
             "description": self.description,
             "config_key": self.config_key,
         }

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from verl_ds import dist as vdist
+from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, check_startup, write_run_config
 from verl_ds.control import StepBoundary, start_control_server
@@ -224,10 +225,9 @@ class Trainer:
             and self.registry.get("actor").update_forward_is_scoring_pass
 
     def _required_fields(self, old_log_probs: bool) -> tuple:
-        fields = ["observation", "action", "mask", "response_mask", "token_rewards", "advantages",
-                  "prompt_length", "response_length", "done", "next_observation"]
-        return tuple(fields + (["values", "returns"] if self.ppo.needs_critic else [])
-                     + (["old_log_probs"] if old_log_probs else []))
+        skipped = ({"old_log_probs"} if not old_log_probs else set()) | ({"values", "returns"} if not
+                                                                          self.ppo.needs_critic else set())
+        return tuple(f for f in REQUIRED_FOR_LOSS if f not in skipped)
 
     def _no_grad_pass(self, role: str, batch, groups: list, fn) -> torch.Tensor:
         """``fn(model, micro_batch)`` over the row groups, put back in the batch's row order."""

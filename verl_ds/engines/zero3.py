@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -105,30 +105,26 @@ def copy_param(src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.data.copy_(src.data.to(dst.device))
 
 
-def copy_params(src: torch.nn.Module, dst: torch.nn.Module, rename: Optional[Callable[[str], str]] = None) -> int:
-    """Copy every parameter and persistent buffer of ``dst`` from ``src`` (names mapped by ``rename``).
+def copy_params(src: torch.nn.Module, dst: torch.nn.Module) -> int:
+    """Copy every parameter and persistent buffer of ``dst`` from ``src`` (the same names).
 
     A collective when a partitioned source meets a plain destination (every rank must call it then).
     Returns the number of parameters copied; a name missing in ``src`` is an error naming it.
     """
-    rename = rename or (lambda name: name)
     src_params = dict(src.named_parameters())
     copied = 0
     for name, param in dst.named_parameters():
-        key = rename(name)
-        if key not in src_params:
-            raise KeyError(f"copy_params: the source has no parameter {key!r} (for destination {name!r}); "
+        if name not in src_params:
+            raise KeyError(f"copy_params: the source has no parameter {name!r} (for destination {name!r}); "
                            f"it has e.g. {sorted(src_params)[:5]}")
-        copy_param(src_params[key], param)
+        copy_param(src_params[name], param)
         copied += 1
     src_buffers = dict(src.named_buffers())
     with torch.no_grad():
         for name, buf in persistent_buffers(dst):
-            key = rename(name)
-            if key in src_buffers:
-                buf.copy_(src_buffers[key].to(buf.device))
+            if name in src_buffers:
+                buf.copy_(src_buffers[name].to(buf.device))
     return copied
-
 
 def persistent_buffers(module: torch.nn.Module) -> list:
     """[(name, buffer)] of the buffers a state dict holds (rotary caches etc. are non-persistent), without
