@@ -1,98 +1,25 @@
 """RolloutBatch: the tensors of one PPO rollout, with the layout every model and loss relies on.
 
-Layout (verl's). B = batch, P = prompt width, R = response width, T = P + R.
+The fields, their shapes, dtypes and meaning, and the check a batch must pass: ``verl_ds.batch_layout``.
 
-=================  ========  =======  ==========================================================
-field              shape     dtype    meaning
-=================  ========  =======  ==========================================================
-observation        (B, T)    int64    prompt left-padded to P, then response right-padded to R
-action             (B, R)    int64    the response ids (== observation[:, P:])
-mask               (B, T)    bool     attention mask: real prompt and response tokens (EOS included)
-response_mask      (B, R)    bool     real response tokens (EOS included); built from
-                                      response_length, never from ``token != pad`` (pad may be EOS)
-prompt_length      (B,)      int64    real prompt tokens per row (>= 1)
-response_length    (B,)      int64    real response tokens per row (1..R)
-done               (B,)      bool     the response ended with EOS (not truncated)
-next_observation   (B, T)    int64    observation shifted left by one token, pad appended: column t
-                                      holds the token after column t (the state after action t)
-group_index        (B,)      int64    the prompt each sample answers (n samples per prompt share it)
-rollout_log_probs  (B, R)    float32  log-probs the sampler reported for the tokens it drew
-old_log_probs      (B, R)    float32  log-prob of each response token under the rollout ("old") actor,
-                                      recomputed by the trainer's forward
-ref_log_probs      (B, R)    float32  same under the frozen reference
-values             (B, R)    float32  critic values aligned with response tokens (the values the
-                                      value loss clips around)
-scores             (B, R)    float32  token-level task scores from RewardModel.compute_rewards
-token_rewards      (B, R)    float32  rewards fed to the advantage estimator (scores - kl_coef * KL
-                                      when the KL is in the reward)
-advantages         (B, R)    float32  advantages (zero outside the response)
-returns            (B, R)    float32  returns (the critic's targets)
-=================  ========  =======  ==========================================================
-
-The design article's names are accepted as aliases: ``logprob`` (old_log_probs), ``ref_logprob``,
-``value`` and ``old_value`` (values), ``score`` (scores), ``reward`` (token_rewards), ``advantage``,
-``return``. A plain mapping of these fields becomes a RolloutBatch with ``RolloutBatch.coerce``.
+A field may be named by its alias (``batch_layout.ALIASES``: the design article's names). A plain mapping of
+the fields becomes a RolloutBatch with ``RolloutBatch.coerce``.
 
 ``extras`` holds per-sample non-tensor data (prompt texts, ground-truth answers): every value is a
 sequence of length B and is sliced by ``select``/``split`` and joined by ``cat`` like the tensors.
 """
 from __future__ import annotations
 
-import difflib
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from verl_ds.batch_layout import (ALIASES, DESIGN_FIELDS, EXTRA_FIELDS, FIELDS, FLOAT_FIELDS, REQUIRED_FOR_LOSS,
+                                  ROLLOUT_FIELDS, BatchValidationError, canonical as _canonical, check_batch,
+                                  close_hint)
+
 __all__ = ["RolloutBatch", "FIELDS", "DESIGN_FIELDS", "EXTRA_FIELDS", "REQUIRED_FOR_LOSS", "ROLLOUT_FIELDS",
            "BatchValidationError"]
-
-# The design's 12 fields (under our names) plus what critic-free RL and the trainer add.
-DESIGN_FIELDS = ("observation", "action", "old_log_probs", "values", "token_rewards", "next_observation", "done",
-                 "advantages", "returns", "mask", "prompt_length", "response_length")
-EXTRA_FIELDS = ("ref_log_probs", "response_mask", "scores", "rollout_log_probs", "group_index")
-FIELDS = DESIGN_FIELDS + EXTRA_FIELDS
-# What generation alone produces (RolloutBatch.from_generation fills these).
-ROLLOUT_FIELDS = ("observation", "action", "mask", "response_mask", "prompt_length", "response_length", "done",
-                  "next_observation")
-# Every field a loss reads, for PPO with a critic (critic-free runs drop "values" and "returns").
-REQUIRED_FOR_LOSS = DESIGN_FIELDS + ("response_mask",)
-
-# field -> (dims, dtype); dims use the layout letters above
-_SPEC: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
-    "observation": (("B", "T"), torch.int64),
-    "next_observation": (("B", "T"), torch.int64),
-    "mask": (("B", "T"), torch.bool),
-    "action": (("B", "R"), torch.int64),
-    "response_mask": (("B", "R"), torch.bool),
-    "prompt_length": (("B",), torch.int64),
-    "response_length": (("B",), torch.int64),
-    "done": (("B",), torch.bool),
-    "group_index": (("B",), torch.int64),
-    **{f: (("B", "R"), torch.float32) for f in
-       ("rollout_log_probs", "old_log_probs", "ref_log_probs", "values", "scores", "token_rewards", "advantages",
-        "returns")},
-}
-_FLOAT_FIELDS = tuple(f for f, (_, dt) in _SPEC.items() if dt == torch.float32)
-_ALIASES = {"logprob": "old_log_probs", "ref_logprob": "ref_log_probs", "value": "values", "old_value": "values",
-            "score": "scores", "reward": "token_rewards", "advantage": "advantages", "return": "returns"}
-
-
-class BatchValidationError(ValueError):
-    """A RolloutBatch field is missing or malformed; ``field`` names it."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"RolloutBatch.{field}: {message}")
-
-
-def _canonical(name: str) -> str:
-    name = _ALIASES.get(name, name)
-    if name not in FIELDS:
-        close = difflib.get_close_matches(name, FIELDS + tuple(_ALIASES), n=3, cutoff=0.6)
-        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise AttributeError(f"RolloutBatch has no field {name!r}{hint} Fields: {list(FIELDS)} "
-                             "(per-sample non-tensor data goes in batch.extras)")
-    return name
 
 
 def _slice_extra(value: Any, idx: torch.Tensor) -> Any:
@@ -105,10 +32,10 @@ def _slice_extra(value: Any, idx: torch.Tensor) -> Any:
 
 
 class RolloutBatch:
-    """Dict-like container of the fields above with attribute access (see module docstring).
+    """Dict-like container of the ``batch_layout`` fields with attribute access (see module docstring).
 
     ``RolloutBatch(observation=..., action=..., returns=..., extras={"prompts": [...]})``; a field not
-    given is None. ``batch.x``, ``batch["x"]`` and ``"x" in batch`` work, with the aliases above.
+    given is None. ``batch.x``, ``batch["x"]`` and ``"x" in batch`` work, with the aliases.
     """
 
     __slots__ = ("_data", "extras")
@@ -147,7 +74,7 @@ class RolloutBatch:
 
     def __contains__(self, name: object) -> bool:
         """Whether ``name`` is a field (or alias) that is set."""
-        name = _ALIASES.get(name, name) if isinstance(name, str) else name
+        name = ALIASES.get(name, name) if isinstance(name, str) else name
         return name in FIELDS and self._data[name] is not None
 
     @classmethod
@@ -158,15 +85,13 @@ class RolloutBatch:
             return batch
         if isinstance(batch, Mapping):
             fields = {str(k): v for k, v in batch.items() if k != "extras"}
-            unknown = [k for k in fields if _ALIASES.get(k, k) not in FIELDS]
+            unknown = [k for k in fields if ALIASES.get(k, k) not in FIELDS]
             if unknown:
-                close = difflib.get_close_matches(unknown[0], FIELDS + tuple(_ALIASES), n=3, cutoff=0.6)
-                hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-                raise BatchValidationError(unknown[0], f"{who} has unknown field(s) {unknown}{hint} "
+                raise BatchValidationError(unknown[0], f"{who} has unknown field(s) {unknown}{close_hint(unknown[0])} "
                                                        f"Fields: {list(FIELDS)}")
             for k, v in fields.items():
                 if v is not None and not isinstance(v, torch.Tensor):
-                    raise BatchValidationError(_ALIASES.get(k, k), f"{who}[{k!r}] must be a torch.Tensor, got "
+                    raise BatchValidationError(ALIASES.get(k, k), f"{who}[{k!r}] must be a torch.Tensor, got "
                                                                    f"{type(v).__name__}")
             return cls(extras=dict(batch.get("extras") or {}), **fields)
         raise TypeError(f"{who} must be a RolloutBatch or a mapping of field name -> tensor (e.g. "
@@ -195,7 +120,7 @@ class RolloutBatch:
     @property
     def response_width(self) -> int:
         """R, from action (or any (B, R) field)."""
-        for f in ("action", "response_mask") + _FLOAT_FIELDS:
+        for f in ("action", "response_mask") + FLOAT_FIELDS:
             if self._data[f] is not None:
                 return int(self._data[f].shape[1])
         raise BatchValidationError("action", "cannot tell the response width R: no (B, R) field is set")
@@ -210,10 +135,8 @@ class RolloutBatch:
     @staticmethod
     def response_length_from_eos(response_ids: torch.Tensor, eos_token_id: int) -> torch.Tensor:
         """(B,) int64: index of the first EOS + 1, or R when a row has no EOS (truncated)."""
-        R = response_ids.shape[1]
         is_eos = response_ids == eos_token_id
-        first = torch.where(is_eos.any(-1), is_eos.int().argmax(-1), torch.full_like(is_eos[:, 0], R, dtype=torch.int64))
-        return torch.where(is_eos.any(-1), first + 1, first).to(torch.int64)
+        return torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, response_ids.shape[1]).to(torch.int64)
 
     @staticmethod
     def make_next_observation(observation: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -256,93 +179,12 @@ class RolloutBatch:
                    response_length=response_length, done=done.to(torch.bool),
                    next_observation=cls.make_next_observation(observation, pad_token_id), extras=extras)
 
-    # ---- validation ---------------------------------------------------------------------------
     def validate(self, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> "RolloutBatch":
-        """Check presence, shapes, dtypes, masks, finiteness and padding; returns self.
-
-        Every field that is set is checked, required or not. The first problem raises
-        BatchValidationError (a ValueError) naming the field, what was expected and what was found.
-        """
-        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
-            raise TypeError(f"validate: pad_token_id must be an int, got {pad_token_id!r}")
-        for f in required:
-            f = _canonical(f)
-            if self._data[f] is None:
-                dims, dt = _SPEC[f]
-                raise BatchValidationError(f, f"missing: expected a ({', '.join(dims)}) {_dt(dt)} tensor, found None")
-        present = self.present()
-        if not present:
-            raise BatchValidationError("observation", "the batch is empty: no field is set")
-        sizes: dict[str, tuple[int, str]] = {}  # letter -> (size, field it came from)
-        for f in present:
-            t = self._data[f]
-            dims, dt = _SPEC[f]
-            if t.dim() != len(dims):
-                raise BatchValidationError(f, f"expected {len(dims)}-D ({', '.join(dims)}), found shape {tuple(t.shape)}")
-            if t.dtype != dt:
-                hint = " (use a bool mask, not 0/1 ints)" if dt == torch.bool else ""
-                raise BatchValidationError(f, f"expected dtype {_dt(dt)}, found {_dt(t.dtype)}{hint}")
-            for letter, n in zip(dims, t.shape):
-                if letter in sizes and sizes[letter][0] != n:
-                    raise BatchValidationError(
-                        f, f"expected {letter} = {sizes[letter][0]} (from {sizes[letter][1]}), found shape "
-                           f"{tuple(t.shape)}")
-                sizes.setdefault(letter, (n, f))
-        for k, v in self.extras.items():
-            if "B" in sizes and (not hasattr(v, "__len__") or len(v) != sizes["B"][0]):
-                raise BatchValidationError(f"extras[{k!r}]", f"expected a per-sample sequence of length "
-                                           f"B = {sizes['B'][0]}, found {type(v).__name__} of length "
-                                           f"{len(v) if hasattr(v, '__len__') else 'n/a'}")
-        for f in _FLOAT_FIELDS:
-            t = self._data[f]
-            if t is not None and not bool(torch.isfinite(t).all()):
-                bad = (~torch.isfinite(t)).nonzero()[0].tolist()
-                raise BatchValidationError(f, f"expected finite float32 values, found {t[tuple(bad)].item()} at "
-                                              f"index {tuple(bad)}")
-        self._validate_layout(pad_token_id, sizes)
+        """Check presence, shapes, dtypes, masks, finiteness and padding (``batch_layout.check_batch``); returns
+        self. The first problem raises BatchValidationError (a ValueError) naming the field, what was expected
+        and what was found."""
+        check_batch(self, pad_token_id, required)
         return self
-
-    def _validate_layout(self, pad_token_id: int, sizes: dict) -> None:
-        d = self._data
-        if "T" in sizes and "R" in sizes and sizes["R"][0] >= sizes["T"][0]:
-            raise BatchValidationError(sizes["R"][1], f"expected response width R < T = {sizes['T'][0]} (the "
-                                                      f"prompt needs at least one column), found R = {sizes['R'][0]}")
-        R = sizes["R"][0] if "R" in sizes else None
-        T = sizes["T"][0] if "T" in sizes else None
-        P = T - R if (T is not None and R is not None) else None
-        if d["response_length"] is not None and R is not None:
-            rl = d["response_length"]
-            if bool(((rl < 1) | (rl > R)).any()):
-                i = int(((rl < 1) | (rl > R)).nonzero()[0])
-                raise BatchValidationError("response_length", f"expected values in [1, R={R}], found {int(rl[i])} "
-                                                              f"at row {i}")
-        if d["prompt_length"] is not None and P is not None:
-            pl = d["prompt_length"]
-            if bool(((pl < 1) | (pl > P)).any()):
-                i = int(((pl < 1) | (pl > P)).nonzero()[0])
-                raise BatchValidationError("prompt_length", f"expected values in [1, P={P}], found {int(pl[i])} "
-                                                            f"at row {i}")
-        if d["response_mask"] is not None and d["response_length"] is not None:
-            want = torch.arange(R, device=d["response_mask"].device).unsqueeze(0) < d["response_length"].unsqueeze(1)
-            _expect_equal("response_mask", d["response_mask"], want, "True exactly on the first response_length "
-                                                                     "columns of each row")
-        if d["mask"] is not None and P is not None:
-            if d["response_mask"] is not None:
-                _expect_equal("mask", d["mask"][:, P:], d["response_mask"], "mask[:, P:] == response_mask")
-            if d["prompt_length"] is not None:
-                want = torch.arange(P, device=d["mask"].device).unsqueeze(0) >= (P - d["prompt_length"]).unsqueeze(1)
-                _expect_equal("mask", d["mask"][:, :P], want, "the prompt part True on the last prompt_length "
-                                                              "columns (left padding)")
-        if d["mask"] is not None and d["observation"] is not None:
-            obs = d["observation"]
-            bad = (~d["mask"]) & (obs != pad_token_id)
-            if bool(bad.any()):
-                i, j = bad.nonzero()[0].tolist()
-                raise BatchValidationError("observation", f"expected pad_token_id {pad_token_id} wherever mask is "
-                                                          f"False, found {int(obs[i, j])} at ({i}, {j})")
-        if d["action"] is not None and d["observation"] is not None and P is not None:
-            _expect_equal("action", d["action"], d["observation"][:, P:], "action == observation[:, P:] (the "
-                                                                          "last R columns)")
 
     # ---- reshaping ------------------------------------------------------------------------------
     def select(self, indices: torch.Tensor | Sequence[int] | slice) -> "RolloutBatch":
@@ -355,10 +197,7 @@ class RolloutBatch:
         if idx.numel() and (int(idx.min()) < -B or int(idx.max()) >= B):
             raise IndexError(f"RolloutBatch.select: indices must be in [0, {B}), got min {int(idx.min())} "
                              f"max {int(idx.max())}")
-        out = RolloutBatch(extras={k: _slice_extra(v, idx) for k, v in self.extras.items()})
-        for f, t in self.items():
-            out._data[f] = t[idx.to(t.device)]
-        return out
+        return self._map(lambda t: t[idx.to(t.device)], lambda v: _slice_extra(v, idx))
 
     def split(self, mini_batch_size: int, generator: torch.Generator | None = None,
               shuffle: bool = True) -> list["RolloutBatch"]:
@@ -418,29 +257,15 @@ class RolloutBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "RolloutBatch":
         """A new batch with every tensor (fields and tensor extras) on ``device``."""
-        out = RolloutBatch(extras={k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
-                                   for k, v in self.extras.items()})
-        for f, t in self.items():
-            out._data[f] = t.to(device, non_blocking=non_blocking)
-        return out
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking),
+                         lambda v: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
 
     def clone(self) -> "RolloutBatch":
-        out = RolloutBatch(extras={k: (v.clone() if isinstance(v, torch.Tensor) else list(v))
-                                   for k, v in self.extras.items()})
+        return self._map(torch.clone, lambda v: v.clone() if isinstance(v, torch.Tensor) else list(v))
+
+    def _map(self, field_fn, extra_fn) -> "RolloutBatch":
+        """A new batch with ``field_fn`` of every set field and ``extra_fn`` of every extra."""
+        out = RolloutBatch(extras={k: extra_fn(v) for k, v in self.extras.items()})
         for f, t in self.items():
-            out._data[f] = t.clone()
+            out._data[f] = field_fn(t)
         return out
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def _expect_equal(field: str, found: torch.Tensor, want: torch.Tensor, rule: str) -> None:
-    want = want.to(found.dtype)
-    if not torch.equal(found, want):
-        diff = found != want
-        i, j = diff.nonzero()[0].tolist()
-        raise BatchValidationError(field, f"expected {rule}; found a mismatch at ({i}, {j}): expected "
-                                          f"{want[i, j].item()}, found {found[i, j].item()} "
-                                          f"({int(diff.any(-1).sum())} row(s) differ)")

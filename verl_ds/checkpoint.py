@@ -36,6 +36,7 @@ into M rank slices instead of N.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -235,26 +236,22 @@ def _restore_rng(step_dir: str, rng: Optional[dict], step: int, seed: int) -> No
                 vdist.rank(), step_dir, seed, step)
 
 
-class _explain_disk_errors:
+@contextlib.contextmanager
+def _explain_disk_errors(ckpt_root: str, step_dir: str):
     """Turn a write that failed for want of space (ENOSPC, EDQUOT, EFBIG, or torch's zip writer giving up in the
     middle of a file: "unexpected pos") into a CheckpointError that says so, with the path and the free space."""
-
-    def __init__(self, ckpt_root: str, step_dir: str):
-        self.ckpt_root, self.step_dir = ckpt_root, step_dir
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, exc, tb):
-        why = _disk_trouble(exc) if isinstance(exc, Exception) else None
+    try:
+        yield
+    except Exception as exc:
+        why = _disk_trouble(exc)
         if why is None:
-            return False
+            raise
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise CheckpointError(
-            f"cannot save checkpoint {self.step_dir} (rank {vdist.rank()}): {why} ({type(exc).__name__}: {first}); "
-            f"out of disk space? {_space_report(self.ckpt_root)}. Free disk space (or lower trainer.keep_last) and "
+            f"cannot save checkpoint {step_dir} (rank {vdist.rank()}): {why} ({type(exc).__name__}: {first}); "
+            f"out of disk space? {_space_report(ckpt_root)}. Free disk space (or lower trainer.keep_last) and "
             f"restart: the previous complete checkpoint is untouched, and the incomplete "
-            f"{os.path.basename(self.step_dir)} is never resumed") from exc
+            f"{os.path.basename(step_dir)} is never resumed") from exc
 
 
 _DISK_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",

@@ -38,13 +38,19 @@ class CheckpointDamaged(CheckpointError):
 
 
 def fsync_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory."""
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory (the temp file
+    is removed when any of it fails)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
     fsync_dir(os.path.dirname(path) or ".")
 
 

@@ -1,19 +1,17 @@
-"""Prompt data: load a prompt set, shard it across ranks, and left-pad batches for generation.
+"""Prompt data: load a prompt set and left-pad batches for generation (the order: ``verl_ds.sampler``).
 
 - `PromptDataset` reads JSON lines, Parquet, or a `datasets` data set saved with `save_to_disk`, tokenizes the prompt
   field (optionally through the chat template) and keeps pass-through fields for reward functions. Bad rows never
   crash: each is skipped (or, when overlong, truncated) and counted by reason; a row repeating an earlier one of a
   file is kept and counted (`duplicate_row`); `report()` and `summary()` say what happened and where. Files are read
-  by `verl_ds.data_files` (strict JSON: huge integers, repeated keys and non-finite numbers are reasons too). A missing file, an unsupported format or zero usable rows is an error at construction.
-- `DistributedPromptSampler` draws a seeded permutation per epoch; each rank takes its shard of every global batch;
-  its `state_dict()` resumes exactly.
+  by `verl_ds.data_files` (strict JSON: huge integers, repeated keys and non-finite numbers are reasons too). A
+  missing file, an unsupported format or zero usable rows is an error at construction.
 - `collate_prompts` left-pads a list of items into tensors.
 """
 from __future__ import annotations
 
 import json
 import os
-from collections import Counter
 
 import torch
 
@@ -261,8 +259,8 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
     return dataset
 
 
-def collate_prompts(items: list[dict], pad_token_id: int) -> dict:
-    """Left-pad items to the longest prompt.
+def collate_prompts(items: list[dict], pad_token_id: int, device=None) -> dict:
+    """Left-pad items to the longest prompt, the tensors on ``device`` (default: CPU).
 
     Returns input_ids (B, P) int64, attention_mask (B, P) bool (True on prompt tokens), prompt_length (B,) int64,
     prompts list[str], extras {field: list} of every other item field (None where an item lacks it).
@@ -283,13 +281,9 @@ def collate_prompts(items: list[dict], pad_token_id: int) -> dict:
         input_ids[i, P - n:] = torch.as_tensor(item["input_ids"], dtype=torch.int64)
         attention_mask[i, P - n:] = True
     keys = dict.fromkeys(k for item in items for k in item if k not in _ITEM_KEYS)
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "prompt_length": torch.tensor(lengths, dtype=torch.int64),
-        "prompts": [item["prompt"] for item in items],
-        "extras": {k: [item.get(k) for item in items] for k in keys},
-    }
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device),
+            "prompt_length": torch.tensor(lengths, dtype=torch.int64, device=device),
+            "prompts": [item["prompt"] for item in items], "extras": {k: [item.get(k) for item in items] for k in keys}}
 
 
 def write_data_report(run_dir: str, datasets: dict) -> str:

@@ -32,8 +32,7 @@ def evaluate(trainer) -> dict:
     sums = torch.zeros(5, dtype=torch.float64)  # greedy score sum, prompts, sampled score sum, pass@1, pass@n
     for i in range(0, len(idx), per_call):
         items = [val_set[j] for j in idx[i:i + per_call]]
-        prompts = collate_prompts(items, tok.pad_token_id)
-        prompts = {k: v.to(trainer.actor_engine.device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+        prompts = collate_prompts(items, tok.pad_token_id, trainer.actor_engine.device)
         greedy = rollout_and_score(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"], greedy=True)
         sums[0] += greedy.batch.scores.sum().item()
         sums[1] += len(items)

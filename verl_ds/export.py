@@ -23,7 +23,8 @@ from typing import Optional, Union
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.engines.zero3 import full_shape, persistent_buffers
+from verl_ds.engines.hf_weights import hf_model, weight_buffers, weight_groups
+from verl_ds.engines.zero3 import gathered
 
 INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -44,29 +45,6 @@ def parse_size(size: Union[int, str]) -> int:
     if value < 1:
         raise ValueError(f"max_shard_size: must be at least 1 byte, got {size!r}")
     return value
-
-
-def _export_order(module: torch.nn.Module) -> list:
-    """[(module, [(name, param)])] in module order, each parameter once under the first name it has
-    (a tied LM head is the embedding's parameter, already listed)."""
-    seen: set = set()
-    order = []
-    for module_name, sub in module.named_modules():
-        params = []
-        for name, param in sub.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            params.append((f"{module_name}.{name}" if module_name else name, param))
-        if params:
-            order.append((sub, params))
-    return order
-
-
-def _plain_groups(module: torch.nn.Module) -> list:
-    """``_export_order`` as [(params to gather, [(name, full shape, dtype, produce())])] (``engines.lora``'s form)."""
-    return [([p for _, p in params], [(name, tuple(full_shape(p)), p.dtype, p.detach) for name, p in params])
-            for _, params in _export_order(module)]
 
 
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -142,15 +120,10 @@ def export_hf(engine_module, tokenizer, directory: str, max_shard_size: Union[in
     it streams each gathered module's tensors into the shard files, whose layout is planned from the shapes
     before anything is gathered.
     """
-    from verl_ds.engines import lora
-
-    module = getattr(engine_module, "module", engine_module)
     limit = parse_size(max_shard_size)
     main = vdist.rank() == 0
-    if lora.is_peft_model(module):  # LoRA: the plain HF model, each adapted weight merged (W + B A * alpha / r)
-        groups, buffers, hf_module = lora.merged_groups(module), lora.merged_buffers(module), module.get_base_model()
-    else:
-        groups, buffers, hf_module = _plain_groups(module), persistent_buffers(module), module
+    # a LoRA model: its plain HF base model, each adapted weight merged (W + B A * alpha / r)
+    groups, buffers, hf_module = weight_groups(engine_module), weight_buffers(engine_module), hf_model(engine_module)
 
     def out_dtype(d):
         return dtype if dtype is not None and d.is_floating_point else d
@@ -175,7 +148,7 @@ def export_hf(engine_module, tokenizer, directory: str, max_shard_size: Union[in
             current = next(pending, None)
 
     for params, outs in groups:
-        with lora.gathered(params):
+        with gathered(params):
             if main:
                 for name, _, d, produce in outs:
                     emit(name, produce().to("cpu", dtype=out_dtype(d)))

@@ -86,10 +86,11 @@ class MetricsLogger:
         """On resume, drop lines of steps that ran after the checkpoint (they are trained again)."""
         if not (self.enabled and os.path.isfile(self.path)):
             return
-        with open(self.path, encoding="utf-8") as fh:
-            kept = [line for line in fh if line.strip() and json.loads(line).get("step", 0) <= step]
+        from verl_ds.report import read_metrics_file  # a last line cut by the crash is dropped
+
+        kept = [row for row in read_metrics_file(self.path) if row.get("step", 0) <= step]
         with open(self.path, "w", encoding="utf-8") as fh:
-            fh.writelines(kept)
+            fh.writelines(json.dumps(row, sort_keys=True) + "\n" for row in kept)
 
     def log(self, step: int, metrics: dict) -> None:
         with self._lock:
@@ -107,12 +108,6 @@ class MetricsLogger:
     def snapshot(self) -> dict:
         with self._lock:
             return dict(self.latest)
-
-    def history(self) -> list[dict]:
-        if not os.path.isfile(self.path):
-            return []
-        with open(self.path, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
 
     def close(self) -> None:
         if self._tb is not None:

@@ -64,15 +64,10 @@ def build_rollout_engine(cfg: Config, actor, tokenizer, *, state=None, rank: int
 
 @register_rollout_engine("hf")
 def build_hf(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None):
-    """HF generate; with a LoRA actor the replica holds the merged weights (``verl_ds.engines.lora``)."""
+    """HF generate; with a LoRA actor the replica holds the merged weights (``verl_ds.engines.hf_weights``)."""
     from verl_ds.generation import HFRolloutEngine
 
-    cls = HFRolloutEngine
-    if lora is not None:
-        from verl_ds.engines.lora import rollout_engine_class
-
-        cls = rollout_engine_class()
-    return cls(actor, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    return HFRolloutEngine(actor, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                bos_token_id=tokenizer.bos_token_id, gather_params=cfg.rollout.gather_params,
                share_prefill=cfg.rollout.share_prefill, share_decode=cfg.rollout.share_decode)
 

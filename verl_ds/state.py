@@ -27,7 +27,6 @@ import dataclasses
 import difflib
 import json
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -61,10 +60,6 @@ class StateKey:
         return base_type(self.annotation)
 
     @property
-    def nullable(self) -> bool:
-        return nullable(self.annotation)
-
-    @property
     def range(self) -> tuple | None:
         """(low, high), either may be None (unbounded); None for keys without bounds."""
         return None if self.spec.range_text() is None else (self.spec.lo, self.spec.hi)
@@ -77,9 +72,6 @@ class StateKey:
     def description(self) -> str:
         return self.spec.help
 
-    def range_text(self) -> str | None:
-        return self.spec.range_text()
-
     def check(self, value: Any) -> tuple[Any, str | None]:
         """Return (normalised value, None) or (None, reason why the value is refused)."""
         return check_value(self.annotation, value, self.spec, key=self.name)
@@ -89,10 +81,10 @@ class StateKey:
             "type": _TYPE_NAMES[self.type],
             "default": self.default,
             "range": None if self.range is None else list(self.range),
-            "range_text": self.range_text(),  # "(0.0, 100.0]": parentheses mark open bounds
+            "range_text": self.spec.range_text(),  # "(0.0, 100.0]": parentheses mark open bounds
             "choices": None if self.choices is None else list(self.choices),
             "hot": self.hot,
-            "nullable": self.nullable,
+            "nullable": nullable(self.annotation),
             "description": self.description,
             "config_key": self.config_key,
         }
@@ -370,21 +362,11 @@ class SharedState:
             self._version = version
 
     def save(self, path: str | os.PathLike) -> None:
-        """Atomic JSON: write a temp file in the same folder, fsync, then os.replace over ``path``."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
+        """Atomic JSON (``checkpoint_manifest.fsync_write``: a temp file in the same folder, fsync, rename)."""
+        from verl_ds.checkpoint_manifest import fsync_write
+
         data = json.dumps(self.state_dict(), indent=2, sort_keys=True, allow_nan=False)
-        fd, tmp = tempfile.mkstemp(prefix=".shared_state.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        fsync_write(os.path.abspath(os.fspath(path)), data.encode())
 
     def load(self, path: str | os.PathLike) -> None:
         """Load a file written by ``save`` (validated like ``load_state_dict``)."""

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from verl_ds import dist as vdist
+from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, check_startup, write_run_config
 from verl_ds.control import StepBoundary, start_control_server
@@ -196,9 +197,7 @@ class Trainer:
         from verl_ds.data import collate_prompts
 
         items = [self.c.train_set[i] for i in self.c.sampler.next_batch()]
-        prompts = collate_prompts(items, self.tokenizer.pad_token_id)
-        device = self.actor_engine.device
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
+        return collate_prompts(items, self.tokenizer.pad_token_id, self.actor_engine.device)
 
     def _sampler_mismatch(self, batch) -> dict:
         """|sampler log-prob - trainer log-prob| over the response tokens (mean, and max over every rank's tokens);
@@ -223,10 +222,9 @@ class Trainer:
             and self.registry.get("actor").update_forward_is_scoring_pass
 
     def _required_fields(self, old_log_probs: bool) -> tuple:
-        fields = ["observation", "action", "mask", "response_mask", "token_rewards", "advantages",
-                  "prompt_length", "response_length", "done", "next_observation"]
-        return tuple(fields + (["values", "returns"] if self.ppo.needs_critic else [])
-                     + (["old_log_probs"] if old_log_probs else []))
+        skipped = ({"old_log_probs"} if not old_log_probs else set()) | ({"values", "returns"} if not
+                                                                          self.ppo.needs_critic else set())
+        return tuple(f for f in REQUIRED_FOR_LOSS if f not in skipped)
 
     def _no_grad_pass(self, role: str, batch, groups: list, fn) -> torch.Tensor:
         """``fn(model, micro_batch)`` over the row groups, put back in the batch's row order."""
@@ -363,7 +361,8 @@ class Trainer:
         except BaseException:
             self.close()
             raise
-        summary = summarize(self.metrics.history(), self.state.get("global_step"), time.perf_counter() - t0, tokens,
+        # the rows come from <output_dir>/metrics.jsonl, the whole run's (summarize reads it)
+        summary = summarize([], self.state.get("global_step"), time.perf_counter() - t0, tokens,
                             self.out_dir, export_dir, plot=cfg.trainer.plot, write=self.is_main, resumed_from=start)
         self.close()
         return summary

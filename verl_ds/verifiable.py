@@ -45,7 +45,8 @@ def _math_verify():
     return parse, verify
 
 
-def _check_lists(who: str, prompts, responses) -> None:
+def check_lists(who: str, prompts, responses) -> None:
+    """A reward function's arguments: one response (a str) per prompt."""
     if len(prompts) != len(responses):
         raise ValueError(f"{who}: got {len(prompts)} prompts but {len(responses)} responses")
     for i, r in enumerate(responses):
@@ -53,7 +54,8 @@ def _check_lists(who: str, prompts, responses) -> None:
             raise TypeError(f"{who}: response {i} must be a str, got {type(r).__name__}")
 
 
-def _reference_answers(who: str, responses, batch) -> list:
+def reference_answers(who: str, responses, batch) -> list:
+    """``batch.extras["answer"]``, one per response; ValueError naming what is missing."""
     extras = getattr(batch, "extras", None) or {}
     if "answer" not in extras:
         raise ValueError(f"{who}: needs the data set's 'answer' field passed through (batch.extras['answer']); "
@@ -87,8 +89,8 @@ def math_answer_reward(prompts: list, responses: list, batch) -> list[float]:
     reference may be LaTeX or plain (``\\frac{1}{2}``, ``1/2``, ``0.5``, ``1,234``, GSM8K ``... #### 72``);
     one that cannot be parsed raises ValueError naming the sample."""
     who = "math_verify"
-    _check_lists(who, prompts, responses)
-    answers = _reference_answers(who, responses, batch)
+    check_lists(who, prompts, responses)
+    answers = reference_answers(who, responses, batch)
     parse, verify = _math_verify()
     timeout = _MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     rewards = []
@@ -118,7 +120,7 @@ def make_format_reward(pattern: str, flags: int = re.DOTALL) -> Callable[[list, 
         raise ValueError(f"format pattern {pattern!r:.80} is not a valid regular expression: {e}") from None
 
     def reward(prompts: list, responses: list, batch=None) -> list[float]:
-        _check_lists("format", prompts, responses)
+        check_lists("format", prompts, responses)
         return [1.0 if regex.fullmatch(r) else 0.0 for r in responses]
 
     reward.__doc__ = f"1.0 where the whole response matches {pattern!r} (fullmatch), else 0.0."

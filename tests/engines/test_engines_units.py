@@ -59,6 +59,10 @@ def test_replica_whose_tying_differs_is_refused():
     source.config.tie_word_embeddings = True  # the config now says tied; the module is not
     with pytest.raises(ValueError, match=r"tied to another one that the source keeps separate"):
         GenerationReplica(source)
+    source = LlamaForCausalLM(_cfg(tie_word_embeddings=True))
+    source.config.tie_word_embeddings = False  # the other way: the replica would have a head nobody fills
+    with pytest.raises(ValueError, match=r"the source has nothing for replica parameters \['lm_head.weight'\]"):
+        GenerationReplica(source)
 
 
 @pytest.mark.parametrize("tied", [True, False])

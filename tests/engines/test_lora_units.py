@@ -11,6 +11,7 @@ pytest.importorskip("peft")
 
 from verl_ds.config import ConfigError, load_config  # noqa: E402
 from verl_ds.engines import lora  # noqa: E402
+from verl_ds.engines.hf_weights import weight_groups  # noqa: E402
 
 VOCAB = 40
 
@@ -119,7 +120,7 @@ def test_apply_lora_freezes_base_seeds_adapters_and_leaves_the_rng():
 def test_merged_weight_matches_a_float64_loop():
     model = lora.apply_lora(tiny_llama(), spec(rank=3, alpha=6.0, targets=["o_proj"]), seed=0)
     randomize_adapters(model)
-    groups = lora.merged_groups(model)
+    groups = weight_groups(model)
     outs = {name: produce for _, group in groups for name, _, _, produce in group}
     layer = model.get_base_model().model.layers[1].self_attn.o_proj
     W = layer.base_layer.weight.detach().double()
@@ -152,7 +153,7 @@ def test_output_head_symbol(caplog):
     assert isinstance(wrapped.get_output_embeddings(), lora._lora_layer_class())
 
 
-def test_merged_groups_respect_disabled_adapters_and_tied_heads():
+def test_weight_groups_respect_disabled_adapters_and_tied_heads():
     with pytest.raises(ConfigError, match="'lm_head'.*tied to \\['model.embed_tokens'\\]"):
         lora.apply_lora(tiny_llama(tied=True), spec(targets=["q_proj", "lm_head"]), seed=0)
     with pytest.raises(ConfigError, match="'embed_tokens'.*tied to \\['lm_head'\\]"):
@@ -161,7 +162,7 @@ def test_merged_groups_respect_disabled_adapters_and_tied_heads():
     randomize_adapters(model)
     base = tiny_llama(tied=True)
     with lora.adapters_off(model):
-        values = {n: produce() for _, group in lora.merged_groups(model) for n, _, _, produce in group}
+        values = {n: produce() for _, group in weight_groups(model) for n, _, _, produce in group}
     assert values.keys() == dict(base.named_parameters()).keys()  # the tied head once, under the embedding
     for n, p in base.named_parameters():
         assert torch.equal(values[n], p), n

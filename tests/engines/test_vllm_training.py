@@ -99,7 +99,8 @@ def test_plan_counts_vllms_weights_and_cache(tmp_path, monkeypatch):
     from launch_testutil import GPU_CONFIG, QWEN25_05B, config_only_dir
 
     from verl_ds.config import validate
-    from verl_ds.plan import estimate_memory, plan
+    from verl_ds.memory_plan import estimate_memory
+    from verl_ds.plan import plan
 
     monkeypatch.chdir(ROOT)
     path = config_only_dir(tmp_path / "q05", **QWEN25_05B)

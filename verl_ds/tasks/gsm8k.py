@@ -11,6 +11,8 @@ import os
 import re
 from decimal import Decimal, InvalidOperation
 
+from verl_ds.verifiable import check_lists, reference_answers
+
 MINI_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_mini.jsonl")
 INSTRUCTION = "Answer with #### and the final number."
 # A thousands-grouped number ("1,234") or plain digits, optional sign and decimals.
@@ -64,15 +66,8 @@ def reference_answer(answer) -> str | None:
 
 def exact_match_reward(prompts: list[str], responses: list[str], batch) -> list[float]:
     """1.0 where the response's final number equals the sample's `answer` field (batch.extras["answer"]), else 0.0."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"exact_match: got {len(prompts)} prompts but {len(responses)} responses")
-    extras = getattr(batch, "extras", None) or {}
-    if "answer" not in extras:
-        raise ValueError("exact_match: needs the data set's 'answer' field passed through (batch.extras['answer']); "
-                         f"extras has {sorted(extras)}")
-    answers = extras["answer"]
-    if len(answers) != len(responses):
-        raise ValueError(f"exact_match: got {len(answers)} answers for {len(responses)} responses")
+    check_lists("exact_match", prompts, responses)
+    answers = reference_answers("exact_match", responses, batch)
     rewards = []
     for i, (response, answer) in enumerate(zip(responses, answers)):
         reference = reference_answer(answer)

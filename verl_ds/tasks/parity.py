@@ -14,6 +14,8 @@ import json
 import os
 import random
 
+from verl_ds.verifiable import check_lists
+
 RESPONSE_LENGTH = 6  # L: the number of response words that are scored
 TARGETS = ("even", "odd")
 GOOD_DIGITS = {"even": ("0", "2", "4", "6", "8"), "odd": ("1", "3", "5", "7", "9")}
@@ -86,8 +88,7 @@ def parity_reward(prompts: list[str], responses: list[str], batch=None,
     The target is `batch.extras["target"]` when the data set passes it through, else the instruction word
     found in the prompt (which also works after a chat template).
     """
-    if len(prompts) != len(responses):
-        raise ValueError(f"parity_reward: got {len(prompts)} prompts but {len(responses)} responses")
+    check_lists("parity_reward", prompts, responses)
     if not isinstance(length, int) or length < 1:
         raise ValueError(f"parity_reward: length: expected a positive int, got {length!r}")
     extras = getattr(batch, "extras", None) or {}
