@@ -31,10 +31,13 @@ accumulation steps k and averages gradients over W ranks, pass ``normalizer=G / 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
+
+from verl_ds.attention_layout import LAYOUT_KWARG, AttentionLayout
 
 __all__ = ["Packed", "ResponseIndex", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
            "agree_num_micro_batches", "micro_batch_groups", "prompt_runs"]
@@ -80,11 +83,17 @@ class Packed:
     def num_tokens(self) -> int:
         return int(self.indices.numel())
 
+    @functools.cached_property
+    def layout(self) -> AttentionLayout:
+        """One sequence per row (``verl_ds.attention_layout``), built once per micro-batch."""
+        return AttentionLayout.sequences(self.lengths.tolist(), self.input_ids.device)
+
     def attention_kwargs(self) -> dict:
-        """The varlen kwargs transformers' attention functions read (``FlashAttentionKwargs``): with them
-        flash-attention and ``verl_ds.models.varlen_attention`` skip re-deriving the sequence bounds."""
+        """What the attention functions read, the same objects for every layer and call: flash-attention's varlen
+        kwargs (``cu_seq_lens_q/k``: int32 on the row's device, ``max_length_q/k``: ints, from the packing) and the
+        row's ``layout`` (``verl_ds.models.varlen_attention``); no layer re-derives the bounds or syncs the host."""
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen, LAYOUT_KWARG: self.layout}
 
 
 def _check_batch(input_ids, attention_mask) -> torch.Tensor:
