@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -80,15 +81,8 @@ class AttentionLayout:
     @classmethod
     def sequences(cls, lengths, device="cpu") -> "AttentionLayout":
         """Plain packing: one root segment per sequence of ``lengths`` tokens (positions from 0)."""
-        starts, at = [], 0
-        for n in lengths:
-            starts.append((at, int(n), -1, 0))
-            at += int(n)
-        return cls.from_runs(starts, device)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.starts[-1]
+        starts = [0, *itertools.accumulate(int(n) for n in lengths)]
+        return cls.from_runs([(s, e - s, -1, 0) for s, e in zip(starts, starts[1:])], device)
 
     @functools.cached_property
     def plain(self) -> bool:
@@ -105,11 +99,6 @@ class AttentionLayout:
                 raise ValueError(f"AttentionLayout: the tree from token {self.starts[root]} is not contiguous")
             out.append((self.starts[root], self.starts[last], last - root))
         return tuple(out)
-
-    @functools.cached_property
-    def longest(self) -> int:
-        """Tokens of the longest sequence (the deepest position + 1)."""
-        return max(p + self.starts[s + 1] - self.starts[s] for s, p in enumerate(self.first_pos))
 
     @functools.cached_property
     def tensors(self) -> tuple:
@@ -152,7 +141,7 @@ class AttentionLayout:
         if key not in self._cache:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            n = self.num_tokens
+            n = self.starts[-1]
             self._cache[key] = create_block_mask(lambda b, h, q, kv: self.may_attend(q, kv, window), None, None, n, n,
                                                  device=self.device)
         return self._cache[key]
@@ -197,7 +186,7 @@ def packed_attention(implementation: str, shared: bool, device_type: str) -> tup
     """(attention the model is switched to for packed rows, a start-up note or None) for a resolved implementation:
     flash-attention serves plain packed rows natively (transformers' varlen path on ``cu_seq_lens_q/k``) but not a
     tree of shared prompts / prefixes, which FlexAttention serves; flex_attention serves every layout; sdpa and eager
-    serve every layout one tree at a time (``verl_ds.models.varlen_attention``), a slow path on a GPU."""
+    (no packed-row kernel of its own) serve every layout with sdpa one tree at a time, a slow path on a GPU."""
     if implementation.startswith("flash_attention"):
         if not shared:
             return implementation, None
@@ -205,10 +194,6 @@ def packed_attention(implementation: str, shared: bool, device_type: str) -> tup
                                        f"mask): flex_attention serves the packed rows")
     if implementation == "flex_attention":
         return "verl_ds_varlen_flex", None
-    note = None
-    if implementation == "eager":
-        note = "eager has no packed-row kernel: sdpa serves the packed rows, one call per sequence or prompt group"
-    if device_type == "cuda":
-        note = (f"{implementation} serves packed rows one sdpa call per sequence or prompt group per layer, slow on "
-                f"a GPU: flash_attention_2 or flex_attention serve them in one call")
+    note = None if device_type != "cuda" else (f"{implementation}: packed rows take one sdpa call per sequence or "
+                                               f"prompt group per layer, slow on a GPU (flex_attention: one call)")
     return "verl_ds_varlen_sdpa", note

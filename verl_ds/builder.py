@@ -118,9 +118,8 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
     """(packed, shared): whether the scoring and update forwards use packed rows (``model.remove_padding``) and shared
     prompts (``model.share_prompts`` with ``rollout.n > 1``), decided here for the models actually built
     (``verl_ds.models.families.packing_support``: a tiny probe forward of each, on every rank), and the attention
-    each engine runs (``model.attn_implementation``, resolved for the engines' device): a family they would get wrong
-    falls back to padded batches or to plain packing, and a layout the kernel cannot serve to one that can, with one
-    log line each."""
+    (``model.attn_implementation``): a family they would get wrong falls back to padded batches or to plain packing,
+    a layout the kernel cannot serve to one that can, with one log line each."""
     import torch
 
     from verl_ds.attention_layout import resolve_attn_implementation

@@ -89,9 +89,8 @@ class Packed:
         return AttentionLayout.sequences(self.lengths.tolist(), self.input_ids.device)
 
     def attention_kwargs(self) -> dict:
-        """What the attention functions read, the same objects for every layer and call: flash-attention's varlen
-        kwargs (``cu_seq_lens_q/k``: int32 on the row's device, ``max_length_q/k``: ints, from the packing) and the
-        row's ``layout`` (``verl_ds.models.varlen_attention``); no layer re-derives the bounds or syncs the host."""
+        """What the attention reads, the same objects for every layer: flash-attention's ``cu_seq_lens_q/k`` (int32 on
+        the row's device) and ``max_length_q/k`` (ints), and the row's ``layout``; no layer syncs the host."""
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
                 "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen, LAYOUT_KWARG: self.layout}
 

@@ -42,20 +42,14 @@ from verl_ds.packing import ResponseIndex, _check_batch, _no_prompt_rows, check_
 __all__ = ["SharedPacked", "group_layout", "pack_shared_prompts"]
 
 
-def _parts(group) -> tuple:
-    """(start, prompt_len, response lengths, links) of a layout entry; links: for each response, the responses (1-based
-    in the group) that hold its shared leading tokens, one per depth (empty where it shares none)."""
-    start, p, lengths = group[:3]
-    return start, p, lengths, (group[3] if len(group) > 3 else ((),) * len(lengths))
-
-
 def group_layout(groups, device="cpu") -> AttentionLayout:
-    """The ``AttentionLayout`` of a row of ``groups`` ((start, prompt_len, (response_len, ...)[, links]), ...): each
+    """The ``AttentionLayout`` of a row of ``groups`` ((start, prompt_len, (response_len, ...)[, links]), ...; links:
+    for each response, the responses (1-based in the group) that hold its shared leading tokens, one per depth): each
     prompt a root; each response's own tokens continue its prompt's last token, or the shared token before its own
     first one (held by the response its link names), at the positions they have in their own sequence."""
     runs = []
-    for group in groups:
-        start, p, lengths, links = _parts(group)
+    for start, p, lengths, *rest in groups:
+        links = rest[0] if rest else ((),) * len(lengths)
         own = [start + p + sum(lengths[:k]) for k in range(len(lengths))]  # each response's first own token
         runs.append((start, p, -1, 0))
         for k, (r, link) in enumerate(zip(lengths, links)):

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _grid(layout, window=None):
-    idx = torch.arange(layout.num_tokens)
+    idx = torch.arange(layout.starts[-1])
     return layout.may_attend(idx[:, None], idx[None, :], window).int().tolist()
 
 
@@ -24,7 +24,7 @@ def test_a_prefix_tree_by_hand():
     token 2)."""
     layout = AttentionLayout.from_runs([(0, 2, -1, 0), (2, 2, 1, 2), (4, 1, 2, 3), (5, 1, 1, 2), (6, 1, -1, 0)])
     assert layout.starts == (0, 2, 3, 4, 5, 6, 7) and layout.parents == (-1, 0, 1, 1, 0, -1)
-    assert layout.first_pos == (0, 2, 3, 3, 2, 0) and layout.longest == 4
+    assert layout.first_pos == (0, 2, 3, 3, 2, 0)
     assert layout.trees == ((0, 6, 5), (6, 7, 1))
     want = [[1, 0, 0, 0, 0, 0, 0],
             [1, 1, 0, 0, 0, 0, 0],

@@ -1,15 +1,9 @@
 """The attention functions packed rows go through, and the check that every layer got the row's layout.
 
-How transformers 5.24 keeps packed sequences apart (``transformers/masking_utils.py``): with ``attention_mask=None``,
-no cache and ``position_ids`` given, ``create_causal_mask`` ANDs a packed-sequence mask (sequences start where a
-position is not the previous plus 1) into the causal mask: for ``eager`` and ``sdpa`` a dense (1, 1, N, N) mask, so
-attention costs O(N^2) over the whole packed row. ``flash_attention_2/3`` get no mask and run
-``flash_attn_varlen_func`` on the ``cu_seq_lens_q/k`` / ``max_length_q/k`` kwargs, which ``Packed.attention_kwargs()``
-builds once per micro-batch (int32 on the row's device, Python ints): no host sync in the layers. That is the path
-plain packed rows take on CUDA with flash-attn (``verl_ds.attention_layout.packed_attention``).
-
-Every other packed row reads its ``AttentionLayout`` (``verl_ds.attention_layout``: the one definition of who may
-attend to whom, for plain packing, shared prompts and shared response prefixes, with sliding windows) from the
+Plain packed rows on CUDA with flash-attn take transformers' own ``flash_attention_2/3``: ``flash_attn_varlen_func``
+on the ``cu_seq_lens_q/k`` / ``max_length_q/k`` kwargs ``Packed.attention_kwargs()`` builds once per micro-batch (int32
+on the row's device, Python ints): no host sync in the layers (``verl_ds.attention_layout.packed_attention``). Every
+other packed row reads its ``AttentionLayout`` (the one definition of who may attend to whom) from the
 ``verl_ds_attention_layout`` keyword, through one of two functions registered here:
 
 - ``verl_ds_varlen_flex``: torch's FlexAttention with the layout's ``BlockMask`` (built once per micro-batch, cached on
@@ -87,22 +81,13 @@ def text_config(model: Any):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def expected_attention_calls(model: Any) -> int | None:
-    """Attention calls one forward of ``model`` makes, one per decoder layer (the text config's
-    ``num_hidden_layers``); None when the config does not say."""
-    n = getattr(text_config(model), "num_hidden_layers", None)
-    return n if isinstance(n, int) and n > 0 else None
-
-
 @contextlib.contextmanager
 def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared: bool = False):
     """Around one forward of ``model`` over a packed row of ``tokens`` tokens with ``layout`` (``shared``: its prompts
-    are shared): every attention call must go through one of the functions registered here with the whole row, no
-    mask and this layout, be causal, and there must be at least one per decoder layer (fewer: other layers mix
-    tokens outside attention, e.g. state-space or linear-attention layers, across the packed sequences). Otherwise
-    ``PackedRowNotReached`` names the family, after the forward. A model that does not pass its decoder layer's
-    keyword arguments on to its attention (StableLM, Nemotron in transformers 5.24) loses the layout on the way.
-    Plain packing on flash-attention is not witnessed: transformers keeps those rows apart by ``cu_seq_lens``."""
+    are shared): every attention call must go through ours with the whole row, no mask and this layout (StableLM's
+    layers drop it on the way), be causal, and come at least once per decoder layer (fewer: other layers mix tokens
+    across the packed sequences); else ``PackedRowNotReached`` names the family, after the forward. Plain packing on
+    flash-attention is not witnessed: transformers keeps those rows apart by ``cu_seq_lens``."""
     if not shared and getattr(_config(model), "_attn_implementation", None) not in _OURS:
         yield None  # plain packing on transformers' flash varlen path
         return
@@ -127,8 +112,8 @@ def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared:
     if witness.not_causal:
         raise PackedRowNotReached(f"{what}: {family}: its attention ({witness.not_causal[0]}) is not causal (an "
                                   f"encoder, or a decoder config with is_decoder=false); set {fix}")
-    expected = expected_attention_calls(model)
-    if expected is not None and witness.calls < expected:  # differential attention calls it twice a layer
+    expected = getattr(text_config(model), "num_hidden_layers", None)  # one attention call per decoder layer
+    if isinstance(expected, int) and witness.calls < expected:  # differential attention calls it twice a layer
         raise PackedRowNotReached(f"{what}: {family}: {witness.calls} attention calls for {expected} layers: the other "
                                   f"layers mix tokens outside attention (state-space, convolution or linear-attention "
                                   f"layers), across the packed sequences; set {fix}")
@@ -156,8 +141,8 @@ def _row_layout(module, query, key, attention_mask, kwargs: dict) -> AttentionLa
         if bounds[0] != 0 or bounds[-1] != n or any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seq_lens_q must ascend from 0 to the packed length {n}, got {bounds[:8]}...")
         layout = AttentionLayout.sequences([e - s for s, e in zip(bounds[:-1], bounds[1:])], query.device)
-    elif layout.num_tokens != n:
-        raise ValueError(f"{LAYOUT_KWARG}: a layout of {layout.num_tokens} tokens for a row of {n}")
+    elif layout.starts[-1] != n:
+        raise ValueError(f"{LAYOUT_KWARG}: a layout of {layout.starts[-1]} tokens for a row of {n}")
     return layout
 
 
@@ -223,8 +208,7 @@ def _varlen_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
 
 
 def register_varlen_attention() -> str:
-    """Register ``verl_ds_varlen_sdpa`` and ``verl_ds_varlen_flex`` with transformers' attention and mask interfaces
-    (idempotent); returns the sdpa one's name, for ``from_config(..., attn_implementation=name)``."""
+    """Register ours with transformers' attention and mask interfaces (idempotent); returns the sdpa one's name."""
     for name, fn in ((VARLEN_ATTENTION, varlen_sdpa_attention), (FLEX_ATTENTION, varlen_flex_attention)):
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, _varlen_mask)
