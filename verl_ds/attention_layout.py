@@ -142,8 +142,9 @@ class AttentionLayout:
             from torch.nn.attention.flex_attention import create_block_mask
 
             n = self.starts[-1]
+            # compiled on CUDA: the mask is built block by block, never as an (N, N) tensor
             self._cache[key] = create_block_mask(lambda b, h, q, kv: self.may_attend(q, kv, window), None, None, n, n,
-                                                 device=self.device)
+                                                 device=self.device, _compile=torch.device(self.device).type == "cuda")
         return self._cache[key]
 
     def needs_mask(self, start: int, end: int, window: Optional[int]) -> bool:

@@ -165,9 +165,9 @@ def test_sliding_window_layers_keep_each_sequences_window(attn, prefixes):
     assert (full - windowed).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("prefixes", [False, True])
+@pytest.mark.parametrize("layout", ["plain", "shared", "prefixes"])
 @torch.no_grad()
-def test_flex_in_bf16_follows_each_sequence_alone(prefixes):
+def test_flex_in_bf16_follows_each_sequence_alone(layout):
     """FlexAttention in bf16 against each sequence run alone through sdpa in bf16 (looser tolerance: two bf16
     computations in another order), with a 1-token sequence and a sliding window."""
     window = dict(use_sliding_window=True, sliding_window=3, max_window_layers=0,
@@ -176,11 +176,13 @@ def test_flex_in_bf16_follows_each_sequence_alone(prefixes):
     obs, mask = grouped_batch([[5, 6, 7], [5, 6, 7], [8], [9, 4]], [[10, 11, 12, 13], [10, 11, 14], [15], [16, 17]],
                               P=3, R=4)
     want, _, _ = per_sequence_reference(lm, None, obs, mask, 4, 1.0)
-    shared = pack_shared_prompts(obs, mask, 4, share_prefixes=prefixes)
-    assert 1 in [e - s for s, e, _ in shared.layout.trees]  # prompt [8] with a label-only response: one token
-    got, _ = packed_logprobs(use_attention(lm, FLEX_ATTENTION), shared, 4)
+    packed = pack(obs, mask, 4) if layout == "plain" else pack_shared_prompts(obs, mask, 4,
+                                                                                share_prefixes=layout == "prefixes")
+    assert 1 in [e - s for s, e, _ in packed.layout.trees]  # prompt [8] with a label-only response: one token
+    got, _ = packed_logprobs(use_attention(lm, FLEX_ATTENTION), packed, 4)
     rmask = mask[:, -4:]
-    torch.testing.assert_close(got.double() * rmask, want * rmask, atol=0.1, rtol=0.05)
+    # bf16 differs from the float64 reference by ~1e-3 here; ignoring the window would move it by 3e-2
+    torch.testing.assert_close(got.double() * rmask, want * rmask, atol=5e-3, rtol=0)
 
 
 def test_groups_are_attended_tree_by_tree():
