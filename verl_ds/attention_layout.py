@@ -85,11 +85,6 @@ class AttentionLayout:
         return cls.from_runs([(s, e - s, -1, 0) for s, e in zip(starts, starts[1:])], device)
 
     @functools.cached_property
-    def plain(self) -> bool:
-        """Every segment a root (plain packing): the ancestry table is the identity."""
-        return all(p < 0 for p in self.parents)
-
-    @functools.cached_property
     def trees(self) -> tuple:
         """(start, end, segments) of each tree (a root and its descendants), in packed order."""
         out, roots = [], [s for s, p in enumerate(self.parents) if p < 0]
@@ -109,7 +104,7 @@ class AttentionLayout:
         seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
         pos = torch.tensor(self.first_pos)[seg] + torch.arange(seg.numel()) - starts[:-1][seg]
         anc = None
-        if not self.plain:
+        if any(p >= 0 for p in self.parents):  # else plain packing: the identity
             S = len(self.parents)
             anc = torch.eye(S, dtype=torch.bool)
             for s, p in enumerate(self.parents):  # parents come first: their rows are complete
@@ -147,10 +142,6 @@ class AttentionLayout:
                                                  device=self.device, _compile=torch.device(self.device).type == "cuda")
         return self._cache[key]
 
-    def needs_mask(self, start: int, end: int, window: Optional[int]) -> bool:
-        """Whether tokens [start, end) are more than one causal sequence (one segment within the window)."""
-        one = bisect.bisect_right(self.starts, start) == bisect.bisect_left(self.starts, end)
-        return not one or bool(window and end - start > window)
 
 
 def usable_implementations(device_type: str) -> dict:

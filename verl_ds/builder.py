@@ -128,8 +128,6 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
 
     device_type = torch.device(_device(next(iter(engines.values())))).type
     implementation = resolve_attn_implementation(cfg.model.attn_implementation, device_type)
-    if say:
-        log.info("model.attn_implementation: %s (%s)", implementation, cfg.model.attn_implementation)
     if not cfg.model.remove_padding:
         for e in engines.values():
             use_attention(e, implementation)

@@ -43,17 +43,15 @@ def test_a_prefix_tree_by_hand():
                                 [0, 0, 1, 0, 1, 0, 0],
                                 [0, 1, 0, 0, 0, 1, 0],
                                 [0, 0, 0, 0, 0, 0, 1]]
-    assert layout.needs_mask(0, 6, None) and not layout.needs_mask(6, 7, None)
 
 
 def test_plain_packing_is_block_diagonal_and_causal():
     layout = AttentionLayout.sequences([3, 1, 2])
-    assert layout.plain and layout.tensors[2] is None  # no ancestry table: same segment is the whole rule
+    assert layout.tensors[2] is None  # no ancestry table: the same segment is the whole rule
     want = torch.zeros(6, 6, dtype=torch.int)
     for s, e in ((0, 3), (3, 4), (4, 6)):
         want[s:e, s:e] = torch.tril(torch.ones(e - s, e - s, dtype=torch.int))
     assert _grid(layout) == want.tolist()
-    assert [layout.needs_mask(s, e, w) for s, e, w in ((0, 3, None), (0, 3, 2), (0, 3, 3))] == [False, True, False]
 
 
 def test_the_block_mask_is_the_definition():

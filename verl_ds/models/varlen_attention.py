@@ -158,8 +158,8 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
     window = kwargs.get("sliding_window")
     kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
     outs = []
-    for start, end, _ in layout.trees:
-        mask = layout.dense(start, end, window)[None, None] if layout.needs_mask(start, end, window) else None
+    for start, end, segments in layout.trees:  # one causal sequence within the window: no mask
+        mask = layout.dense(start, end, window)[None, None] if segments > 1 or end - start > (window or end) else None
         whole = start == 0 and end == query.shape[2]
         q, k, v = (query, key, value) if whole else (query[:, :, start:end], key[:, :, start:end],
                                                       value[:, :, start:end])
