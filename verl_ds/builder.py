@@ -117,27 +117,44 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
 def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool]:
     """(packed, shared): whether the scoring and update forwards use packed rows (``model.remove_padding``) and shared
     prompts (``model.share_prompts`` with ``rollout.n > 1``), decided here for the models actually built
-    (``verl_ds.models.families.packing_support``: a tiny probe forward of each, on every rank): a family they would
-    get wrong falls back to padded batches or to plain packing, with one log line."""
-    from verl_ds.models.families import packing_support
+    (``verl_ds.models.families.packing_support``: a tiny probe forward of each, on every rank), and the attention
+    (``model.attn_implementation``): a family they would get wrong falls back to padded batches or to plain packing,
+    a layout the kernel cannot serve to one that can, with one log line each."""
+    import torch
 
+    from verl_ds.attention_layout import resolve_attn_implementation
+    from verl_ds.models.families import _device, packing_support
+    from verl_ds.models.varlen_attention import use_attention
+
+    device_type = torch.device(_device(next(iter(engines.values())))).type
+    implementation = resolve_attn_implementation(cfg.model.attn_implementation, device_type)
     if not cfg.model.remove_padding:
+        for e in engines.values():
+            use_attention(e, implementation)
         return False, False
     want_shared = cfg.model.share_prompts and cfg.rollout.n > 1
     longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
-    support = {role: packing_support(e, longest, share=want_shared and role != "critic") for role, e in engines.items()}
+    support = {role: packing_support(e, longest, share=want_shared and role != "critic", implementation=implementation)
+               for role, e in engines.items()}
     refused = [(role, s.packing) for role, s in support.items() if s.packing is not None]
     if refused:
         if say:
             log.warning("model.remove_padding: the %s cannot be packed (%s); padded batches are used", *refused[0])
+        for e in engines.values():
+            use_attention(e, implementation)
         return False, False
     refused = [(role, s.sharing) for role, s in support.items() if s.sharing is not None and role != "critic"]
+    shared = want_shared and not refused
     if want_shared and refused:
         if say:
             log.warning("model.share_prompts: the %s cannot share prompts (%s); packed rows without shared prompts "
                         "are used", *refused[0])
-        return True, False
-    return True, want_shared
+        for role, e in engines.items():  # back to the plain-packing kernel everywhere
+            support[role] = packing_support(e, longest, share=False, implementation=implementation)
+    notes = sorted({s.note for s in support.values() if s.note})
+    if say and notes:
+        log.warning("model.attn_implementation: %s", "; ".join(notes))
+    return True, shared
 
 
 class PromptData(NamedTuple):

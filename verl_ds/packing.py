@@ -31,11 +31,13 @@ accumulation steps k and averages gradients over W ranks, pass ``normalizer=G / 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
+from verl_ds.attention_layout import LAYOUT_KWARG, AttentionLayout
 from verl_ds.rows import ResponseIndex, check_batch, index_responses, position_ids_from_mask, prompt_groups
 
 __all__ = ["Packed", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
@@ -70,11 +72,16 @@ class Packed:
     def num_tokens(self) -> int:
         return int(self.indices.numel())
 
+    @functools.cached_property
+    def layout(self) -> AttentionLayout:
+        """One sequence per row (``verl_ds.attention_layout``), built once per micro-batch."""
+        return AttentionLayout.sequences(self.lengths.tolist(), self.input_ids.device)
+
     def attention_kwargs(self) -> dict:
-        """The varlen kwargs transformers' attention functions read (``FlashAttentionKwargs``): with them
-        flash-attention and ``verl_ds.models.varlen_attention`` skip re-deriving the sequence bounds."""
+        """What the attention reads, the same objects for every layer: flash-attention's ``cu_seq_lens_q/k`` (int32 on
+        the row's device) and ``max_length_q/k`` (ints), and the row's ``layout``; no layer syncs the host."""
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
-                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen}
+                "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen, LAYOUT_KWARG: self.layout}
 
 
 def check_response_width(response_width, T: int) -> int:

@@ -2,8 +2,8 @@
 transformers ships, built tiny, gets log-probs equal to each sequence run alone (float64), or is refused by name at
 start-up (``verl_ds.models.families.packing_support``); and the families of issue 30 one by one: StableLM and Nemotron
 (the shared-prompt layout never reaches their attention), DeepSeek-V2 (MLA: value heads narrower than query heads),
-LFM2 and Falcon-H1 (hybrid caches: plain generate), Mistral with a sliding window (shared when the window covers every
-sequence). docs/models.md is this test's result."""
+LFM2 and Falcon-H1 (hybrid caches: plain generate), Mistral with a sliding window (shared, the window counted in each
+sequence's positions). docs/models.md is this test's result."""
 import logging
 import os
 import sys
@@ -55,7 +55,7 @@ def _all_families():
 
 
 KINDS = (  # a refusal's message -> its short name in docs/models.md, first match wins
-    ("use_varlen_attention", "own attention code"),
+    ("use_attention", "own attention code"),
     ("does not support an attention implementation", "own attention code"),
     ("convolves over the sequence", "state-space / convolution layers"),
     ("carry a state along the sequence", "state-space / convolution layers"),
@@ -165,7 +165,7 @@ def test_layers_that_drop_attention_kwargs_refuse_shared_prompts_by_name(model_t
     obs, mask = family_batch(1)
     R = 5
     model = PolicyModel(lm, remove_padding=True, share_prompts=True)
-    with torch.no_grad(), pytest.raises(PackedRowNotReached, match=rf"shared prompts: {model_type} .*the shared-prompt "
+    with torch.no_grad(), pytest.raises(PackedRowNotReached, match=rf"shared prompts: {model_type} .*the row's "
                                                                     r"layout did not reach 2 of its 2 attention calls"):
         model.get_logprob(obs, obs[:, -R:], mask)
     support = packing_support(lm, max_length=obs.shape[1])
@@ -216,31 +216,21 @@ def test_hybrid_models_generate_plainly_with_a_log_line(model_type, caplog):
 
 
 @pytest.mark.parametrize("window", [10, 4])
-def test_a_sliding_window_that_covers_every_sequence_shares_prompts(window, caplog):
+def test_sliding_windows_share_prompts_in_each_sequences_positions(window):
     """Mistral with a sliding window: the longest sequence of the batch is 9 fed tokens (5-token prompt, 4 fed
-    response tokens). A window of 10 covers every sequence: shared prompts are exact (they were refused at the first
-    forward). A window of 4 does not: the start-up decision refuses sharing, naming the window, and keeps packing;
-    a shared forward anyway is refused by the attention, not computed wrong."""
+    response tokens). A window of 10 covers every sequence, one of 4 does not; either way shared prompts and prefixes
+    equal each sequence alone (the window is part of the layout, counted in each sequence's own positions)."""
     lm = use_varlen_attention(tiny_family_lm("mistral", seed=4, sliding_window=window))
     obs, mask = family_batch(4)
     R, rmask = 5, mask[:, -5:]
-    longest = obs.shape[1]  # the start-up bound: max prompt + response length
-    support = packing_support(lm, max_length=longest)
-    assert support.packing is None
+    support = packing_support(lm, max_length=obs.shape[1])
+    assert support.packing is None and support.sharing is None
     with torch.no_grad():
         ref, _, _ = per_sequence_reference(lm, None, obs, mask, R, 1.0)
-        if window >= longest:
-            assert support.sharing is None
-            for prefixes in (False, True):
-                lp = PolicyModel(lm, remove_padding=True, share_prompts=True,
-                                 share_prefixes=prefixes).get_logprob(obs, obs[:, -R:], mask)
-                torch.testing.assert_close(lp.double() * rmask, ref * rmask, atol=1e-5, rtol=1e-5)
-        else:
-            assert "mistral" in support.sharing and f"sliding window of {window} tokens" in support.sharing
-            with pytest.raises(ValueError, match=rf"sliding window of {window} tokens and the row a sequence of 9"):
-                PolicyModel(lm, remove_padding=True, share_prompts=True).get_logprob(obs, obs[:, -R:], mask)
-        lp = PolicyModel(lm, remove_padding=True).get_logprob(obs, obs[:, -R:], mask)  # per-sequence windows
-        torch.testing.assert_close(lp.double() * rmask, ref * rmask, atol=1e-5, rtol=1e-5)
+        for share, prefixes in ((False, False), (True, False), (True, True)):
+            lp = PolicyModel(lm, remove_padding=True, share_prompts=share,
+                             share_prefixes=prefixes).get_logprob(obs, obs[:, -R:], mask)
+            torch.testing.assert_close(lp.double() * rmask, ref * rmask, atol=1e-5, rtol=1e-5)
 
 
 BUILD_WORKER = r'''

@@ -46,7 +46,7 @@ def test_pack_matches_the_loop_and_the_padded_position_ids():
     # the padded path's position ids at the real tokens
     assert position_ids_from_mask(mask).reshape(-1)[p.indices].tolist() == want_pos
     assert p.attention_kwargs() == {"cu_seq_lens_q": p.cu_seqlens, "cu_seq_lens_k": p.cu_seqlens,
-                                    "max_length_q": 6, "max_length_k": 6}
+                                    "max_length_q": 6, "max_length_k": 6, "verl_ds_attention_layout": p.layout}
 
 
 def _loop_scoring_pack(ids, mask, R):

@@ -1,7 +1,8 @@
 """Packed forwards (verl_ds.models.packed_forward) equal every sequence run alone and the padded path: response
 log-probs, entropies and critic values, forward and gradients, on tiny Llama and Qwen2 models, with left- and
 right-padded prompts, 1-token responses and rows of very different lengths; through transformers' own
-packed-row mask (sdpa) and through verl_ds_varlen_sdpa, with and without the fused LM head."""
+packed-row mask (sdpa), through verl_ds_varlen_sdpa and (forward only: no CPU backward in torch) through
+verl_ds_varlen_flex, with and without the fused LM head."""
 import pytest
 import torch
 
@@ -9,7 +10,8 @@ from packing_testutil import padded_batch, per_sequence_reference, tiny_critic, 
 from verl_ds.models import PolicyModel, ValueModel
 from verl_ds.models.packed_forward import (lm_head_returns_logprobs, packed_logprobs, packed_values,
                                            response_index)
-from verl_ds.models.varlen_attention import VARLEN_ATTENTION, sequence_bounds, use_varlen_attention
+from verl_ds.attention_layout import LAYOUT_KWARG
+from verl_ds.models.varlen_attention import FLEX_ATTENTION, VARLEN_ATTENTION, use_attention, use_varlen_attention
 from verl_ds.packing import pack
 
 T_SAMPLE = 0.7
@@ -54,20 +56,25 @@ def test_packed_equals_each_sequence_alone_forward_and_backward(kind):
         ref_gc = _backward(critic, (ref_v * w_v * rmask).sum())
         p = pack(obs, mask)
         # transformers' own packed-row mask (sdpa), then verl_ds_varlen_sdpa; the logits path and the fused head
-        for attn in ("sdpa", VARLEN_ATTENTION):
-            if attn == VARLEN_ATTENTION:
-                use_varlen_attention(lm), use_varlen_attention(critic)
-            v = packed_values(critic, p, R)
+        for attn in ("sdpa", VARLEN_ATTENTION, FLEX_ATTENTION):
+            if attn != "sdpa":
+                use_attention(lm, attn), use_attention(critic, attn)
+            grad = attn != FLEX_ATTENTION  # FlexAttention has no backward on a CPU
+            with torch.set_grad_enabled(grad):
+                v = packed_values(critic, p, R)
             assert v.shape == (obs.shape[0], R) and v.dtype == torch.float32
             _check(f"{name} {attn} values", v, ref_v, rmask)
-            _check_grads(f"{name} {attn} critic", _backward(critic, (v * w_v * rmask).sum()), ref_gc)
+            if grad:
+                _check_grads(f"{name} {attn} critic", _backward(critic, (v * w_v * rmask).sum()), ref_gc)
             for fused in (False, True):
                 case = f"{name} {attn} fused={fused}"
-                lp, ent = packed_logprobs(lm, p, R, T_SAMPLE, compute_entropy=True, fused_lm_head=fused)
+                with torch.set_grad_enabled(grad):
+                    lp, ent = packed_logprobs(lm, p, R, T_SAMPLE, compute_entropy=True, fused_lm_head=fused)
                 assert lp.shape == ent.shape == (obs.shape[0], R) and lp.dtype == torch.float32
                 _check(case, lp, ref_lp, rmask)
                 _check(case, ent, ref_ent, rmask)
-                _check_grads(case, _backward(lm, ((lp * w_lp + ent * w_ent) * rmask).sum()), ref_g)
+                if grad:
+                    _check_grads(case, _backward(lm, ((lp * w_lp + ent * w_ent) * rmask).sum()), ref_g)
         lm.set_attn_implementation("sdpa"), critic.backbone.set_attn_implementation("sdpa")
 
 
@@ -93,9 +100,10 @@ def test_sliding_window_layers_keep_their_window_in_packed_rows():
     lm = tiny_lm("qwen2", seed=5, use_sliding_window=True, sliding_window=3, max_window_layers=1)
     obs, mask = padded_batch([6, 2, 4], [5, 1, 3], 6, 5, "left", seed=6)
     ref_lp, ref_ent, _ = per_sequence_reference(lm, None, obs, mask, 5, 1.0)
-    for attn in ("sdpa", VARLEN_ATTENTION):
-        lm.set_attn_implementation(attn) if attn == "sdpa" else use_varlen_attention(lm)
-        lp, ent = packed_logprobs(lm, pack(obs, mask), 5, compute_entropy=True)
+    for attn in ("sdpa", VARLEN_ATTENTION, FLEX_ATTENTION):
+        lm.set_attn_implementation(attn) if attn == "sdpa" else use_attention(lm, attn)
+        with torch.set_grad_enabled(attn != FLEX_ATTENTION):
+            lp, ent = packed_logprobs(lm, pack(obs, mask), 5, compute_entropy=True)
         torch.testing.assert_close(lp.double() * mask[:, -5:], ref_lp.detach() * mask[:, -5:], atol=1e-5, rtol=1e-5)
     # the window matters here: without it the long rows' log-probs differ
     full = tiny_lm("qwen2", seed=5)
@@ -115,15 +123,33 @@ def test_tied_embeddings_through_the_fused_head():
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
 
 
-def test_sequence_bounds_from_cu_seqlens_or_position_ids():
+def test_attention_kwargs_are_built_once_per_micro_batch():
+    """flash-attention's varlen kwargs come from the packing: cu_seq_lens int32 on the row's device, max lengths as
+    Python ints, and every call (every layer, every forward of the micro-batch) gets the same objects."""
     obs, mask = padded_batch([3, 1, 2], [2, 1, 2], 3, 2, "left")
     p = pack(obs, mask)
-    assert sequence_bounds(p.cu_seqlens, None, p.num_tokens) == [0, 5, 7, 11]
-    assert sequence_bounds(None, p.position_ids, p.num_tokens) == [0, 5, 7, 11]  # transformers' rule
-    assert sequence_bounds(None, torch.tensor([[0, 0, 0]]), 3) == [0, 1, 2, 3]  # three 1-token sequences
-    assert sequence_bounds(None, None, 11) is None
-    with pytest.raises(ValueError, match="cu_seq_lens_q must ascend from 0 to the packed length 11"):
-        sequence_bounds(torch.tensor([0, 5, 10]), None, 11)
+    kw = p.attention_kwargs()
+    assert kw["cu_seq_lens_q"] is kw["cu_seq_lens_k"] is p.cu_seqlens
+    assert kw["cu_seq_lens_q"].dtype == torch.int32 and kw["cu_seq_lens_q"].device == p.input_ids.device
+    assert kw["cu_seq_lens_q"].tolist() == [0, 5, 7, 11]
+    assert type(kw["max_length_q"]) is int and kw["max_length_q"] == kw["max_length_k"] == 5
+    again = p.attention_kwargs()
+    assert all(again[k] is kw[k] for k in kw) and kw[LAYOUT_KWARG].starts == (0, 5, 7, 11)
+    seg, _, _ = kw[LAYOUT_KWARG].tensors
+    assert kw[LAYOUT_KWARG].tensors[0] is seg  # the layout's tensors too: built on first use, then kept
+
+
+def test_a_packed_row_without_the_layout_is_split_by_its_position_ids():
+    """A caller that passes only position ids (transformers' packed-row convention) gets its sequences kept apart
+    by transformers' rule (a new sequence where a position is not the previous plus 1)."""
+    lm = tiny_lm("llama", seed=8)
+    obs, mask = padded_batch([3, 1, 2], [2, 1, 2], 3, 2, "left", seed=3)
+    p = pack(obs, mask)
+    bounds = p.cu_seqlens.tolist()
+    with torch.no_grad():
+        want = torch.cat([lm(input_ids=p.input_ids[:, s:e]).logits for s, e in zip(bounds[:-1], bounds[1:])], 1)
+        got = use_varlen_attention(lm)(input_ids=p.input_ids, position_ids=p.position_ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_input_is_named():

@@ -2,13 +2,12 @@
 the samples of a prompt also share the leading response tokens they have in common. The layout by hand, and
 log-probs, entropies and gradients equal to every sequence run alone (float64 reference) on tiny Llama and Qwen2
 models: identical responses, a response that is a prefix of another, branches at several depths, empty and 1-token
-responses, with and without the fused LM head, attended by blocks and as a batch of groups."""
+responses, with and without the fused LM head, through verl_ds_varlen_sdpa and FlexAttention (forward only)."""
 import pytest
 import torch
 
 from packing_testutil import tiny_lm
-from test_prompt_sharing import (_force_path, check_against_each_sequence, every_model_side_head_and_path,
-                                 grouped_batch)
+from test_prompt_sharing import check_against_each_sequence, every_model_side_head_and_path, grouped_batch
 from verl_ds.models import PolicyModel
 from verl_ds.models.varlen_attention import use_varlen_attention
 from verl_ds.prompt_sharing import pack_shared_prompts
@@ -25,10 +24,11 @@ def test_layout_by_hand():
     assert p.input_ids.tolist() == [[5, 6, 7, 10, 11, 8, 9, 16]]
     assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
     # row 0 continues row 2's depth-0 token (the group's 2nd response); row 3 holds nothing of its own
-    assert p.groups.groups == ((0, 3, (0, 1, 1, 0), ((), (), (2,), (2, 3))), (5, 2, (1,)))
-    ((start, end, block),) = p.groups.blocks
-    assert (start, end) == (0, 8)
-    assert block[0, 0].int().tolist() == [[1, 0, 0, 0, 0, 0, 0, 0],  # prompt a
+    assert p.groups == ((0, 3, (0, 1, 1, 0), ((), (), (2,), (2, 3))), (5, 2, (1,)))
+    # segments: prompt a, the shared 10 (cut: row 0 continues it), row 0's 11, prompt b, row 1's 16
+    assert (p.layout.starts, p.layout.parents, p.layout.first_pos) == ((0, 3, 4, 5, 7, 8), (-1, 0, 1, -1, 3),
+                                                                       (0, 3, 4, 0, 2))
+    assert p.layout.dense(0, 8).int().tolist() == [[1, 0, 0, 0, 0, 0, 0, 0],  # prompt a
                                           [1, 1, 0, 0, 0, 0, 0, 0],
                                           [1, 1, 1, 0, 0, 0, 0, 0],
                                           [1, 1, 1, 1, 0, 0, 0, 0],  # the shared 10: prompt a and itself
@@ -52,7 +52,7 @@ def test_without_a_shared_prefix_the_layout_is_the_prompt_sharing_one():
     a = [5, 6]
     obs, mask = grouped_batch([a, a, a], [[10, 11], [12, 13, 14], [15]], P=2, R=3)
     shared = pack_shared_prompts(obs, mask, 3, share_prefixes=True)
-    assert shared.groups.groups == ((0, 2, (0, 1, 2)),)  # rows by their responses (15 | 10 | 12 13), no links
+    assert shared.groups == ((0, 2, (0, 1, 2)),)  # rows by their responses (15 | 10 | 12 13), no links
     assert shared.targets.take is None and shared.num_tokens == pack_shared_prompts(obs, mask, 3).num_tokens
 
 
@@ -80,16 +80,14 @@ def _prefix_batch(side):
 
 
 @every_model_side_head_and_path
-def test_shared_prefixes_equal_each_sequence_alone(kind, side, fused, path, monkeypatch):
-    batched_calls = _force_path(monkeypatch, path)
+def test_shared_prefixes_equal_each_sequence_alone(kind, side, fused, attn):
     lm = tiny_lm(kind, seed=2)
     obs, mask = _prefix_batch(side)
-    shared = check_against_each_sequence(lm, obs, mask, 6, fused, share_prefixes=True)
+    shared = check_against_each_sequence(lm, obs, mask, 6, fused, attn, share_prefixes=True)
     # fed tokens (each response without its last): group a's x + u[:1] twice, x[:2] + 2, x[:3], x[:2]: 7 distinct,
     # not 19; group b's y[:1] + 3 and y + 1 (none for the others): 7, not 8
     assert pack_shared_prompts(obs, mask, 6).num_tokens - shared.num_tokens == (19 - 7) + (8 - 7)
     assert shared.targets.take is not None and shared.targets.take.numel() == int(mask[:, -6:].sum())
-    assert len(batched_calls) == (lm.config.num_hidden_layers if path == "batched" else 0)
 
 
 def test_policy_model_switch_gives_the_unshared_numbers():

@@ -171,6 +171,18 @@ def _check_device(cfg: Config) -> None:
                           "use trainer.device=auto or cpu")
 
 
+def _check_attention(cfg: Config) -> None:
+    import torch
+
+    from verl_ds.attention_layout import resolve_attn_implementation
+
+    cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    try:
+        resolve_attn_implementation(cfg.model.attn_implementation, "cuda" if cuda else "cpu")
+    except ValueError as exc:
+        raise ConfigError(f"model.attn_implementation: {exc}") from None
+
+
 def is_loopback(host: str) -> bool:
     """True when ``host`` only reaches this machine (127.0.0.0/8, ::1, or a name resolving only there);
     '', '0.0.0.0' and '::' mean every interface."""
@@ -215,6 +227,7 @@ def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
     ``rank`` 0, that its address can be bound). Returns the Derived sizes; raises ConfigError naming the key."""
     derived = validate(cfg, world_size)
     _check_device(cfg)
+    _check_attention(cfg)
     _check_models(cfg)
     _check_data_file("data.train_files", cfg.data.train_files)
     _check_data_file("data.val_files", cfg.data.val_files)

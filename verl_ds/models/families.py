@@ -2,15 +2,15 @@
 model itself (``packing_support``, ``shared_generation_refusal``), so that a family they would get wrong falls back to
 padded batches, plain packing or plain ``generate`` with one log line instead of training on wrong numbers.
 
-Packed rows (``model.remove_padding``) need: attention through ``verl_ds_varlen_sdpa`` (transformers'
-AttentionInterface), every attention call given the sequence bounds, causal attention, no layer mixing tokens outside
-attention (state-space, short-convolution or linear-attention layers carry state from one packed sequence into the
-next), position ids that the model reads (encoder-decoder decoders such as BART's count positions from 0 over the
-whole row), and a chunked-attention chunk no shorter than the longest sequence. Shared prompts
-(``model.share_prompts``) need the shared-prompt layout to reach every attention call (StableLM's and Nemotron's
-decoder layers do not pass keyword arguments on to their attention in transformers 5.24) and a sliding window no
-shorter than the longest prompt + response. Both are checked by one tiny forward of the model itself (a few tokens,
-under ``packed_row_witness``; a collective under ZeRO-3, run alike on every rank). docs/models.md lists the families
+Packed rows (``model.remove_padding``) need: attention through transformers' AttentionInterface (flash-attention's
+varlen path, or ours given the row's layout), causal attention, no layer mixing tokens outside attention
+(state-space, short-convolution or linear-attention layers carry state from one packed sequence into the next),
+position ids that the model reads (encoder-decoder decoders such as BART's count positions from 0 over the whole
+row), and a chunked-attention chunk no shorter than the longest sequence. Shared prompts (``model.share_prompts``)
+need the layout to reach every attention call (StableLM's and Nemotron's decoder layers do not pass keyword arguments
+on to their attention); sliding windows are part of the layout (``verl_ds.attention_layout``, which also picks the
+kernel). Both are checked by one tiny forward of the model itself (a few tokens, under ``packed_row_witness``; a
+collective under ZeRO-3, run alike on every rank). docs/models.md lists the families
 the installed transformers ships and what each gets (tests/models/test_families.py).
 """
 from __future__ import annotations
@@ -23,32 +23,32 @@ from typing import Any, Optional
 import torch
 
 from verl_ds.models.base import unwrap_module
-from verl_ds.models.varlen_attention import family_name, text_config, use_varlen_attention
+from verl_ds.attention_layout import packed_attention
+from verl_ds.models.varlen_attention import family_name, text_config, use_attention
 
-__all__ = ["PackingSupport", "packing_support", "shared_generation_refusal", "sliding_window"]
+__all__ = ["PackingSupport", "packing_support", "shared_generation_refusal"]
 
 
 @dataclass(frozen=True)
 class PackingSupport:
     """The start-up decision for one model: ``packing`` / ``sharing``: None when packed rows / shared prompts are
-    exact for it, else why not (naming the family); sharing is refused whenever packing is."""
+    exact for it, else why not (naming the family); sharing is refused whenever packing is. ``note``: why the packed
+    rows do not run on the implementation asked for (a start-up log line), or None."""
 
     family: str
     packing: Optional[str] = None
     sharing: Optional[str] = None
+    note: Optional[str] = None
 
 
-def sliding_window(model: Any, kind: str = "sliding") -> Optional[int]:
-    """The attention window (``kind="sliding"``) or chunk (``"chunked"``) some layer of ``model`` uses, None when no
-    layer does (a Qwen2 config may name a window it does not use: ``use_sliding_window=false`` or no such layer)."""
+def _attention_chunk(model: Any) -> Optional[int]:
+    """The attention chunk some layer of ``model`` uses (Llama 4's chunked attention), None when no layer does."""
     cfg = text_config(model)
-    size = getattr(cfg, "sliding_window" if kind == "sliding" else "attention_chunk_size", None)
+    size = getattr(cfg, "attention_chunk_size", None)
     if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
         return None
     types = getattr(cfg, "layer_types", None)
-    if isinstance(types, (list, tuple)) and types:
-        return size if any(kind in str(t) for t in types) else None
-    return size if kind == "sliding" and getattr(cfg, "use_sliding_window", True) is not False else None
+    return size if isinstance(types, (list, tuple)) and any("chunked" in str(t) for t in types) else None
 
 
 def _sequence_convolutions(model: Any) -> list[str]:
@@ -210,26 +210,31 @@ _IGNORES_POSITIONS = ("its output does not depend on the position ids it is give
                       "an encoder-decoder's decoder from the row's start)")
 
 
-def packing_support(model: Any, max_length: Optional[int] = None, share: bool = True) -> PackingSupport:
+def packing_support(model: Any, max_length: Optional[int] = None, share: bool = True,
+                    implementation: str = "sdpa") -> PackingSupport:
     """Whether packed rows (and, with ``share``, shared prompts and response prefixes) are exact for ``model`` (a HF
-    causal LM, a CriticLM, or a DeepSpeed engine around one), switched to ``verl_ds_varlen_sdpa`` when packing is;
-    ``max_length``: the longest prompt + response the run will score (for sliding windows and attention chunks;
-    None: not checked here, the attention refuses a longer row). Runs a tiny no-grad forward of the model (on every
-    rank under ZeRO-3); see the module docstring for what is checked."""
+    causal LM, a CriticLM, or a DeepSpeed engine around one), switched to the attention that serves them with the
+    resolved ``implementation`` (``attention_layout.packed_attention``); ``max_length``: the longest prompt +
+    response the run will score (for attention chunks; None: refused where the model has chunks). Runs a tiny
+    no-grad forward of the model (on every rank under ZeRO-3); see the module docstring for what is checked. Where
+    sharing is refused, the model is switched back to the plain-packing attention."""
     from verl_ds.packing import pack
     from verl_ds.prompt_sharing import pack_shared_prompts
 
     family = family_name(model)
     refuse = lambda why: PackingSupport(family, why, why)  # noqa: E731
+    device_type = torch.device(_device(model)).type
+    plain = packed_attention(implementation, False, device_type)
+    name, note = packed_attention(implementation, share, device_type)
     try:
-        use_varlen_attention(model)
+        use_attention(model, name)
     except (TypeError, ValueError) as exc:
         return refuse(f"{family}: {exc}")
     convs = _sequence_convolutions(model)
     if convs:
         return refuse(f"{family}: {convs[0]} convolves over the sequence (a state-space or short-convolution layer): "
                       f"it would run across the packed sequences")
-    chunk = sliding_window(model, "chunked")
+    chunk = _attention_chunk(model)
     if chunk is not None and (max_length is None or chunk < max_length):
         return refuse(f"{family}: chunked attention ({chunk}-token chunks) is not kept per packed sequence; the "
                       f"sequences may be {max_length or 'longer'} tokens")
@@ -243,14 +248,11 @@ def packing_support(model: Any, max_length: Optional[int] = None, share: bool = 
         except Exception as exc:  # noqa: BLE001 - any failure of the probe refuses packing, with its message
             return refuse(f"{family}: a packed probe forward failed ({type(exc).__name__}: {exc})")
         if not share:
-            return PackingSupport(family)
-        window = sliding_window(model)
-        if window is not None and (max_length is None or window < max_length):
-            return PackingSupport(family, None, f"{family}: a sliding window of {window} tokens, shorter than the "
-                                                f"longest prompt + response ({max_length or 'not given'})")
+            return PackingSupport(family, note=note)
         try:
             _forward(model, pack_shared_prompts(obs, mask, R, share_prefixes=True), R)
         except Exception as exc:  # noqa: BLE001
+            use_attention(model, plain[0])
             return PackingSupport(family, None, f"{family}: a shared-prompt probe forward failed "
-                                                f"({type(exc).__name__}: {exc})")
-    return PackingSupport(family)
+                                                f"({type(exc).__name__}: {exc})", plain[1])
+    return PackingSupport(family, note=note)

@@ -3,11 +3,10 @@ entropy) of a causal LM and the response-aligned values of a critic, as (B, R) l
 ``PolicyModel.get_logprob`` / ``ValueModel.get_values``, but computed on the N real tokens only.
 
 The packed row goes in as ``input_ids`` and ``position_ids`` (1, N) with no attention mask and
-``use_cache=False`` (transformers ignores packing when a cache exists), plus ``cu_seq_lens_q/k`` and
-``max_length_q/k`` for flash-attention and ``verl_ds_varlen_sdpa`` (see
+``use_cache=False`` (transformers ignores packing when a cache exists), plus ``Packed.attention_kwargs()``
+(``cu_seq_lens_q/k`` and ``max_length_q/k`` for flash-attention, the row's layout for ours: see
 ``verl_ds.models.varlen_attention`` for how each attention implementation keeps the sequences apart). Every forward
-is witnessed (``packed_row_witness``): an attention call that did not get the sequence bounds or the shared-prompt
-layout, or a layer that mixes tokens outside attention, raises ``PackedRowNotReached`` instead of returning wrong
+on our attention is witnessed (``packed_row_witness``): an attention call that did not get the row's layout, or a layer that mixes tokens outside attention, raises ``PackedRowNotReached`` instead of returning wrong
 numbers.
 
 Response column j of row b (token ``observation[b, T - R + j]``) is predicted by the hidden state of
@@ -156,7 +155,7 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
                                        keep=None if keep_arg else idx.preds, head_kl=head_kl, **chunks)
     else:
         ctx = contextlib.nullcontext()
-    with ctx, packed_row_witness(lm, packed.num_tokens, getattr(packed, "groups", None)):
+    with ctx, packed_row_witness(lm, packed.num_tokens, packed.layout, isinstance(packed, SharedPacked)):
         out = lm(**kwargs)
     logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[0] != 1:
@@ -182,7 +181,7 @@ def packed_values(critic: Any, packed: Packed, response_width: int) -> torch.Ten
     ``ValueModel.get_values``) of a packed batch under ``critic`` (a CriticLM, a DeepSpeed engine around
     one, or a HF token classifier with one label); 0 at padded response positions. Differentiable."""
     idx = response_index(packed, response_width)
-    with packed_row_witness(critic, packed.num_tokens, getattr(packed, "groups", None)):
+    with packed_row_witness(critic, packed.num_tokens, packed.layout, isinstance(packed, SharedPacked)):
         out = critic(**_packed_kwargs(unwrap_module(critic), packed))
     if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
         out = out.logits

@@ -1,0 +1,191 @@
+"""Who may attend to whom in a packed row, one definition for every layout, and which kernel serves it.
+
+A packed row (``verl_ds.packing``, ``verl_ds.prompt_sharing``) is cut into segments: runs of consecutive tokens, each
+token continuing the one before it. Plain packing has one segment per sequence. Shared prompts and shared response
+prefixes make a tree: a prompt is a segment, the own tokens of a response are a segment whose parent holds the token
+they continue (the prompt's last token, or a shared response token held by an earlier row), and a segment is cut after
+every token another segment continues, so that a parent's tokens all lie on the path of each child. Every token has a
+position: its place in its own (prompt + response) sequence. Then one rule covers every layout::
+
+    may_attend(q, kv) = kv <= q                                  (causal in packed order)
+                        and segment(kv) is an ancestor-or-self of segment(q)
+                        and position(q) - position(kv) < window   (sliding-window layers only)
+
+which is exactly each sequence run alone: the tokens on a token's path are its own sequence's earlier tokens, and the
+window counts them in its own positions. ``AttentionLayout`` holds it as per-token tensors (segment, position) and a
+(segments x segments) ancestry table (None for plain packing, where it is the identity); the CPU path evaluates it on
+each block's grid (``dense``), FlexAttention reads it as a ``BlockMask`` (``block_mask``), both built once per
+micro-batch and cached on the layout, which every layer receives.
+
+``model.attn_implementation`` (``resolve_attn_implementation``): ``auto`` is flash_attention_2 on CUDA when flash-attn
+is importable, else flex_attention on CUDA, else sdpa. ``packed_attention`` says which kernel serves the packed rows.
+"""
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+__all__ = ["AttentionLayout", "LAYOUT_KWARG", "usable_implementations",
+           "resolve_attn_implementation", "packed_attention"]
+
+LAYOUT_KWARG = "verl_ds_attention_layout"  # the forward keyword that carries a row's layout to every attention call
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionLayout:
+    """The segments of a packed row of ``starts[-1]`` tokens (see the module docstring): ``starts``: each segment's
+    first token, ascending, then the row's end; ``parents``: each segment's parent (-1: a root, a sequence's start);
+    ``first_pos``: the position of each segment's first token. Device tensors and masks are built on first use.
+
+    An object, not a tuple: DeepSpeed's ZeRO-3 module hooks walk every tuple and list in a forward's arguments."""
+
+    starts: tuple
+    parents: tuple
+    first_pos: tuple
+    device: torch.device | str = "cpu"
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_runs(cls, runs, device="cpu") -> "AttentionLayout":
+        """From ``runs``: (start, length, parent token or -1, first position) of each run of consecutive tokens that
+        continue each other, in packed order, covering the row (empty runs skipped). A run's parent token must lie
+        in an earlier run of the same tree (the rows of one group are contiguous)."""
+        runs = [r for r in runs if r[1] > 0]
+        if not runs:
+            raise ValueError("AttentionLayout: a packed row needs at least one token")
+        end = runs[-1][0] + runs[-1][1]
+        opens = {start: (parent, pos) for start, _, parent, pos in runs}
+        cuts = set(opens) | {parent + 1 for _, _, parent, _ in runs if parent >= 0}
+        starts = sorted(c for c in cuts if c < end)
+        parents, first_pos = [], []
+        for s, start in enumerate(starts):
+            if start in opens:
+                parent, pos = opens[start]
+                parents.append(bisect.bisect_right(starts, parent) - 1 if parent >= 0 else -1)
+                first_pos.append(pos)
+            else:  # a cut inside a run: its tokens continue the previous segment's last one
+                parents.append(s - 1)
+                first_pos.append(first_pos[-1] + start - starts[s - 1])
+            if parents[-1] >= s:
+                raise ValueError(f"AttentionLayout: the run at token {start} continues token {opens[start][0]}, "
+                                 f"which is not before it")
+        layout = cls(starts=tuple(starts) + (end,), parents=tuple(parents), first_pos=tuple(first_pos), device=device)
+        layout.trees  # noqa: B018 - refuses a tree that is not contiguous now, not in the first layer
+        return layout
+
+    @classmethod
+    def sequences(cls, lengths, device="cpu") -> "AttentionLayout":
+        """Plain packing: one root segment per sequence of ``lengths`` tokens (positions from 0)."""
+        starts = [0, *itertools.accumulate(int(n) for n in lengths)]
+        return cls.from_runs([(s, e - s, -1, 0) for s, e in zip(starts, starts[1:])], device)
+
+    @functools.cached_property
+    def trees(self) -> tuple:
+        """(start, end, segments) of each tree (a root and its descendants), in packed order."""
+        out, roots = [], [s for s, p in enumerate(self.parents) if p < 0]
+        for i, root in enumerate(roots):
+            last = roots[i + 1] if i + 1 < len(roots) else len(self.parents)
+            if any(not root <= self.parents[s] < last for s in range(root + 1, last)):
+                raise ValueError(f"AttentionLayout: the tree from token {self.starts[root]} is not contiguous")
+            out.append((self.starts[root], self.starts[last], last - root))
+        return tuple(out)
+
+    @functools.cached_property
+    def tensors(self) -> tuple:
+        """(segment (N,), position (N,), ancestry (S, S) bool or None) on ``device``: ancestry[s, u] when u is s or
+        one of its ancestors."""
+        starts = torch.tensor(self.starts)
+        lengths = starts[1:] - starts[:-1]
+        seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+        pos = torch.tensor(self.first_pos)[seg] + torch.arange(seg.numel()) - starts[:-1][seg]
+        anc = None
+        if any(p >= 0 for p in self.parents):  # else plain packing: the identity
+            S = len(self.parents)
+            anc = torch.eye(S, dtype=torch.bool)
+            for s, p in enumerate(self.parents):  # parents come first: their rows are complete
+                if p >= 0:
+                    anc[s] |= anc[p]
+            anc = anc.to(self.device)
+        return seg.to(self.device), pos.to(self.device), anc
+
+    def may_attend(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+        """The rule of the module docstring for broadcastable packed indices (also FlexAttention's mask_mod body)."""
+        seg, pos, anc = self.tensors
+        related = seg[q_idx] == seg[kv_idx] if anc is None else anc[seg[q_idx], seg[kv_idx]]
+        ok = (kv_idx <= q_idx) & related
+        if window:
+            ok = ok & (pos[q_idx] - pos[kv_idx] < window)
+        return ok
+
+    def dense(self, start: int, end: int, window: Optional[int] = None) -> torch.Tensor:
+        """``may_attend`` on the grid of tokens [start, end): (end - start, end - start) bool, cached."""
+        key = ("dense", start, end, window)
+        if key not in self._cache:
+            idx = torch.arange(start, end, device=self.device)
+            self._cache[key] = self.may_attend(idx[:, None], idx[None, :], window)
+        return self._cache[key]
+
+    def block_mask(self, window: Optional[int] = None):
+        """FlexAttention's ``BlockMask`` of ``may_attend`` over the whole row, cached (one per window)."""
+        key = ("block", window)
+        if key not in self._cache:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            n = self.starts[-1]
+            # compiled on CUDA: the mask is built block by block, never as an (N, N) tensor
+            self._cache[key] = create_block_mask(lambda b, h, q, kv: self.may_attend(q, kv, window), None, None, n, n,
+                                                 device=self.device, _compile=torch.device(self.device).type == "cuda")
+        return self._cache[key]
+
+
+
+def usable_implementations(device_type: str) -> dict:
+    """Each explicit ``model.attn_implementation`` -> None when it can train on ``device_type`` here, else why not."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    cuda = device_type == "cuda"
+    return {"sdpa": None, "eager": None,
+            # torch 2.13: "FlexAttention does not support backward on CPU"
+            "flex_attention": None if cuda else "no backward on the CPU (torch's FlexAttention)",
+            "flash_attention_2": None if cuda and is_flash_attn_2_available() else (
+                "the flash-attn package is not installed" if cuda else "needs CUDA"),
+            "flash_attention_3": None if cuda and is_flash_attn_3_available() else (
+                "flash-attn 3 (flash_attn_interface) is not installed" if cuda else "needs CUDA")}
+
+
+def resolve_attn_implementation(name: str, device_type: str) -> str:
+    """``model.attn_implementation`` -> the implementation to use on ``device_type``: ``auto`` is flash_attention_2
+    on CUDA with flash-attn installed, else flex_attention on CUDA, else sdpa; an explicit name must be usable
+    (ValueError naming what is usable otherwise)."""
+    usable = usable_implementations(device_type)
+    if name == "auto":
+        return next(n for n in ("flash_attention_2", "flex_attention", "sdpa") if usable[n] is None)
+    ok = ", ".join(["auto"] + [n for n, why in usable.items() if why is None])
+    if name not in usable:
+        raise ValueError(f"{name!r} is not an attention implementation verl_ds can train with; usable on "
+                         f"{device_type}: {ok}")
+    if usable[name] is not None:
+        raise ValueError(f"{name!r} cannot train on {device_type}: {usable[name]}; usable here: {ok}")
+    return name
+
+
+def packed_attention(implementation: str, shared: bool, device_type: str) -> tuple:
+    """(attention the model is switched to for packed rows, a start-up note or None) for a resolved implementation:
+    flash-attention serves plain packed rows natively (transformers' varlen path on ``cu_seq_lens_q/k``) but not a
+    tree of shared prompts / prefixes, which FlexAttention serves; flex_attention serves every layout; sdpa and eager
+    (no packed-row kernel of its own) serve every layout with sdpa one tree at a time, a slow path on a GPU."""
+    if implementation.startswith("flash_attention"):
+        if not shared:
+            return implementation, None
+        return "verl_ds_varlen_flex", (f"{implementation} cannot serve shared prompts / response prefixes (a tree "
+                                       f"mask): flex_attention serves the packed rows")
+    if implementation == "flex_attention":
+        return "verl_ds_varlen_flex", None
+    note = None if device_type != "cuda" else (f"{implementation}: packed rows take one sdpa call per sequence or "
+                                               f"prompt group per layer, slow on a GPU (flex_attention: one call)")
+    return "verl_ds_varlen_sdpa", note
