@@ -123,10 +123,11 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
     import torch
 
     from verl_ds.attention_layout import resolve_attn_implementation
-    from verl_ds.models.families import _device, packing_support
+    from verl_ds.hf_module import device_of
+    from verl_ds.models.families import packing_support
     from verl_ds.models.varlen_attention import use_attention
 
-    device_type = torch.device(_device(next(iter(engines.values())))).type
+    device_type = torch.device(device_of(next(iter(engines.values())))).type
     implementation = resolve_attn_implementation(cfg.model.attn_implementation, device_type)
     if not cfg.model.remove_padding:
         for e in engines.values():

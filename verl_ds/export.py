@@ -184,13 +184,43 @@ EXPORT_FORMATS = ("merged", "adapter")
 def export_actor(engine_module, tokenizer, directory: str, fmt: str = "merged",
                  base_model_path: Optional[str] = None) -> str:
     """The trained actor per ``trainer.export_format``: ``merged`` (``export_hf``: a plain HF model; a LoRA actor
-    with its adapters folded in) or ``adapter`` (``verl_ds.engines.lora.export_adapter``: peft's adapter files
+    with its adapters folded in) or ``adapter`` (``export_adapter``: peft's adapter files
     recording ``base_model_path`` as the base, or with the base written to ``directory/base`` when it is None).
     Every rank must call it; returns ``directory``."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format: expected one of {EXPORT_FORMATS}, got {fmt!r}")
     if fmt == "adapter":
-        from verl_ds.engines.lora import export_adapter
-
         return export_adapter(engine_module, tokenizer, directory, base_model_path=base_model_path)
     return export_hf(engine_module, tokenizer, directory)
+
+
+def export_adapter(engine_module, tokenizer, directory: str, base_model_path: Optional[str] = None) -> str:
+    """Write the adapters of ``engine_module`` (a peft model or an engine around one) in peft's format to
+    ``directory`` (every rank calls it; rank 0 writes). ``base_model_path`` is recorded as the base in
+    ``adapter_config.json``; without one (a model built from a config) the frozen base is also written in HF
+    format to ``directory/base`` and recorded instead, so ``PeftModel.from_pretrained(base, directory)`` works."""
+    from safetensors.torch import save_file
+
+    from verl_ds.engines.lora import ADAPTER_NAME, adapter_state_dict, adapters_off, is_peft_model
+
+    module = getattr(engine_module, "module", engine_module)
+    if not is_peft_model(module):
+        raise TypeError(f"export_adapter: the model has no LoRA adapters ({type(module).__name__}); "
+                        "use trainer.export_format=merged")
+    if base_model_path is None:
+        base_dir = os.path.join(directory, "base")
+        with adapters_off(module):  # the merged weights of a model with its adapters off: the base's
+            export_hf(module, tokenizer, base_dir)
+        base_model_path = os.path.abspath(base_dir)
+    sd = adapter_state_dict(module)
+    if vdist.rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        config = copy.copy(module.peft_config[ADAPTER_NAME])
+        config.base_model_name_or_path = base_model_path
+        config.save_pretrained(directory)
+        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(directory, "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    vdist.barrier()
+    return directory

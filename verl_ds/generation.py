@@ -39,19 +39,21 @@ first tokens, short answers often entirely).
 
 Both copy and re-index a key/value cache row by row; a model whose cache also holds state-space, convolution or
 linear-attention state (LFM2, Falcon-H1, Qwen3-Next, ...) gets plain ``generate`` instead, decided when the engine is
-built, with a log line (``verl_ds.models.families.shared_generation_refusal``).
+built, with a log line (``shared_generation_refusal``).
 """
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from verl_ds.batch import RolloutBatch
-from verl_ds.models.base import forward_params
+from verl_ds.hf_module import (IGNORES_POSITIONS, device_of, family_name, forward_params, probe_batch, probing,
+                                reads_positions, sequence_convolutions, unwrap_module, vocab_size)
 from verl_ds.rows import position_ids_from_mask, prompt_groups
 from verl_ds.sampling_config import only_this_generation_config, rollout_generation_config
 
@@ -106,8 +108,6 @@ class HFRolloutEngine:
         self.pad_token_id, self.eos_token_id, self.bos_token_id = pad_token_id, eos_token_id, bos_token_id
         self.gather_params = gather_params
         if share_prefill:  # decided once, at start-up: hybrid models' caches do not follow rows (LFM2, Falcon-H1)
-            from verl_ds.models.families import shared_generation_refusal
-
             why = shared_generation_refusal(self.lm)
             if why is not None:
                 log.warning("rollout.share_prefill: %s; plain generate is used", why)
@@ -303,3 +303,83 @@ def sample_like_generate(logits: torch.Tensor, input_ids: torch.Tensor, stats: S
     for warp in warpers:
         scores = warp(input_ids, scores)
     return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+
+
+_GENERATION_DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF module -> refusal or None
+
+
+def shared_generation_refusal(model: Any) -> Optional[str]:
+    """``_shared_generation_refusal`` once per model (every engine built on it after the first reuses the decision)."""
+    inner = unwrap_module(model)
+    if inner not in _GENERATION_DECISIONS:
+        _GENERATION_DECISIONS[inner] = _shared_generation_refusal(model)
+    return _GENERATION_DECISIONS[inner]
+
+
+def _shared_generation_refusal(model: Any) -> Optional[str]:
+    """Why shared prefill / shared decoding (``verl_ds.generation``) cannot run on ``model``, None when they can: they
+    copy and re-index a key/value cache row by row, which a hybrid model's state-space, convolution or linear-attention
+    state does not follow (LFM2, Falcon-H1, Qwen3-Next, ...), and give each row its own positions, which a model
+    counting positions itself (BART's decoder) does not read. Runs a tiny no-grad forward (on every rank under
+    ZeRO-3)."""
+    family = family_name(model)
+    convs = sequence_convolutions(model)
+    if convs:
+        return f"{family} has layers that carry a state along the sequence ({convs[0]}), not only a key/value cache"
+    try:
+        with probing(model):
+            reads = reads_positions(model, probe_batch(vocab_size(model), device_of(model))[0][:1, :3])
+    except Exception as exc:  # noqa: BLE001
+        return f"{family}: a probe forward failed ({type(exc).__name__}: {exc})"
+    finally:
+        if callable(getattr(model, "empty_partition_cache", None)):
+            model.empty_partition_cache()  # ZeRO-3 keeps the layers gathered after a direct module call
+    if not reads:  # shared decoding gives each row the positions of its own prompt + response
+        return f"{family}: {IGNORES_POSITIONS}"
+    try:
+        with probing(model):
+            _shared_generation_runs(model)
+    except Exception as exc:  # noqa: BLE001
+        return f"{family}: a shared-generation probe failed ({type(exc).__name__}: {exc})"
+    finally:
+        if callable(getattr(model, "empty_partition_cache", None)):
+            model.empty_partition_cache()
+    try:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+        layers = DynamicCache(config=unwrap_module(model).config).layers
+    except Exception as exc:  # a config transformers cannot build a cache for: no rows to share
+        return f"{family}: no key/value cache can be built from its config ({type(exc).__name__}: {exc})"
+    for layer in layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            return f"{family} has linear-attention or state-space layers ({type(layer).__name__} in its cache)"
+        if not isinstance(layer, DynamicLayer) and not callable(getattr(layer, "batch_select_indices", None)):
+            return f"{family}: its cache layer {type(layer).__name__} cannot select rows"
+    return None
+
+
+def _shared_generation_runs(model: Any) -> None:
+    """Run the shared prefill on three rows (two the same prompt, one left-padded), then ``generate`` from it and
+    ``decode_distinct`` from it, two tokens each: raises where a family's cache cannot be shared (DeepSeek-V4's).
+    Only that it runs: the structural checks and tests/models/test_families.py say whether it draws what generate
+    draws (a token comparison here would flip on near ties in bf16)."""
+    from transformers import GenerationConfig
+
+    inner = unwrap_module(model)
+    obs, mask, _ = probe_batch(vocab_size(model), device_of(model))
+    ids, mask = obs[1:, :3], mask[1:, :3].long()  # prompt a twice (no pad), prompt b (one pad)
+    ids, mask = torch.cat([ids[:1], ids], 0), torch.cat([mask[:1], mask], 0)
+    # an end id outside the vocabulary: no row ends
+    config = GenerationConfig(do_sample=False, max_new_tokens=1, num_beams=1, pad_token_id=0,
+                              eos_token_id=vocab_size(model), use_cache=True)
+    for expand in (True, False):
+        pre = shared_prefill(inner, ids, mask, expand=expand)
+        if pre is None:  # no cache to share: the engine runs plain generate for it anyway
+            continue
+        first = pre.logits.argmax(-1)
+        ids1, mask1 = torch.cat([ids, first[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+        if expand:
+            inner.generate(input_ids=ids1, attention_mask=mask1, generation_config=config, **pre.cache)
+        else:
+            decode_distinct(inner, pre, ids1, mask1, SampledTokenStats(1.0), config)

@@ -12,6 +12,7 @@ pytest.importorskip("peft")
 from verl_ds.config import ConfigError, load_config  # noqa: E402
 from verl_ds.engines import lora  # noqa: E402
 from verl_ds.engines.hf_weights import weight_groups  # noqa: E402
+from verl_ds.export import export_adapter  # noqa: E402
 
 VOCAB = 40
 
@@ -238,7 +239,7 @@ def test_export_adapter_with_and_without_a_base_path(tmp_path):
     with torch.no_grad():
         want = model(input_ids=x).logits
     # a model built from config: its frozen base is written beside the adapters
-    out = lora.export_adapter(model, None, str(tmp_path / "adapter"))
+    out = export_adapter(model, None, str(tmp_path / "adapter"))
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["r"] == 2 and cfg["base_model_name_or_path"] == os.path.abspath(os.path.join(out, "base"))
     from transformers import AutoModelForCausalLM
@@ -248,11 +249,11 @@ def test_export_adapter_with_and_without_a_base_path(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, want, rtol=1e-6, atol=1e-6)
     # a base on disk: recorded, not copied
-    out2 = lora.export_adapter(model, None, str(tmp_path / "adapter2"), base_model_path="/models/base")
+    out2 = export_adapter(model, None, str(tmp_path / "adapter2"), base_model_path="/models/base")
     assert not os.path.exists(os.path.join(out2, "base"))
     assert json.load(open(os.path.join(out2, "adapter_config.json")))["base_model_name_or_path"] == "/models/base"
     with pytest.raises(TypeError, match="no LoRA adapters"):
-        lora.export_adapter(tiny_llama(), None, str(tmp_path / "x"))
+        export_adapter(tiny_llama(), None, str(tmp_path / "x"))
 
 
 def test_export_actor_dispatches_on_the_format(tmp_path):

@@ -19,7 +19,7 @@ from verl_ds.builder import build
 from verl_ds.config import load_config, validate
 from verl_ds.engines import lora
 from verl_ds.engines.build import build_actor_model, load_tokenizer
-from verl_ds.export import export_hf
+from verl_ds.export import export_adapter, export_hf
 from verl_ds.models import ReferenceModel
 from verl_ds.models.policy import AdaptersOffReferenceModel
 
@@ -103,7 +103,7 @@ for stage in stages:
     r["per_token_gen_equal"] = bool(torch.equal(again, action))
     # exports from the engine: merged (a plain HF model) and adapter (peft on the exported base)
     path = os.path.join(out_dir, f"adapter_{stage}")
-    lora.export_adapter(actor, tok, path)
+    export_adapter(actor, tok, path)
     export_hf(actor, tok, os.path.join(out_dir, f"merged_{stage}"))
     if rank == 0:
         from peft import PeftModel

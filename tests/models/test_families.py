@@ -15,7 +15,8 @@ from families_testutil import tiny_family_lm
 from packing_testutil import per_sequence_reference
 from verl_ds.generation import HFRolloutEngine
 from verl_ds.models import PolicyModel
-from verl_ds.models.families import packing_support, shared_generation_refusal
+from verl_ds.generation import shared_generation_refusal
+from verl_ds.models.families import packing_support
 from verl_ds.models.packed_forward import packed_logprobs
 from verl_ds.models.varlen_attention import PackedRowNotReached, use_varlen_attention
 from verl_ds.packing import pack

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from verl_ds.generation import HFRolloutEngine, shared_prefill
-from verl_ds.models.families import shared_generation_refusal
+from verl_ds.generation import shared_generation_refusal
 from verl_ds.tasks import parity
 from verl_ds.tokenizer import build_tokenizer
 

@@ -12,15 +12,13 @@ its value head always trains.
   seed: the global RNG is untouched).
 - the generation replica and the merged HF export read the base model's weights with each LoRA layer's
   merged (W + B A * alpha / r) while it is gathered: ``verl_ds.engines.hf_weights``.
-- ``export_adapter``: the adapters in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``),
+- the adapters in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``; ``verl_ds.export.export_adapter``),
   loadable with ``PeftModel.from_pretrained(base, directory)``.
 """
 from __future__ import annotations
 
-import copy
 import difflib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -235,36 +233,3 @@ def adapter_state_dict(peft_model) -> dict:
         with gathered([param]):
             sd[name] = param.detach().to("cpu").clone()
     return get_peft_model_state_dict(peft_model, state_dict=sd, save_embedding_layers=False)
-
-
-def export_adapter(engine_module, tokenizer, directory: str, base_model_path: Optional[str] = None) -> str:
-    """Write the adapters of ``engine_module`` (a peft model or an engine around one) in peft's format to
-    ``directory`` (every rank calls it; rank 0 writes). ``base_model_path`` is recorded as the base in
-    ``adapter_config.json``; without one (a model built from a config) the frozen base is also written in HF
-    format to ``directory/base`` and recorded instead, so ``PeftModel.from_pretrained(base, directory)`` works."""
-    from safetensors.torch import save_file
-
-    from verl_ds import dist as vdist
-    from verl_ds.export import export_hf
-
-    module = getattr(engine_module, "module", engine_module)
-    if not is_peft_model(module):
-        raise TypeError(f"export_adapter: the model has no LoRA adapters ({type(module).__name__}); "
-                        "use trainer.export_format=merged")
-    if base_model_path is None:
-        base_dir = os.path.join(directory, "base")
-        with adapters_off(module):  # the merged weights of a model with its adapters off: the base's
-            export_hf(module, tokenizer, base_dir)
-        base_model_path = os.path.abspath(base_dir)
-    sd = adapter_state_dict(module)
-    if vdist.rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        config = copy.copy(module.peft_config[ADAPTER_NAME])
-        config.base_model_name_or_path = base_model_path
-        config.save_pretrained(directory)
-        save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(directory, "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(directory)
-    vdist.barrier()
-    return directory

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 import torch.nn as nn
 
+from verl_ds.hf_module import forward_params, unwrap_module  # noqa: F401 (this module's API too)
 from verl_ds.registry import register_model_class
 from verl_ds.state import SharedState
 
@@ -48,26 +48,6 @@ def _is_abstract(cls: type) -> bool:
         names |= set(getattr(base, "__abstractmethods__", ()))
     names |= {n for n, v in vars(cls).items() if getattr(v, "__isabstractmethod__", False)}
     return any(getattr(getattr(cls, n, None), "__isabstractmethod__", False) for n in names)
-
-
-def unwrap_module(m: Any) -> Any:
-    """The innermost model under DeepSpeed/DDP wrappers (their ``.module``), else ``m``."""
-    seen = 0
-    while isinstance(m, nn.Module) and hasattr(m, "module") and isinstance(m.module, nn.Module) and seen < 4:
-        m, seen = m.module, seen + 1
-    return m
-
-
-def forward_params(module: Any) -> set[str]:
-    """Parameter names of a HF model's forward (a peft model's: its base model's, which receives the keywords);
-    empty when the signature cannot be read."""
-    if callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config"):
-        module = module.get_base_model()  # a peft model passes keyword arguments on to its base model's forward
-    fwd = getattr(module, "forward", module)
-    try:
-        return set(inspect.signature(fwd).parameters)
-    except (TypeError, ValueError):
-        return set()
 
 
 def left_align_prompts(observation: torch.Tensor, mask: torch.Tensor,

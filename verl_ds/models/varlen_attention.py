@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verl_ds.attention_layout import LAYOUT_KWARG, AttentionLayout
-from verl_ds.models.base import unwrap_module
+from verl_ds.hf_module import config_of, family_name, text_config, unwrap_module
 
 __all__ = ["VARLEN_ATTENTION", "FLEX_ATTENTION", "varlen_sdpa_attention", "varlen_flex_attention",
            "register_varlen_attention", "use_attention", "use_varlen_attention", "PackedRowNotReached",
@@ -65,22 +65,6 @@ class _Witness:
 _WITNESS: contextvars.ContextVar = contextvars.ContextVar("verl_ds_packed_row_witness", default=None)
 
 
-def _config(model: Any):
-    inner = unwrap_module(model)
-    return getattr(inner, "config", None) or getattr(getattr(inner, "backbone", None), "config", None)
-
-
-def family_name(model: Any) -> str:
-    """``model_type (ClassName)`` of a HF model (or a DeepSpeed engine / CriticLM around one), for messages."""
-    return f"{getattr(_config(model), 'model_type', None) or '?'} ({type(unwrap_module(model)).__name__})"
-
-
-def text_config(model: Any):
-    """The text part of ``model``'s config (a multimodal config's language model's, else the config itself)."""
-    cfg = _config(model)
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 @contextlib.contextmanager
 def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared: bool = False):
     """Around one forward of ``model`` over a packed row of ``tokens`` tokens with ``layout`` (``shared``: its prompts
@@ -88,7 +72,7 @@ def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared:
     layers drop it on the way), be causal, and come at least once per decoder layer (fewer: other layers mix tokens
     across the packed sequences); else ``PackedRowNotReached`` names the family, after the forward. Plain packing on
     flash-attention is not witnessed: transformers keeps those rows apart by ``cu_seq_lens``."""
-    if not shared and getattr(_config(model), "_attn_implementation", None) not in _OURS:
+    if not shared and getattr(config_of(model), "_attn_implementation", None) not in _OURS:
         yield None  # plain packing on transformers' flash varlen path
         return
     witness = _Witness(tokens, layout, shared)
