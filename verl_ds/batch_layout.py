@@ -79,14 +79,6 @@ class BatchValidationError(ValueError):
         super().__init__(f"RolloutBatch.{field}: {message}")
 
 
-def _canonical(name: str) -> str:
-    name = ALIASES.get(name, name)
-    if name not in FIELDS:
-        raise AttributeError(f"RolloutBatch has no field {name!r}{close_hint(name)} Fields: {list(FIELDS)} "
-                             "(per-sample non-tensor data goes in batch.extras)")
-    return name
-
-
 def close_hint(name: str) -> str:
     """"; did you mean ...?" naming the fields (or aliases) close to an unknown ``name``, or ""."""
     close = difflib.get_close_matches(name, FIELDS + tuple(ALIASES), n=3, cutoff=0.6)

@@ -56,14 +56,20 @@ def check_lists(who: str, prompts, responses) -> None:
 
 def reference_answers(who: str, responses, batch) -> list:
     """``batch.extras["answer"]``, one per response; ValueError naming what is missing."""
+    return extras_field(who, responses, batch, "answer", "answers")
+
+
+def extras_field(who: str, responses, batch, field: str, noun: str) -> list:
+    """``batch.extras[field]`` (a data set field passed through), one per response; ValueError naming what is
+    missing or how many there are (``noun``: what the values are called in that message)."""
     extras = getattr(batch, "extras", None) or {}
-    if "answer" not in extras:
-        raise ValueError(f"{who}: needs the data set's 'answer' field passed through (batch.extras['answer']); "
+    if field not in extras:
+        raise ValueError(f"{who}: needs the data set's {field!r} field passed through (batch.extras[{field!r}]); "
                          f"extras has {sorted(extras)}")
-    answers = extras["answer"]
-    if len(answers) != len(responses):
-        raise ValueError(f"{who}: got {len(answers)} answers for {len(responses)} responses")
-    return list(answers)
+    values = extras[field]
+    if len(values) != len(responses):
+        raise ValueError(f"{who}: got {len(values)} {noun} for {len(responses)} responses")
+    return list(values)
 
 
 def _gold_text(answer) -> str:

@@ -27,7 +27,7 @@ def test_scores_against_the_rows_tests(tmp_path):
 
 
 def test_missing_tests_are_named():
-    with pytest.raises(ValueError, match="the data set has no 'tests' field"):
+    with pytest.raises(ValueError, match="code_tests: needs the data set's 'tests' field passed through"):
         code_tests_reward([""], [GOOD], RewardBatch({"answer": ["5"]}))
-    with pytest.raises(ValueError, match="2 rows of tests for 1 responses"):
+    with pytest.raises(ValueError, match="code_tests: got 2 rows of tests for 1 responses"):
         code_tests_reward([""], [GOOD], RewardBatch({"tests": ["", ""]}))

@@ -12,6 +12,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from verl_ds.agent.sandbox import SandboxLimits, run_python
+from verl_ds.verifiable import extras_field
 
 __all__ = ["code_tests_reward", "last_code_block"]
 
@@ -34,12 +35,6 @@ def _score(code: str | None, tests) -> float:
 
 def code_tests_reward(prompts: list, responses: list, batch) -> list[float]:
     """One float per response: 1.0 if its last code block passes the row's ``tests`` (batch.extras)."""
-    extras = getattr(batch, "extras", None) or {}
-    if "tests" not in extras:
-        raise ValueError(f"code_tests reward: the data set has no 'tests' field (fields: {sorted(extras)}); each row "
-                         f"needs the Python statements (asserts) that check its answer")
-    tests = extras["tests"]
-    if len(tests) != len(responses):
-        raise ValueError(f"code_tests reward: {len(tests)} rows of tests for {len(responses)} responses")
+    tests = extras_field("code_tests", responses, batch, "tests", "rows of tests")
     with ThreadPoolExecutor(max_workers=max(1, min(len(responses), os.cpu_count() or 1))) as pool:
         return list(pool.map(_score, map(last_code_block, responses), tests))
