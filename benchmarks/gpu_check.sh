@@ -5,7 +5,7 @@
 #       bf16 cases), then benchmarks/kernel_speed.py at its default (large) shapes, forward and forward+backward;
 #   (b) benchmarks/gpu_attention_check.py: plain packing, shared prompts and shared prefixes in bf16 against each
 #       sequence run alone with sdpa, for model.attn_implementation flash_attention_2 (when flash_attn imports),
-#       flex_attention and auto, against the per-sequence loop (verl_ds_varlen_sdpa);
+#       flex_attention and auto, against the per-sequence loop (model.attn_implementation=sdpa);
 #   (c) benchmarks/gpu_grpo_check.py: 3 GRPO steps of a ~0.5B Qwen2 built from config (packing, shared prompts)
 #       through launch/train.py, with the loop and with auto: tokens/s, peak memory, the step-time ratio.
 # Last line: gpu_check attention_step_ratio=<auto / loop s/step> tokens_per_s=<auto's> peak_mem_gib=<auto's>

@@ -37,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # verl_ds from this checkout
 
-LOOP = "verl_ds_varlen_sdpa"  # today's per-sequence sdpa loop (verl_ds.models.varlen_attention)
+LOOP = "sdpa"  # packed rows then run one sdpa call per sequence or prompt group per layer (attention_layout.packed_attention)
 SHAPES = {  # model.* keys; prompts: context digits of the parity prompts; job: per step
     "0.5b": {"model": dict(hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
                            max_position_embeddings=1024),

@@ -62,7 +62,9 @@ def test_attention_check_machinery_against_the_per_sequence_loop():
     size = mod.SIZES["tiny"]
     model, support = mod.build(None, size, "fp32", "cpu", 512, 32, 0.2)
     assert support.packing is None and support.sharing is None
-    assert model.config._attn_implementation == mod.LOOP
+    from verl_ds.attention_layout import packed_attention
+
+    assert model.config._attn_implementation == packed_attention(mod.LOOP, True, "cpu")[0]
     ref = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="sdpa")
     ref.load_state_dict(model.state_dict())
     for layout in mod.LAYOUTS:
@@ -72,7 +74,9 @@ def test_attention_check_machinery_against_the_per_sequence_loop():
         if layout == "shared_prefixes":
             assert pack_shared_prompts(obs, mask, R, share_prefixes=True).targets.take is not None
         assert mod.time_step(model, obs, mask, R, layout, reps=1) > 0
-    assert model.config._attn_implementation == mod.LOOP  # the reference's build left the checked model alone
+    from verl_ds.attention_layout import packed_attention
+
+    assert model.config._attn_implementation == packed_attention(mod.LOOP, True, "cpu")[0]  # the reference's build left the checked model alone
     obs, mask, R = mod.make_batch(size, 512, "cpu", False)
     real = mask[:, -R:]
     with torch.no_grad():
@@ -95,7 +99,7 @@ def test_attention_check_command_line_on_cpu(tmp_path):
     assert proc.returncode == 0, text
     assert re.search(r"^gpu_attention_check ok=1 ", proc.stdout.splitlines()[-1]), text
     rows = json.loads(out.read_text())["rows"]
-    assert {(r["impl"], r["layout"]) for r in rows} == {(i, lay) for i in ("verl_ds_varlen_sdpa", "auto")
+    assert {(r["impl"], r["layout"]) for r in rows} == {(i, lay) for i in ("sdpa", "auto")
                                                       for lay in ("plain", "shared_prompts")}
 
 
@@ -113,7 +117,7 @@ def test_grpo_check_command_line_on_cpu(tmp_path):
                         proc.stdout.splitlines()[-1])
     assert last and all(float(x) > 0 for x in last.groups()), text
     runs = json.loads((tmp_path / "grpo_check.json").read_text())["runs"]
-    assert set(runs) == {"verl_ds_varlen_sdpa", "auto"} and all(len(r["steps"]) == 3 for r in runs.values())
+    assert set(runs) == {"sdpa", "auto"} and all(len(r["steps"]) == 3 for r in runs.values())
 
 
 def test_grpo_check_refuses_a_name_or_a_missing_key_before_running(tmp_path):
