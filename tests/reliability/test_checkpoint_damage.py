@@ -41,6 +41,15 @@ def big_run(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def big_edges_run(tmp_path_factory):
+    """big_run saved with edge digests only (the default): a resume checks each file's first and last MiB."""
+    out = str(tmp_path_factory.mktemp("big_edges") / "run")
+    run_train(out, [*COMMON[:-1], "trainer.checkpoint_digest=edges", *BIG, "trainer.total_steps=4",
+                    "trainer.save_every=2", "trainer.keep_last=3"])
+    return out
+
+
 def _ckpt(out: str, step: int) -> str:
     return os.path.join(out, "checkpoints", f"global_step_{step}")
 
@@ -189,15 +198,17 @@ def test_damage_found_by_full_verification_falls_back_to_the_previous_checkpoint
     assert sorted(_step_rows(out)) == [1, 2, 3, 4, 5]
 
 
-def test_nans_in_the_middle_of_a_shard_fall_back_and_sampling_recovers(big_run, tmp_path):
-    """16 NaNs in the middle of the actor's optimizer shard pass the edge digests; the resumed run goes non-finite,
-    falls back once to step 2, and the generation replica takes the restored weights: steps 3-8 train finitely
-    (it used to sample from the NaN weights until max_bad_steps stopped the job)."""
-    out = copy_run(big_run, str(tmp_path / "run"))
+def test_nans_in_the_middle_of_a_shard_fall_back_and_sampling_recovers(big_edges_run, tmp_path):
+    """16 NaNs in the middle of the actor's optimizer shard pass the edge digests (a checkpoint saved with
+    trainer.checkpoint_digest=edges is verified by its edges); the resumed run goes non-finite, falls back once to
+    step 2, and the generation replica takes the restored weights: steps 3-8 train finitely (it used to sample from
+    the NaN weights until max_bad_steps stopped the job)."""
+    out = copy_run(big_edges_run, str(tmp_path / "run"))
     shard = optim_shard(_ckpt(out, 4))
     nan_in_the_middle(shard, 16)
     assert verify(_ckpt(out, 4), "edges") is None
-    proc = run_train(out, [*COMMON, *BIG, "trainer.total_steps=8", "trainer.max_bad_steps=2"], check=False)
+    proc = run_train(out, [*COMMON[:-1], "trainer.checkpoint_digest=edges", *BIG, "trainer.total_steps=8",
+                           "trainer.max_bad_steps=2"], check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert log.count("falling back once to the previous complete checkpoint") == 1
