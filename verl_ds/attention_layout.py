@@ -143,7 +143,6 @@ class AttentionLayout:
         return self._cache[key]
 
 
-
 def usable_implementations(device_type: str) -> dict:
     """Each explicit ``model.attn_implementation`` -> None when it can train on ``device_type`` here, else why not."""
     from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available

@@ -63,6 +63,19 @@ def test_a_merge_across_the_turn_boundary_is_reported():
     assert chat.incremental(msgs)[:len(prompt)] == prompt  # the ids the model was given stay its ids
 
 
+def test_a_template_that_renders_earlier_turns_differently_once_messages_follow_is_refused():
+    # an assistant turn rendered one way while it is the last message and another way once a message follows it:
+    # the ids after it could not be appended to what was sampled
+    tok = chat_tokenizer("chatml")
+    tok.chat_template = tok.chat_template.replace(
+        "{%- else %}{{- '<|im_start|>' + m.role",
+        "{%- elif m.role == 'assistant' and not loop.last %}{{- '<|im_start|>assistant\\n[old]' + m.content + "
+        "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + m.role")
+    chat = ChatTokens(tok)
+    with pytest.raises(TemplateError, match="renders the earlier turns differently once messages follow them"):
+        chat.after_turn([{"role": "tool", "content": "144"}])
+
+
 def test_templates_that_cannot_be_extended_are_refused():
     tok = chat_tokenizer("chatml")
     tok.chat_template = None
