@@ -123,7 +123,8 @@ def test_a_merge_or_trim_at_the_turn_boundary_is_reported():
     tok = real_tokenizer("qwen2_5")
     assert "ĊĊ" in tok.convert_ids_to_tokens(tok.encode("assistant\n\nHi", add_special_tokens=False))
     chat = ChatTokens(tok)
-    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\nHi"}, {"role": "user", "content": "?"}]
+    turn = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "\nHi"},
+            {"role": "user", "content": "?"}]
     assert chat.rewrites_history(turn)
     assert chat.rewrites_history([*turn[:1], {"role": "assistant", "content": "Hi"}, turn[2]]) is False
     # Llama 3.1 trims every message: a sampled turn that ends with a newline is not what the whole rendering has
@@ -212,3 +213,25 @@ def test_a_bad_tool_call_is_answered_as_a_tool_message(family):
         {"role": "tool", "name": "calculator", "content": "Error: unknown tool 'calculator'; available: calc"}]
     asked = tok.apply_chat_template(messages, tools=chat.tools, tokenize=False, add_generation_prompt=True)
     assert t.prompt_ids + t.ids[:-len(turns[tuple(t.prompt_ids)][1])] == tok.encode(asked, add_special_tokens=False)
+
+
+def test_qwen3_reasoning_is_neither_a_call_nor_the_answer():
+    # what the model writes inside <think> (a call it considers, the number it reads off the tool) is reasoning, as
+    # the template splits the turn: only the content after </think> is parsed for calls and scored
+    tok = real_tokenizer("qwen3")
+    rows = calc_samples(2, seed=2)
+    envs = [CalcEnvironment(tool_format="hermes") for _ in rows]
+    chat = ChatTokens(tok, envs[0].tools.schemas)
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    answers = [str(eval(r["expression"])) for r in rows]
+    texts = [(reasoned("qwen3", f"Maybe {call_text('qwen3', '1 + 1')} first? No.", call_text("qwen3", r["expression"])),
+              reasoned("qwen3", f"The tool says {a}.", final))
+             for r, a, final in zip(rows, answers, ["I cannot tell.", f"It is {answers[1]}."])]
+    turns = {tuple(chat.prompt(env.reset(r))): [tok.encode(t, add_special_tokens=False) + [stop] for t in pair]
+             for env, r, pair in zip(envs, rows, texts)}
+    trajs = run_episodes(scripted(turns), chat, envs, rows, EpisodeLimits(max_turn_tokens=256, max_context_tokens=4096))
+    assert [(t.end, t.reward, t.turns, t.tool_calls, t.tool_errors) for t in trajs] == \
+        [("done", 0.0, 2, 1, 0), ("done", 1.0, 2, 1, 0)]
+    for t, answer in zip(trajs, answers):
+        delta = tok.decode([i for i, m in zip(t.ids, t.model_mask) if not m])
+        assert delta.count("<tool_response>") == 1 and f"<tool_response>\n{answer}\n</tool_response>" in delta
