@@ -47,6 +47,19 @@ def conversation(family: str) -> list:
     ]
 
 
+def two_calls(family: str) -> list:
+    """One turn with two Hermes calls and their two tool messages (Qwen renders them as one user turn)."""
+    calls = call_text(family, "65 * 88") + "\n" + call_text(family, "903 + 4417")
+    return [
+        {"role": "user", "content": "What are 65 * 88 and 903 + 4417?"},
+        {"role": "assistant", "content": reasoned(family, "Two calls at once.", calls)},
+        {"role": "tool", "name": "calc", "tool_call_id": "call0", "content": "5720"},
+        {"role": "tool", "name": "calc", "tool_call_id": "call1", "content": "5320"},
+        {"role": "assistant", "content": reasoned(family, "Both are back.", "5720 and 5320")},
+        {"role": "user", "content": "Thanks."},
+    ]
+
+
 def ends_in_non_assistant(messages: list) -> list:
     """Every prefix of ``messages`` that ends in a non-assistant message (the points where the model is asked)."""
     return [messages[:n] for n in range(2, len(messages) + 1) if messages[n - 1]["role"] != "assistant"]
@@ -84,10 +97,11 @@ def test_the_scripted_tool_calls_are_the_templates_own(family):
 def test_incremental_equals_whole(family, with_tools):
     tok = real_tokenizer(family)
     chat = ChatTokens(tok, TOOLS if with_tools else None)
-    for messages in ends_in_non_assistant(conversation(family)):
+    parallel = two_calls(family) if family != "llama3_1" else []  # Llama 3.1 makes one call per turn
+    for messages in ends_in_non_assistant(conversation(family)) + ends_in_non_assistant(parallel):
         whole = tok.encode(tok.apply_chat_template(messages, tools=chat.tools, tokenize=False,
                                                    add_generation_prompt=True), add_special_tokens=False)
-        assert chat.incremental(messages) == whole, (family, len(messages))
+        assert chat.incremental(messages) == whole, (family, messages[-1])
         assert not chat.rewrites_history(messages)
 
 
@@ -96,7 +110,7 @@ def test_qwen3_within_one_query_equals_whole(with_tools):
     # Qwen3 keeps the reasoning of the turns after the last user query (a tool-calling chain): no rewrite there
     tok = real_tokenizer("qwen3")
     chat = ChatTokens(tok, TOOLS if with_tools else None)
-    for messages in ends_in_non_assistant(conversation("qwen3")[:4]):
+    for messages in ends_in_non_assistant(conversation("qwen3")[:4]) + ends_in_non_assistant(two_calls("qwen3")[:4]):
         whole = tok.encode(tok.apply_chat_template(messages, tools=chat.tools, tokenize=False,
                                                    add_generation_prompt=True), add_special_tokens=False)
         assert chat.incremental(messages) == whole, len(messages)
