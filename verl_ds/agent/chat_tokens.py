@@ -28,7 +28,9 @@ class TemplateError(ValueError):
 
 
 class ChatTokens:
-    """The token pieces of a conversation under one tokenizer's chat template (and ``tools``)."""
+    """The token pieces of a conversation under one tokenizer's chat template (and ``tools``). ``stop_ids``: the
+    ids a sampled turn may end on (eos, then ``tokenizer.generation_stop_ids``); ``end_id``: the one of them the
+    template closes an assistant turn with."""
 
     def __init__(self, tokenizer: Any, tools: list | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
