@@ -181,12 +181,14 @@ class StageJob:
         groups = token_budget_micro_batches(lengths, budget, agree_num_micro_batches(count_micro_batches(lengths, budget)))
         return [[items[i] for i in g] for g in groups]
 
-    def train_step(self) -> dict:
-        """One optimizer step on the next global batch; returns the step's metrics (reduced over ranks)."""
+    def train_step(self, items: Optional[list] = None) -> dict:
+        """One optimizer step on this rank's rows of the next global batch (``items``: these rows instead); returns
+        the step's metrics (reduced over ranks)."""
         from verl_ds.models.base import optimizer_step
 
         start = time.perf_counter()
-        items = [self.train_set[i] for i in self.sampler.next_batch()]
+        if items is None:
+            items = [self.train_set[i] for i in self.sampler.next_batch()]
         total = vdist.all_reduce_sum(torch.tensor(float(self.units(items)), dtype=torch.float64)).clamp(min=1.0)
         normalizer = total / self.world
         sums, result = defaultdict(float), None
@@ -282,7 +284,8 @@ class StageJob:
             self.step = start
             if start == 0:
                 first = self.validate()
-                self.metrics.log(0, first)
+                if first:
+                    self.metrics.log(0, first)
             bar = tqdm(total=cfg.trainer.total_steps, initial=start, desc=self.name, dynamic_ncols=True,
                        disable=not (self.is_main and cfg.trainer.progress_bar))
             while self.step < cfg.trainer.total_steps:
