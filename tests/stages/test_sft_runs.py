@@ -146,3 +146,16 @@ def test_launch_sft_under_torchrun(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(out / "hf_actor")
+
+
+def test_another_jobs_checkpoint_is_refused_by_name(tmp_path):
+    from verl_ds.checkpoint import CheckpointError
+
+    class OtherJob(SFTJob):
+        name = "other"
+
+    fit(tmp_path / "run", "trainer.total_steps=1")
+    cfg = load_config(None, merged([f"trainer.output_dir={tmp_path / 'run'}"], SMALL, ["trainer.total_steps=2"]))
+    job = OtherJob(cfg, detect_launch({}))
+    with pytest.raises(CheckpointError, match="written by the sft job, not by other"):
+        job.fit()
