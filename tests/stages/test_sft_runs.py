@@ -159,3 +159,17 @@ def test_another_jobs_checkpoint_is_refused_by_name(tmp_path):
     job = OtherJob(cfg, detect_launch({}))
     with pytest.raises(CheckpointError, match="written by the sft job, not by other"):
         job.fit()
+
+
+def test_every_zero_stage_and_offload_train_the_same(tmp_path):
+    """ZeRO-0, 1, 2 and 3 with the optimizer offloaded: the same initial weights, so the same first loss and
+    nearly the same second (the optimizer's arithmetic is the same; only float summation orders differ)."""
+    runs = {}
+    for name, overrides in (("z3", []), ("z0", ["deepspeed.zero_stage=0"]), ("z1", ["deepspeed.zero_stage=1"]),
+                            ("z2", ["deepspeed.zero_stage=2"]), ("z3off", ["deepspeed.offload_optimizer=true"])):
+        fit(tmp_path / name, "trainer.total_steps=2", "trainer.export_hf=false", *overrides)
+        runs[name] = [r["sft/loss"] for r in rows(tmp_path / name) if "sft/loss" in r]
+    for name, losses in runs.items():
+        assert losses[0] == pytest.approx(runs["z3"][0], rel=1e-6), name
+        assert losses[1] == pytest.approx(runs["z3"][1], rel=1e-4), name
+        assert losses[1] < losses[0]
