@@ -102,7 +102,7 @@ class SFTJob(StageJob):
         R = loss_mask.shape[1]
         log_probs = self.model.get_logprob(obs, obs[:, -R:], mask)
         nll = -(log_probs * loss_mask).sum()
-        return nll / normalizer.to(nll.device, nll.dtype), {"loss": nll}
+        return nll / normalizer.to(nll.device, nll.dtype), {"loss": nll.detach()}
 
 
 JOB = SFTJob

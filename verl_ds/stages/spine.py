@@ -95,7 +95,7 @@ class StageJob:
 
         # packed rows where the model family supports them exactly (a tiny probe forward), padded batches otherwise
         self.packed = _packing_decision(stage_view(cfg), self.engines, say=self.is_main)[0]
-        self.step, self._last_saved = 0, None
+        self.step, self._last_saved, self.bad_steps = 0, None, 0
         self.setup()
 
     # ------------------------------------------------------------------ hooks
@@ -191,12 +191,17 @@ class StageJob:
             items = [self.train_set[i] for i in self.sampler.next_batch()]
         total = vdist.all_reduce_sum(torch.tensor(float(self.units(items)), dtype=torch.float64)).clamp(min=1.0)
         normalizer = total / self.world
-        sums, result = defaultdict(float), None
+        sums, result, losses, skip = defaultdict(float), None, [], False
         groups = self.micro_batches(items)
         for i, group in enumerate(groups):
             loss, parts = self.loss(group, normalizer)
-            result = optimizer_step(self.engine, None, loss, self.cfg.actor.lr, type(self).__name__,
-                                    boundary=i == len(groups) - 1) or result
+            last = i == len(groups) - 1
+            losses.append(loss.detach().reshape(()).float())
+            # a non-finite loss on any rank drops the whole step on every rank (optimizer_step: NaN gradients under
+            # ZeRO, which DeepSpeed's overflow check skips; dropped gradients at stage 0)
+            skip = last and vdist.any_rank(not bool(torch.isfinite(torch.stack(losses)).all()))
+            result = optimizer_step(self.engine, None, loss, self.cfg.actor.lr, type(self).__name__, skip=skip,
+                                    boundary=last) or result
             for k, v in parts.items():
                 sums[k] = sums[k] + v.detach().to("cpu", torch.float64)
         self.step += 1
@@ -204,11 +209,27 @@ class StageJob:
         norm = result.get("grad_norm") if result else None
         if norm is not None:
             metrics["actor/grad_norm"] = float(norm)
+        self._check_finite(skip, result, norm, metrics)
         elapsed = time.perf_counter() - start
         metrics.update({f"{self.name}/units": float(total), "actor/lr": self.cfg.actor.lr,
                         "timing_s/step": reduce_metrics({"t": elapsed}, op="mean")["t"],
                         "training/global_step": self.step})
         return metrics
+
+    def _check_finite(self, skip: bool, result: Optional[dict], norm, metrics: dict) -> None:
+        """Count a step whose loss or gradient norm was not finite (its update skipped: ``training/skipped_step``);
+        an engine that applied such an update anyway is a NonFiniteError (the weights are gone)."""
+        from verl_ds.runtime import NonFiniteError
+
+        bad = skip or (norm is not None and not torch.isfinite(torch.as_tensor(float(norm))))
+        if bad and result is not None and not result["skipped"]:
+            raise NonFiniteError(f"step {self.step}: DeepSpeed applied an update from non-finite gradients (zero stage "
+                                 f"{result.get('zero_stage')}); resume from the last checkpoint", None)
+        self.bad_steps = self.bad_steps + 1 if bad else 0
+        metrics["training/skipped_step"] = float(bad)
+        if bad:
+            log.warning("step %d: non-finite loss or gradient norm: update skipped (%d consecutive of at most "
+                        "trainer.max_bad_steps=%d)", self.step, self.bad_steps, self.cfg.trainer.max_bad_steps)
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -236,7 +257,8 @@ class StageJob:
 
     def save_checkpoint(self) -> str:
         """A complete checkpoint of this step: the trained engines, every rank's RNG, the step and the data position."""
-        state = {"global_step": self.step, "stage": self.name, "sampler": self.sampler.state_dict()}
+        state = {"global_step": self.step, "stage": self.name, "sampler": self.sampler.state_dict(),
+                 "bad_steps": self.bad_steps}
         path = ckpt.save(self.ckpt_root, self.step, self.engines, state, keep_last=self.cfg.trainer.keep_last,
                          digest=self.cfg.trainer.checkpoint_digest)
         self._last_saved = self.step
@@ -251,6 +273,7 @@ class StageJob:
             raise ckpt.CheckpointError(f"{step_dir} was written by the {saved.get('stage') or 'RL (train)'} job, not "
                                        f"by {self.name}; give this job its own trainer.output_dir, or resume=none")
         self.sampler.load_state_dict(saved["sampler"])
+        self.bad_steps = int(saved.get("bad_steps", 0))
         self.step = self._last_saved = int(saved["global_step"])
         self.metrics.truncate_after(self.step)
         if self.is_main:
@@ -298,6 +321,13 @@ class StageJob:
                     last = self.validate()
                     metrics.update(last)
                 self.metrics.log(self.step, metrics)
+                if self.bad_steps >= cfg.trainer.max_bad_steps:
+                    from verl_ds.runtime import NonFiniteError
+
+                    raise NonFiniteError(f"{self.bad_steps} consecutive steps with a non-finite loss or gradient norm "
+                                         f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}), each update skipped; "
+                                         "check the data, actor.lr and model.dtype, then resume from the last "
+                                         "checkpoint", None)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics.get(f'{self.name}/loss', float('nan')):.4f}")
                 if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
