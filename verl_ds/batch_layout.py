@@ -7,11 +7,15 @@ field              shape     dtype    meaning
 =================  ========  =======  ==========================================================
 observation        (B, T)    int64    prompt left-padded to P, then response right-padded to R
 action             (B, R)    int64    the response ids (== observation[:, P:])
-mask               (B, T)    bool     attention mask: real prompt and response tokens (EOS included)
-response_mask      (B, R)    bool     real response tokens (EOS included); built from
-                                      response_length, never from ``token != pad`` (pad may be EOS)
+mask               (B, T)    bool     attention mask: real prompt and response tokens (EOS included),
+                                      True on the first response_length columns of the response
+response_mask      (B, R)    bool     the tokens the losses train on: the real response tokens (EOS
+                                      included), built from response_length, never from ``token != pad``
+                                      (pad may be EOS); in a multi-turn trajectory only the model's
+                                      tokens (the environment's are attended, ``mask``, not trained)
 prompt_length      (B,)      int64    real prompt tokens per row (>= 1)
-response_length    (B,)      int64    real response tokens per row (1..R)
+response_length    (B,)      int64    real response tokens per row (1..R): a trajectory's model and
+                                      environment tokens together
 done               (B,)      bool     the response ended with EOS (not truncated)
 next_observation   (B, T)    int64    observation shifted left by one token, pad appended: column t
                                       holds the token after column t (the state after action t)
@@ -151,13 +155,21 @@ def _check_layout(batch, pad_token_id: int, sizes: dict) -> None:
         if n is not None and width is not None and bool(((n < 1) | (n > width)).any()):
             i = int(((n < 1) | (n > width)).nonzero()[0])
             raise BatchValidationError(f, f"expected values in [1, {letter}={width}], found {int(n[i])} at row {i}")
-    if d["response_mask"] is not None and d["response_length"] is not None:
-        want = torch.arange(R, device=d["response_mask"].device).unsqueeze(0) < d["response_length"].unsqueeze(1)
-        _expect_equal("response_mask", d["response_mask"], want, "True exactly on the first response_length "
-                                                                 "columns of each row")
+    span = None  # (B, R): the first response_length columns of each row
+    if d["response_length"] is not None and R is not None:
+        span = torch.arange(R, device=d["response_length"].device).unsqueeze(0) < d["response_length"].unsqueeze(1)
+    if d["response_mask"] is not None and span is not None:
+        # environment tokens of a multi-turn trajectory are the holes (attended, not trained)
+        outside = d["response_mask"] & ~span.to(d["response_mask"].device)
+        _expect_equal("response_mask", d["response_mask"] & ~outside, d["response_mask"],
+                      "False past the first response_length columns of each row")
     if d["mask"] is not None and P is not None:
+        if span is not None:
+            _expect_equal("mask", d["mask"][:, P:], span.to(d["mask"].device),
+                          "mask[:, P:] True exactly on the first response_length columns")
         if d["response_mask"] is not None:
-            _expect_equal("mask", d["mask"][:, P:], d["response_mask"], "mask[:, P:] == response_mask")
+            _expect_equal("response_mask", d["response_mask"], d["response_mask"] & d["mask"][:, P:],
+                          "response_mask only where mask[:, P:] is True")
         if d["prompt_length"] is not None:
             want = torch.arange(P, device=d["mask"].device).unsqueeze(0) >= (P - d["prompt_length"]).unsqueeze(1)
             _expect_equal("mask", d["mask"][:, :P], want, "the prompt part True on the last prompt_length "

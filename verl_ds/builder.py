@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
 from verl_ds import algos
-from verl_ds.config import Config, ConfigError, Derived
+from verl_ds.config import Config, ConfigError, Derived, sequence_tokens
 from verl_ds.engines.build import build_engines, build_reward_engine, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,11 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
         from verl_ds.tasks import parity
 
         def warmup(engine):
+            if cfg.agent.environment is not None:  # the built-in agent task's demonstrations
+                from verl_ds.agent.warmup import sft_warmup
+
+                return sft_warmup(engine, tok, cfg.agent.environment, cfg.actor.sft_warmup_steps,
+                                  seed=cfg.trainer.seed + 7)
             parity.sft_warmup(engine, tok, cfg.actor.sft_warmup_steps, seed=cfg.trainer.seed + 7)
     # every model is created already partitioned under ZeRO-3; the reference is the (warmed-up) initial policy
     engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup)
@@ -134,7 +139,7 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
             use_attention(e, implementation)
         return False, False
     want_shared = cfg.model.share_prompts and cfg.rollout.n > 1
-    longest = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    longest = sequence_tokens(cfg)
     support = {role: packing_support(e, longest, share=want_shared and role != "critic", implementation=implementation)
                for role, e in engines.items()}
     refused = [(role, s.packing) for role, s in support.items() if s.packing is not None]
@@ -178,7 +183,13 @@ def load_data(cfg: Config) -> PromptData:
     common = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
                   overlong=cfg.data.overlong, apply_chat_template=cfg.data.apply_chat_template,
                   passthrough_keys=list(cfg.data.passthrough_keys) or None)
-    if cfg.data.train_files is None:
+    if cfg.data.train_files is None and cfg.agent.environment is not None:
+        from verl_ds.agent.tiny import builtin_rows
+
+        env, seed = cfg.agent.environment, cfg.trainer.seed
+        train = PromptDataset.from_records(builtin_rows(env, cfg.data.num_train_prompts, seed), tok, **common)
+        val = PromptDataset.from_records(builtin_rows(env, cfg.data.num_val_prompts, 10_000 + seed), tok, **common)
+    elif cfg.data.train_files is None:
         train = PromptDataset.from_records(parity.generate_prompts(cfg.data.num_train_prompts, seed=cfg.trainer.seed),
                                            tok, **common)
         val = PromptDataset.from_records(parity.generate_prompts(cfg.data.num_val_prompts,

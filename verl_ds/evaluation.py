@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.rollout import rollout_and_score
 
 
 @torch.no_grad()
@@ -33,11 +32,11 @@ def evaluate(trainer) -> dict:
     for i in range(0, len(idx), per_call):
         items = [val_set[j] for j in idx[i:i + per_call]]
         prompts = collate_prompts(items, tok.pad_token_id, trainer.actor_engine.device)
-        greedy = rollout_and_score(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"], greedy=True)
+        greedy = trainer.rollout_fn(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"], greedy=True)
         sums[0] += greedy.batch.scores.sum().item()
         sums[1] += len(items)
         if n > 1:
-            sampled = rollout_and_score(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"],
+            sampled = trainer.rollout_fn(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"],
                                         temperature=hot["temperature"], top_k=hot["top_k"], top_p=hot["top_p"], n=n)
             scores = sampled.batch.scores.sum(-1).view(len(items), n).double().cpu()
             correct = (scores >= cfg.trainer.val_pass_threshold).sum(-1).tolist()

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from verl_ds.config import Config, Derived
+from verl_ds.config import Config, Derived, sequence_tokens
 
 GiB = 2**30
 VLLM_CPU_KV_BYTES = 256 << 20  # VLLMRolloutEngine's KV cache on CPU when rollout.vllm_kv_cache_bytes is null
@@ -171,7 +171,7 @@ def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: in
     ref_stage, _, ref_off = _zero_settings(make_ds_config(cfg, derived, "ref"))
     out["ref"] = inference_engine_memory("ref", sizes["actor"], bpp, ref_off, nodes, gpus_per_node, ref_stage)
     actor = sizes["actor"]
-    seq = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    seq = sequence_tokens(cfg)
     out["rollout_replica"] = bpp * actor.total if cfg.rollout.gather_params else 0
     # generate's cache: K and V per layer for every token of this rank's prompts (either generation mode)
     out["kv_cache"] = 2 * actor.num_layers * actor.kv_dim * bpp * derived.prompts_per_rank * seq

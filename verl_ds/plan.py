@@ -7,7 +7,7 @@ import re
 import shlex
 from typing import Optional, Sequence
 
-from verl_ds.config import Config, validate
+from verl_ds.config import Config, sequence_tokens, validate
 from verl_ds.memory_plan import GiB, device_memory, estimate_memory, model_size
 
 # Used on the command lines; each launcher has its own default (29500), which collides between jobs.
@@ -132,7 +132,7 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
     sizes = {"actor": model_size(cfg, "actor"), "critic": model_size(cfg, "critic")}
     mem = estimate_memory(cfg, derived, nodes, gpus_per_node, sizes)
     r, a = cfg.rollout, cfg.actor
-    seq = cfg.data.max_prompt_length + r.max_new_tokens
+    seq = sequence_tokens(cfg)
     unit = "rank" if cfg.trainer.device == "cpu" else "GPU"
     act, crit = sizes["actor"], sizes["critic"]
     lines = [f"verl_ds plan: {nodes} node(s) x {gpus_per_node} rank(s) per node = world size {world_size}", "",
@@ -174,8 +174,9 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
               "as much (4+4+8 bytes per trained parameter)", "",
               "== batch arithmetic ==",
               f"rollout.batch_size {r.batch_size} prompts per step = {derived.prompts_per_rank} per rank x "
-              f"{world_size} rank(s); up to {r.batch_size * seq:,} tokens per step ({seq} = max_prompt_length "
-              f"{cfg.data.max_prompt_length} + max_new_tokens {r.max_new_tokens})",
+              f"{world_size} rank(s); up to {r.batch_size * seq:,} tokens per step ({seq} = " + (
+                  "agent.max_context_tokens)" if cfg.agent.environment is not None else
+                  f"max_prompt_length {cfg.data.max_prompt_length} + max_new_tokens {r.max_new_tokens})"),
               f"actor.mini_batch_size {a.mini_batch_size} = micro_batch_size {a.micro_batch_size} x grad_accum "
               f"{derived.grad_accum} x {world_size} rank(s) (DeepSpeed train_batch_size)",
               f"optimizer steps per PPO step: actor {a.ppo_epochs} epoch(s) x {derived.mini_batches_per_epoch} "

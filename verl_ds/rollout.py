@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from verl_ds.batch import RolloutBatch
+from verl_ds.batch_layout import FLOAT_FIELDS
 from verl_ds.metrics import Timings
 
 
@@ -74,15 +75,19 @@ def rollout_and_score(actor, reward, tokenizer, prompts: dict, *, max_new_tokens
     return Rollout(batch=batch, responses=responses, metrics=metrics)
 
 
-def _left_pad_prompts(batch: RolloutBatch, width: int, pad_token_id: int) -> RolloutBatch:
-    """The batch with its prompts left-padded to ``width`` columns (rounds of different prompt widths can be joined)."""
-    extra = width - batch.prompt_width
-    if extra <= 0:
-        return batch
-    B = len(batch)
+def _pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_token_id: int) -> RolloutBatch:
+    """The batch with its prompts left-padded to ``prompt_width`` and its responses right-padded to
+    ``response_width`` columns, so that rounds of different widths can be joined (multi-turn rounds differ in R)."""
+    B, left, right = len(batch), prompt_width - batch.prompt_width, response_width - batch.response_width
     for name, fill in (("observation", pad_token_id), ("next_observation", pad_token_id), ("mask", False)):
         t = batch[name]
-        batch[name] = torch.cat([t.new_full((B, extra), fill), t], dim=1)
+        batch[name] = torch.cat([t.new_full((B, max(left, 0)), fill), t, t.new_full((B, max(right, 0)), fill)], dim=1)
+    if right > 0:
+        for name in ("action", "response_mask") + FLOAT_FIELDS:
+            t = batch[name]
+            if t is not None:
+                fill = pad_token_id if name == "action" else 0
+                batch[name] = torch.cat([t, t.new_full((B, right), fill)], dim=1)
     return batch
 
 
@@ -97,8 +102,9 @@ def _add_overlong_penalty(batch: RolloutBatch, max_new_tokens: int, overlong: tu
 
 def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, timings: Timings,
             dynamic: bool = False, max_rounds: int = 1, overlong: Optional[tuple] = None,
-            greedy_baseline: bool = False) -> Rollout:
-    """This rank's rollout for one step, from one or more rounds of ``draw_prompts()`` (collated prompts).
+            greedy_baseline: bool = False, rollout_fn=rollout_and_score) -> Rollout:
+    """This rank's rollout for one step, from one or more rounds of ``draw_prompts()`` (collated prompts), each
+    sampled and scored by ``rollout_fn`` (``rollout_and_score``, or multi-turn episodes: ``verl_ds.agent.rollout``).
 
     - ``overlong=(buffer, factor)``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13) added to each
       response's score at its last token (``algos.overlong_reward_penalty``).
@@ -119,7 +125,7 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
     while True:
         prompts = draw_prompts()
         target = target or prompts["input_ids"].shape[0]
-        ro = rollout_and_score(actor, reward, tokenizer, prompts, n=n, timings=timings, **sampling)
+        ro = rollout_fn(actor, reward, tokenizer, prompts, n=n, timings=timings, **sampling)
         b = ro.batch
         b.group_index = b.group_index + rounds * target  # unique over the rounds of this step
         verified = b.scores.sum(-1)  # the reward's own score, before shaping: what dynamic sampling filters on
@@ -127,8 +133,8 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
             metrics["reward/overlong_penalty/mean"] = _add_overlong_penalty(b, sampling["max_new_tokens"], overlong)
         if greedy_baseline:
             with timings("gen_baseline"):
-                base = rollout_and_score(actor, reward, tokenizer, prompts, greedy=True,
-                                         max_new_tokens=sampling["max_new_tokens"])
+                base = rollout_fn(actor, reward, tokenizer, prompts, greedy=True,
+                                  max_new_tokens=sampling["max_new_tokens"])
             if shaping:  # the baseline is scored like the samples it is subtracted from
                 _add_overlong_penalty(base.batch, sampling["max_new_tokens"], overlong)
             b.extras["baseline_score"] = base.batch.scores.sum(-1).repeat_interleave(n).tolist()
@@ -145,8 +151,9 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
         if not vdist.any_rank(have < target) or rounds >= max_rounds:
             break
     width = max(b.prompt_width for b in kept + dropped)
+    response_width = max(b.response_width for b in kept + dropped)
     pad = tokenizer.pad_token_id
-    join = lambda parts: RolloutBatch.cat([_left_pad_prompts(p, width, pad) for p in parts])  # noqa: E731
+    join = lambda parts: RolloutBatch.cat([_pad_to(p, width, response_width, pad) for p in parts])  # noqa: E731
     batch = join([k for k in kept if len(k)] or kept[:1])
     if dynamic:
         filled = max(0, target - len(batch) // n)

@@ -15,11 +15,13 @@ SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)  # ids 0..3, in this order
 CONTINUATION = "@@"  # not "##": "####" is a real word in GSM8K answers
 DIGITS = [str(d) for d in range(10)]
 
-# One line per message, the assistant turn opened last. Roles and ":" are in the default vocabulary.
+# "role : content" per message, EOS between messages and after every assistant turn (the token a sampled turn
+# ends on, so a multi-turn rollout can append the next messages to it), the assistant turn opened last. Roles and
+# ":" are in the default vocabulary.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}"
-    "{% if not loop.last %} {{ eos_token }} {% endif %}{% endfor %}"
-    "{% if add_generation_prompt %} assistant :{% endif %}"
+    "{% if not loop.last or m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% if not loop.last %} {% endif %}"
+    "{% endfor %}{% if add_generation_prompt %} assistant :{% endif %}"
 )
 
 _SYMBOLS = ["+", "-", "*", "/", "=", "?", ".", ",", ":", "=>", "####", "$", "%", "(", ")", "!"]

@@ -37,7 +37,7 @@ from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
 from verl_ds.reward_trial import check_swap_rows, trial
 from verl_ds.reward_spec import parse_reward_swap
-from verl_ds.rollout import SamplingError, collect
+from verl_ds.rollout import SamplingError, collect, rollout_and_score
 from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
                              raise_if_any_rank_failed)
 from verl_ds.runtime.preemption import stop_for_preemption
@@ -79,6 +79,11 @@ class Trainer:
                                                                          s.get("model_path"), s.get("model_weight"),
                                                                          state=self.state),
                                      probe=lambda r: trial(r, self.tokenizer, data, self.actor_engine.device))
+        self.rollout_fn = rollout_and_score  # one response per prompt, or multi-turn episodes
+        if cfg.agent.environment is not None:
+            from verl_ds.agent.rollout import AgentSpec, agent_rollout_fn
+
+            self.rollout_fn = agent_rollout_fn(AgentSpec.from_config(cfg))
         self._listeners: list = []
         self._last_saved: Optional[int] = None
         self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
@@ -122,7 +127,7 @@ class Trainer:
                               sampling=sampling, n=cfg.rollout.n, timings=t, dynamic=algo.dynamic_sampling,
                               max_rounds=algo.max_sampling_rounds,
                               overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
-                              greedy_baseline=self.ppo.needs_baseline)
+                              greedy_baseline=self.ppo.needs_baseline, rollout_fn=self.rollout_fn)
         except SamplingError as exc:  # non-finite logits: skip the step everywhere, with a forensic record
             self.guard.sampling_error = str(exc)
         except Exception as exc:  # e.g. a reward function failing on one rank: every rank must stop together

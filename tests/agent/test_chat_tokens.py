@@ -63,16 +63,30 @@ def test_a_merge_across_the_turn_boundary_is_reported():
     assert chat.incremental(msgs)[:len(prompt)] == prompt  # the ids the model was given stay its ids
 
 
-def test_a_template_that_renders_earlier_turns_differently_once_messages_follow_is_refused():
-    # an assistant turn rendered one way while it is the last message and another way once a message follows it:
-    # the ids after it could not be appended to what was sampled
+def test_a_template_that_renders_an_assistant_turn_differently_once_messages_follow_extends_and_is_reported():
+    # an assistant turn rendered one way while it is the last message and another way once a message follows it
+    # (Qwen3 writes an empty <think> block into the last assistant turn only): the ids after the turn are still the
+    # template's, the rewrite shows in rewrites_history
     tok = chat_tokenizer("chatml")
     tok.chat_template = tok.chat_template.replace(
         "{%- else %}{{- '<|im_start|>' + m.role",
         "{%- elif m.role == 'assistant' and not loop.last %}{{- '<|im_start|>assistant\\n[old]' + m.content + "
         "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>' + m.role")
     chat = ChatTokens(tok)
-    with pytest.raises(TemplateError, match="renders the earlier turns differently once messages follow them"):
+    delta = chat.after_turn([{"role": "tool", "content": "144"}])
+    assert tok.decode(delta) == "\n<|im_start|>user\n<tool_response>\n144\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert chat.rewrites_history(CONVERSATION[:4])
+
+
+def test_a_template_that_no_longer_ends_the_turn_with_its_stop_token_once_messages_follow_is_refused():
+    # the model's turn ends on <|im_end|>; a template that closes it otherwise in history leaves nothing to append to
+    tok = chat_tokenizer("chatml")
+    tok.chat_template = tok.chat_template.replace(
+        "{%- else %}{{- '<|im_start|>' + m.role",
+        "{%- elif m.role == 'assistant' and not loop.last %}{{- '<|im_start|>assistant\\n' + m.content + "
+        "'[END]\\n' }}{%- else %}{{- '<|im_start|>' + m.role")
+    chat = ChatTokens(tok)
+    with pytest.raises(TemplateError, match="no longer ends an assistant turn with '<\\|im_end\\|>' once messages"):
         chat.after_turn([{"role": "tool", "content": "144"}])
 
 

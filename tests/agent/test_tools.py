@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from verl_ds.agent.tools import ToolCall, ToolSet, calc, parse_tool_calls, python
+from verl_ds.agent.tools import ToolCall, ToolSet, calc, parse_tool_calls, python, without_reasoning
 
 
 def weather(city: str, days: int = 1) -> dict:
@@ -113,3 +113,9 @@ def test_python_tool_prints_or_reports():
     assert python("print(sum(i * i for i in range(10)))").strip() == "285"
     assert python("import sys\nsys.exit('no answer')") == "[error] no answer"
     assert python("open('/etc/evil', 'w')").startswith("[refused]")
+
+
+def test_without_reasoning_keeps_what_follows_the_last_think_block():
+    assert without_reasoning("<think>\na\n</think>\n\n<think>b</think>\n\nThe answer.") == "The answer."
+    assert without_reasoning("<think>\nstill thinking about <tool_call>{}</tool_call>") == ""  # never closed
+    assert without_reasoning("  plain\n") == "  plain\n"

@@ -47,7 +47,10 @@ def test_chat_template_and_left_padding():
     assert text == "user : odd : 1 2 => assistant :"
     two = tok.apply_chat_template([{"role": "system", "content": "odd"}, {"role": "user", "content": "1"}],
                                   tokenize=False)
-    assert two == "system : odd <eos> user : 1"
+    assert two == "system : odd<eos> user : 1"
+    turn = tok.apply_chat_template([{"role": "user", "content": "1"}, {"role": "assistant", "content": "odd"}],
+                                   tokenize=False)
+    assert turn == "user : 1<eos> assistant : odd<eos>"  # a sampled turn ends on EOS: the template closes it so
     batch = tok(["even : 3", "odd : 1 2 3 4"], padding=True)
     assert batch["input_ids"][0][:3] == [tok.pad_token_id] * 3
     assert batch["attention_mask"][0] == [0, 0, 0, 1, 1, 1]

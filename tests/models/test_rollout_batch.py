@@ -186,7 +186,7 @@ def test_mask_inconsistent_with_lengths():
     b = make_batch()
     b.response_mask = b.response_mask.clone()
     b.response_mask[0, 3] = True  # row 0 has length 2
-    with pytest.raises(BatchValidationError, match=r"RolloutBatch.response_mask: expected True exactly on the first "
+    with pytest.raises(BatchValidationError, match=r"RolloutBatch.response_mask: expected False past the first "
                                                    r"response_length columns.*\(0, 3\)"):
         b.validate(PAD)
     b = make_batch()

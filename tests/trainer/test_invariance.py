@@ -172,3 +172,31 @@ def test_first_mini_batch_is_on_policy_with_temperature_and_dropout_in_the_confi
     assert step["actor/ppo_kl"] < 1e-6, step["actor/ppo_kl"]
     assert step["actor/pg_clipfrac"] == 0.0
     assert step["rollout/log_prob_diff_mean"] < 1e-4  # the sampler's own log-probs agree with the recomputation
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_multi_turn_batch_on_two_ranks_equals_one_rank(probes, estimator):
+    """A fixed batch of multi-turn trajectories (model turns with environment answers between them: attended, not
+    trained): split over 2 ranks, the advantages and the update equal one rank's, with a critic (GAE bridging the
+    environment's spans) and with GRPO's group statistics."""
+    turns = ["rollout.n=4", "rollout.batch_size=2", "actor.micro_batch_size=4", "critic.micro_batch_size=4"] + (
+        ["algo.adv_estimator=grpo", "algo.kl_placement=loss"] if estimator == "grpo" else [])
+    single = probes(f"turns1_{estimator}", turns, VERL_DS_PROBE_TURNS="1", VERL_DS_KERNELS="torch")
+    double = probes(f"turns2_{estimator}", turns, nproc=2, VERL_DS_PROBE_TURNS="1", VERL_DS_KERNELS="torch")
+    torch.testing.assert_close(double["advantages"], single["advantages"], rtol=0, atol=1e-6)
+    assert single["advantages"].abs().sum() > 0
+    _assert_same_update(single, double)
+
+
+def test_multi_turn_packed_rows_give_the_padded_update(probes):
+    """The multi-turn batch in packed rows with shared prompts (the defaults) gives the update of padded rows: the
+    environment's tokens are attended alike and trained in neither."""
+    turns = ["rollout.n=4", "rollout.batch_size=2", "actor.micro_batch_size=4", "algo.adv_estimator=grpo",
+             "algo.kl_placement=loss"]
+    packed = probes("turns1_grpo", [*turns, "critic.micro_batch_size=4"], VERL_DS_PROBE_TURNS="1",
+                    VERL_DS_KERNELS="torch")
+    padded = probes("turns1_grpo_padded", [*turns, "critic.micro_batch_size=4", "model.remove_padding=false"],
+                    VERL_DS_PROBE_TURNS="1", VERL_DS_KERNELS="torch")
+    assert packed["share_prompts"]
+    torch.testing.assert_close(packed["advantages"], padded["advantages"], rtol=0, atol=1e-6)
+    _assert_same_update(packed, padded, rtol=1e-4)

@@ -41,6 +41,39 @@ def fixed_batch(trainer, global_size: int = 8, R: int = 6):
     return batch
 
 
+def multi_turn_batch(trainer, global_size: int = 8):
+    """Rows of a deterministic global batch of multi-turn trajectories (``verl_ds.agent.rollout``): model turns
+    (digits, most ending with EOS) with environment answers between them (attended, not trained), one to three
+    turns per row, one row ending with an environment answer (trimmed), sampler log-probs and a final reward."""
+    from verl_ds.agent.episodes import Trajectory
+    from verl_ds.agent.rollout import trajectories_to_batch
+
+    tok, rank, world, k = trainer.tokenizer, trainer.rank, trainer.world, trainer.cfg.rollout.n
+    g = torch.Generator().manual_seed(4321)
+    digits = tok.convert_tokens_to_ids([str(d) for d in range(10)])
+    answer = tok.convert_tokens_to_ids(["user", ":", "even"]) + tok.convert_tokens_to_ids(["assistant", ":"])
+    trajs = []
+    for i in range(global_size):
+        t = Trajectory(prompt_ids=list(trainer.c.train_set[i // k]["input_ids"]))
+        turns = 1 + int(torch.randint(0, 3, (1,), generator=g))
+        for turn in range(turns):
+            ids = [digits[j] for j in torch.randint(0, 10, (int(torch.randint(1, 4, (1,), generator=g)),),
+                                                    generator=g).tolist()] + [tok.eos_token_id]
+            t.append(ids, sampled=True, log_probs=(-torch.rand(len(ids), generator=g)).tolist())
+            if turn < turns - 1 or i == 3:
+                t.append(answer, sampled=False)
+        t.reward = float(torch.rand(1, generator=g))
+        t.finish("done")
+        trajs.append(t)
+    batch, mismatches = trajectories_to_batch(trajs, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert mismatches == 0
+    n = global_size // world
+    batch = batch.select(slice(rank * n, (rank + 1) * n))
+    batch.group_index = (torch.arange(n) + rank * n) // k  # whole groups on each rank
+    batch.extras = {"prompt": [trainer.c.train_set[i // k]["prompt"] for i in range(rank * n, (rank + 1) * n)]}
+    return batch
+
+
 def gathered(module) -> dict:
     from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
@@ -64,7 +97,9 @@ def main(result_path: str, overrides: list) -> None:
     cfg, ppo = trainer.cfg, trainer.ppo
     engines = trainer.c.engines
     before = {role: gathered(engines[role].module) for role in ("actor", "critic") if role in engines}
-    batch = fixed_batch(trainer)
+    import os
+
+    batch = multi_turn_batch(trainer) if os.environ.get("VERL_DS_PROBE_TURNS") else fixed_batch(trainer)
     T = trainer.state.get("temperature")
     pairs = micro_batch_groups(batch, 2, None)
     with torch.no_grad():

@@ -4,13 +4,15 @@ rendering of the messages that follow, never by decoding and re-encoding the con
 Re-tokenising the decoded conversation makes the trainer score ids the sampler never produced (a merge across a
 turn boundary, a normalised space, a template that rewrites earlier turns); see verl issues #6501 and #3960 and
 TRL PR #5242. Here the environment's tokens are the template's *delta*: the text that
-``apply_chat_template(BASE + messages, add_generation_prompt=True)`` adds after ``apply_chat_template(BASE)``, where
-BASE is a fixed two-turn conversation, plus whatever the template writes after an assistant turn's end-of-turn
-token (Qwen's newline after ``<|im_end|>``). No earlier turn is rendered again.
+``apply_chat_template(BASE + messages, add_generation_prompt=True)`` renders after BASE's assistant turn and the
+token that ends it (Qwen's newline after ``<|im_end|>``, then ``messages``, then the assistant header), where BASE
+is a fixed two-turn conversation. No earlier turn is rendered again.
 
 Where a template renders history differently from how it was sampled (Qwen3 drops the reasoning of earlier
-turns), the incremental ids cannot equal a whole-conversation rendering: ``rewrites_history`` says so, once, at
-start-up, and training goes on with the ids the model produced.
+turns and writes an empty ``<think>`` block into the last assistant turn only), the incremental ids cannot equal a
+whole-conversation rendering: ``rewrites_history`` says so, once, at start-up, and training goes on with the ids
+the model produced. Only the text *after* the model's turn is taken from the template, so such a template still
+extends turn by turn; one that no longer ends the turn with its end-of-turn token once messages follow it cannot.
 """
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ class TemplateError(ValueError):
 
 
 class ChatTokens:
-    """The token pieces of a conversation under one tokenizer's chat template (and ``tools``)."""
+    """The token pieces of a conversation under one tokenizer's chat template (and ``tools``). ``stop_ids``: the
+    ids a sampled turn may end on (eos, then ``tokenizer.generation_stop_ids``); ``end_id``: the one of them the
+    template closes an assistant turn with."""
 
     def __init__(self, tokenizer: Any, tools: list | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
@@ -42,7 +46,10 @@ class ChatTokens:
             raise TemplateError(f"the chat template ends an assistant turn with {closing[:40]!r}, which starts with "
                                 f"none of the stop tokens {self._stop_texts()}: a sampled turn could not end where "
                                 f"the template expects")
-        self._base, self._after_turn = base, closing[len(marker):]
+        # the template's end-of-turn token: eos need not be it (Llama 3 tokenizers with eos <|end_of_text|> and
+        # <|eot_id|> among the generation stop ids close every turn with <|eot_id|>)
+        self.end_id = self.stop_ids[self._stop_texts().index(marker)]
+        self._turn_end = _BASE[-1]["content"] + marker
 
     def _render(self, messages: list, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -68,10 +75,14 @@ class ChatTokens:
         """The ids after a model turn that ended on a stop token, up to the next generation prompt: the template's
         closing of that turn, ``messages`` rendered, and the assistant header."""
         grown = self._render(_BASE + list(messages), generation_prompt=True)
-        if not grown.startswith(self._base):
-            raise TemplateError("the chat template renders the earlier turns differently once messages follow them; "
-                                "the environment's tokens cannot be appended to what was sampled")
-        return self._encode(self._after_turn + grown[len(self._base):])
+        # BASE's assistant turn may be rendered differently once messages follow it (Qwen3 drops the empty <think>
+        # block it gives the last assistant turn): what matters is where that turn ends, not how it is written
+        at = grown.find(self._turn_end)
+        if at < 0:
+            raise TemplateError(f"the chat template no longer ends an assistant turn with "
+                                f"{self._turn_end[len(_BASE[-1]['content']):]!r} once messages follow it; the "
+                                f"environment's tokens cannot be appended to what was sampled")
+        return self._encode(grown[at + len(self._turn_end):])
 
     def ended(self, turn_ids: list[int]) -> bool:
         """Whether a sampled turn ends on a stop token (else it was cut by the length limit)."""
@@ -89,7 +100,7 @@ class ChatTokens:
 
     def incremental(self, messages: list) -> list[int]:
         """The same conversation built turn by turn: the first prompt, each assistant turn as a model emits it (its
-        content's ids and a stop token), each run of other messages as ``after_turn``."""
+        content's ids and the template's end-of-turn token), each run of other messages as ``after_turn``."""
         if not messages or messages[-1]["role"] == "assistant":
             raise ValueError("incremental: the conversation must end with a non-assistant message")
         first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
@@ -97,6 +108,6 @@ class ChatTokens:
         i = first
         while i < len(messages):
             j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
-            ids += self._encode(messages[i]["content"]) + self.stop_ids[:1] + self.after_turn(messages[i + 1:j])
+            ids += self._encode(messages[i]["content"]) + [self.end_id] + self.after_turn(messages[i + 1:j])
             i = j
         return ids

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from verl_ds.agent.tools import TOOL_CALL_FORMATS, ToolSet, parse_tool_calls
+from verl_ds.agent.tools import TOOL_CALL_FORMATS, ToolSet, parse_tool_calls, without_reasoning
 
 __all__ = ["Environment", "Step", "ToolEnvironment", "register_environment", "ENVIRONMENTS"]
 
@@ -72,7 +72,8 @@ def register_environment(name: str) -> Callable[[type], type]:
 
 class ToolEnvironment(Environment):
     """The model calls tools until it answers: each turn with tool calls gets one ``tool`` message per call (a
-    malformed call gets its error as one); a turn without calls is the final answer, scored by ``score``."""
+    malformed call gets its error as one); a turn without calls is the final answer, scored by ``score``. A turn's
+    reasoning (``<think>...</think>``, Qwen3) is neither parsed for calls nor scored."""
     tool_format = "hermes"
 
     def __init__(self, tools: ToolSet, tool_format: str | None = None):
@@ -82,13 +83,14 @@ class ToolEnvironment(Environment):
             raise ValueError(f"tool_format {self.tool_format!r} is unknown; expected one of {TOOL_CALL_FORMATS}")
 
     def score(self, answer: str) -> float:
-        """The reward of the final answer (the last turn's text)."""
+        """The reward of the final answer (the last turn's text after its reasoning)."""
         raise NotImplementedError
 
     def step(self, turn: str) -> Step:
-        parsed = parse_tool_calls(turn, self.tool_format)
+        answer = without_reasoning(turn)
+        parsed = parse_tool_calls(answer, self.tool_format)
         if not parsed.calls and not parsed.errors:
-            return Step([], reward=self.score(turn), done=True, info={"tool_calls": 0, "tool_errors": 0})
+            return Step([], reward=self.score(answer), done=True, info={"tool_calls": 0, "tool_errors": 0})
         results = [self.tools.run(call) for call in parsed.calls]
         messages = [{"role": "tool", "name": r.name, "tool_call_id": r.call_id, "content": r.content} for r in results]
         messages += [{"role": "tool", "name": "error", "content": f"Error: {e}"} for e in parsed.errors]

@@ -8,7 +8,10 @@ import importlib
 import verl_ds.agent.tasks  # noqa: F401  (registers the built-in environments)
 from verl_ds.agent.env import ENVIRONMENTS, Environment
 
-__all__ = ["environment_class", "make_environment"]
+__all__ = ["BUILTIN_AGENT_TASKS", "environment_class", "make_environment"]
+
+# environments whose data set, tokenizer and SFT warm-up are built in (verl_ds.agent.tiny, verl_ds.agent.warmup)
+BUILTIN_AGENT_TASKS = ("calc", "guess_number")
 
 
 def environment_class(spec: str) -> type:

@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable
 
 from verl_ds.agent.sandbox import SandboxLimits, run_python
 
-__all__ = ["ToolCall", "ParsedTurn", "ToolResult", "ToolSet", "parse_tool_calls", "TOOL_CALL_FORMATS", "calc",
-           "python"]
+__all__ = ["ToolCall", "ParsedTurn", "ToolResult", "ToolSet", "parse_tool_calls", "without_reasoning",
+           "TOOL_CALL_FORMATS", "calc", "python"]
 
 TOOL_CALL_FORMATS = ("hermes", "llama3_json", "mistral")
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -51,6 +51,15 @@ class ToolResult:
     content: str
     error: str | None = None
     call_id: str = ""
+
+
+def without_reasoning(turn: str) -> str:
+    """The turn after its reasoning: the text after the last ``</think>``, as Qwen3's chat template splits a turn
+    into reasoning and content; a turn that opens ``<think>`` and never closes it has no content. A call or a
+    number written while reasoning is not the answer."""
+    if "</think>" in turn:
+        return turn.rsplit("</think>", 1)[1].lstrip("\n")
+    return "" if turn.lstrip().startswith("<think>") else turn
 
 
 def parse_tool_calls(text: str, fmt: str = "hermes") -> ParsedTurn:

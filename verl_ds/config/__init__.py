@@ -10,9 +10,9 @@
 """
 from .describe import describe
 from .fields import ConfigError, Spec, check_value
-from .limits import Bound, RunLimits, kl_placement_rule, resolve_kl_kind, run_limits
+from .limits import Bound, RunLimits, kl_placement_rule, resolve_kl_kind, run_limits, sequence_tokens
 from .loader import load_config, parse_override
-from .schema import (REDACTED, TOKEN_ENV, ActorConfig, AlgoConfig, Config, CriticConfig, DataConfig,
+from .schema import (REDACTED, TOKEN_ENV, ActorConfig, AgentConfig, AlgoConfig, Config, CriticConfig, DataConfig,
                      DeepSpeedConfig, ModelConfig, RewardConfig, RolloutConfig, ServerConfig, TrainerConfig,
                      hot_fields, iter_fields, write_run_config)
 from .startup import DATA_EXTENSIONS, check_startup, is_loopback
@@ -20,8 +20,8 @@ from .validate import STATE_FROM_CONFIG, Derived, initial_state, validate
 
 __all__ = [
     "Config", "ConfigError", "Derived", "load_config", "parse_override", "validate", "check_startup", "describe",
-    "initial_state", "STATE_FROM_CONFIG", "run_limits", "RunLimits", "Bound", "kl_placement_rule",
+    "initial_state", "STATE_FROM_CONFIG", "run_limits", "sequence_tokens", "RunLimits", "Bound", "kl_placement_rule",
     "resolve_kl_kind", "write_run_config", "REDACTED", "TOKEN_ENV", "DATA_EXTENSIONS", "is_loopback", "Spec",
     "check_value", "hot_fields", "iter_fields", "ModelConfig", "DataConfig", "RolloutConfig", "ActorConfig",
-    "CriticConfig", "AlgoConfig", "RewardConfig", "DeepSpeedConfig", "TrainerConfig", "ServerConfig",
+    "CriticConfig", "AlgoConfig", "AgentConfig", "RewardConfig", "DeepSpeedConfig", "TrainerConfig", "ServerConfig",
 ]

@@ -187,6 +187,13 @@ def check_value(tp, value: Any, spec: Spec, key: str = "") -> tuple[Any, Optiona
                 if why is not None:
                     return None, f"[{i}]: {why}"
         return list(value), None
+    elif base is dict:
+        if not isinstance(value, dict):
+            return None, _type_error(tp, value)
+        bad = next((k for k in value if not isinstance(k, str)), None)
+        if bad is not None:
+            return None, f"expected string keys, got {type(bad).__name__} {show(bad)}"
+        return dict(value), None
     if isinstance(value, str):
         aliases = dict(spec.aliases)
         if value in aliases:

@@ -161,6 +161,14 @@ def context_length(model_dir: str) -> Optional[tuple[int, str]]:
     return None
 
 
+def sequence_tokens(cfg) -> int:
+    """The most tokens one sample can hold: a multi-turn trajectory's ``agent.max_context_tokens``, else the
+    longest prompt and response."""
+    if cfg.agent.environment is not None:
+        return cfg.agent.max_context_tokens
+    return cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+
+
 def run_limits(cfg) -> RunLimits:
     """This run's limits: the response must fit every model's context after the longest prompt
     (``model.max_position_embeddings`` for the built-in model, config.json for ``model.path``,
@@ -185,7 +193,13 @@ def run_limits(cfg) -> RunLimits:
     upper = {}
     if contexts:
         tokens, where, why = min(contexts, key=lambda c: c[0])
-        prompt = cfg.data.max_prompt_length
-        upper["max_new_tokens"] = Bound(tokens - prompt, f"{where}={tokens} - data.max_prompt_length={prompt}: {why}")
+        if cfg.agent.environment is not None:  # a turn must fit the trajectory's budget, which must fit the model
+            budget = min(tokens, cfg.agent.max_context_tokens)
+            upper["max_new_tokens"] = Bound(budget - 1, f"agent.max_context_tokens={cfg.agent.max_context_tokens} "
+                                                        f"and {where}={tokens}, less one prompt token: {why}")
+        else:
+            prompt = cfg.data.max_prompt_length
+            upper["max_new_tokens"] = Bound(tokens - prompt, f"{where}={tokens} - data.max_prompt_length={prompt}: "
+                                                             f"{why}")
     return RunLimits(upper=upper, kl_placement=resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator),
                      reference=has_reference(cfg))

@@ -180,6 +180,16 @@ class AlgoConfig:
 
 
 @dataclass
+class AgentConfig:
+    environment: Optional[str] = _f(None, "Multi-turn rollouts: the environment each trajectory runs in, a registered name (calc, guess_number) or 'package.module:Class' (docs/agents.md); null: one response per prompt. Each data set row is handed to the environment's reset; the environment's rewards are the score (reward.functions must be []).", nonempty=True)
+    env_args: dict = _f({}, "Keyword arguments of the environment's constructor (e.g. {tool_format: hermes}).")
+    max_turns: int = _f(4, "Model turns per trajectory at most (rollout.max_new_tokens tokens each).", min=1, max=1024)
+    max_tool_calls: int = _f(8, "Tool calls per trajectory at most; one more ends it.", min=1, max=1 << 16)
+    max_context_tokens: int = _f(256, "Tokens of a trajectory at most (its first prompt, model turns and environment answers); a turn starts only while rollout.max_new_tokens more fit.", min=2, max=1 << 20)
+    step_timeout_s: float = _f(10.0, "Seconds an environment's reset or step may take; a slower one ends its trajectory (env_timeout).", gt=0.0, max=86400.0)
+
+
+@dataclass
 class RewardConfig:
     functions: list = _f(["parity"], "Reward functions: shipped names (parity, exact_match, ...) or 'module:fn' / 'file.py:fn'; entries may be {name, weight, per_token} (|weight| <= 1e6; the shipped functions score whole sequences, per_token false).")
     model_path: Optional[str] = _f(None, "Local HF sequence-classification reward model (1 label), scored at the last real token.", nonempty=True)
@@ -238,6 +248,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

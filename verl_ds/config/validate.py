@@ -115,6 +115,43 @@ def _check_reward_functions(cfg: Config) -> None:
             raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {show(spec)}")
 
 
+def _check_agent(cfg: Config, world_size: int) -> None:
+    """Multi-turn rollouts: the environment loads and takes its arguments, the environment scores (no reward
+    functions), the budget fits the model, and what episodes cannot do yet is refused by name."""
+    from .limits import context_length
+
+    a = cfg.agent
+    from verl_ds.agent.registry import BUILTIN_AGENT_TASKS, environment_class, make_environment  # local: light
+
+    try:
+        environment_class(a.environment)
+    except ValueError as exc:
+        raise ConfigError(f"agent.environment: {exc}") from None
+    try:
+        make_environment(a.environment, a.env_args)
+    except ValueError as exc:
+        raise ConfigError(f"agent.env_args: {exc}") from None
+    if cfg.reward.functions or cfg.reward.model_path is not None:
+        raise ConfigError(f"agent.environment={a.environment!r}: the environment's rewards score the trajectories; "
+                          f"set reward.functions: [] and no reward.model_path (got functions={show(cfg.reward.functions)}"
+                          f", model_path={show(cfg.reward.model_path)})")
+    if cfg.algo.overlong_buffer:
+        raise ConfigError("algo.overlong_buffer: DAPO's overlong penalty is for single responses; with "
+                          "agent.environment the limits are agent.max_turns and agent.max_context_tokens (set 0)")
+    if cfg.data.train_files is None and a.environment not in BUILTIN_AGENT_TASKS:
+        raise ConfigError(f"agent.environment={a.environment!r} has no built-in data set (only "
+                          f"{list(BUILTIN_AGENT_TASKS)} do); set data.train_files to rows its reset takes")
+    m = cfg.model
+    found = (m.max_position_embeddings, "model.max_position_embeddings") if m.path is None else context_length(m.path)
+    if found is not None and a.max_context_tokens > found[0]:
+        raise ConfigError(f"agent.max_context_tokens={a.max_context_tokens} is larger than {found[1]}={found[0]}: "
+                          "a trajectory must fit the model's context")
+    if world_size > 1 and cfg.rollout.engine == "hf" and not cfg.rollout.gather_params:
+        raise ConfigError("rollout.gather_params=false: with agent.environment on several ranks each rank runs as many "
+                          "generate calls as its own episodes need, and per-token gathering is a collective; set "
+                          "rollout.gather_params: true")
+
+
 # what every prompt item holds besides pass-through fields (verl_ds.data builds them)
 RESERVED_ITEM_KEYS = ("input_ids", "prompt")
 
@@ -169,7 +206,10 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
     state = initial_state(cfg)
     for key, reason in limits.check(state, state).items():
         raise ConfigError(f"{STATE_FROM_CONFIG[key]}: {reason}")
-    _check_reward_functions(cfg)
+    if cfg.agent.environment is not None:
+        _check_agent(cfg, world_size)
+    else:
+        _check_reward_functions(cfg)
     _check_data(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "

@@ -34,7 +34,13 @@ def load_tokenizer(cfg: Config):
     from verl_ds.tokenizer import build_tokenizer
 
     path = cfg.model.tokenizer_path or cfg.model.path
-    if path is None:
+    from verl_ds.agent.registry import BUILTIN_AGENT_TASKS
+
+    if path is None and cfg.data.train_files is None and cfg.agent.environment in BUILTIN_AGENT_TASKS:
+        from verl_ds.agent.tiny import build_agent_tokenizer
+
+        tok = build_agent_tokenizer()  # the built-in agent tasks' words, tool-call tokens and chat template
+    elif path is None:
         from verl_ds.tasks import parity
 
         # the built-in task's own small vocabulary: a fresh model then samples task words, not 280 others
