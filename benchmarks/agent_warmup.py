@@ -34,7 +34,7 @@ class PlainEngine(torch.nn.Module):
     def __init__(self, model, lr: float, weight_decay: float, grad_clip: float):
         super().__init__()
         self.model, self.grad_clip = model, grad_clip
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
 
     @property
     def device(self):
@@ -49,8 +49,8 @@ class PlainEngine(torch.nn.Module):
     def step(self):
         if self.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def tiny_model(cfg, tok):
@@ -132,27 +132,34 @@ def main(argv=None):
     ap.add_argument("--env", default="calc", choices=["calc", "guess_number"])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=None, help="default: the config's actor.lr")
+    ap.add_argument("--lr", type=float, default=None, help="the warm-up's; default: verl_ds.agent.warmup.WARMUP_LR")
     ap.add_argument("--episodes", type=int, default=128)
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-turn-tokens", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--show", type=int, default=4, help="print this many episodes")
+    ap.add_argument("--model-dir", default=None, help="evaluate this HF model (a run's hf_actor) instead of warming up")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     cfg = load_config(args.config, args.override)
     tok = build_agent_tokenizer()
-    model = tiny_model(cfg, tok)
-    engine = PlainEngine(model, args.lr or cfg.actor.lr, cfg.actor.weight_decay, cfg.actor.grad_clip)
-    n_params = sum(p.numel() for p in model.parameters())
-    start = time.time()
-    losses = sft_warmup(engine, tok, args.env, args.steps, seed=args.seed, batch_size=args.batch_size)
-    warm_s = time.time() - start
-    k = max(1, len(losses) // 10)
-    print(f"warmup env={args.env} params={n_params} steps={args.steps} loss_first={sum(losses[:k]) / k:.3f} "
-          f"loss_last={sum(losses[-k:]) / k:.3f} seconds={warm_s:.1f}")
+    if args.model_dir:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir)
+    else:
+        model = tiny_model(cfg, tok)
+        engine = PlainEngine(model, cfg.actor.lr, 0.01, cfg.actor.grad_clip)  # as build_engines' warm-up engine
+        n_params = sum(p.numel() for p in model.parameters())
+        start = time.time()
+        losses = sft_warmup(engine, tok, args.env, args.steps, seed=args.seed, batch_size=args.batch_size,
+                            **({"lr": args.lr} if args.lr else {}))
+        warm_s = time.time() - start
+        k = max(1, len(losses) // 10)
+        print(f"warmup env={args.env} params={n_params} steps={args.steps} loss_first={sum(losses[:k]) / k:.3f} "
+              f"loss_last={sum(losses[-k:]) / k:.3f} seconds={warm_s:.1f}")
     limits = EpisodeLimits(max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
                            max_context_tokens=cfg.model.max_position_embeddings)
     start = time.time()

@@ -147,7 +147,7 @@ class PlainEngine(torch.nn.Module):
 
     def __init__(self, model, lr):
         super().__init__()
-        self.model, self.opt = model, torch.optim.AdamW(model.parameters(), lr=lr)
+        self.model, self.optimizer = model, torch.optim.AdamW(model.parameters(), lr=lr)
         self.device = torch.device("cpu")
 
     def forward(self, **kw):
@@ -158,8 +158,8 @@ class PlainEngine(torch.nn.Module):
 
     def step(self):
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
 
 
 def tiny_llama(seed=0):
@@ -184,8 +184,10 @@ def test_the_cold_start_teaches_the_call_but_not_to_call():
         with torch.no_grad():
             return sum(torch.softmax(model(torch.tensor([p])).logits[0, -1], -1)[call_id].item() for p in prompts) / len(prompts)
 
-    losses = sft_warmup(PlainEngine(model, lr=3e-3), TOK, "calc", steps=150, seed=0, batch_size=16)
+    engine = PlainEngine(model, lr=1e-5)
+    losses = sft_warmup(engine, TOK, "calc", steps=150, seed=0, batch_size=16, lr=3e-3)
     assert len(losses) == 150
+    assert engine.optimizer.param_groups[0]["lr"] == 1e-5  # the engine's own rate is back for RL
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 / 3, losses
     # the decision is supervised at CALL_FRACTION (5%) though most demonstrations call: the warmed model seldom
     # calls (labelling every decision would teach it to call in most episodes) ...

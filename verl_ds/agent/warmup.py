@@ -29,7 +29,8 @@ __all__ = ["sft_warmup", "demonstration", "demonstration_tokens", "CALL_FRACTION
 CALL_FRACTION = 0.05  # calc: the share of labelled first-token decisions that open a tool call
 SKILL_FRACTION = 0.8  # calc: the share of conversations that call the tool (most with the decision unlabelled)
 FEEDBACK_FRACTION = 0.3  # guess_number guesses that stay within the range the feedback left
-GUESS_TURNS = 5  # a guess_number demonstration gives up after this many wrong guesses
+GUESS_TURNS = 5
+WARMUP_LR = 1e-3  # the cold start's learning rate, whatever the engine's optimizer was built with (actor.lr is RL's)  # a guess_number demonstration gives up after this many wrong guesses
 
 
 def _call(expression: str) -> str:
@@ -116,10 +117,12 @@ def _batch(chat: ChatTokens, conversations: list, decisions: list, pad_id: int) 
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
 
 
-def sft_warmup(engine, tokenizer, env_name: str, steps: int, seed: int, batch_size: int = 16) -> list[float]:
+def sft_warmup(engine, tokenizer, env_name: str, steps: int, seed: int, batch_size: int = 16,
+               lr: float | None = WARMUP_LR) -> list[float]:
     """Supervised warm start of an actor ``engine`` (a DeepSpeed engine, or any module with ``backward`` /
     ``step``) on ``steps`` batches of ``batch_size`` demonstrations of the built-in task ``env_name``, the same
-    batches on every rank; returns each step's loss (mean over the assistant tokens)."""
+    batches on every rank; returns each step's loss (mean over the assistant tokens). ``lr`` (None: the
+    optimizer's own) is set on the engine's optimizer for the warm-up and put back after it."""
     if env_name not in BUILTIN_TASKS:
         raise ValueError(f"sft_warmup: no demonstrations for environment {env_name!r}; built-in: "
                          f"{', '.join(BUILTIN_TASKS)}")
@@ -130,6 +133,19 @@ def sft_warmup(engine, tokenizer, env_name: str, steps: int, seed: int, batch_si
     rng = random.Random(seed * 7919 + 17)
     rows = builtin_rows(env_name, steps * batch_size, seed=seed + 1_000_003)  # not the training rows
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    groups = getattr(getattr(engine, "optimizer", None), "param_groups", None) or []
+    saved = [g["lr"] for g in groups]
+    if lr is not None:
+        for g in groups:
+            g["lr"] = lr
+    try:
+        return _train(engine, chat, env_name, rows, steps, batch_size, rng, pad_id)
+    finally:
+        for g, old in zip(groups, saved):
+            g["lr"] = old
+
+
+def _train(engine, chat, env_name, rows, steps, batch_size, rng, pad_id) -> list[float]:
     engine.train()
     device = engine.device
     losses = []
