@@ -28,7 +28,7 @@ __all__ = ["sft_warmup", "demonstration", "demonstration_tokens", "CALL_FRACTION
 
 CALL_FRACTION = 0.05  # calc: the share of labelled first-token decisions that open a tool call
 SKILL_FRACTION = 0.8  # calc: the share of conversations that call the tool (most with the decision unlabelled)
-FEEDBACK_FRACTION = 0.3  # guess_number guesses that stay within the range the feedback left
+FEEDBACK_FRACTION = 0.5  # guess_number guesses that stay within the range the feedback left
 GUESS_TURNS = 5
 WARMUP_LR = 1e-3  # the cold start's learning rate, whatever the engine's optimizer was built with (actor.lr is RL's)  # a guess_number demonstration gives up after this many wrong guesses
 
