@@ -189,7 +189,7 @@ def test_the_cold_start_teaches_the_call_but_not_to_call():
     assert len(losses) == 150
     assert engine.optimizer.param_groups[0]["lr"] == 1e-5  # the engine's own rate is back for RL
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 / 3, losses
-    # the decision is supervised at CALL_FRACTION (5%) though most demonstrations call: the warmed model seldom
+    # the decision is supervised at CALL_FRACTION (2%) though most demonstrations call: the warmed model seldom
     # calls (labelling every decision would teach it to call in most episodes) ...
     assert decision_rate() < 2 * CALL_FRACTION
     # ... but once it has opened a call, it writes a well-formed one to calc

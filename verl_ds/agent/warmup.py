@@ -26,7 +26,7 @@ from verl_ds.agent.tiny import BUILTIN_TASKS, builtin_rows
 
 __all__ = ["sft_warmup", "demonstration", "demonstration_tokens", "CALL_FRACTION", "FEEDBACK_FRACTION"]
 
-CALL_FRACTION = 0.05  # calc: the share of labelled first-token decisions that open a tool call
+CALL_FRACTION = 0.02  # calc: the share of labelled first-token decisions that open a tool call
 SKILL_FRACTION = 0.8  # calc: the share of conversations that call the tool (most with the decision unlabelled)
 FEEDBACK_FRACTION = 0.5  # guess_number guesses that stay within the range the feedback left
 GUESS_TURNS = 5
