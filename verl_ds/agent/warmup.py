@@ -1,0 +1,160 @@
+"""A cold start for the built-in agent tasks: a little supervised training on whole demonstration conversations
+before RL, as tool-RL recipes do (ReTool, arXiv:2504.11536; ToolRL, arXiv:2504.13958), so that a model built from
+scratch can write a well-formed call and copy a result, while RL still has the choice to learn.
+
+The demonstrations are a weak policy on purpose. On ``calc`` a model answering in its head writes a number of about
+the right length (usually wrong), and the decision to call is supervised at ``CALL_FRACTION``: the first token of
+the first turn is a ``<tool_call>`` in that share of the labelled decisions, so a warmed model calls in a few percent
+of episodes and RL must find that calling pays. How to call (the JSON, the expression copied, the result copied)
+is a separate skill that a few percent of the data would not teach a model this small: ``SKILL_FRACTION`` of the
+conversations call the tool, and on most of them the decision token is left out of the loss (``_decision_kept``)
+so that they teach the call without teaching to call more often. On
+``guess_number`` the guesses are valid numbers that follow the higher / lower feedback only ``FEEDBACK_FRACTION``
+of the time. Each conversation is driven by the real environment and laid out as a rollout lays it out (the
+first prompt, each assistant turn's ids and ``<eos>``, the chat template's delta for the messages after it), and
+the loss is on the assistant turns' tokens only.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from verl_ds.agent.chat_tokens import ChatTokens
+from verl_ds.agent.registry import make_environment
+from verl_ds.agent.tiny import BUILTIN_TASKS, builtin_rows
+
+__all__ = ["sft_warmup", "demonstration", "demonstration_tokens", "CALL_FRACTION", "FEEDBACK_FRACTION"]
+
+CALL_FRACTION = 0.02  # calc: the share of labelled first-token decisions that open a tool call
+SKILL_FRACTION = 0.8  # calc: the share of conversations that call the tool (most with the decision unlabelled)
+FEEDBACK_FRACTION = 0.5  # guess_number guesses that stay within the range the feedback left
+GUESS_TURNS = 5
+WARMUP_LR = 1e-3  # the cold start's learning rate, whatever the engine's optimizer was built with (actor.lr is RL's)  # a guess_number demonstration gives up after this many wrong guesses
+
+
+def _call(expression: str) -> str:
+    return f'<tool_call>{{"name": "calc", "arguments": {{"expression": "{expression}"}}}}</tool_call>'
+
+
+def _turns(env_name: str, row: dict, rng: random.Random) -> list[str]:
+    """The demonstrating policy's turns for ``row`` (guess_number's depend on the secret only through the
+    feedback, which the caller's environment gives: here it is replayed)."""
+    if env_name == "calc":
+        if rng.random() < SKILL_FRACTION:
+            return [_call(row["expression"]), row["answer"]]
+        width = len(row["answer"])  # a plausible number: the answer's length, digits from the head
+        return [str(rng.randint(10 ** (width - 1) if width > 1 else 0, 10 ** width - 1))]
+    low, high, secret, turns = 1, int(row["high"]), int(row["secret"]), []
+    tried = set()
+    while len(turns) < GUESS_TURNS:
+        if rng.random() < FEEDBACK_FRACTION:
+            guess = rng.randint(low, high)
+        else:
+            guess = rng.choice([g for g in range(1, int(row["high"]) + 1) if g not in tried] or [secret])
+        tried.add(guess)
+        turns.append(str(guess))
+        if guess == secret:
+            break
+        low, high = (max(low, guess + 1), high) if guess < secret else (low, min(high, guess - 1))
+    return turns
+
+
+def demonstration(env_name: str, row: dict, rng: random.Random) -> list[dict]:
+    """One demonstration conversation on ``row``: the environment's first messages, then each demonstrated
+    assistant turn followed by the messages the environment answers it with."""
+    env = make_environment(env_name)
+    messages = list(env.reset(row))
+    for turn in _turns(env_name, row, rng):
+        messages.append({"role": "assistant", "content": turn})
+        step = env.step(turn)
+        messages += step.messages
+        if step.done:
+            break
+    return messages
+
+
+def demonstration_tokens(chat: ChatTokens, messages: list, decision: bool = True) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a conversation as a rollout builds it: mask 1 on each assistant turn's ids and stop token,
+    except the first turn's first token when ``decision`` is False."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    ids = chat.prompt(messages[:first])
+    mask = [0] * len(ids)
+    decision_at = len(ids)
+    i = first
+    while i < len(messages):
+        turn = chat.tokenizer.encode(messages[i]["content"], add_special_tokens=False) + chat.stop_ids[:1]
+        j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
+        after = chat.after_turn(messages[i + 1:j]) if j < len(messages) else []
+        ids += turn + after
+        mask += [1] * len(turn) + [0] * len(after)
+        i = j
+    if not decision:
+        mask[decision_at] = 0
+    return ids, mask
+
+
+def _decision_kept(messages: list, rng: random.Random) -> bool:
+    """Whether a calc conversation's first token is labelled: every direct answer's, and a calling one's with the
+    probability q that makes calls CALL_FRACTION of the labelled decisions (s q / (s q + 1 - s) = f)."""
+    first = next(m for m in messages if m["role"] == "assistant")
+    if not first["content"].startswith("<tool_call>"):
+        return True
+    s, f = SKILL_FRACTION, CALL_FRACTION
+    return rng.random() < f * (1 - s) / (s * (1 - f))
+
+
+def _batch(chat: ChatTokens, conversations: list, decisions: list, pad_id: int) -> dict:
+    """Right-padded input_ids / attention_mask / labels (-100 off the assistant turns)."""
+    pieces = [demonstration_tokens(chat, c, d) for c, d in zip(conversations, decisions)]
+    width = max(len(ids) for ids, _ in pieces)
+    input_ids = torch.full((len(pieces), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(pieces), width), dtype=torch.long)
+    labels = torch.full((len(pieces), width), -100, dtype=torch.long)
+    for row, (ids, mask) in enumerate(pieces):
+        input_ids[row, :len(ids)], attention[row, :len(ids)] = torch.tensor(ids), 1
+        labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
+
+
+def sft_warmup(engine, tokenizer, env_name: str, steps: int, seed: int, batch_size: int = 16,
+               lr: float | None = WARMUP_LR) -> list[float]:
+    """Supervised warm start of an actor ``engine`` (a DeepSpeed engine, or any module with ``backward`` /
+    ``step``) on ``steps`` batches of ``batch_size`` demonstrations of the built-in task ``env_name``, the same
+    batches on every rank; returns each step's loss (mean over the assistant tokens). ``lr`` (None: the
+    optimizer's own) is set on the engine's optimizer for the warm-up and put back after it."""
+    if env_name not in BUILTIN_TASKS:
+        raise ValueError(f"sft_warmup: no demonstrations for environment {env_name!r}; built-in: "
+                         f"{', '.join(BUILTIN_TASKS)}")
+    if steps < 1 or batch_size < 1:
+        raise ValueError(f"sft_warmup: steps and batch_size must be >= 1, got {steps} and {batch_size}")
+    tools = make_environment(env_name).tools
+    chat = ChatTokens(tokenizer, tools.schemas if tools is not None else None)
+    rng = random.Random(seed * 7919 + 17)
+    rows = builtin_rows(env_name, steps * batch_size, seed=seed + 1_000_003)  # not the training rows
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    groups = getattr(getattr(engine, "optimizer", None), "param_groups", None) or []
+    saved = [g["lr"] for g in groups]
+    if lr is not None:
+        for g in groups:
+            g["lr"] = lr
+    try:
+        return _train(engine, chat, env_name, rows, steps, batch_size, rng, pad_id)
+    finally:
+        for g, old in zip(groups, saved):
+            g["lr"] = old
+
+
+def _train(engine, chat, env_name, rows, steps, batch_size, rng, pad_id) -> list[float]:
+    engine.train()
+    device = engine.device
+    losses = []
+    for i in range(steps):
+        conversations = [demonstration(env_name, r, rng) for r in rows[i * batch_size:(i + 1) * batch_size]]
+        decisions = [env_name != "calc" or _decision_kept(c, rng) for c in conversations]
+        batch = _batch(chat, conversations, decisions, pad_id)
+        loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
