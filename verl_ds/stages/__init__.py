@@ -1,0 +1,1 @@
+"""Jobs besides the RL trainer: supervised fine-tuning, reward-model training and DPO."""
