@@ -121,19 +121,29 @@ def _bad_rows():
         ("empty_completion", {"prompt": msgs, "chosen": [{"role": "assistant", "content": " "}],
                               "rejected": [{"role": "assistant", "content": "1"}]}),
         ("overlong", {"prompt": "even : 1 =>", "chosen": "2 4 6 8 0 2 4 6", "rejected": "1"}),
+        ("overlong", {"prompt": "even : 1 3 5 7 9 =>", "chosen": "2", "rejected": "1"}),
     ]
 
 
 def test_bad_rows_skipped_and_counted_by_reason():
     rows = _bad_rows()
-    ds = PreferenceDataset.from_records([r for _, r in rows], TOK, max_length=8)
+    ds = PreferenceDataset.from_records([r for _, r in rows], TOK, max_prompt_length=6, max_completion_length=4,
+                                        overlong="skip")
     assert len(ds) == 1 and ds[0]["chosen_ids"] == ids("2 4") + [EOS]
     want = {}
     for reason, _ in rows[1:]:
         want[reason] = want.get(reason, 0) + 1
     assert ds.report() == want
     assert set(want) <= set(REASONS)
-    assert "kept 1 of 14 preference rows" in ds.summary() and "overlong 1 (record 13)" in ds.summary()
+    assert "kept 1 of 15 preference rows" in ds.summary() and "overlong 2 (record 13, record 14)" in ds.summary()
+
+
+def test_long_prompts_are_cut_from_the_left_by_default():
+    row = {"prompt": "even : 1 3 5 7 9 =>", "chosen": "2", "rejected": "1"}
+    ds = PreferenceDataset.from_records([row], TOK, max_prompt_length=3)
+    assert ds[0]["prompt_ids"] == ids("7 9 =>") and ds.report() == {"truncated": 1}
+    with pytest.raises(ValueError, match="max_prompt_length: expected a positive int"):
+        PreferenceDataset.from_records([row], TOK, max_prompt_length=0)
 
 
 def test_messages_without_a_chat_template_are_counted():

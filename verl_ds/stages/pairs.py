@@ -36,7 +36,9 @@ REASONS.update({
     "empty_prompt": "the prompt is empty or has no tokens (implicit prompt: chosen and rejected share no prefix)",
     "empty_completion": "chosen or rejected is empty or has no tokens after the prompt",
     "identical": "chosen and rejected are the same (nothing to prefer)",
-    "overlong": "prompt + the longer completion has more tokens than max_length",
+    "overlong": "prompt longer than max_prompt_length (with overlong='skip') or a completion longer than "
+                "max_completion_length (skipped)",
+    "truncated": "prompt longer than max_prompt_length (kept, cut from the left)",
 })
 _SHOW = 3
 
@@ -49,10 +51,9 @@ class PreferenceDataset(torch.utils.data.Dataset):
         self.items, self.problems, self.n_rows, self.source = items, problems, n_rows, source
 
     @classmethod
-    def from_file(cls, path, tokenizer, *, split: str | None = None,
-                  max_length: int | None = None) -> "PreferenceDataset":
+    def from_file(cls, path, tokenizer, *, split: str | None = None, **limits) -> "PreferenceDataset":
         """Load `path`: .jsonl / .json / .parquet, or a directory saved with `datasets`' save_to_disk (`split`
-        picks from a DatasetDict)."""
+        picks from a DatasetDict); `limits` as `from_records`."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path: expected a file or directory path, got {type(path).__name__}")
         path = os.fspath(path)
@@ -68,16 +69,18 @@ class PreferenceDataset(torch.utils.data.Dataset):
                 raise ValueError(f"preference data {path!r}: unsupported extension {ext!r}; expected one of "
                                  f"{sorted(readers)} or a directory saved with datasets' save_to_disk")
             rows = readers[ext](path)
-        return _build(cls, rows, tokenizer, max_length, path, count_duplicates=True)
+        return _build(cls, rows, tokenizer, source=path, count_duplicates=True, **limits)
 
     @classmethod
-    def from_records(cls, records, tokenizer, *, max_length: int | None = None,
-                     source: str = "records") -> "PreferenceDataset":
-        """Build from a list of dicts (e.g. ``verl_ds.tasks.parity.preference_pairs``)."""
+    def from_records(cls, records, tokenizer, *, source: str = "records", **limits) -> "PreferenceDataset":
+        """Build from a list of dicts (e.g. ``verl_ds.tasks.parity.preference_pairs``). `limits`:
+        ``max_prompt_length`` (None: no limit; a longer prompt is cut from the left, or skipped with
+        ``overlong="skip"``), ``max_completion_length`` (None: no limit; a pair with a longer completion is
+        skipped: cut, the two completions would no longer be what was ranked)."""
         if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
             raise TypeError(f"records: expected a list of dicts, got {type(records).__name__}")
         rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
-        return _build(cls, rows, tokenizer, max_length, source)
+        return _build(cls, rows, tokenizer, source=source, **limits)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -227,11 +230,19 @@ def _chat_tokens(tokenizer):
         return "chat_template_error"
 
 
-def _build(cls, rows, tokenizer, max_length, source, count_duplicates=False):
+def _check_limit(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+
+
+def _build(cls, rows, tokenizer, *, source, count_duplicates=False, max_prompt_length=None,
+           max_completion_length=None, overlong="truncate"):
     if not callable(tokenizer):
         raise TypeError(f"tokenizer: expected a HuggingFace tokenizer, got {type(tokenizer).__name__}")
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2):
-        raise ValueError(f"max_length: expected an int >= 2 or None, got {max_length!r}")
+    _check_limit("max_prompt_length", max_prompt_length)
+    _check_limit("max_completion_length", max_completion_length)
+    if overlong not in ("truncate", "skip"):
+        raise ValueError(f"overlong: expected 'truncate' or 'skip', got {overlong!r}")
     problems: dict[str, list[str]] = {}
     items, seen, chat_tokens = [], {}, None
     for where, row, reason in rows:
@@ -245,8 +256,14 @@ def _build(cls, rows, tokenizer, max_length, source, count_duplicates=False):
                 reason = out
         if reason is None:
             p_ids, c_ids, r_ids, text = out
-            if max_length is not None and len(p_ids) + max(len(c_ids), len(r_ids)) > max_length:
+            if max_completion_length is not None and max(len(c_ids), len(r_ids)) > max_completion_length:
                 reason = "overlong"
+            elif max_prompt_length is not None and len(p_ids) > max_prompt_length:
+                if overlong == "skip":
+                    reason = "overlong"
+                else:
+                    problems.setdefault("truncated", []).append(where)
+                    p_ids = p_ids[-max_prompt_length:]
         if reason is not None:
             problems.setdefault(reason, []).append(where)
             continue
