@@ -302,3 +302,46 @@ def collate_pairs(items: list[dict], pad_token_id: int) -> dict:
         ids[i, P:P + len(c)] = torch.as_tensor(c, dtype=torch.int64)
         mask[i, P - len(p):P + len(c)] = True
     return {"input_ids": ids, "attention_mask": mask, "response_mask": mask[:, P:].clone(), "pairs": len(items)}
+
+
+def load_pair_data(cfg):
+    """The tokenizer and the (train, val) preference sets of the RM and DPO jobs (a ``StageData``): the files of
+    ``data.train_files`` / ``data.val_files``, or, without files, the parity task's pairs ranked by its rule
+    (``data.num_train_prompts`` of them and ``data.num_val_prompts`` held out, on other prompts). Prompts are
+    limited by ``data.max_prompt_length`` (``data.overlong``), completions by ``rollout.max_new_tokens``;
+    unusable data is a ConfigError naming the key."""
+    from verl_ds.config import ConfigError
+    from verl_ds.engines.build import load_tokenizer
+    from verl_ds.stages.spine import StageData
+    from verl_ds.tasks import parity
+
+    tok = load_tokenizer(cfg)
+    d = cfg.data
+    limits = dict(max_prompt_length=d.max_prompt_length, max_completion_length=cfg.rollout.max_new_tokens,
+                  overlong=d.overlong)
+
+    def load(key: str, path: str):
+        try:
+            return PreferenceDataset.from_file(path, tok, **limits)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+    if d.train_files is None:
+        seed = cfg.trainer.seed
+        train = PreferenceDataset.from_records(parity.preference_pairs(d.num_train_prompts, seed), tok,
+                                               source="parity pairs", **limits)
+        val = PreferenceDataset.from_records(parity.preference_pairs(d.num_val_prompts, 10_000 + seed), tok,
+                                             source="parity pairs (held out)", **limits)
+    else:
+        train = load("data.train_files", d.train_files)
+        val = load("data.val_files", d.val_files) if d.val_files is not None else None
+    if len(train) < cfg.actor.mini_batch_size:
+        where = "data.train_files" if d.train_files else "data.num_train_prompts"
+        raise ConfigError(f"actor.mini_batch_size={cfg.actor.mini_batch_size} is larger than the {len(train)} usable "
+                          f"pairs of {where} ({train.summary()}); a step takes actor.mini_batch_size distinct pairs")
+    return StageData(tok, train, val)
+
+
+def pair_tokens(item: dict) -> int:
+    """The tokens a pair's two sequences hold (its share of a token budget)."""
+    return 2 * len(item["prompt_ids"]) + len(item["chosen_ids"]) + len(item["rejected_ids"])
