@@ -1,5 +1,5 @@
-"""The ``verl-ds`` command: ``train``, ``config`` (print the resolved config or the key reference), ``plan``,
-``state``. A bad config exits with status 2 and one line naming the culprit, before anything is built."""
+"""The ``verl-ds`` command: ``train`` (the RL job), ``sft``, ``rm`` and ``dpo`` (the supervised-style jobs of
+``verl_ds.stages``), ``config`` (print the resolved config or the key reference), ``plan``, ``state``. A bad config exits with status 2 and one line naming the culprit, before anything is built."""
 from __future__ import annotations
 
 import argparse
@@ -32,11 +32,80 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. actor.lr=1e-4 trainer.total_steps=10")
 
 
-def _load(args):
+def _load(args, default: str = DEFAULT_CONFIG):
     from verl_ds.config import load_config
 
-    path = args.config if args.config is not None else (DEFAULT_CONFIG if os.path.isfile(DEFAULT_CONFIG) else None)
+    path = args.config if args.config is not None else (default if os.path.isfile(default) else None)
     return load_config(path, args.overrides)
+
+
+def _logging(rank: int) -> None:
+    level = logging.INFO if rank == 0 else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank{rank}] %(levelname)s %(name)s: %(message)s")
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def stage_module(name: str):
+    """``verl_ds.stages.<name>`` (its ``JOB`` class runs the job); ConfigError when this build has no such job."""
+    import importlib
+
+    from verl_ds.config import ConfigError
+
+    module_name = f"verl_ds.stages.{name}"
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise ConfigError(f"verl-ds {name}: this installation has no {name} job ({module_name} is missing); the "
+                          f"jobs here: train, {', '.join(s for s in _stages() if _has(s))}") from None
+    if not hasattr(module, "JOB"):
+        raise ConfigError(f"verl-ds {name}: {module_name} defines no JOB (the StageJob subclass that runs it)")
+    return module
+
+
+def _stages() -> tuple:
+    from verl_ds.stages import STAGES
+
+    return STAGES
+
+
+def _has(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(f"verl_ds.stages.{name}") is not None
+
+
+def cmd_stage(args) -> int:
+    """A supervised-style job (sft, rm, dpo): the same gate, launchers and run directory as ``train``."""
+    from verl_ds.dist import detect_launch
+    from verl_ds.stages.gate import check_stage
+
+    job_cls = stage_module(args.command).JOB
+    cfg = _load(args, os.path.join(os.path.dirname(DEFAULT_CONFIG), f"{args.command}.yaml"))
+    launch = detect_launch(local_rank_arg=args.local_rank)
+    check_stage(cfg, launch.world_size, launch.rank)  # refused before torch.distributed or any model starts
+    _logging(launch.rank)
+    data = job_cls.load_data(cfg)  # unusable data exits 2 before torch.distributed
+
+    import torch
+
+    if launch.world_size > 1 or "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if launch.rank == 0:
+        print(f"verl_ds {args.command}: launcher={launch.launcher} world_size={launch.world_size} "
+              f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---",
+              flush=True)
+    summary = job_cls(cfg, launch, data=data).fit()
+    if launch.rank == 0:
+        from verl_ds.stages.spine import format_summary
+
+        print(format_summary(summary), flush=True)
+    from verl_ds import dist as vdist
+
+    vdist.shutdown()
+    return 0
 
 
 def cmd_train(args) -> int:
@@ -46,10 +115,7 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     launch = detect_launch(local_rank_arg=args.local_rank)
     check_startup(cfg, launch.world_size, launch.rank)  # refuse a bad job before torch.distributed or any model starts
-    level = logging.INFO if launch.rank == 0 else logging.WARNING
-    logging.basicConfig(level=level, format=f"[rank{launch.rank}] %(levelname)s %(name)s: %(message)s")
-    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    _logging(launch.rank)
     from verl_ds.builder import load_data
 
     data = load_data(cfg)  # the prompt sets are part of the gate: unusable data exits 2 before torch.distributed
@@ -111,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     p.set_defaults(func=cmd_train)
+    for name, what in (("sft", "supervised fine-tuning on prompt/completion or chat rows"),
+                       ("rm", "train a reward model (Bradley-Terry) on preference pairs"),
+                       ("dpo", "direct preference optimisation on preference pairs")):
+        p = sub.add_parser(name, help=f"{what} (launch/{name}.py; default config configs/{name}.yaml)")
+        _config_args(p)
+        p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+        p.set_defaults(func=cmd_stage)
     p = sub.add_parser("config", help="print the resolved, validated config (or --describe every key)")
     _config_args(p)
     p.add_argument("--world-size", type=int, default=1)

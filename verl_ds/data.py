@@ -45,6 +45,22 @@ _SHOW = 3  # locations listed per reason in messages
 _TOKENIZE_CHUNK = 1024
 
 
+def read_rows(path: str, split: str | None = None) -> list:
+    """``(location, row, reason)`` triples of a .jsonl / .ndjson / .json / .parquet file or a datasets save_to_disk
+    directory (``verl_ds.data_files``); ValueError for a missing file or an unsupported extension."""
+    if not os.path.exists(path):
+        raise ValueError(f"data file {path!r} does not exist")
+    if os.path.isdir(path):
+        return read_saved_dataset(path, split)
+    ext = os.path.splitext(path)[1].lower()
+    readers = {".jsonl": read_json_lines, ".ndjson": read_json_lines, ".json": read_json_lines,
+               ".parquet": read_parquet}
+    if ext not in readers:
+        raise ValueError(f"data file {path!r}: unsupported extension {ext!r}; expected one of "
+                         f"{sorted(readers)} or a directory saved with datasets' save_to_disk")
+    return readers[ext](path)
+
+
 class PromptDataset(torch.utils.data.Dataset):
     """Tokenized prompts. Item i: {"input_ids": list[int], "prompt": str, **pass-through fields}.
 
@@ -67,19 +83,7 @@ class PromptDataset(torch.utils.data.Dataset):
         unknown = sorted(set(options) - set(_OPTIONS))
         if unknown:
             raise TypeError(f"PromptDataset.from_file: unknown options {unknown}; valid: {list(_OPTIONS)}")
-        if not os.path.exists(path):
-            raise ValueError(f"data file {path!r} does not exist")
-        if os.path.isdir(path):
-            rows = read_saved_dataset(path, split)
-        else:
-            ext = os.path.splitext(path)[1].lower()
-            readers = {".jsonl": read_json_lines, ".ndjson": read_json_lines, ".json": read_json_lines,
-                       ".parquet": read_parquet}
-            if ext not in readers:
-                raise ValueError(f"data file {path!r}: unsupported extension {ext!r}; expected one of "
-                                 f"{sorted(readers)} or a directory saved with datasets' save_to_disk")
-            rows = readers[ext](path)
-        return _build(cls, rows, tokenizer, source=path, count_duplicates=True, **options)
+        return _build(cls, read_rows(path, split), tokenizer, source=path, count_duplicates=True, **options)
 
     @classmethod
     def from_records(cls, records: list, tokenizer, *, prompt_key: str = "prompt",

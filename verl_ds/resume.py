@@ -78,15 +78,15 @@ def verify_mode(step_dir: str) -> str:
     return "full" if manifest is not None and manifest.get("sha256") else "edges"
 
 
-def _resume_first_sound(trainer, candidates: list, skipped: list) -> Optional[int]:
+def _resume_first_sound(trainer, candidates: list, skipped: list, restore=None) -> Optional[int]:
     """Resume from the first of ``candidates`` (the same list on every rank) that verifies (``verify_mode``) on
-    every rank (a collective); the ones that do not are named and added to ``skipped``. Returns the step, or None
-    when none does."""
+    every rank (a collective) with ``restore`` (default ``resume_from``); the ones that do not are named and added
+    to ``skipped``. Returns the step, or None when none does."""
     for step_dir in candidates:
         mode = verify_mode(step_dir)
         reason = ckpt.verify_distributed(step_dir, mode)
         if reason is None:
-            return resume_from(trainer, step_dir, verify=False)
+            return (restore or resume_from)(trainer, step_dir, verify=False)
         if trainer.is_main:
             log.warning("skipping checkpoint %s: %s (checked: %s); trying the previous one", step_dir, reason, mode)
         skipped.append((step_dir, reason))
@@ -104,16 +104,20 @@ def _refuse_to_start_over(trainer, skipped: list) -> None:
             f"(trainer.resume=<dir>), or start fresh on purpose with trainer.resume=none")
 
 
-def maybe_resume(trainer) -> int:
+def maybe_resume(trainer, restore=None) -> int:
     """Resume per ``trainer.resume`` (auto: the newest complete checkpoint that verifies, else the previous one;
-    refused when every complete checkpoint is damaged); returns the step (0: fresh start)."""
+    refused when every complete checkpoint is damaged); returns the step (0: fresh start). ``restore(trainer,
+    step_dir, verify)`` loads one checkpoint and returns its step (default ``resume_from``, the PPO trainer's;
+    the supervised jobs of ``verl_ds.stages`` pass theirs). ``trainer`` needs ``cfg``, ``ckpt_root``, ``out_dir``
+    and ``is_main``."""
+    restore = restore or resume_from
     mode = trainer.cfg.trainer.resume
     if mode not in ("auto", "none"):
-        return resume_from(trainer, mode)
+        return restore(trainer, mode)
     if mode == "auto":
         found = ckpt.scan(trainer.ckpt_root) if trainer.is_main else None
         candidates, skipped = vdist.broadcast_object(found)
-        step = _resume_first_sound(trainer, candidates, skipped)
+        step = _resume_first_sound(trainer, candidates, skipped, restore)
         if step is not None:
             return step
         _refuse_to_start_over(trainer, skipped)

@@ -20,6 +20,23 @@ class ParityHint(Environment):
         return Step([{"role": "user", "content": self.target}], reward=self.wrong_reward)
 
 
+class FlakyParityHint(ParityHint):
+    """ParityHint whose reset raises for numbers 0 mod 4, returns garbage for 1 mod 4 and hangs for 2 mod 4 (past
+    agent.step_timeout_s): each ends its own trajectory, the run goes on."""
+
+    def reset(self, sample):
+        kind = int(sample["number"]) % 4
+        if kind == 0:
+            raise RuntimeError("the environment's backend is down")
+        if kind == 1:
+            return {"not": "messages"}
+        if kind == 2:
+            import time
+
+            time.sleep(5)
+        return super().reset(sample)
+
+
 def rows(n: int, seed: int = 0) -> list[dict]:
     """``n`` rows {"prompt", "number"}: the prompt asks for the number's parity in vocabulary words."""
     import random

@@ -2,12 +2,14 @@
 every environment failure ends one trajectory with its reason while the others go on. The policy here is a
 scripted one (it reads its conversation and answers as a tool-using model would); the environments, tokenizer and
 template are real."""
+import os
 import re
 import time
 
 import pytest
 
 from chat_testutil import chat_tokenizer
+from e2e_utils import ROOT
 from verl_ds.agent import Environment, Step, make_environment
 from verl_ds.agent.chat_tokens import ChatTokens
 from verl_ds.agent.episodes import EpisodeLimits, run_episodes
@@ -88,20 +90,63 @@ class BadMessages(Raises):
         return Step([{"content": "no role"}])
 
 
+class GarbageReset(Raises):
+    def reset(self, sample):
+        return 42
+
+
+class HangsAtReset(Raises):
+    def reset(self, sample):
+        time.sleep(3)
+
+
 def test_environment_failures_end_only_their_trajectory():
-    envs = [Raises(), Hangs(), Garbage(), NaNReward(), BadMessages(), make_environment("guess_number")]
-    rows = [{}] * 5 + [{"secret": 3, "high": 4}]
+    envs = [Raises(), Hangs(), Garbage(), NaNReward(), BadMessages(), GarbageReset(), HangsAtReset(),
+            make_environment("guess_number")]
+    rows = [{}] * 7 + [{"secret": 3, "high": 4}]
     guesses = iter(["1", "3"])
 
     def turn(text):
         return next(guesses) if "I think of a number" in text else "x"
     start = time.monotonic()
     trajs = run_episodes(scripted(turn), ChatTokens(TOK), envs, rows, EpisodeLimits(step_timeout_s=1.0))
-    assert time.monotonic() - start < 2.9  # the hung step was abandoned at its timeout
-    assert [t.end for t in trajs] == ["env_error", "env_timeout", "env_error", "env_error", "env_error", "done"]
+    assert time.monotonic() - start < 2.9  # the hung reset and step were each abandoned at their 1 s timeout
+    assert [t.end for t in trajs] == ["env_error", "env_timeout", "env_error", "env_error", "env_error", "env_error",
+                                      "env_timeout", "done"]
     assert "RuntimeError: environment bug" in trajs[0].reason and "expected a Step" in trajs[2].reason
     assert "cannot be rendered" in trajs[4].reason
-    assert trajs[5].reward == 1.0 and trajs[5].turns == 2
+    assert "reset returned 42, which the chat template cannot render" in trajs[5].reason
+    assert trajs[5].prompt_ids == [] and trajs[6].prompt_ids == []
+    assert trajs[7].reward == 1.0 and trajs[7].turns == 2
+
+
+def test_a_step_that_never_returns_does_not_hold_the_process_at_exit(tmp_path):
+    """The abandoned step's thread is a daemon: the process ends when its work is done, not when the step does."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import time\n"
+        "from chat_testutil import chat_tokenizer\n"
+        "from verl_ds.agent import Environment\n"
+        "from verl_ds.agent.chat_tokens import ChatTokens\n"
+        "from verl_ds.agent.episodes import EpisodeLimits, run_episodes\n"
+        "class Forever(Environment):\n"
+        "    def reset(self, sample):\n"
+        "        return [{'role': 'user', 'content': 'go'}]\n"
+        "    def step(self, turn):\n"
+        "        time.sleep(3600)\n"
+        "tok = chat_tokenizer('chatml')\n"
+        "stop = tok.convert_tokens_to_ids('<|im_end|>')\n"
+        "trajs = run_episodes(lambda prompts, n: [([stop], [-0.1]) for _ in prompts], ChatTokens(tok), [Forever()],\n"
+        "                     [{}], EpisodeLimits(step_timeout_s=0.2))\n"
+        "print(trajs[0].end)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), ROOT])}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "env_timeout" and time.monotonic() - start < 60
 
 
 def test_limits_end_episodes_with_their_reason():

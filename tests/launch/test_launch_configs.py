@@ -70,7 +70,8 @@ def test_config_files_and_reward_functions_it_names_exist(path):
 
 
 def test_gpu_configs_point_at_a_local_model_and_say_how_to_get_it():
-    for name in ("qwen2.5-0.5b-gsm8k.yaml", "grpo_gsm8k.yaml", "zero2.yaml", "zero3_offload.yaml"):
+    for name in ("qwen2.5-0.5b-gsm8k.yaml", "grpo_gsm8k.yaml", "zero2.yaml", "zero3_offload.yaml",
+                 "agent_qwen2.5_calc.yaml"):
         path = os.path.join(CONFIGS, name)
         cfg = load_config(path)
         assert cfg.model.path and not os.path.isabs(cfg.model.path)

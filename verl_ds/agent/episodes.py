@@ -10,8 +10,10 @@ other than a Step, or takes more than ``step_timeout_s`` (its thread is abandone
 """
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -87,12 +89,50 @@ def engine_turns(engine, pad_token_id: int, **sampling) -> GenerateFn:
     return generate
 
 
+class _DaemonPool:
+    """Worker threads for environment calls that never hold the process: a step past its timeout is abandoned
+    (Python cannot stop a thread) and a daemon thread stuck in it does not delay the trainer's exit, as a
+    ThreadPoolExecutor's workers would (they are joined at interpreter exit)."""
+
+    def __init__(self, workers: int):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list = []
+        for i in range(workers):
+            threading.Thread(target=self._work, name=f"verl_ds-env-{i}", daemon=True).start()
+        self._workers = workers
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._pending.append(fut)
+        self._tasks.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            fut, fn, args = task
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (the environment's failure, handed to the caller)
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        for fut in self._pending:
+            fut.cancel()  # not started yet: never run
+        for _ in range(self._workers):
+            self._tasks.put(None)
+
+
 def _timed(fn, *args):
     start = time.monotonic()
     return fn(*args), time.monotonic() - start
 
 
-def _call_all(pool, calls: list, timeout_s: float) -> list:
+def _call_all(pool: _DaemonPool, calls: list, timeout_s: float) -> list:
     """Run ``calls`` ((fn, arg), ...) in ``pool``; each -> (result, seconds) or an Exception / FutureTimeout."""
     futures = [pool.submit(_timed, fn, arg) for fn, arg in calls]
     deadline = time.monotonic() + timeout_s
@@ -112,7 +152,7 @@ def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environm
     """Run one episode per (environment, sample) pair to its end; returns the trajectories in order."""
     if len(envs) != len(samples):
         raise ValueError(f"run_episodes: {len(envs)} environments for {len(samples)} samples")
-    pool = ThreadPoolExecutor(max_workers=max(1, min(workers, len(envs))), thread_name_prefix="verl_ds-env")
+    pool = _DaemonPool(max(1, min(workers, len(envs))))
     try:
         trajs = []
         for (env, sample), got in zip(zip(envs, samples), _call_all(pool, [(e.reset, s) for e, s in zip(envs, samples)],
@@ -121,8 +161,13 @@ def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environm
             if isinstance(got, BaseException):
                 traj.finish("env_timeout" if isinstance(got, FutureTimeout) else "env_error", f"reset: {got!r}")
             else:
-                traj.prompt_ids, traj.env_seconds = chat.prompt(got[0]), got[1]
-                if len(traj.prompt_ids) >= limits.max_context_tokens:
+                traj.env_seconds = got[1]
+                try:
+                    traj.prompt_ids = chat.prompt(got[0])
+                except Exception as e:  # not a message list the template can render
+                    traj.finish("env_error", f"reset returned {got[0]!r:.200}, which the chat template cannot render: "
+                                             f"{type(e).__name__}: {e}")
+                if traj.active and len(traj.prompt_ids) >= limits.max_context_tokens:
                     traj.finish("context", f"the first prompt has {len(traj.prompt_ids)} tokens")
             trajs.append(traj)
         while True:
@@ -145,7 +190,7 @@ def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environm
             for (t, _, _), got in zip(stepping, results):
                 _advance(t, got, chat, limits)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
 
 
 def _advance(t: Trajectory, got, chat: ChatTokens, limits: EpisodeLimits) -> None:

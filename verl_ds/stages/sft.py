@@ -1,0 +1,117 @@
+"""Supervised fine-tuning: the token-mean cross entropy of the completion (assistant) tokens, on the RL job's actor.
+
+    verl-ds sft --config configs/sft.yaml data.train_files=sft.jsonl     # or python launch/sft.py ...
+
+Rows: ``verl_ds.stages.sft_data`` (prompt/completion, conversational, or messages; JSON lines, Parquet or a
+datasets directory). No ``data.train_files``: the built-in parity task's demonstrations (``parity.sft_examples``,
+``data.num_train_prompts`` of them, and ``data.num_val_prompts`` held out). The loss of a step is
+sum(-log p(completion token)) / (completion tokens of the step on every rank), exact however the rows are split
+into micro-batches and ranks; the forward is the actor's scoring forward (``verl_ds.models.policy``): packed rows
+where the model supports them, the fused LM head with ``model.fused_lm_head``. Metrics: ``sft/loss`` (and
+``val/loss``), ``sft/units`` (completion tokens), ``actor/grad_norm``. The export (``hf_actor``) loads as
+``model.path`` of the RL job.
+"""
+from __future__ import annotations
+
+import torch
+
+from verl_ds.config import Config, ConfigError
+from verl_ds.stages.spine import StageData, StageJob
+
+
+def collate(items: list, pad_token_id: int, device=None) -> tuple:
+    """(observation (B, P+R), mask (B, P+R) bool, loss_mask (B, R) float): prompts left-padded to P, responses
+    right-padded to R, the layout of an RL rollout batch."""
+    P = max(len(x["prompt_ids"]) for x in items)
+    R = max(len(x["response_ids"]) for x in items)
+    obs = torch.full((len(items), P + R), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(items), P + R), dtype=torch.bool)
+    loss_mask = torch.zeros((len(items), R), dtype=torch.float32)
+    for i, x in enumerate(items):
+        p, r = len(x["prompt_ids"]), len(x["response_ids"])
+        obs[i, P - p:P] = torch.as_tensor(x["prompt_ids"])
+        obs[i, P:P + r] = torch.as_tensor(x["response_ids"])
+        mask[i, P - p:P + r] = True
+        loss_mask[i, :r] = torch.as_tensor(x["loss_mask"], dtype=torch.float32)
+    return obs.to(device), mask.to(device), loss_mask.to(device)
+
+
+def load_sft_data(cfg: Config) -> StageData:
+    """The tokenizer and the (train, val) SFT rows of ``cfg`` (files, or the built-in task's demonstrations)."""
+    from verl_ds.engines.build import load_tokenizer
+    from verl_ds.stages.sft_data import SFTDataset
+    from verl_ds.tasks import parity
+
+    tok = load_tokenizer(cfg)
+    d = cfg.data
+    options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                   max_completion_length=cfg.rollout.max_new_tokens, overlong=d.overlong,
+                   apply_chat_template=d.apply_chat_template)
+    if d.train_files is None:
+        def rows(n, seed):
+            return [{"prompt": p, "completion": " " + c} for p, c in parity.sft_examples(n, seed=seed)]
+
+        train = SFTDataset.from_records(rows(d.num_train_prompts, cfg.trainer.seed), tok, source="parity demonstrations",
+                                        **options)
+        val = SFTDataset.from_records(rows(d.num_val_prompts, 10_000 + cfg.trainer.seed), tok,
+                                      source="parity demonstrations (held out)", **options)
+    else:
+        train, val = _from_file("data.train_files", d.train_files, tok, options), None
+        if d.val_files is not None:
+            val = _from_file("data.val_files", d.val_files, tok, options)
+    per_step = cfg.actor.mini_batch_size
+    if len(train) < per_step:
+        raise ConfigError(f"actor.mini_batch_size={per_step} is larger than the {len(train)} usable rows of "
+                          f"{'data.train_files' if d.train_files else 'data.num_train_prompts'} ({train.summary()}); "
+                          "a step takes actor.mini_batch_size distinct rows")
+    return StageData(tok, train, val)
+
+
+def _from_file(key: str, path: str, tok, options: dict):
+    from verl_ds.stages.sft_data import SFTDataset
+
+    try:
+        return SFTDataset.from_file(path, tok, **options)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+class SFTJob(StageJob):
+    """The SFT job (see the module docstring)."""
+
+    name = "sft"
+
+    @classmethod
+    def load_data(cls, cfg: Config) -> StageData:
+        return load_sft_data(cfg)
+
+    def setup(self) -> None:
+        from verl_ds.models.policy import ReferenceModel
+
+        # the actor's scoring forward (log-probs of the response tokens), under grad here
+        self.model = ReferenceModel(self.engine, remove_padding=self.packed, fused_lm_head=self.cfg.model.fused_lm_head)
+
+    def units(self, items: list) -> int:
+        return sum(sum(x["loss_mask"]) for x in items)
+
+    def row_tokens(self, item) -> int:
+        return len(item["prompt_ids"]) + len(item["response_ids"])
+
+    def loss(self, items: list, normalizer: torch.Tensor) -> tuple:
+        obs, mask, loss_mask = collate(items, self.tokenizer.pad_token_id, self.engine.device)
+        R = loss_mask.shape[1]
+        log_probs = self.model.get_logprob(obs, obs[:, -R:], mask)
+        nll = -(log_probs * loss_mask).sum()
+        return nll / normalizer.to(nll.device, nll.dtype), {"loss": nll.detach()}
+
+
+JOB = SFTJob
+
+
+def main(argv=None) -> int:
+    """``verl-ds sft`` (``launch/sft.py``): argv are ``--config F`` and ``key=value`` overrides."""
+    import sys
+
+    from verl_ds.cli import main as cli_main
+
+    return cli_main(["sft", *(sys.argv[1:] if argv is None else argv)])

@@ -1,0 +1,206 @@
+"""SFT rows with TRL's field names, tokenized with a loss mask on the completion / assistant tokens only.
+
+A row is one of (https://huggingface.co/docs/trl/dataset_formats):
+
+- ``{"prompt": str, "completion": str}``: the completion's tokens follow the prompt's (tokenized apart, so the
+  boundary is exact) and end with EOS (added when missing); with ``data.apply_chat_template`` the pair becomes a
+  user turn and an assistant turn;
+- ``{"prompt": [messages], "completion": [messages]}`` (conversational prompt-completion): the assistant turns of
+  the completion are trained;
+- ``{"messages": [messages]}``: every assistant turn is trained, the other turns are context.
+
+Chat rows go through the tokenizer's chat template. An assistant turn's trained tokens are those the rendering of
+the conversation up to and including it adds after the generation prompt (its content and end-of-turn tokens, not
+the role header; see ``_turn_start``); a template whose renderings are not prefixes of one another is that row's
+``chat_template_error``. Everything before the first
+trained token is the prompt (at most ``data.max_prompt_length`` tokens: cut from the left or skipped, per
+``data.overlong``), the rest up to the last trained token the response (at most ``rollout.max_new_tokens``: cut from
+the right or skipped). Bad rows are skipped and counted by reason, as the RL data path counts them
+(``verl_ds.data``); a row repeating an earlier one of a file is kept and counted.
+"""
+from __future__ import annotations
+
+from verl_ds.data import REASONS as PROMPT_REASONS, PromptDataset, read_rows
+
+REASONS = {
+    **{k: PROMPT_REASONS[k] for k in ("non_utf8", "invalid_json", "huge_number", "duplicate_key", "non_finite_number",
+                                      "too_deep", "not_an_object", "invalid_unicode", "chat_template_error",
+                                      "duplicate_row")},
+    "missing_fields": "row has neither 'messages' nor the prompt field and 'completion'",
+    "bad_messages": "messages are not a non-empty list of {role: str, content: str}",
+    "bad_fields": "prompt and completion are not both strings or both message lists",
+    "no_assistant_turn": "no assistant turn to train on",
+    "empty_prompt": "prompt is empty or has no tokens",
+    "empty_completion": "completion is empty or has no tokens",
+    "no_chat_template": "chat messages but the tokenizer has no chat template",
+    "overlong": "prompt longer than data.max_prompt_length or completion longer than rollout.max_new_tokens (skipped)",
+    "truncated": "prompt longer than data.max_prompt_length (cut from the left) or completion longer than "
+                 "rollout.max_new_tokens (cut from the right); kept",
+}
+
+
+class SFTDataset(PromptDataset):
+    """Tokenized SFT rows. Item i: {"prompt_ids": list[int], "response_ids": list[int], "loss_mask": list[int]}
+    (loss_mask over the response: 1 on trained tokens). Build with ``from_file`` or ``from_records``."""
+
+    @classmethod
+    def from_file(cls, path: str, tokenizer, *, split: str | None = None, **options) -> "SFTDataset":
+        """Rows of a JSON-lines / Parquet file or a datasets directory; options as ``from_records``."""
+        return _build(cls, read_rows(path, split), tokenizer, source=path, count_duplicates=True, **options)
+
+    @classmethod
+    def from_records(cls, records: list, tokenizer, *, source: str = "records", **options) -> "SFTDataset":
+        """Rows from a list of dicts. Options: prompt_key ("prompt"), max_prompt_length, max_completion_length
+        (None: no limit), overlong ("truncate" | "skip"), apply_chat_template (False)."""
+        rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
+        return _build(cls, rows, tokenizer, source=source, **options)
+
+
+def _is_messages(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+
+
+def _encode(tok, text: str, specials: bool) -> list:
+    return list(tok(text, add_special_tokens=specials)["input_ids"])
+
+
+def _render(tok, messages: list, generation_prompt: bool) -> list:
+    # the template spells out BOS and the like as text: no special tokens added again
+    return _encode(tok, tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt),
+                   False)
+
+
+def _find(seq: list, part: list, start: int) -> int:
+    for i in range(start, len(seq) - len(part) + 1):
+        if seq[i:i + len(part)] == part:
+            return i
+    return -1
+
+
+def _turn_start(tok, messages: list, i: int, upto: list) -> int:
+    """Where assistant turn ``i``'s own tokens start in ``upto`` (the rendering up to and including it): after the
+    rendering up to it with the generation prompt when that is a prefix, else after the generation prompt's header
+    found past the rendering up to it (templates that close the previous turn differently when it is the last one,
+    as the built-in one: 'user : x assistant :' vs 'user : x<eos> assistant : y<eos>'); -1 when neither holds."""
+    if i == 0:
+        return 0
+    before_gen, before = _render(tok, messages[:i], True), _render(tok, messages[:i], False)
+    if upto[:len(before_gen)] == before_gen:
+        return len(before_gen)
+    if upto[:len(before)] != before or before_gen[:len(before)] != before:
+        return -1
+    header = before_gen[len(before):]
+    at = _find(upto, header, len(before)) if header else len(before)
+    return -1 if at < 0 else at + len(header)
+
+
+def chat_tokens(tok, messages: list, first_trained: int = 0) -> tuple:
+    """(ids, mask, reason): the rendered conversation's ids and a mask of the tokens of its assistant turns at index
+    >= ``first_trained`` (each turn's content and end-of-turn tokens, not its role header); reason is None or a key
+    of REASONS."""
+    if not getattr(tok, "chat_template", None):
+        return None, None, "no_chat_template"
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
+    if not trained:
+        return None, None, "no_assistant_turn"
+    try:
+        ids = _render(tok, messages, False)
+        mask = [0] * len(ids)
+        for i in trained:
+            upto = _render(tok, messages[:i + 1], False)
+            start = _turn_start(tok, messages, i, upto)
+            if start < 0 or ids[:len(upto)] != upto or start >= len(upto):
+                return None, None, "chat_template_error"
+            mask[start:len(upto)] = [1] * (len(upto) - start)
+    except Exception:  # templates may raise_exception() on messages they reject (roles not alternating)
+        return None, None, "chat_template_error"
+    return ids, mask, None
+
+
+def _text_tokens(tok, prompt: str, completion: str) -> tuple:
+    prompt_ids, completion_ids = _encode(tok, prompt, True), _encode(tok, completion, False)
+    if completion_ids and completion_ids[-1] != tok.eos_token_id:
+        completion_ids.append(tok.eos_token_id)  # the model learns to stop (TRL appends EOS too)
+    return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids), prompt_ids, completion_ids
+
+
+def row_tokens(row, tok, prompt_key: str, apply_chat_template: bool) -> tuple:
+    """(ids, mask, reason) of one row (see the module docstring)."""
+    if not isinstance(row, dict):
+        return None, None, "not_an_object"
+    if "messages" in row:
+        if not _is_messages(row["messages"]):
+            return None, None, "bad_messages"
+        return chat_tokens(tok, row["messages"])
+    if prompt_key not in row or "completion" not in row:
+        return None, None, "missing_fields"
+    prompt, completion = row[prompt_key], row["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        for text in (prompt, completion):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return None, None, "invalid_unicode"
+        if not prompt.strip():
+            return None, None, "empty_prompt"
+        if not completion.strip():
+            return None, None, "empty_completion"
+        if apply_chat_template:
+            return chat_tokens(tok, [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}])
+        ids, mask, prompt_ids, completion_ids = _text_tokens(tok, prompt, completion)
+        if not prompt_ids:
+            return None, None, "empty_prompt"
+        return (ids, mask, None) if completion_ids else (None, None, "empty_completion")
+    if _is_messages(prompt) and _is_messages(completion):
+        return chat_tokens(tok, prompt + completion, first_trained=len(prompt))
+    return None, None, "bad_fields"
+
+
+def _build(cls, rows, tok, *, prompt_key="prompt", max_prompt_length=None, max_completion_length=None,
+           overlong="truncate", apply_chat_template=False, source="records", count_duplicates=False):
+    from verl_ds.data import _row_key
+
+    if overlong not in ("truncate", "skip"):
+        raise ValueError(f"overlong: expected 'truncate' or 'skip', got {overlong!r}")
+    problems: dict = {}
+    items, where_kept, first_seen = [], [], {}
+    for where, row, reason in rows:
+        ids = mask = None
+        if reason is None:
+            ids, mask, reason = row_tokens(row, tok, prompt_key, apply_chat_template)
+        if reason is None and 1 not in mask:
+            reason = "empty_completion"
+        if reason is None:
+            start = mask.index(1)
+            end = len(mask) - mask[::-1].index(1)  # tokens after the last trained one predict nothing we train
+            prompt, response, loss_mask = ids[:start], ids[start:end], mask[start:end]
+            if not prompt:
+                reason = "empty_prompt"  # the first trained token needs a token to be predicted from
+        if reason is not None:
+            problems.setdefault(reason, []).append(where)
+            continue
+        long_prompt = max_prompt_length is not None and len(prompt) > max_prompt_length
+        long_response = max_completion_length is not None and len(response) > max_completion_length
+        if long_prompt or long_response:
+            problems.setdefault("overlong" if overlong == "skip" else "truncated", []).append(where)
+            if overlong == "skip":
+                continue
+            if long_prompt:
+                prompt = prompt[-max_prompt_length:]
+            if long_response:
+                response, loss_mask = response[:max_completion_length], loss_mask[:max_completion_length]
+        if count_duplicates:
+            key = _row_key(row)
+            if key in first_seen:
+                problems.setdefault("duplicate_row", []).append(f"{where}={first_seen[key]}")
+            else:
+                first_seen[key] = where
+        items.append({"prompt_ids": prompt, "response_ids": response, "loss_mask": loss_mask})
+        where_kept.append(where)
+    dataset = cls(items, problems, len(rows), source, where=where_kept)
+    if not items:
+        fields = next((sorted(row) for _, row, _ in rows if isinstance(row, dict)), [])
+        raise ValueError(f"{source}: no usable SFT rows (expected 'messages', or {prompt_key!r} and 'completion'; "
+                         f"fields of the first row: {fields}). {dataset.summary()}")
+    return dataset
