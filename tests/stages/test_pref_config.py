@@ -35,3 +35,16 @@ def test_label_smoothing_with_ipo_is_refused_by_validate_and_the_cli():
 def test_defaults_are_trl_defaults():
     d = load_config(None, []).dpo
     assert (d.beta, d.loss, d.label_smoothing, d.reference_free) == (0.1, "sigmoid", 0.0, False)
+
+
+def test_shipped_rm_and_dpo_configs_are_valid_jobs():
+    import os
+
+    from verl_ds.stages.gate import stage_view
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for name, out in (("rm", "runs/rm"), ("dpo", "runs/dpo")):
+        cfg = load_config(os.path.join(root, "configs", f"{name}.yaml"), [])
+        validate(stage_view(cfg))
+        assert cfg.trainer.output_dir == out and cfg.data.train_files is None  # the built-in pairs
+    assert load_config(os.path.join(root, "configs", "dpo.yaml"), []).dpo.loss == "sigmoid"
