@@ -5,8 +5,9 @@
 # itself, which DeepSpeed needs (it ignores SLURM_*). Runnable without Slurm by setting those variables:
 #   SLURM_PROCID=1 SLURM_LOCALID=1 SLURM_NTASKS=2 SLURM_NODELIST=localhost MASTER_PORT=29533 \
 #   REPO_DIR=$PWD CONFIG=configs/default.yaml OUTPUT_DIR=runs/x slurm/task.sh trainer.total_steps=2
-# Parameters (environment, set by the sbatch script): REPO_DIR, VENV, CONFIG, OUTPUT_DIR, PYTHON; the
-# script's arguments are config overrides (key.sub=value).
+# Parameters (environment, set by the sbatch script): REPO_DIR, VENV, CONFIG, OUTPUT_DIR, PYTHON, TRAIN_SCRIPT
+# (default launch/train.py; launch/sft.py, rm.py, dpo.py run the other jobs: docs/stages.md); the script's
+# arguments are config overrides (key.sub=value).
 set -euo pipefail
 cd "${REPO_DIR:?REPO_DIR: the verl_ds checkout to run from}"
 if [ -n "${VENV:-}" ] && [ -f "$VENV/bin/activate" ]; then
@@ -19,5 +20,5 @@ unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE
 # one rank per GPU shares the node's cores: use this task's share
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
 # exec: the preemption signal that srun forwards reaches the trainer itself, not this shell
-exec "${PYTHON:-python}" launch/train.py --config "${CONFIG:?CONFIG: the job config}" \
+exec "${PYTHON:-python}" "${TRAIN_SCRIPT:-launch/train.py}" --config "${CONFIG:?CONFIG: the job config}" \
     trainer.output_dir="${OUTPUT_DIR:?OUTPUT_DIR: the run directory}" "$@"

@@ -201,3 +201,29 @@ def test_non_finite_losses_skip_updates_and_stop_the_run(tmp_path):
     assert torch.equal(job.engine.module.model.embed_tokens.weight.ds_tensor, before)  # no update was applied
     logged = [r for r in rows(tmp_path / "run") if r["step"] > 0]
     assert [r["step"] for r in logged] == [1, 2] and all(r["training/skipped_step"] == 1.0 for r in logged)
+
+
+@pytest.mark.slow
+def test_sft_under_the_deepspeed_launcher_and_the_slurm_task_script(tmp_path):
+    """``deepspeed --num_gpus 2 launch/sft.py`` and two ``slurm/task.sh`` ranks (SLURM_* emulated, TRAIN_SCRIPT
+    =launch/sft.py): both finish on 2 ranks with the same losses (the same seed, the same global batches)."""
+    import subprocess
+
+    args = ["trainer.total_steps=2", "trainer.export_hf=false", *SMALL]
+    ds_out, slurm_out = tmp_path / "deepspeed", tmp_path / "slurm"
+    procs = [subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+                               "--master_port", str(free_port()), os.path.join(ROOT, "launch", "sft.py"),
+                               "--config", SFT_CONFIG, f"trainer.output_dir={ds_out}", *args],
+                              cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    port = free_port()
+    for r in range(2):
+        env = base_env(SLURM_PROCID=r, SLURM_LOCALID=r, SLURM_NTASKS=2, SLURM_NODELIST="localhost", MASTER_PORT=port,
+                       REPO_DIR=ROOT, CONFIG="configs/sft.yaml", OUTPUT_DIR=slurm_out, PYTHON=sys.executable,
+                       TRAIN_SCRIPT="launch/sft.py")
+        procs.append(subprocess.Popen([os.path.join(ROOT, "slurm", "task.sh"), *args], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    assert "launcher=deepspeed world_size=2" in outputs[0] and "launcher=slurm world_size=2" in outputs[1]
+    losses = [[r["sft/loss"] for r in rows(out) if "sft/loss" in r] for out in (ds_out, slurm_out)]
+    assert len(losses[0]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-6)

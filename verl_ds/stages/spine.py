@@ -18,7 +18,8 @@ and may override ``engine_roles()`` (default ``("actor",)``: the trained model; 
 ``verl_ds.engines.build.build_engines`` as the RL job's reference), ``build_model(ds_config)`` (which model is
 trained: default None, the causal LM of ``model.path`` or the tiny config with ``actor.lora_*`` adapters; a reward
 model returns its sequence classifier, created under ``partitioned_construction(ds_config)`` at ZeRO-3, and sets
-``lora_task_type = "SEQ_CLS"``), and ``export(directory)``.
+``lora_task_type = "SEQ_CLS"``; the default LoRA targets then leave out the LM head it lacks), ``packs_rows``
+(False: its forward takes padded batches, no packing probe) and ``export(directory)``.
 
 A step: the sampler (``DistributedPromptSampler``: seeded permutations, resumable, the same global batches at any
 world size) hands each rank ``actor.mini_batch_size / world`` rows; they run in micro-batches of
@@ -29,6 +30,7 @@ resume through ``verl_ds.resume.maybe_resume``; the export is ``verl_ds.export.e
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -62,6 +64,7 @@ class StageJob:
     name = "stage"  # metric prefix, progress bar, checkpoint tag
     export_name = "hf_actor"  # the export's directory under trainer.output_dir
     lora_task_type: Optional[str] = "CAUSAL_LM"  # peft's task type of the adapters of a model from build_model
+    packs_rows = True  # False: padded batches whatever model.remove_padding says (a loss whose forward is not packed)
 
     def __init__(self, cfg: Config, launch: vdist.LaunchInfo, data: Optional[StageData] = None):
         self.cfg = cfg
@@ -94,7 +97,9 @@ class StageJob:
         from verl_ds.builder import _packing_decision
 
         # packed rows where the model family supports them exactly (a tiny probe forward), padded batches otherwise
-        self.packed = _packing_decision(stage_view(cfg), self.engines, say=self.is_main)[0]
+        view = stage_view(cfg)
+        view.model.remove_padding = cfg.model.remove_padding and self.packs_rows
+        self.packed = _packing_decision(view, self.engines, say=self.is_main)[0]
         self.step, self._last_saved, self.bad_steps = 0, None, 0
         self.setup()
 
@@ -147,7 +152,7 @@ class StageJob:
         from verl_ds.config import ConfigError
         from verl_ds.engines.build import build_engines, make_engine
         from verl_ds.engines.ds_config import make_ds_config, uses_gpu
-        from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, lora_spec
+        from verl_ds.engines.lora import LORA_SEED_OFFSET, OUTPUT_HEAD, apply_lora, lora_spec
 
         cfg, roles = self.cfg, tuple(self.engine_roles())
         lora = lora_spec(cfg.actor, "actor")
@@ -161,6 +166,11 @@ class StageJob:
             raise ValueError(f"{type(self).__name__}: build_model gives the trained model; engine_roles must be "
                              f"('actor',), got {roles}")
         if lora is not None:
+            if model.get_output_embeddings() is None and OUTPUT_HEAD in lora.target_modules:
+                # the default targets name the LM head; a model without one (a classifier, whose head peft trains
+                # whole under its task type) gets the rest
+                lora = dataclasses.replace(lora, target_modules=tuple(t for t in lora.target_modules
+                                                                      if t != OUTPUT_HEAD) or ("all-linear",))
             model = apply_lora(model, lora, seed=cfg.model.init_seed + LORA_SEED_OFFSET["actor"],
                                task_type=self.lora_task_type)
         a = cfg.actor
