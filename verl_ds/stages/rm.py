@@ -17,8 +17,6 @@ RewardTrainer names): ``rm/loss``, ``rm/accuracy``, ``rm/margin``, and ``val/…
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from verl_ds.config import Config
@@ -97,16 +95,7 @@ class RewardModelJob(StageJob):
     name = "rm"
     export_name = "hf_reward_model"
     lora_task_type = "SEQ_CLS"  # peft keeps the score head whole and trainable (modules_to_save)
-
-    def __init__(self, cfg: Config, launch, data: StageData | None = None):
-        from verl_ds.engines.lora import OUTPUT_HEAD
-
-        targets = cfg.actor.lora_target_modules
-        if OUTPUT_HEAD in targets and len(targets) > 1:
-            # a classifier's output head is its score head, which trains whole (modules_to_save), never adapted
-            cfg = copy.deepcopy(cfg)
-            cfg.actor.lora_target_modules = [t for t in targets if t != OUTPUT_HEAD]
-        super().__init__(cfg, launch, data)
+    packs_rows = False  # scored on padded rows, as the RL job's RewardModel scores
 
     @classmethod
     def load_data(cls, cfg: Config) -> StageData:
