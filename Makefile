@@ -9,7 +9,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export PYTHONWARNINGS := ignore::FutureWarning
 
-.PHONY: install install-vllm run test bench
+.PHONY: install install-vllm run test bench pipeline
 
 install:
 	bash scripts/bootstrap.sh
@@ -25,3 +25,7 @@ test: install install-vllm
 
 bench: install
 	.venv/bin/python benchmarks/numerics.py
+
+# SFT -> reward model -> PPO on the learned reward model, and DPO as the alternative last step (docs/stages.md)
+pipeline: install
+	.venv/bin/python scripts/pipeline.py

@@ -199,6 +199,14 @@ class RewardConfig:
 
 
 @dataclass
+class DPOConfig:
+    beta: float = _f(0.1, "The DPO job (verl-ds dpo): beta, the strength of the implicit KL constraint to the reference (Rafailov et al. 2023); with loss ipo, IPO's regularisation tau (Azar et al. 2023).", gt=0.0, max=1e3)
+    loss: Literal["sigmoid", "ipo"] = _f("sigmoid", "DPO loss: sigmoid, -log sigmoid(beta x) on the completions' summed log-prob ratios x; ipo, (x - 1/(2 beta))^2 on their per-token means (as TRL).")
+    label_smoothing: float = _f(0.0, "Conservative DPO (Mitchell 2023): the probability that a pair's labels are flipped; the sigmoid loss only.", min=0.0, lt=0.5)
+    reference_free: bool = _f(False, "No reference model: its log-probs are taken as 0 (a uniform reference), so no reference engine is built.")
+
+
+@dataclass
 class DeepSpeedConfig:
     zero_stage: int = _f(3, "ZeRO stage of actor and critic (0-3); the reference (an inference engine) is ZeRO-3 when this is 3, else unpartitioned (as DeepSpeed-Chat).", min=0, max=3)
     offload_optimizer: bool = _f(False, "Offload optimizer state to CPU.")
@@ -250,6 +258,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

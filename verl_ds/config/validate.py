@@ -152,6 +152,12 @@ def _check_agent(cfg: Config, world_size: int) -> None:
                           "rollout.gather_params: true")
 
 
+def _check_dpo(cfg: Config) -> None:
+    if cfg.dpo.loss == "ipo" and cfg.dpo.label_smoothing:
+        raise ConfigError(f"dpo.label_smoothing={cfg.dpo.label_smoothing}: label smoothing applies to the sigmoid loss "
+                          "only; set it to 0 with dpo.loss=ipo")
+
+
 # what every prompt item holds besides pass-through fields (verl_ds.data builds them)
 RESERVED_ITEM_KEYS = ("input_ids", "prompt")
 
@@ -211,6 +217,7 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
     else:
         _check_reward_functions(cfg)
     _check_data(cfg)
+    _check_dpo(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "
                           f"got {cfg.trainer.resume!r}")

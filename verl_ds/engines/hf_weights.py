@@ -3,7 +3,8 @@ generation replica (``engines.replica``) and the HF export (``verl_ds.export``).
 
 A LoRA (peft) model comes out as its base model with each adapted weight merged (W + B A * alpha / r of its active
 adapters), computed while its layer is gathered: neither consumer ever holds stale adapters, and no module is
-merged in place. A tied parameter (an LM head tied to the embedding) comes once, under its first name, as HF
+merged in place; a module peft trains whole (``modules_to_save``, e.g. a reward model's score head) comes out as
+the copy its forward uses. A tied parameter (an LM head tied to the embedding) comes once, under its first name, as HF
 writes it.
 """
 from __future__ import annotations
@@ -31,9 +32,10 @@ def weight_groups(module) -> list:
     """[(params to gather, [(plain HF name, full shape, dtype, produce())])] in module order; ``produce()`` is
     called while the group's parameters are gathered; each parameter appears once."""
     module = getattr(module, "module", module)
-    lora_layer = None
+    lora_layer = saved = None
     if _is_peft(module):
         from peft.tuners.lora import LoraLayer as lora_layer
+        from peft.utils import ModulesToSaveWrapper as saved
     groups, seen, inside = [], set(), None
     for name, sub in hf_model(module).named_modules():
         if inside is not None and name.startswith(inside):
@@ -47,6 +49,18 @@ def weight_groups(module) -> list:
                      _merged_weight(sub, p) if pname == "weight" else p.detach)
                     for pname, p in sub.get_base_layer().named_parameters(recurse=False)]
             groups.append((params, outs))
+            continue
+        if saved is not None and isinstance(sub, saved):
+            # a module peft trains whole (modules_to_save: a classifier's score head): the copy its forward uses,
+            # under the wrapped module's name, as peft's merge_and_unload leaves it
+            inside = f"{name}."
+            active = [a for a in sub.active_adapters if a in sub.modules_to_save]
+            use = sub.modules_to_save[active[0]] if active and not sub.disable_adapters else sub.original_module
+            named = [(pname, p) for pname, p in use.named_parameters() if id(p) not in seen]
+            seen.update(id(p) for p in sub.parameters())
+            if named:
+                groups.append(([p for _, p in named], [(f"{name}.{pname}", tuple(full_shape(p)), p.dtype, p.detach)
+                                                       for pname, p in named]))
             continue
         named = [(pname, p) for pname, p in sub.named_parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for _, p in named)

@@ -115,3 +115,28 @@ def sft_warmup(engine, tokenizer, steps: int, seed: int, batch_size: int = 16) -
         labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
         engine.backward(engine(**enc, labels=labels).loss)
         engine.step()
+
+
+def preference_pairs(n: int, seed: int, candidates: int = 4, length: int = RESPONSE_LENGTH) -> list[dict]:
+    """Preference rows {"prompt", "chosen", "rejected"} (TRL's field names) for the prompts of
+    `generate_prompts(n, seed)`, ranked by `score`: per prompt, `candidates` responses of `length - 2` to `length`
+    digits, each digit of the requested parity with a probability drawn per response; the best-scoring is chosen,
+    the worst rejected (candidates that all tie are redrawn). The same (n, seed) always gives the same list."""
+    if not isinstance(candidates, int) or candidates < 2:
+        raise ValueError(f"candidates: expected an int >= 2, got {candidates!r}")
+    rng = random.Random(seed + 2)  # a stream of its own: not the prompts', not sft_examples'
+    rows = []
+    for record in generate_prompts(n, seed):
+        target = record["target"]
+        good, bad = GOOD_DIGITS[target], GOOD_DIGITS["odd" if target == "even" else "even"]
+        scored = [(0.0, "")]
+        while scored[0][0] == scored[-1][0]:
+            scored = []
+            for _ in range(candidates):
+                p_good = rng.random()
+                words = [rng.choice(good if rng.random() < p_good else bad)
+                         for _ in range(rng.randint(max(1, length - 2), length))]
+                scored.append((score(" ".join(words), target, length), " ".join(words)))
+            scored.sort(key=lambda s: s[0])
+        rows.append({"prompt": record["prompt"], "chosen": scored[-1][1], "rejected": scored[0][1]})
+    return rows

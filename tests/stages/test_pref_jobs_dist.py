@@ -1,0 +1,78 @@
+"""The reward-model and DPO jobs through their launchers (launch/rm.py, launch/dpo.py) in subprocesses: two ranks
+(torchrun, ZeRO-3) train exactly as one rank on the same global batches, and a run stopped and resumed from its
+checkpoint continues exactly as the run that never stopped (the LoRA DPO job too)."""
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from e2e_utils import ROOT, base_env, free_port, merged, read_metrics, run_group
+
+pytestmark = pytest.mark.slow
+
+FAST = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train_prompts=64", "data.num_val_prompts=8",
+        "actor.mini_batch_size=8", "actor.micro_batch_size=2", "trainer.progress_bar=false", "trainer.plot=false",
+        "trainer.total_steps=3", "actor.lr=1e-2"]
+# what must agree step by step (timings differ)
+KEYS = {"rm": ("rm/loss", "rm/accuracy", "rm/margin", "actor/grad_norm", "val/accuracy", "val/loss"),
+        "dpo": ("dpo/loss", "dpo/rewards/chosen", "dpo/rewards/rejected", "dpo/rewards/margins", "dpo/logps/chosen",
+                "actor/grad_norm", "val/loss", "val/rewards/accuracies")}
+EXPORT = {"rm": "hf_reward_model", "dpo": "hf_actor"}
+
+
+def run_stage(stage: str, out, overrides=(), nproc: int = 1):
+    script = os.path.join(ROOT, "launch", f"{stage}.py")
+    args = merged([f"trainer.output_dir={out}"], FAST, overrides)
+    cmd = [sys.executable, script, *args] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
+        script, *args]
+    proc = run_group(cmd, env=base_env(), timeout=300)
+    assert proc.returncode == 0, f"{stage} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def rows(out) -> dict:
+    return {r["step"]: r for r in read_metrics(str(out))}
+
+
+def weights(out, stage) -> dict:
+    return load_file(os.path.join(str(out), EXPORT[stage], "model.safetensors"))
+
+
+def assert_same_run(a, b, stage, steps, exact: bool):
+    ra, rb = rows(a), rows(b)
+    for step in steps:
+        for key in KEYS[stage]:
+            # validation runs at each run's last step: a stopped run has one more, at the step it stopped
+            if not key.startswith("val/") or (key in ra[step] and key in rb[step]):
+                if exact:
+                    assert ra[step][key] == rb[step][key], (step, key)
+                else:
+                    assert ra[step][key] == pytest.approx(rb[step][key], rel=1e-4, abs=1e-6), (step, key)
+    wa, wb = weights(a, stage), weights(b, stage)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        if exact:
+            assert torch.equal(wa[name], wb[name]), name
+        else:
+            torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("stage", ["rm", "dpo"])
+def test_two_ranks_equal_one_rank(tmp_path, stage):
+    run_stage(stage, tmp_path / "one")
+    run_stage(stage, tmp_path / "two", nproc=2)
+    assert_same_run(tmp_path / "one", tmp_path / "two", stage, steps=(1, 2, 3), exact=False)
+    assert rows(tmp_path / "one")[3][f"{stage}/units"] == 8.0  # pairs per step, summed over ranks
+
+
+@pytest.mark.parametrize("stage, extra", [("rm", []), ("dpo", ["actor.lora_rank=4", "actor.lr=5e-2"])])
+def test_resume_continues_exactly(tmp_path, stage, extra):
+    run_stage(stage, tmp_path / "straight", extra)
+    run_stage(stage, tmp_path / "resumed", [*extra, "trainer.total_steps=2", "trainer.save_every=1"])
+    proc = run_stage(stage, tmp_path / "resumed", extra)  # resume=auto: from global_step_2
+    assert "global_step_2 (step 2)" in proc.stderr
+    assert sorted(rows(tmp_path / "resumed")) == [0, 1, 2, 3]
+    assert_same_run(tmp_path / "straight", tmp_path / "resumed", stage, steps=(1, 2, 3), exact=True)

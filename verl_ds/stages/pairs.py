@@ -1,0 +1,347 @@
+"""Preference data: rows of (prompt, chosen, rejected) with TRL's field names, tokenized for the reward-model and
+DPO jobs, and their batches.
+
+A row is one of TRL's preference formats (https://huggingface.co/docs/trl/dataset_formats#preference):
+- standard, explicit prompt: ``{"prompt": str, "chosen": str, "rejected": str}``; the completions get EOS appended
+  (as TRL's DPOTrainer does) unless they end with it;
+- conversational, explicit prompt: each field a list of ``{"role", "content"}`` messages; the prompt is rendered
+  with the chat template and the generation prompt, a completion is what a model emits after it (``_chat_ids``);
+- implicit prompt (no "prompt" field): chosen and rejected are whole texts or conversations; the prompt is their
+  longest common prefix (of messages, or of tokens for texts), which changes no log-prob ratio: shared tokens score
+  the same in both.
+Files are JSON lines, Parquet or a `datasets` directory (read by ``verl_ds.data_files``). A bad row never crashes:
+it is skipped and counted by reason (``REASONS``; ``report()``, ``summary()``), as the prompt data set does.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from verl_ds.data import REASONS as _FILE_REASONS
+from verl_ds.data_files import read_json_lines, read_parquet, read_saved_dataset
+
+FIELDS = ("prompt", "chosen", "rejected")
+REASONS = {k: _FILE_REASONS[k] for k in ("non_utf8", "invalid_json", "huge_number", "duplicate_key",
+                                         "non_finite_number", "too_deep", "not_an_object", "duplicate_row")}
+REASONS.update({
+    "missing_field": "chosen or rejected is missing",
+    "non_string_field": "prompt, chosen or rejected is neither a string nor a list of {role, content} messages",
+    "mixed_formats": "some of prompt, chosen and rejected are strings and others message lists",
+    "invalid_unicode": "a field holds unpaired surrogates",
+    "no_chat_template": "messages given but the tokenizer has no chat template",
+    "chat_template_error": "the chat template rejected the messages, or cannot be extended turn by turn",
+    "completion_not_assistant": "a conversational completion does not start and end with an assistant message",
+    "empty_prompt": "the prompt is empty or has no tokens (implicit prompt: chosen and rejected share no prefix)",
+    "empty_completion": "chosen or rejected is empty or has no tokens after the prompt",
+    "identical": "chosen and rejected are the same (nothing to prefer)",
+    "overlong": "prompt longer than max_prompt_length (with overlong='skip') or a completion longer than "
+                "max_completion_length (skipped)",
+    "truncated": "prompt longer than max_prompt_length (kept, cut from the left)",
+})
+_SHOW = 3
+
+
+class PreferenceDataset(torch.utils.data.Dataset):
+    """Tokenized preference pairs. Item i: {"prompt_ids", "chosen_ids", "rejected_ids": list[int], "prompt": str}
+    (completion ids exclude the prompt; the loss positions are theirs). Build with `from_file` or `from_records`."""
+
+    def __init__(self, items: list[dict], problems: dict[str, list[str]], n_rows: int, source: str):
+        self.items, self.problems, self.n_rows, self.source = items, problems, n_rows, source
+
+    @classmethod
+    def from_file(cls, path, tokenizer, *, split: str | None = None, **limits) -> "PreferenceDataset":
+        """Load `path`: .jsonl / .json / .parquet, or a directory saved with `datasets`' save_to_disk (`split`
+        picks from a DatasetDict); `limits` as `from_records`."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a file or directory path, got {type(path).__name__}")
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ValueError(f"preference data {path!r} does not exist")
+        if os.path.isdir(path):
+            rows = read_saved_dataset(path, split)
+        else:
+            ext = os.path.splitext(path)[1].lower()
+            readers = {".jsonl": read_json_lines, ".ndjson": read_json_lines, ".json": read_json_lines,
+                       ".parquet": read_parquet}
+            if ext not in readers:
+                raise ValueError(f"preference data {path!r}: unsupported extension {ext!r}; expected one of "
+                                 f"{sorted(readers)} or a directory saved with datasets' save_to_disk")
+            rows = readers[ext](path)
+        return _build(cls, rows, tokenizer, source=path, count_duplicates=True, **limits)
+
+    @classmethod
+    def from_records(cls, records, tokenizer, *, source: str = "records", **limits) -> "PreferenceDataset":
+        """Build from a list of dicts (e.g. ``verl_ds.tasks.parity.preference_pairs``). `limits`:
+        ``max_prompt_length`` (None: no limit; a longer prompt is cut from the left, or skipped with
+        ``overlong="skip"``), ``max_completion_length`` (None: no limit; a pair with a longer completion is
+        skipped: cut, the two completions would no longer be what was ranked)."""
+        if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
+            raise TypeError(f"records: expected a list of dicts, got {type(records).__name__}")
+        rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
+        return _build(cls, rows, tokenizer, source=source, **limits)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.items[i]
+
+    def report(self) -> dict[str, int]:
+        """{reason: count} of the rows skipped (or, "duplicate_row", kept and counted)."""
+        return {reason: len(where) for reason, where in self.problems.items()}
+
+    def summary(self) -> str:
+        """One line: rows read, kept, and each reason with its count and first locations."""
+        head = f"{self.source}: kept {len(self.items)} of {self.n_rows} preference rows"
+        parts = []
+        for reason, where in self.problems.items():
+            more = f", +{len(where) - _SHOW} more" if len(where) > _SHOW else ""
+            parts.append(f"{reason} {len(where)} ({', '.join(where[:_SHOW])}{more})")
+        return head + ("; " + "; ".join(parts) if parts else "")
+
+
+def _is_messages(value) -> bool:
+    return (isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value))
+
+
+def _texts(value) -> list[str]:
+    return [value] if isinstance(value, str) else [m["content"] for m in value]
+
+
+def _check_row(row) -> str | None:
+    """The reason a row is unusable before tokenizing, or None."""
+    if not isinstance(row, dict):
+        return "not_an_object"
+    if "chosen" not in row or "rejected" not in row:
+        return "missing_field"
+    values = [row[k] for k in FIELDS if k in row]
+    kinds = {"str" if isinstance(v, str) else "messages" if _is_messages(v) else None for v in values}
+    if None in kinds:
+        return "non_string_field"
+    if len(kinds) > 1:
+        return "mixed_formats"
+    for v in values:
+        for text in _texts(v):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                return "invalid_unicode"
+    if row["chosen"] == row["rejected"]:
+        return "identical"
+    return None
+
+
+def _chat_ids(chat, row) -> tuple[list, list, list, str] | str:
+    """(prompt_ids, chosen_ids, rejected_ids, prompt text) of a conversational row, or the reason it fails.
+
+    The prompt is rendered with the generation prompt (what the RL job and generation feed the model); each
+    completion is what a model emits after it, turn by turn (``verl_ds.agent.chat_tokens.ChatTokens``): an
+    assistant message as its content's ids and the template's end-of-turn token, other messages in between as the
+    template renders them. So the loss positions are the sampled tokens and a reward model is trained on the
+    sequences the RL job scores (ending on the end-of-turn token), whether or not the template renders a prompt
+    as a prefix of the whole conversation."""
+    from verl_ds.agent.chat_tokens import TemplateError
+
+    if isinstance(chat, str):
+        return chat
+    chosen, rejected = row["chosen"], row["rejected"]
+    if "prompt" in row:
+        prompt = row["prompt"]
+    else:  # implicit prompt: the messages both conversations start with
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        if not prompt:
+            return "empty_prompt"
+        if not chosen or not rejected:
+            return "empty_completion"
+    if any(c[0]["role"] != "assistant" or c[-1]["role"] != "assistant" for c in (chosen, rejected)):
+        return "completion_not_assistant"
+    if any(not any(m["content"].strip() for m in c if m["role"] == "assistant") for c in (chosen, rejected)):
+        return "empty_completion"
+    try:
+        p_ids = chat.prompt(prompt)
+        done = []
+        for completion in (chosen, rejected):
+            ids, i = [], 0
+            while i < len(completion):
+                j = next((k for k in range(i + 1, len(completion)) if completion[k]["role"] == "assistant"),
+                         len(completion))
+                ids += chat.tokenizer.encode(completion[i]["content"], add_special_tokens=False) + [chat.end_id]
+                if j > i + 1:
+                    ids += chat.after_turn(completion[i + 1:j])
+                i = j
+            done.append(ids)
+    except (TemplateError, ValueError, TypeError, KeyError):  # templates raise on messages they reject
+        return "chat_template_error"
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    return p_ids, done[0], done[1], (users[-1] if users else prompt[-1]["content"])
+
+
+def _tokenize(tokenizer, row, chat):
+    """(prompt_ids, chosen_ids, rejected_ids, prompt text) or the reason the row fails; ``chat``: None for a text
+    row, else the ChatTokens of the tokenizer (or the reason it has none)."""
+    conversational = chat is not None
+    eos = tokenizer.eos_token_id
+    if chat is not None:
+        out = _chat_ids(chat, row)
+        if isinstance(out, str):
+            return out
+        p_ids, c_ids, r_ids, prompt_text = out
+    elif "prompt" in row:
+        prompt_text = row["prompt"]
+        if not prompt_text.strip():
+            return "empty_prompt"
+        p_ids = tokenizer(prompt_text)["input_ids"]
+        c_ids, r_ids = (tokenizer(row[k], add_special_tokens=False)["input_ids"] for k in ("chosen", "rejected"))
+    else:  # implicit prompt over tokens
+        full_c = tokenizer(row["chosen"])["input_ids"]
+        full_r = tokenizer(row["rejected"])["input_ids"]
+        n = 0
+        while n < min(len(full_c), len(full_r)) and full_c[n] == full_r[n]:
+            n += 1
+        n = max(0, min(n, len(full_c) - 1, len(full_r) - 1))  # "a b" vs "a b c": each keeps a token of its own
+        p_ids, c_ids, r_ids = full_c[:n], full_c[n:], full_r[n:]
+        prompt_text = tokenizer.decode(p_ids)
+    if not p_ids:
+        return "empty_prompt"
+    if not conversational and eos is not None:
+        c_ids, r_ids = [ids if ids and ids[-1] == eos else ids + [eos] for ids in (c_ids, r_ids)]
+    if not c_ids or not r_ids or (not conversational and (len(c_ids) < 2 or len(r_ids) < 2) and eos is not None):
+        return "empty_completion"  # an EOS alone is an empty completion
+    if c_ids == r_ids:
+        return "identical"
+    return list(p_ids), list(c_ids), list(r_ids), prompt_text
+
+
+def _chat_tokens(tokenizer):
+    """The tokenizer's ChatTokens, or the reason conversational rows cannot be tokenized."""
+    from verl_ds.agent.chat_tokens import ChatTokens, TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        return "no_chat_template"
+    try:
+        return ChatTokens(tokenizer)
+    except TemplateError:
+        return "chat_template_error"
+
+
+def _check_limit(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+
+
+def _build(cls, rows, tokenizer, *, source, count_duplicates=False, max_prompt_length=None,
+           max_completion_length=None, overlong="truncate"):
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer: expected a HuggingFace tokenizer, got {type(tokenizer).__name__}")
+    _check_limit("max_prompt_length", max_prompt_length)
+    _check_limit("max_completion_length", max_completion_length)
+    if overlong not in ("truncate", "skip"):
+        raise ValueError(f"overlong: expected 'truncate' or 'skip', got {overlong!r}")
+    problems: dict[str, list[str]] = {}
+    items, seen, chat_tokens = [], {}, None
+    for where, row, reason in rows:
+        reason = reason or _check_row(row)
+        if reason is None:
+            chat = None
+            if not isinstance(row["chosen"], str):
+                chat = chat_tokens = chat_tokens or _chat_tokens(tokenizer)
+            out = _tokenize(tokenizer, row, chat)
+            if isinstance(out, str):
+                reason = out
+        if reason is None:
+            p_ids, c_ids, r_ids, text = out
+            if max_completion_length is not None and max(len(c_ids), len(r_ids)) > max_completion_length:
+                reason = "overlong"
+            elif max_prompt_length is not None and len(p_ids) > max_prompt_length:
+                if overlong == "skip":
+                    reason = "overlong"
+                else:
+                    problems.setdefault("truncated", []).append(where)
+                    p_ids = p_ids[-max_prompt_length:]
+        if reason is not None:
+            problems.setdefault(reason, []).append(where)
+            continue
+        if count_duplicates:  # kept (a repeat weights a pair, maybe on purpose) but counted
+            key = json.dumps(row, sort_keys=True, default=repr, ensure_ascii=False)
+            if key in seen:
+                problems.setdefault("duplicate_row", []).append(f"{where}={seen[key]}")
+            else:
+                seen[key] = where
+        items.append({"prompt_ids": p_ids, "chosen_ids": c_ids, "rejected_ids": r_ids, "prompt": text})
+    dataset = cls(items, problems, len(rows), source)
+    if not items:
+        fields = next((sorted(row) for _, row, _ in rows if isinstance(row, dict)), [])
+        raise ValueError(f"{source}: no usable preference pairs (expected fields {list(FIELDS)}, prompt optional; "
+                         f"fields of the first row: {fields}). {dataset.summary()}")
+    return dataset
+
+
+def collate_pairs(items: list[dict], pad_token_id: int) -> dict:
+    """The rollout layout of ``len(items)`` pairs, chosen rows first then rejected rows (2B rows): ``input_ids``
+    (2B, P + R) int64 with each prompt left-padded to P and each completion right-padded to R,
+    ``attention_mask`` (2B, P + R) bool, ``response_mask`` (2B, R) bool (the loss positions). The first B rows
+    are the chosen completions. A reward model scores each row at its last real token; the policy's log-probs
+    of ``input_ids[:, -R:]`` summed over ``response_mask`` are the sequence log-probs of DPO."""
+    if not items:
+        raise ValueError("collate_pairs: items is empty")
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+        raise ValueError(f"collate_pairs: pad_token_id: expected an int, got {pad_token_id!r}")
+    rows = [(it["prompt_ids"], it["chosen_ids"]) for it in items] + [(it["prompt_ids"], it["rejected_ids"])
+                                                                   for it in items]
+    P, R = max(len(p) for p, _ in rows), max(len(c) for _, c in rows)
+    ids = torch.full((len(rows), P + R), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), P + R), dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        ids[i, P - len(p):P] = torch.as_tensor(p, dtype=torch.int64)
+        ids[i, P:P + len(c)] = torch.as_tensor(c, dtype=torch.int64)
+        mask[i, P - len(p):P + len(c)] = True
+    return {"input_ids": ids, "attention_mask": mask, "response_mask": mask[:, P:].clone(), "pairs": len(items)}
+
+
+def load_pair_data(cfg):
+    """The tokenizer and the (train, val) preference sets of the RM and DPO jobs (a ``StageData``): the files of
+    ``data.train_files`` / ``data.val_files``, or, without files, the parity task's pairs ranked by its rule
+    (``data.num_train_prompts`` of them and ``data.num_val_prompts`` held out, on other prompts). Prompts are
+    limited by ``data.max_prompt_length`` (``data.overlong``), completions by ``rollout.max_new_tokens``;
+    unusable data is a ConfigError naming the key."""
+    from verl_ds.config import ConfigError
+    from verl_ds.engines.build import load_tokenizer
+    from verl_ds.stages.spine import StageData
+    from verl_ds.tasks import parity
+
+    tok = load_tokenizer(cfg)
+    d = cfg.data
+    limits = dict(max_prompt_length=d.max_prompt_length, max_completion_length=cfg.rollout.max_new_tokens,
+                  overlong=d.overlong)
+
+    def load(key: str, path: str):
+        try:
+            return PreferenceDataset.from_file(path, tok, **limits)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+    if d.train_files is None:
+        seed = cfg.trainer.seed
+        train = PreferenceDataset.from_records(parity.preference_pairs(d.num_train_prompts, seed), tok,
+                                               source="parity pairs", **limits)
+        val = PreferenceDataset.from_records(parity.preference_pairs(d.num_val_prompts, 10_000 + seed), tok,
+                                             source="parity pairs (held out)", **limits)
+    else:
+        train = load("data.train_files", d.train_files)
+        val = load("data.val_files", d.val_files) if d.val_files is not None else None
+    if len(train) < cfg.actor.mini_batch_size:
+        where = "data.train_files" if d.train_files else "data.num_train_prompts"
+        raise ConfigError(f"actor.mini_batch_size={cfg.actor.mini_batch_size} is larger than the {len(train)} usable "
+                          f"pairs of {where} ({train.summary()}); a step takes actor.mini_batch_size distinct pairs")
+    return StageData(tok, train, val)
+
+
+def pair_tokens(item: dict) -> int:
+    """The tokens a pair's two sequences hold (its share of a token budget)."""
+    return 2 * len(item["prompt_ids"]) + len(item["chosen_ids"]) + len(item["rejected_ids"])

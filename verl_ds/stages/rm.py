@@ -1,0 +1,155 @@
+"""Reward-model training: a sequence classifier (one label) trained with the Bradley-Terry loss on preference pairs.
+
+    verl-ds rm --config configs/rm.yaml data.train_files=prefs.jsonl     # or python launch/rm.py ...
+
+Rows: ``verl_ds.stages.pairs`` (prompt / chosen / rejected, TRL's formats). No ``data.train_files``: the parity
+task's pairs ranked by its rule. The model is ``AutoModelForSequenceClassification`` (``num_labels=1``) on
+``model.path`` (e.g. the SFT job's export; its score head starts fresh) or on the tiny config, with
+``actor.lora_*`` adapters when set (the score head then trains whole: ``output-head`` in
+``actor.lora_target_modules`` adapts nothing here); ZeRO-0..3, offload, checkpoints and exact
+resume are the spine's (``verl_ds.stages.spine``). A sequence's reward is the head's output at its last real token,
+computed as the RL job's ``verl_ds.models.reward.RewardModel`` scores a rollout (position ids from the mask, the
+head's per-token output read at the last real token, so pad == eos tokenizers work), on the sequences the RL
+job scores: prompt, completion, EOS (or the chat template's end-of-turn token). The loss of a step is the mean over
+its pairs of -log sigmoid(r_chosen - r_rejected) (``verl_ds.stages.losses.reward_model_loss``). Metrics (TRL's
+RewardTrainer names): ``rm/loss``, ``rm/accuracy``, ``rm/margin``, and ``val/…`` on the held-out pairs. The export
+(``hf_reward_model``) loads as ``reward.model_path`` of the RL job and as ``AutoModelForSequenceClassification``.
+"""
+from __future__ import annotations
+
+import torch
+
+from verl_ds.config import Config
+from verl_ds.stages.spine import StageData, StageJob
+
+
+def build_reward_classifier(cfg: Config, tok, ds_config: dict | None = None):
+    """The HF sequence classifier (one label) the job trains: ``model.path``'s backbone with a fresh score head, or
+    the tiny config's model (the RL job's tiny-model initialisation); created already partitioned under ZeRO-3."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from verl_ds.config import ConfigError
+    from verl_ds.engines.build import _dtype, _tiny_lm_config, check_vocab, disable_dropout, init_tiny_weights
+    from verl_ds.engines.zero3 import has_partitioned_params, partitioned_construction
+
+    with torch.random.fork_rng(devices=[]), partitioned_construction(ds_config):
+        torch.manual_seed(cfg.model.init_seed)
+        if cfg.model.path is None:
+            config = _tiny_lm_config(cfg, tok)
+            config.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(config)
+            init_tiny_weights(model, cfg.model.init_seed, config.initializer_range)
+        else:
+            try:
+                config = AutoConfig.from_pretrained(cfg.model.path, num_labels=1)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"model.path: {cfg.model.path!r} is not a HF model directory ({exc})") from None
+            # the classifier pools at the last non-pad token: it must know the pad id (ours reads the last real token)
+            if config.pad_token_id is None:
+                config.pad_token_id = tok.pad_token_id
+            model = AutoModelForSequenceClassification.from_pretrained(cfg.model.path, config=config,
+                                                                       dtype=_dtype(cfg))
+    check_vocab(model, tok, "reward model")
+    disable_dropout(model)
+    return model if has_partitioned_params(model) else model.to(_dtype(cfg))
+
+
+class _ScoreCapture:
+    """The score head's per-token output (B, T, 1) of the next forward, as ``RewardModel`` reads it."""
+
+    def __init__(self, model):
+        from verl_ds.hf_module import unwrap_module
+
+        head = getattr(unwrap_module(model), "score", None)
+        if not isinstance(head, torch.nn.Module):
+            raise TypeError(f"the reward model must be a HF sequence classifier with a `score` head, got "
+                            f"{type(unwrap_module(model)).__name__}")
+        self.out = None
+        self._hook = head.register_forward_hook(self._grab)
+
+    def _grab(self, module, args, output):
+        self.out = output
+
+    def remove(self) -> None:
+        self._hook.remove()
+
+
+def sequence_rewards(model, capture: _ScoreCapture, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) the score head's output at each row's last real token (differentiable)."""
+    from verl_ds.models.base import last_token_index
+    from verl_ds.rows import position_ids_from_mask
+
+    capture.out = None
+    model(input_ids=input_ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask))
+    per_token = capture.out
+    capture.out = None
+    if per_token is None or per_token.dim() != 3 or per_token.shape[-1] != 1:
+        got = None if per_token is None else tuple(per_token.shape)
+        raise ValueError(f"the reward model's score head must give one value per token (B, T, 1), got {got}")
+    return per_token.squeeze(-1).gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1).float()
+
+
+class RewardModelJob(StageJob):
+    """The reward-model job (see the module docstring)."""
+
+    name = "rm"
+    export_name = "hf_reward_model"
+    lora_task_type = "SEQ_CLS"  # peft keeps the score head whole and trainable (modules_to_save)
+    packs_rows = False  # scored on padded rows, as the RL job's RewardModel scores
+
+    @classmethod
+    def load_data(cls, cfg: Config) -> StageData:
+        from verl_ds.stages.pairs import load_pair_data
+
+        return load_pair_data(cfg)
+
+    def build_model(self, ds_config: dict):
+        return build_reward_classifier(self.cfg, self.tokenizer, ds_config)
+
+    def setup(self) -> None:
+        self.capture = _ScoreCapture(self.engine)
+
+    def units(self, items: list) -> int:
+        return len(items)
+
+    def row_tokens(self, item) -> int:
+        from verl_ds.stages.pairs import pair_tokens
+
+        return pair_tokens(item)
+
+    def rewards(self, items: list) -> tuple:
+        """(chosen (B,), rejected (B,)) rewards of the pairs ``items``."""
+        from verl_ds.stages.pairs import collate_pairs
+
+        batch = collate_pairs(items, self.tokenizer.pad_token_id)
+        ids, mask = batch["input_ids"].to(self.engine.device), batch["attention_mask"].to(self.engine.device)
+        r = sequence_rewards(self.engine, self.capture, ids, mask)
+        return r[:len(items)], r[len(items):]
+
+    def loss(self, items: list, normalizer: torch.Tensor) -> tuple:
+        from verl_ds.stages.losses import reward_model_loss
+
+        chosen, rejected = self.rewards(items)
+        losses, m = reward_model_loss(chosen, rejected)
+        total, n = losses.sum(), len(items)
+        return total / normalizer.to(total.device, total.dtype), {"loss": total, "accuracy": m["accuracy"] * n,
+                                                                  "margin": m["margin"] * n}
+
+    def close(self) -> None:
+        capture = getattr(self, "capture", None)
+        if capture is not None:
+            capture.remove()
+            self.capture = None
+        super().close()
+
+
+JOB = RewardModelJob
+
+
+def main(argv=None) -> int:
+    """``verl-ds rm`` (``launch/rm.py``): argv are ``--config F`` and ``key=value`` overrides."""
+    import sys
+
+    from verl_ds.cli import main as cli_main
+
+    return cli_main(["rm", *(sys.argv[1:] if argv is None else argv)])
