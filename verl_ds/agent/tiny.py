@@ -45,7 +45,7 @@ exponent base large call valid JSON Expecting value delimiter property enclosed 
 Unterminated starting was opened but closed division by zero integer modulo float str int dict list
 """.split()
 
-BUILTIN_TASKS = ("calc", "guess_number")
+from verl_ds.agent.registry import BUILTIN_AGENT_TASKS as BUILTIN_TASKS  # noqa: E402 (one list of them)
 CALC_DIGITS = (2, 3)  # operands of 2-3 digits: beyond a tiny model's head, short enough for it to copy
 GUESS_HIGH = 16
 
