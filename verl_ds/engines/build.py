@@ -279,8 +279,8 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
 
     The reference and a tiny critic's backbone are copied from the actor shard by shard (a local copy, no
     gather), so the reference is the initial (warmed-up) policy without a second full copy of its weights.
-    ``sft_warmup(engine)``, when given, trains a temporary actor engine first (torch AdamW at ``actor.lr`` unless the warm-up sets its own, as the agent tasks' does,
-    weight decay 0.01, no gradient accumulation: call ``engine.backward(loss); engine.step()`` per step, the
+    ``sft_warmup(engine)``, when given, trains a temporary actor engine first (torch AdamW at ``actor.lr`` unless
+    the warm-up sets its own, as the agent tasks' does; weight decay 0.01, no gradient accumulation: call ``engine.backward(loss); engine.step()`` per step, the
     same batch on every rank) under a forked RNG; the actor, the reference and the critic then start from
     its weights and the PPO optimizer starts fresh. ``actor.lora_rank``/``critic.lora_rank`` > 0 wrap the actor /
     the critic's backbone in peft LoRA adapters last (``verl_ds.engines.lora``): only the adapters (and the value
