@@ -230,6 +230,26 @@ def test_the_default_task_is_learned_and_resume_is_exact(tmp_path, name, extra):
                 assert m[key] == straight[step][key], f"step {step} {key}: {m[key]} resumed, {straight[step][key]}"
 
 
+@needs_vllm
+def test_the_tool_task_runs_with_vllm_sampling(tmp_path):
+    """Issue 33: the built-in calc task (multi-turn, the calc tool) with vLLM sampling each turn: the trajectories'
+    sampled ids reach the batch unchanged (no retokenisation) and the trainer's log-probs of them agree with vLLM's
+    on the model's tokens only (the environment's tokens are attended, not sampled)."""
+    out = str(tmp_path / "calc")
+    agent = ["agent.environment=calc", "reward.functions=[]", "agent.max_turns=3", "agent.max_context_tokens=192",
+             "model.max_position_embeddings=256", "actor.sft_warmup_steps=100", "algo.adv_estimator=grpo",
+             "rollout.n=4", "rollout.batch_size=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
+             "rollout.max_new_tokens=24", "algo.kl_coef=0.0", "algo.kl_ctrl=fixed", "trainer.total_steps=2",
+             "rollout.temperature=0.7"]
+    proc = run_train(out, ["rollout.engine=vllm", *MODEL, *agent, *QUIET], env=vllm_env(), timeout=900)
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    steps = [m for m in read_metrics(out) if "agent/turns/mean" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["agent/retokenization_mismatches"] == 0 and m["agent/turns/mean"] >= 1
+        assert m["rollout/log_prob_diff_mean"] < 1e-4, m["rollout/log_prob_diff_mean"]
+
+
 # ------------------------------------------------------------------------------------ the vLLM venv driver
 
 
