@@ -40,6 +40,8 @@ def _data(tmp_path):
     (["agent.environment=calc", "reward.functions=[]", "agent.max_context_tokens=8"],
      r"rollout.max_new_tokens: 8 exceeds this run's limit 7 \(agent.max_context_tokens=8 .*less one prompt token"),
     (["agent.environment=calc", "reward.functions=[]", "agent.env_args=[1]"], r"agent.env_args: expected dict"),
+    (["agent.environment=calc", "reward.functions=[]", "agent.env_args={1: hermes}"],
+     r"agent.env_args: expected string keys, got int 1"),
 ])
 def test_refused_at_load_naming_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):

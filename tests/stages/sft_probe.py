@@ -6,19 +6,13 @@ world sizes or micro-batch splits can be compared. Run as a script by test_sft_r
 Rank r takes rows [r*n, (r+1)*n) of the first 8 rows. Rank 0 writes {"metrics": the step's metrics, "actor":
 {name: the full (gathered) parameter after the step minus before it}}.
 """
+import os
 import sys
 
 import torch
 
-
-def gathered(module) -> dict:
-    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-    out = {}
-    for name, p in module.named_parameters():
-        with GatheredParameters([p], modifier_rank=None):
-            out[name] = p.detach().to("cpu", torch.float32, copy=True)
-    return out
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trainer"))
+from update_probe import gathered  # noqa: E402 (the RL probe's: every parameter gathered from its ZeRO-3 shards)
 
 
 def main(result_path: str, overrides: list) -> None:
