@@ -296,14 +296,27 @@ class StepBoundary:
         return out
 
 
+class ScoredByEnvironment:
+    """The reward swapper of an agent run: its environment scores every trajectory, so a swapped-in reward would
+    change nothing; POST /v1/models/reward answers 400 saying so instead of staging a no-op."""
+
+    def __init__(self, environment: str):
+        self.environment = environment
+
+    def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
+        raise ValueError(f"this run is scored by its environment (agent.environment={self.environment!r}): a reward "
+                         "swap would have no effect")
+
+
 def start_control_server(trainer):
     """The /v1 control plane on rank 0 (a daemon thread; it never blocks the training loop); returns the server."""
     from verl_ds.server import ControlServer
 
-    sc = trainer.cfg.server
+    sc, env = trainer.cfg.server, trainer.cfg.agent.environment
     server = ControlServer(trainer.state, trainer.registry, host=sc.host, port=sc.port, token=sc.token,
                            run_dir=trainer.out_dir,
-                           metrics_fn=trainer.metrics.snapshot, reward_swapper=trainer.boundary,
+                           metrics_fn=trainer.metrics.snapshot,
+                           reward_swapper=trainer.boundary if env is None else ScoredByEnvironment(env),
                            swappable_rewards=sc.swappable_rewards, allow_reward_code=sc.allow_reward_code,
                            reward_model_dir=sc.reward_model_dir, policy_vocab_size=len(trainer.tokenizer))
     url = server.start()
