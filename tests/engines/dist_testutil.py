@@ -19,11 +19,29 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+EXIT_ABORT = "terminate called without an active exception"
+
+
 def run_ranks(script: str, world: int, tmp_path, args=(), timeout: int = 600, env_extra=None) -> list:
     """Write ``script`` to a file, start ``world`` ranks on it, wait, return the ranks' results (list of dicts).
 
     argv: [result pattern with %d for the rank, *args]. A failing rank fails the test with every rank's output.
+    One launch is retried once, and only when every rank wrote its result and a rank then aborted in the C++ thread
+    teardown at interpreter exit (``EXIT_ABORT``, SIGABRT): seen once in many loaded CI runs, never alone; the
+    retried launch's results are the ones checked.
     """
+    try:
+        return _run_ranks(script, world, tmp_path, args, timeout, env_extra)
+    except _AbortedAtExit as exc:
+        print(f"run_ranks: retrying once: {exc}", file=sys.stderr)
+        return _run_ranks(script, world, tmp_path, args, timeout, env_extra, retry=False)
+
+
+class _AbortedAtExit(AssertionError):
+    pass
+
+
+def _run_ranks(script, world, tmp_path, args, timeout, env_extra, retry=True) -> list:
     path = os.path.join(str(tmp_path), f"worker_{abs(hash(script)) % 10**8}.py")
     with open(path, "w") as fh:
         fh.write(script)
@@ -63,6 +81,11 @@ def run_ranks(script: str, world: int, tmp_path, args=(), timeout: int = 600, en
         log.seek(0)
         outputs.append(log.read())
         log.close()
+    at_exit = all(rc == -6 and outputs[r].rstrip().endswith(EXIT_ABORT) for r, rc in failed)
+    if failed and retry and at_exit and all(os.path.isfile(pattern % r) for r in range(world)):
+        for r in range(world):
+            os.remove(pattern % r)
+        raise _AbortedAtExit(f"ranks {failed} aborted at exit after writing their results")
     if failed:
         raise AssertionError(f"ranks failed {failed}:\n"
                              + "\n".join(f"--- rank {r}\n{o[-6000:]}" for r, o in enumerate(outputs)))
