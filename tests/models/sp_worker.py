@@ -37,7 +37,8 @@ def main(out_dir: str) -> None:
     from transformers import LlamaForCausalLM
 
     from verl_ds.batch import RolloutBatch
-    from verl_ds.models import PolicyModel, ValueModel
+    from verl_ds.models import PolicyModel, ReferenceModel, ValueModel
+    from verl_ds.models.full_kl import logprobs_with_full_kl
     from verl_ds.models.sequence_parallel import init_sequence_parallel, register_ulysses
     from verl_ds.models.value import CriticLM
     from verl_ds.models.varlen_attention import VARLEN_ATTENTION, use_attention
@@ -70,6 +71,20 @@ def main(out_dir: str) -> None:
         (lp1, ent1, g1), (lp2, ent2, g2) = runs[False], runs[True]
         out[name] = {"log_probs": float(((lp1 - lp2) * rm).abs().max()), "entropy": float(((ent1 - ent2) * rm).abs().max()),
                      "grads": worst(g2, g1), "grad_count": len(g1), "lp_scale": float((lp1 * rm).abs().max())}
+    runs = {}  # algo.kl_kind=full_symmetric: the reference's final hidden states ride along in the actor's head
+    ref_lm = LlamaForCausalLM(cfg).double()
+    for split in (False, True):
+        model, ref_model = copy.deepcopy(lm), copy.deepcopy(ref_lm)
+        for m in (model, ref_model):
+            use_attention(m, wrapped if split else VARLEN_ATTENTION)
+        kw = dict(remove_padding=True, share_prompts=True, sequence_parallel=sp if split else None)
+        lp, ent, kl = logprobs_with_full_kl(PolicyModel(model, **kw), ReferenceModel(ref_model, **kw), obs, act,
+                                            mask, 0.7)
+        ((lp * w).sum() + (kl * w.flip(0)).sum()).backward()
+        g = grads(model)
+        runs[split] = (kl.detach(), group_sum(g, sp) if split else g)
+    out["full_kl"] = {"kl": float(((runs[False][0] - runs[True][0]) * rm).abs().max()),
+                      "kl_scale": float((runs[False][0] * rm).abs().max()), "grads": worst(runs[True][1], runs[False][1])}
     runs = {}
     for split in (False, True):
         net = copy.deepcopy(critic)

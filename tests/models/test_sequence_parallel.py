@@ -55,3 +55,10 @@ def test_split_row_values_and_critic_gradients_equal_the_unsplit_row(results):
     for r in results:
         got = r["values"]
         assert got["values"] <= 1e-12 and got["grads"] <= 1e-12 and got["grad_count"] == 22, got
+
+
+def test_split_row_full_symmetric_kl_equals_the_unsplit_row(results):
+    """algo.kl_kind=full_symmetric: the reference's hidden states of this rank's slice meet the actor's same rows."""
+    for r in results:
+        got = r["full_kl"]
+        assert got["kl_scale"] > 1e-3 and got["kl"] <= 1e-6 * got["kl_scale"] and got["grads"] <= 1e-6, got

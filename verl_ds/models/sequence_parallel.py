@@ -50,11 +50,13 @@ class SequenceParallel:
     def turns(self, batch) -> Iterator[tuple[Any, bool]]:
         """(micro-batch, mine) for each rank of the group in order: its micro-batch ``batch`` (a RolloutBatch)
         broadcast to the group; ``mine``: it is this rank's. Collective over the group."""
+        from verl_ds.batch import RolloutBatch
+
         device = _device_of(batch)
-        for j, src in enumerate(self.ranks):
-            box = [batch.to("cpu") if j == self.rank else None]
+        for j, src in enumerate(self.ranks):  # a RolloutBatch as plain data: its fields and extras
+            box = [(dict(batch.to("cpu").items()), batch.extras) if j == self.rank else None]
             dist.broadcast_object_list(box, src=src, group=self.group)
-            yield (batch, True) if j == self.rank else (box[0].to(device), False)
+            yield (batch, True) if j == self.rank else (RolloutBatch(extras=box[0][1], **box[0][0]).to(device), False)
 
     def shard(self, packed: Any) -> "ShardedRow":
         """This rank's slice of a packed row (``Packed`` or ``SharedPacked``)."""
@@ -226,3 +228,39 @@ def register_ulysses(inner: str) -> str:
     AttentionInterface.register(name, ulysses_attention)
     AttentionMaskInterface.register(name, _varlen_mask)
     return name
+
+
+def setup_sequence_parallel(degree: int, engines: dict, packed: bool) -> SequenceParallel | None:
+    """This rank's group for ``model.sequence_parallel_size`` = ``degree`` (a collective), and every engine's attention
+    wrapped in the all-to-all around the packed-row kernel it was given (``verl_ds.builder``); ConfigError naming the
+    key when the models cannot be split: padded batches, heads the degree does not divide, or an attention that does
+    not dispatch through transformers' ``AttentionInterface``."""
+    from verl_ds.config import ConfigError
+    from verl_ds.hf_module import config_of, family_name, text_config
+    from verl_ds.models.varlen_attention import use_attention
+
+    if degree == 1:
+        return None
+    key = f"model.sequence_parallel_size={degree}"
+    if not packed:
+        raise ConfigError(f"{key} splits packed rows, but these models score padded batches (model.remove_padding "
+                          f"fell back, see the log line above)")
+    for role, engine in engines.items():
+        conf = text_config(engine)
+        heads = getattr(conf, "num_attention_heads", None)
+        why = check_heads(heads, getattr(conf, "num_key_value_heads", None) or heads, degree) if heads else None
+        if why:
+            raise ConfigError(f"{why} ({role}: {family_name(engine)})")
+        try:
+            use_attention(engine, register_ulysses(str(config_of(engine)._attn_implementation)))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{key}: the {role} ({family_name(engine)}) cannot be split: {exc}") from None
+    return init_sequence_parallel(degree)
+
+
+def turns(sp: SequenceParallel | None, batch) -> Iterator[tuple[Any, bool]]:
+    """``sp.turns(batch)``; without sequence parallelism, ``(batch, True)`` once."""
+    if sp is None:
+        yield batch, True
+    else:
+        yield from sp.turns(batch)
