@@ -79,3 +79,15 @@ def test_heads_of_a_built_model_are_checked_before_any_group_is_made():
     with pytest.raises(ConfigError, match=r"model.sequence_parallel_size=2 must divide the attention heads \(4\) and "
                                           r"the key/value heads \(1\).*\(actor: llama"):
         setup_sequence_parallel(2, {"actor": lm}, packed=True)
+
+
+def test_plan_counts_activations_per_rank_with_the_degree(capsys):
+    """Default tiny model: a micro-batch of 16 x 24 tokens, 2 layers of hidden 64 in fp32: 34 * 64 * 2 bytes per
+    token and layer (arXiv:2205.05198 at 16 bits, doubled) = 4352; x 2 layers x 384 tokens = 3.19 MiB on one rank,
+    x 192 tokens = 1.59 MiB when a group of 2 splits the row."""
+    assert main(["plan", "--world-size", "2"]) == 0
+    assert "activations of one actor micro-batch: 384 tokens per GPU, 2 layers x hidden 64: about 3.19 MiB" in \
+        capsys.readouterr().out
+    assert main(["plan", "--world-size", "2", "model.sequence_parallel_size=2"]) == 0
+    assert ("activations of one actor micro-batch: 192 tokens per GPU / model.sequence_parallel_size 2, 2 layers x "
+            "hidden 64: about 1.59 MiB") in capsys.readouterr().out
