@@ -62,7 +62,8 @@ def _measure(args, sp) -> dict:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads // 2,
                       max_position_embeddings=args.tokens + 16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     lm = LlamaForCausalLM(cfg)
     use_attention(lm, register_ulysses(VARLEN_ATTENTION) if sp else VARLEN_ATTENTION)
@@ -132,7 +133,8 @@ def main() -> None:
     step2 = max(x["step_s"] for x in two)
     mib = 2 ** 20
     print(f"packed row: {args.tokens} tokens ({args.sequences} sequences), Llama {args.layers} layers x hidden "
-          f"{args.hidden}, {args.heads} heads ({args.heads // 2} key/value), vocab {args.vocab}, fp32, 1 thread per rank")
+          f"{args.hidden}, {args.heads} heads ({args.heads // 2} key/value), vocab {args.vocab}, fp32, "
+          f"1 thread per rank")
     print(f"degree 1: activations saved for backward {one['saved_bytes'] / mib:.1f} MiB, forward+backward "
           f"{one['step_s']:.3f} s wall, {one['cpu_s']:.3f} s CPU")
     for i, x in enumerate(two):

@@ -177,7 +177,8 @@ def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: in
     out["kv_cache"] = 2 * actor.num_layers * actor.kv_dim * bpp * derived.prompts_per_rank * seq
     # fp32 log-softmax over the vocabulary of one micro-batch: the usual PPO memory spike (a sequence-parallel rank
     # scores the tokens of its slice of the row)
-    out["logits"] = 4 * math.ceil(cfg.actor.micro_batch_size * seq / cfg.model.sequence_parallel_size) * actor.vocab_size
+    per_rank = math.ceil(cfg.actor.micro_batch_size * seq / cfg.model.sequence_parallel_size)
+    out["logits"] = 4 * per_rank * actor.vocab_size
     out["activation_tokens"], out["activations"] = activation_memory(cfg, actor)
     whole = out["actor"].zero_stage < 3
     biggest = max(actor.total, sizes["critic"].total)

@@ -69,7 +69,8 @@ def main(out_dir: str) -> None:
             g = grads(model)
             runs[split] = (lp.detach(), ent.detach(), group_sum(g, sp) if split else g)
         (lp1, ent1, g1), (lp2, ent2, g2) = runs[False], runs[True]
-        out[name] = {"log_probs": float(((lp1 - lp2) * rm).abs().max()), "entropy": float(((ent1 - ent2) * rm).abs().max()),
+        out[name] = {"log_probs": float(((lp1 - lp2) * rm).abs().max()),
+                     "entropy": float(((ent1 - ent2) * rm).abs().max()),
                      "grads": worst(g2, g1), "grad_count": len(g1), "lp_scale": float((lp1 * rm).abs().max())}
     runs = {}  # algo.kl_kind=full_symmetric: the reference's final hidden states ride along in the actor's head
     ref_lm = LlamaForCausalLM(cfg).double()
@@ -84,7 +85,8 @@ def main(out_dir: str) -> None:
         g = grads(model)
         runs[split] = (kl.detach(), group_sum(g, sp) if split else g)
     out["full_kl"] = {"kl": float(((runs[False][0] - runs[True][0]) * rm).abs().max()),
-                      "kl_scale": float((runs[False][0] * rm).abs().max()), "grads": worst(runs[True][1], runs[False][1])}
+                      "kl_scale": float((runs[False][0] * rm).abs().max()),
+                      "grads": worst(runs[True][1], runs[False][1])}
     runs = {}
     for split in (False, True):
         net = copy.deepcopy(critic)

@@ -22,8 +22,10 @@ def test_world_not_divisible_by_the_degree_exits_2_naming_the_key(capsys):
 @pytest.mark.parametrize("overrides, message", [
     (["model.num_heads=6", "model.num_kv_heads=3", "model.hidden_size=96"],
      r"model.sequence_parallel_size=2 must divide model.num_heads=6 and model.num_kv_heads=3"),
-    (["model.num_kv_heads=1"], r"model.sequence_parallel_size=2 must divide model.num_heads=4 and model.num_kv_heads=1"),
-    (["model.remove_padding=false"], r"model.sequence_parallel_size=2 splits packed rows: it needs model.remove_padding=true"),
+    (["model.num_kv_heads=1"],
+     r"model.sequence_parallel_size=2 must divide model.num_heads=4 and model.num_kv_heads=1"),
+    (["model.remove_padding=false"],
+     r"model.sequence_parallel_size=2 splits packed rows: it needs model.remove_padding=true"),
 ])
 def test_heads_and_padded_batches_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

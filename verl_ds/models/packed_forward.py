@@ -174,7 +174,8 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
         raise ValueError(f"packed_logprobs: the lm must return logits of shape (1, n, V) for the packed row, got {got}")
     logits = logits[0]
     if fused_lm_head:
-        cols = [logits[:, 0]] + ([logits[:, 1]] if compute_entropy else []) + ([logits[:, -1]] if head_kl is not None else [])
+        cols = [logits[:, 0]] + ([logits[:, 1]] if compute_entropy else []) + \
+            ([logits[:, -1]] if head_kl is not None else [])
     else:
         if logits.shape[0] != preds.numel():
             logits = logits[preds]

@@ -33,9 +33,8 @@ import torch.distributed as dist
 from verl_ds.attention_layout import LAYOUT_KWARG, AttentionLayout
 from verl_ds.models.varlen_attention import ULYSSES_PREFIX
 
-__all__ = ["SequenceParallel", "init_sequence_parallel", "ULYSSES_PREFIX", "ulysses_name", "ShardedRow",
-           "check_heads"]
-
+__all__ = ["SequenceParallel", "init_sequence_parallel", "setup_sequence_parallel", "turns", "ShardedRow",
+           "register_ulysses", "ulysses_name", "check_heads", "ULYSSES_PREFIX"]
 
 
 @dataclass(frozen=True)

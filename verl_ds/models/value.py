@@ -96,8 +96,8 @@ class ValueModel(ValueRole, TrainableRole):
     required_modules = ("net",)
 
     def __init__(self, net: nn.Module | Callable[[torch.Tensor], torch.Tensor], state: SharedState | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, lr_key: str = "critic_lr", remove_padding: bool = False,
-                 sequence_parallel: Any = None):
+                 optimizer: torch.optim.Optimizer | None = None, lr_key: str = "critic_lr",
+                 remove_padding: bool = False, sequence_parallel: Any = None):
         super().__init__(state=state, net=net)
         self._remove_padding = bool(remove_padding)  # a config switch, not state (never from a checkpoint)
         # a SequenceParallel group (verl_ds.models.sequence_parallel): packed rows split over its ranks
