@@ -34,6 +34,7 @@ class Components:
     registry: Any  # ModelRegistry: actor, reward, critic?, ref?, ppo
     ppo: Any  # PPOModel
     extra: dict = field(default_factory=dict)
+    sequence_parallel: Any = None  # this rank's SequenceParallel group (model.sequence_parallel_size > 1)
 
 
 def kl_needs_reference(cfg: Config) -> bool:
@@ -91,22 +92,25 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     packed, shared = _packing_decision(cfg, engines, say=rank == 0)  # shared: one copy per prompt in the packed rows
     fused = cfg.model.fused_lm_head
     prefixes = shared and cfg.model.share_response_prefixes  # and of its samples' common response prefixes
+    from verl_ds.models.sequence_parallel import setup_sequence_parallel
+
+    sp = setup_sequence_parallel(cfg.model.sequence_parallel_size, engines, packed)  # packed rows split over ranks
 
     # rollout.engine from the registry in verl_ds.rollout_engines (hf: a LoRA actor's replica has its adapters merged)
     rollout_engine = build_rollout_engine(cfg, engines["actor"], tok, state=state, rank=rank, lora=actor_lora)
     models = {"actor": PolicyModel(engines["actor"], state=state, rollout_engine=rollout_engine, tokenizer=tok,
                                    remove_padding=packed, fused_lm_head=fused, share_prompts=shared,
-                                   share_prefixes=prefixes),
+                                   share_prefixes=prefixes, sequence_parallel=sp),
               "reward": build_reward(cfg, tok, derived, state=state)}
     if "critic" in engines:
-        models["critic"] = ValueModel(engines["critic"], state=state, remove_padding=packed)
+        models["critic"] = ValueModel(engines["critic"], state=state, remove_padding=packed, sequence_parallel=sp)
     if "ref" in engines:
         models["ref"] = ReferenceModel(engines["ref"], state=state, remove_padding=packed, fused_lm_head=fused,
-                                       share_prompts=shared, share_prefixes=prefixes)
+                                       share_prompts=shared, share_prefixes=prefixes, sequence_parallel=sp)
     elif actor_lora is not None and kl_needs_reference(cfg):  # the actor's engine, scoring with its adapters off
         models["ref"] = AdaptersOffReferenceModel(engines["actor"], state=state, remove_padding=packed,
                                                   fused_lm_head=fused, share_prompts=shared,
-                                                  share_prefixes=prefixes)
+                                                  share_prefixes=prefixes, sequence_parallel=sp)
     registry = ModelRegistry()
     for role, model in models.items():
         registry.register(role, model, aliases=ALIASES[role])
@@ -116,7 +120,7 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     if rank == 0:
         state.set("reward_name", reward_name(cfg.reward.functions, cfg.reward.model_path))
     return Components(tokenizer=tok, train_set=train_set, val_set=val_set, sampler=sampler, engines=engines,
-                      state=state, registry=registry, ppo=ppo)
+                      state=state, registry=registry, ppo=ppo, sequence_parallel=sp)
 
 
 def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool]:

@@ -175,8 +175,11 @@ def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: in
     out["rollout_replica"] = bpp * actor.total if cfg.rollout.gather_params else 0
     # generate's cache: K and V per layer for every token of this rank's prompts (either generation mode)
     out["kv_cache"] = 2 * actor.num_layers * actor.kv_dim * bpp * derived.prompts_per_rank * seq
-    # fp32 log-softmax over the vocabulary of one micro-batch: the usual PPO memory spike
-    out["logits"] = 4 * cfg.actor.micro_batch_size * seq * actor.vocab_size
+    # fp32 log-softmax over the vocabulary of one micro-batch: the usual PPO memory spike (a sequence-parallel rank
+    # scores the tokens of its slice of the row)
+    per_rank = math.ceil(cfg.actor.micro_batch_size * seq / cfg.model.sequence_parallel_size)
+    out["logits"] = 4 * per_rank * actor.vocab_size
+    out["activation_tokens"], out["activations"] = activation_memory(cfg, actor)
     whole = out["actor"].zero_stage < 3
     biggest = max(actor.total, sizes["critic"].total)
     out["startup_peak"] = bpp * (biggest if whole else max(actor.largest_layer, sizes["critic"].largest_layer))
@@ -193,6 +196,25 @@ def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: in
     if cfg.rollout.engine == "vllm":
         _vllm_memory(cfg, actor, out, states, gpus_per_node)
     return out
+
+
+# saved activations of one transformer layer per token, in bytes at 16 bits, without recomputation and without the
+# attention scores (a flash/varlen kernel keeps none): Korthikanti et al. 2022, "Reducing Activation Recomputation in
+# Large Transformer Models" (arXiv:2205.05198), section 4.1: 34 * hidden
+ACTIVATION_BYTES_PER_HIDDEN = 34
+
+
+def activation_memory(cfg: Config, actor: ModelSize) -> tuple[int, int]:
+    """(tokens, bytes) of one actor micro-batch's saved activations per rank: its packed row (the token budget, else
+    micro_batch_size x the longest sequence) split over model.sequence_parallel_size ranks; with gradient
+    checkpointing each layer keeps its input only, plus one layer recomputed at a time. An estimate of the order."""
+    a, seq = cfg.actor, sequence_tokens(cfg)
+    tokens = math.ceil((a.max_tokens_per_micro_batch or a.micro_batch_size * seq) / cfg.model.sequence_parallel_size)
+    scale = (2 if cfg.model.dtype == "bf16" else 4) / 2  # the rule counts 16-bit tensors
+    layer = ACTIVATION_BYTES_PER_HIDDEN * actor.hidden_size * scale * tokens
+    if cfg.model.gradient_checkpointing:
+        return tokens, int(actor.num_layers * 2 * actor.hidden_size * scale * tokens + layer)
+    return tokens, int(actor.num_layers * layer)
 
 
 def _vllm_memory(cfg: Config, actor: ModelSize, out: dict, states: int, gpus_per_node: int) -> None:

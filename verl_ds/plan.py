@@ -134,6 +134,8 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
     r, a = cfg.rollout, cfg.actor
     seq = sequence_tokens(cfg)
     unit = "rank" if cfg.trainer.device == "cpu" else "GPU"
+    sp = cfg.model.sequence_parallel_size
+    sp_note = f" / model.sequence_parallel_size {sp}" if sp > 1 else ""
     act, crit = sizes["actor"], sizes["critic"]
     lines = [f"verl_ds plan: {nodes} node(s) x {gpus_per_node} rank(s) per node = world size {world_size}", "",
              "== models (parameter counts from the config; no weights read) ==",
@@ -164,8 +166,13 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
              if mem["actor"].zero_stage < 3 else
              "every model is created partitioned (ZeRO-3), one layer gathered at a time")
     lines += [f"{'total':<18}{'':>4}  {'':<13}{_fmt(mem['steady']):>12}{_fmt(mem['cpu_per_node']):>15}",
-              f"plus: fp32 logits of one micro-batch ({a.micro_batch_size} x {seq} tokens x {act.vocab_size:,}) "
-              f"{_fmt(mem['logits'])} per {unit}, and activations",
+              f"plus: fp32 logits of one micro-batch ({a.micro_batch_size} x {seq} tokens x {act.vocab_size:,}"
+              f"{sp_note}) {_fmt(mem['logits'])} per {unit}, and activations",
+              f"activations of one actor micro-batch: {mem['activation_tokens']:,} tokens per {unit}{sp_note}, "
+              f"{act.num_layers} layers x hidden {act.hidden_size}"
+              f"{', gradient checkpointing' if cfg.model.gradient_checkpointing else ''}: about "
+              f"{_fmt(mem['activations'])} per {unit} (34 x hidden bytes per token and layer at 16 bits, "
+              f"arXiv:2205.05198)",
               *fit_advice(cfg, mem, device_memory(cfg, memory_gib), unit),
               f"start-up: {build}: {_fmt(mem['startup_peak'])} per {unit} above the states, "
               f"{_fmt(mem['cpu_build_peak'])} CPU per node, transient",

@@ -33,6 +33,7 @@ from verl_ds.config import Config, check_startup, write_run_config
 from verl_ds.control import StepBoundary, start_control_server
 from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics
 from verl_ds.models.ppo import LOSS_SHARE_METRICS
+from verl_ds.models.sequence_parallel import turns
 from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
 from verl_ds.reward_trial import check_swap_rows, trial
@@ -232,9 +233,10 @@ class Trainer:
         return tuple(f for f in REQUIRED_FOR_LOSS if f not in skipped)
 
     def _no_grad_pass(self, role: str, batch, groups: list, fn) -> torch.Tensor:
-        """``fn(model, micro_batch)`` over the row groups, put back in the batch's row order."""
+        """``fn(model, micro_batch)`` over the row groups (sequence-parallel ranks: in turns), in the batch's order."""
         model = self.registry.get(role)
-        parts = [fn(model, batch.select(g)) for g in groups]
+        parts = [out for g in groups for mic, mine in turns(self.c.sequence_parallel, batch.select(g))
+                 for out in [fn(model, mic)] if mine]
         out = parts[0].new_empty((len(batch), *parts[0].shape[1:]))
         for g, part in zip(groups, parts):
             out[torch.as_tensor(g, device=out.device)] = part
@@ -243,7 +245,7 @@ class Trainer:
     def _update(self, role: str, batch, loss_fn, epochs: int, micro: int, budget: Optional[int]) -> tuple[dict, int]:
         """PPO epochs x mini-batches x micro-batches of one role: loss, backward + step (``model.update``);
         returns (metrics, optimizer steps taken)."""
-        cfg, step = self.cfg, self.state.get("global_step")
+        cfg, step, sp = self.cfg, self.state.get("global_step"), self.c.sequence_parallel
         model = self.registry.get(role)
         metrics, steps = defaultdict(list), 0
         for epoch in range(epochs):
@@ -252,14 +254,13 @@ class Trainer:
             for mini in batch.split(self.derived.mini_batch_per_rank, generator=gen, shuffle=True):
                 groups = micro_batch_groups(mini, micro, budget, share_prompts=self._shares_prompts(role))
                 normalizer = self._normalizer(mini)
-                shares = {}  # this mini-batch's loss metrics: the sum of the micro-batches' shares
-                for i, group in enumerate(groups):
-                    mic = mini.select(group)
+                shares = {}  # loss metrics: the sum of the micro-batches' shares (sequence parallel: the owner's)
+                for i, (mic, mine) in enumerate(t for group in groups for t in turns(sp, mini.select(group))):
                     loss, m = loss_fn(mic, normalizer=normalizer)
-                    last = i == len(groups) - 1
+                    last = i == len(groups) * (sp.size if sp else 1) - 1
                     skip = self.guard.skip_update(loss, at_boundary=last)
                     result = model.update(mic, {"loss": loss, "skip": skip, "boundary": last})  # backward + step
-                    for k, v in m.items():
+                    for k, v in (m.items() if mine else ()):
                         if k in LOSS_SHARE_METRICS:
                             shares[k] = shares.get(k, 0.0) + v
                         else:

@@ -94,6 +94,11 @@ def main(result_path: str, overrides: list) -> None:
     from verl_ds.trainer import Trainer
 
     trainer = Trainer(load_config(None, overrides), detect_launch())
+    from verl_ds.models.sequence_parallel import SequenceParallel
+
+    split_rows = []  # (local, padded) tokens of each packed row split over a sequence-parallel group
+    shard = SequenceParallel.shard
+    SequenceParallel.shard = lambda self, packed: split_rows.append(shard(self, packed)) or split_rows[-1]
     cfg, ppo = trainer.cfg, trainer.ppo
     engines = trainer.c.engines
     before = {role: gathered(engines[role].module) for role in ("actor", "critic") if role in engines}
@@ -130,6 +135,8 @@ def main(result_path: str, overrides: list) -> None:
     trainer_module.micro_batch_groups = micro_batch_groups
     metrics = reduce_metrics(metrics)
     out = {"metrics": metrics, "advantages": advantages, "micro_batches": formed,
+           "split_rows": [(r.local, r.tokens) for r in split_rows],
+           "actor_attention": trainer.actor_engine.module.config._attn_implementation,
            "share_prompts": trainer.registry.get("actor").shares_prompts,  # one copy per prompt in packed rows
            "share_prefixes": trainer.registry.get("actor")._share_prefixes,  # and of common response prefixes
            "packed_tokens": {share: pack_shared_prompts(batch.observation, batch.mask, batch.response_width,

@@ -171,6 +171,24 @@ def _check_device(cfg: Config) -> None:
                           "use trainer.device=auto or cpu")
 
 
+def _check_sequence_parallel_heads(cfg: Config) -> None:
+    """Heads and key/value heads of the models read from disk (config.json) against model.sequence_parallel_size."""
+    import json
+
+    sp = cfg.model.sequence_parallel_size
+    for key, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path)):
+        if sp == 1 or path is None:
+            continue
+        with open(os.path.join(path, "config.json")) as fh:
+            conf = json.load(fh)
+        conf = conf.get("text_config") or conf
+        heads = conf.get("num_attention_heads")
+        kv = conf.get("num_key_value_heads") or heads
+        if isinstance(heads, int) and (heads % sp or kv % sp):
+            raise ConfigError(f"model.sequence_parallel_size={sp} must divide the attention heads ({heads}) and the "
+                              f"key/value heads ({kv}) of {key}={path!r}: each rank attends heads/{sp} of them")
+
+
 def _check_attention(cfg: Config) -> None:
     import torch
 
@@ -229,6 +247,7 @@ def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
     _check_device(cfg)
     _check_attention(cfg)
     _check_models(cfg)
+    _check_sequence_parallel_heads(cfg)
     _check_data_file("data.train_files", cfg.data.train_files)
     _check_data_file("data.val_files", cfg.data.val_files)
     _check_reward_code(cfg)

@@ -60,6 +60,21 @@ def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
                    kl_kind=resolve_kl_kind(cfg.algo.kl_kind, kl_placement_of(cfg)), kl_placement=kl_placement_of(cfg))
 
 
+def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
+    m, key = cfg.model, "model.sequence_parallel_size"
+    sp = m.sequence_parallel_size
+    if sp == 1:
+        return
+    if world_size % sp:
+        raise ConfigError(f"{key}={sp} must divide the world size {world_size} (data-parallel groups x "
+                          f"sequence-parallel groups = world)")
+    if not m.remove_padding:
+        raise ConfigError(f"{key}={sp} splits packed rows: it needs model.remove_padding=true")
+    if m.path is None and (m.num_heads % sp or m.num_kv_heads % sp):
+        raise ConfigError(f"{key}={sp} must divide model.num_heads={m.num_heads} and model.num_kv_heads="
+                          f"{m.num_kv_heads}: each rank attends heads/{sp} of them")
+
+
 def kl_placement_of(cfg: Config) -> str:
     """Where this config puts the KL term: ``algo.kl_placement`` with ``auto`` resolved ("reward" or "loss")."""
     return resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator)
@@ -199,6 +214,7 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
             raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}")
         if m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
+    _check_sequence_parallel(cfg, world_size)
     _check_estimator(cfg)
     _check_kl_controller(cfg)
     why = kl_placement_rule(kl_placement_of(cfg), cfg.algo.kl_kind)

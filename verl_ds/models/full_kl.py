@@ -61,7 +61,7 @@ class HeadSymmetricKL:
                                  ref_bias=None if ref.bias is None else ref.bias.to(hidden.dtype))
 
 
-_LAYOUT = ("_remove_padding", "_share_prompts", "_share_prefixes")
+_LAYOUT = ("_remove_padding", "_share_prompts", "_share_prefixes", "_sp")  # _sp: the same sequence-parallel group
 
 
 def logprobs_with_full_kl(actor: Any, ref: Any, observation: torch.Tensor, action: torch.Tensor,

@@ -77,13 +77,14 @@ def _accepts(module: Any) -> tuple[set[str], bool]:
     return set(params), var_kw
 
 
-def _packed_kwargs(inner: Any, packed: Packed) -> dict:
+def _packed_kwargs(inner: Any, packed: Packed, row: Any = None) -> dict:
     names, var_kw = _accepts(inner)
-    kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+    src = packed if row is None else row  # a ShardedRow: this rank's slice of the tokens, the whole row's layout
+    kwargs = {"input_ids": src.input_ids, "position_ids": src.position_ids}
     if "use_cache" in names or var_kw:
         kwargs["use_cache"] = False
     if var_kw:  # transformers models take the varlen kwargs through **kwargs
-        kwargs.update(packed.attention_kwargs())
+        kwargs.update(packed.attention_kwargs() if row is None else row.kwargs)
     return kwargs
 
 
@@ -132,30 +133,40 @@ def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: floa
 
 
 def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: float = 1.0, *,
-                    compute_entropy: bool = False, fused_lm_head: bool = False, head_kl: Any = None, **chunks):
+                    compute_entropy: bool = False, fused_lm_head: bool = False, head_kl: Any = None,
+                    sequence_parallel: Any = None, **chunks):
     """(log_probs (B, R), entropy (B, R) or None), float32, of the response tokens of a packed batch under
     the causal LM ``lm`` (a HF model or a DeepSpeed engine around one) at ``temperature``: the padded
     ``PolicyModel.get_logprob`` on the same batch, 0 at padded response positions. Differentiable.
     ``fused_lm_head``: never build the (n, V) logits (``chunks``: chunk_rows / vocab_chunk). ``head_kl``
-    (fused only, see ``lm_head_returns_logprobs``): a third item, its column as (B, R)."""
+    (fused only, see ``lm_head_returns_logprobs``): a third item, its column as (B, R). ``sequence_parallel`` (a
+    ``SequenceParallel``): this rank runs its slice of the row (``verl_ds.models.sequence_parallel``)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
     idx = response_index(packed, response_width)
     B = packed.shape[0]
     fused_lm_head = fused_lm_head or head_kl is not None  # the extra column rides on the fused head's output
     inner = unwrap_module(lm)
-    kwargs = _packed_kwargs(inner, packed)
+    row, preds, labels = None, idx.preds, idx.label_ids
+    if sequence_parallel is not None:  # this rank's slice of the row, and the predictors in it
+        row = sequence_parallel.shard(packed)
+        mine, preds = row.predictors(idx.preds)
+        labels, empty = labels[mine], not preds.numel()
+        if empty:  # the LM head still runs (ZeRO-3 gathers it on every rank): on one token, dropped after
+            preds, labels = preds.new_zeros(1), labels.new_zeros(1)
+    kwargs = _packed_kwargs(inner, packed, row)
     names, _ = _accepts(inner)
     keep_arg = "logits_to_keep" in names
     if keep_arg:
-        kwargs["logits_to_keep"] = idx.preds
-    labels = idx.label_ids
+        kwargs["logits_to_keep"] = preds
     if fused_lm_head:
         ctx = lm_head_returns_logprobs(lm, labels, temperature, compute_entropy,
-                                       keep=None if keep_arg else idx.preds, head_kl=head_kl, **chunks)
+                                       keep=None if keep_arg else preds, head_kl=head_kl, **chunks)
     else:
         ctx = contextlib.nullcontext()
-    with ctx, packed_row_witness(lm, packed.num_tokens, packed.layout, isinstance(packed, SharedPacked)):
+    tokens, layout = (packed.num_tokens, packed.layout) if row is None else (row.tokens, row.layout)
+    with ctx, packed_row_witness(lm, tokens, layout, isinstance(packed, SharedPacked)), \
+            (row.active() if row is not None else contextlib.nullcontext()):
         out = lm(**kwargs)
     logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[0] != 1:
@@ -163,33 +174,43 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
         raise ValueError(f"packed_logprobs: the lm must return logits of shape (1, n, V) for the packed row, got {got}")
     logits = logits[0]
     if fused_lm_head:
-        lp, ent = logits[:, 0], (logits[:, 1] if compute_entropy else None)
+        cols = [logits[:, 0]] + ([logits[:, 1]] if compute_entropy else []) + \
+            ([logits[:, -1]] if head_kl is not None else [])
     else:
-        if logits.shape[0] != idx.preds.numel():
-            logits = logits[idx.preds]
-        if compute_entropy:
-            lp, ent = logprobs_and_entropy(logits, labels, temperature)
-        else:
-            lp, ent = logprobs_from_logits(logits, labels, temperature), None
+        if logits.shape[0] != preds.numel():
+            logits = logits[preds]
+        cols = list(logprobs_and_entropy(logits, labels, temperature)) if compute_entropy else \
+            [logprobs_from_logits(logits, labels, temperature)]
+    if row is not None:  # every predictor's columns, on every rank of the group
+        cols = row.gather(torch.stack(cols, -1)[:0 if empty else None], idx.preds).unbind(-1)
+    lp, ent = cols[0], (cols[1] if compute_entropy else None)
     shape = (B, response_width)
     out = _scatter(lp, idx, shape), (_scatter(ent, idx, shape) if ent is not None else None)
-    return out if head_kl is None else (*out, _scatter(logits[:, -1], idx, shape))
+    return out if head_kl is None else (*out, _scatter(cols[-1], idx, shape))
 
 
-def packed_values(critic: Any, packed: Packed, response_width: int) -> torch.Tensor:
+def packed_values(critic: Any, packed: Packed, response_width: int, sequence_parallel: Any = None) -> torch.Tensor:
     """(B, R) float32 values aligned with the response tokens (the value of the state before each, as
     ``ValueModel.get_values``) of a packed batch under ``critic`` (a CriticLM, a DeepSpeed engine around
-    one, or a HF token classifier with one label); 0 at padded response positions. Differentiable."""
+    one, or a HF token classifier with one label); 0 at padded response positions. Differentiable.
+    ``sequence_parallel``: as ``packed_logprobs``."""
     idx = response_index(packed, response_width)
-    with packed_row_witness(critic, packed.num_tokens, packed.layout, isinstance(packed, SharedPacked)):
-        out = critic(**_packed_kwargs(unwrap_module(critic), packed))
+    row = sequence_parallel.shard(packed) if sequence_parallel is not None else None
+    tokens, layout = (packed.num_tokens, packed.layout) if row is None else (row.tokens, row.layout)
+    with packed_row_witness(critic, tokens, layout, isinstance(packed, SharedPacked)), \
+            (row.active() if row is not None else contextlib.nullcontext()):
+        out = critic(**_packed_kwargs(unwrap_module(critic), packed, row))
     if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
         out = out.logits
     if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[-1] == 1:
         out = out.squeeze(-1)
-    n = packed.num_tokens
+    n = packed.num_tokens if row is None else row.local
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != (1, n):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"packed_values: the critic must return per-token values of shape (1, N) = (1, {n}) for "
                          f"the packed row, got {got}")
-    return _scatter(out[0, idx.preds].float(), idx, (packed.shape[0], response_width))
+    if row is None:
+        values = out[0, idx.preds]
+    else:
+        values = row.gather(out[0, row.predictors(idx.preds)[1]], idx.preds)
+    return _scatter(values.float(), idx, (packed.shape[0], response_width))

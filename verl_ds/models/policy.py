@@ -51,8 +51,14 @@ class ReferenceModel(LogProbRole):
     required_modules = ("lm",)
 
     def __init__(self, lm: Any, state: SharedState | None = None, remove_padding: bool = False,
-                 fused_lm_head: bool = False, share_prompts: bool = False, share_prefixes: bool = False):
+                 fused_lm_head: bool = False, share_prompts: bool = False, share_prefixes: bool = False,
+                 sequence_parallel: Any = None):
         super().__init__(state=state, lm=lm)
+        # a SequenceParallel group (verl_ds.models.sequence_parallel): packed rows split over its ranks
+        self._sp = sequence_parallel
+        if sequence_parallel is not None and not remove_padding:
+            raise ValueError(f"{type(self).__name__}: sequence parallelism splits packed rows: it needs "
+                             f"remove_padding=True")
         # run-time switches from the config, not state: private so a checkpoint never overrides them
         self._remove_padding, self._fused_lm_head = bool(remove_padding), bool(fused_lm_head)
         self._share_prompts = bool(share_prompts) and self._remove_padding  # a packed-row layout
@@ -123,7 +129,7 @@ class ReferenceModel(LogProbRole):
             else:
                 packed = pack(observation, mask, R)
             out = packed_logprobs(self.lm, packed, R, temperature, compute_entropy=return_entropy,
-                                  fused_lm_head=self._fused_lm_head, head_kl=head_kl)
+                                  fused_lm_head=self._fused_lm_head, head_kl=head_kl, sequence_parallel=self._sp)
             log_probs, entropy = out[:2]
         else:
             observation, mask = left_align_prompts(observation, mask, R)  # logits[:, -R-1] must be the prompt's last
@@ -186,9 +192,10 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
     def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
                  lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None,
                  remove_padding: bool = False, fused_lm_head: bool = False, share_prompts: bool = False,
-                 share_prefixes: bool = False):
+                 share_prefixes: bool = False, sequence_parallel: Any = None):
         super().__init__(lm, state=state, remove_padding=remove_padding, fused_lm_head=fused_lm_head,
-                         share_prompts=share_prompts, share_prefixes=share_prefixes)
+                         share_prompts=share_prompts, share_prefixes=share_prefixes,
+                         sequence_parallel=sequence_parallel)
         self._optimizer = optimizer
         self.lr_key = lr_key
         self._rollout_engine = rollout_engine

@@ -96,9 +96,12 @@ class ValueModel(ValueRole, TrainableRole):
     required_modules = ("net",)
 
     def __init__(self, net: nn.Module | Callable[[torch.Tensor], torch.Tensor], state: SharedState | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, lr_key: str = "critic_lr", remove_padding: bool = False):
+                 optimizer: torch.optim.Optimizer | None = None, lr_key: str = "critic_lr",
+                 remove_padding: bool = False, sequence_parallel: Any = None):
         super().__init__(state=state, net=net)
         self._remove_padding = bool(remove_padding)  # a config switch, not state (never from a checkpoint)
+        # a SequenceParallel group (verl_ds.models.sequence_parallel): packed rows split over its ranks
+        self._sp = sequence_parallel
         if not callable(net):
             raise TypeError(f"ValueModel: net must be an nn.Module or a callable fn(observation) -> Tensor, got "
                             f"{type(net).__name__}")
@@ -165,7 +168,11 @@ class ValueModel(ValueRole, TrainableRole):
             from verl_ds.models.packed_forward import packed_values
             from verl_ds.packing import pack
 
-            return packed_values(self.net, pack(observation, mask, response_length), response_length)
+            return packed_values(self.net, pack(observation, mask, response_length), response_length,
+                                 sequence_parallel=self._sp)
+        if self._sp is not None:
+            raise ValueError(f"{who}: sequence parallelism splits packed rows: it needs remove_padding=True and a "
+                             f"network critic")
         observation, mask = left_align_prompts(observation, mask, response_length)  # values[:, -R-1]: the prompt's end
         values = self._raw(observation, mask)
         if values.dim() != 2:

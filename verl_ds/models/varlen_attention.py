@@ -27,6 +27,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from verl_ds.attention_layout import LAYOUT_KWARG, AttentionLayout
+
+ULYSSES_PREFIX = "verl_ds_ulysses__"  # verl_ds.models.sequence_parallel's wrappers
 from verl_ds.hf_module import config_of, family_name, text_config, unwrap_module
 
 __all__ = ["VARLEN_ATTENTION", "FLEX_ATTENTION", "varlen_sdpa_attention", "varlen_flex_attention",
@@ -72,7 +74,10 @@ def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared:
     layers drop it on the way), be causal, and come at least once per decoder layer (fewer: other layers mix tokens
     across the packed sequences); else ``PackedRowNotReached`` names the family, after the forward. Plain packing on
     flash-attention is not witnessed: transformers keeps those rows apart by ``cu_seq_lens``."""
-    if not shared and getattr(config_of(model), "_attn_implementation", None) not in _OURS:
+    impl = str(getattr(config_of(model), "_attn_implementation", None))
+    if impl.startswith(ULYSSES_PREFIX):  # sequence parallel: the wrapper tells the witness when its kernel does not
+        impl = VARLEN_ATTENTION
+    if not shared and impl not in _OURS:
         yield None  # plain packing on transformers' flash varlen path
         return
     witness = _Witness(tokens, layout, shared)
