@@ -134,13 +134,11 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
     from verl_ds.attention_layout import resolve_attn_implementation
     from verl_ds.hf_module import device_of
     from verl_ds.models.families import packing_support
-    from verl_ds.models.varlen_attention import use_attention
 
     device_type = torch.device(device_of(next(iter(engines.values())))).type
     implementation = resolve_attn_implementation(cfg.model.attn_implementation, device_type)
     if not cfg.model.remove_padding:
-        for e in engines.values():
-            use_attention(e, implementation)
+        _padded_attention(engines, implementation, say)
         return False, False
     want_shared = cfg.model.share_prompts and cfg.rollout.n > 1
     longest = sequence_tokens(cfg)
@@ -150,8 +148,7 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
     if refused:
         if say:
             log.warning("model.remove_padding: the %s cannot be packed (%s); padded batches are used", *refused[0])
-        for e in engines.values():
-            use_attention(e, implementation)
+        _padded_attention(engines, implementation, say)
         return False, False
     refused = [(role, s.sharing) for role, s in support.items() if s.sharing is not None and role != "critic"]
     shared = want_shared and not refused
@@ -165,6 +162,20 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
     if say and notes:
         log.warning("model.attn_implementation: %s", "; ".join(notes))
     return True, shared
+
+
+def _padded_attention(engines: dict, implementation: str, say: bool) -> None:
+    """Padded batches on ``implementation``; a family with its own attention code (e.g. Bloom's ALiBi) keeps it: it
+    reads the padding mask itself, so padded batches stay exact on it."""
+    from verl_ds.models.varlen_attention import use_attention
+
+    for role, e in engines.items():
+        try:
+            use_attention(e, implementation)
+        except ValueError as exc:
+            if say:
+                log.warning("model.attn_implementation=%s: the %s keeps its own attention on padded batches (%s)",
+                            implementation, role, exc)
 
 
 class PromptData(NamedTuple):
