@@ -109,3 +109,22 @@ def test_agent_turns_end_on_the_chats_stop_ids():
     got = turns([[5, 6, 7], [5, 6, 7], [8, 9], [8, 9]], 10)
     for (ids, lps), (n, _), r in zip(got, _cut(free, {EOS, stop}), range(4)):
         assert ids == free.responses[r, :n].tolist() and len(lps) == n
+
+
+def test_a_demonstration_closes_its_turns_as_the_template_does():
+    # the cold start's conversations are laid out as rollouts lay them out: each assistant turn ends on the template's
+    # end-of-turn token (<|eot_id|>), not on eos when eos is another stop id (<|end_of_text|>, Llama 3 base configs)
+    from verl_ds.agent.warmup import demonstration_tokens
+
+    tok = real_tokenizer("llama3_1", eos="<|end_of_text|>")
+    end_of_text, eom, eot = tok.convert_tokens_to_ids(LLAMA_STOPS)
+    tok.generation_stop_ids = [eot, eom]
+    chat = ChatTokens(tok)
+    call = json.dumps({"name": "calc", "parameters": {"expression": "4821 * 37"}})
+    messages = [{"role": "user", "content": "What is 4821 * 37?"}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": "178377"}, {"role": "assistant", "content": "178377"}]
+    ids, mask = demonstration_tokens(chat, messages)
+    want = chat.incremental(messages[:3]) + tok.encode("178377", add_special_tokens=False) + [eot]
+    assert ids == want and end_of_text not in ids
+    assert [i for i, m in zip(ids, mask) if m] == (tok.encode(call, add_special_tokens=False) + [eot]
+                                                   + tok.encode("178377", add_special_tokens=False) + [eot])
