@@ -3,13 +3,14 @@
 ``ChatTokens`` counts them as turn ends, and the HF engine ends an agent's turn on them, not only on eos. The
 expected turns come from the same draws without stop ids, cut by hand at the first stop id."""
 import json
+import logging
 
 import pytest
 import torch
 
 from verl_ds.agent.chat_tokens import ChatTokens
 from verl_ds.agent.episodes import engine_turns
-from verl_ds.config import ConfigError, load_config
+from verl_ds.config import load_config
 from verl_ds.engines.build import load_tokenizer
 from verl_ds.generation import HFRolloutEngine
 
@@ -37,11 +38,17 @@ def test_load_tokenizer_takes_the_other_stop_ids_from_the_generation_config(tmp_
     assert chat.ended([11, 12, eom]) and chat.ended([11, end_of_text])
 
 
-def test_a_generation_config_with_ids_beyond_the_tokenizer_is_refused_naming_it(tmp_path):
+def test_ids_beyond_the_tokenizer_or_an_unreadable_file_are_left_out_with_a_warning(tmp_path, caplog):
     tok = checkpoint_dir(tmp_path, [5, len(real_tokenizer("llama3_1")) + 7])
-    with pytest.raises(ConfigError, match=r"model\.path: .*generation_config\.json: eos_token_id must be token ids "
-                                          rf"of the tokenizer \(0 to {len(tok) - 1}\), found \[{len(tok) + 7}\]"):
-        load_tokenizer(load_config(None, [f"model.path={tmp_path}"]))
+    with caplog.at_level(logging.WARNING, logger="verl_ds.agent.chat_tokens"):
+        loaded = load_tokenizer(load_config(None, [f"model.path={tmp_path}"]))
+    assert loaded.generation_stop_ids == [5]
+    assert f"generation_config.json: eos_token_id entries [{len(tok) + 7}] are not token ids of the tokenizer " \
+           f"(0 to {len(tok) - 1}); left out" in caplog.text
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="verl_ds.agent.chat_tokens"):
+        assert load_tokenizer(load_config(None, [f"model.path={tmp_path}"])).generation_stop_ids == []
+    assert "generation_config.json: not a readable generation config" in caplog.text
 
 
 def test_without_a_generation_config_only_eos_stops(tmp_path):

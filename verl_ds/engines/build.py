@@ -59,10 +59,8 @@ def load_tokenizer(cfg: Config):
     if cfg.model.path is not None and not getattr(tok, "generation_stop_ids", None):
         from verl_ds.agent.chat_tokens import generation_stop_ids
 
-        try:  # the checkpoint's other stop ids (Llama 3.1: <|eom_id|>, ...): an agent's turns end on them too
-            tok.generation_stop_ids = generation_stop_ids(cfg.model.path, tok)
-        except ValueError as exc:
-            raise ConfigError(f"model.path: {exc}") from None
+        # the checkpoint's other stop ids (Llama 3.1: <|eom_id|>, ...): an agent's turns end on them too
+        tok.generation_stop_ids = generation_stop_ids(cfg.model.path, tok)
     if tok.pad_token_id is None:
         # pad == eos is then handled by building response masks from lengths, never from token != pad
         tok.pad_token = tok.eos_token
