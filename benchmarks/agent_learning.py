@@ -28,7 +28,8 @@ PPO_OVERRIDES = ("algo.adv_estimator=gae", "algo.lam=1.0", "algo.whiten_advantag
 
 
 def overrides_for(ppo: bool, given: list) -> list:
-    """The overrides every seed trains with: ``given``, after PPO_OVERRIDES (less the keys ``given`` sets) when ``ppo``."""
+    """The overrides every seed trains with: ``given``, after PPO_OVERRIDES (less the keys ``given`` sets) when
+    ``ppo``."""
     keys = {o.split("=", 1)[0] for o in given}
     return [*(o for o in PPO_OVERRIDES if ppo and o.split("=", 1)[0] not in keys), *given]
 
