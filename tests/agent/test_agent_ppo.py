@@ -4,7 +4,7 @@ multi-turn batches the task gives early on, when nearly every trajectory scores 
 A batch without a success must move the policy by no more than the critic's error (whitening would scale that error
 up to unit advantages, a random push every step), and a success must credit its first token, the decision to call
 the tool, in full (with lam 0.95 it got ~0.34 of it from a critic that has seen no success). With PPO's defaults
-(lam 0.95, whitening) PPO did not learn the task: tool-call rate 0.009 -> 0.022 on seed 0. The expected values come
+(lam 0.95, whitening) PPO did not learn the task from a start near 0: tool-call rate 0.009 -> 0.022 on seed 0. The expected values come
 from a float64 GAE loop over the model's tokens alone (the environment's skipped, as verl's multi-turn GAE)."""
 import os
 import random
