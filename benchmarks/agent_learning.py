@@ -4,6 +4,11 @@ one ``launch/train.py`` subprocess each, one after the other; per seed the first
 
     python benchmarks/agent_learning.py --config configs/agent_calc.yaml
     python benchmarks/agent_learning.py --config configs/agent_guess.yaml --seeds 0 1 2 -- trainer.total_steps=80
+    python benchmarks/agent_learning.py --ppo     # PPO with a critic: configs/agent_calc_ppo.yaml's algo settings
+
+``--ppo`` trains the config with PPO_OVERRIDES (GAE with a critic, lam 1, no advantage whitening: the algo section of
+configs/agent_calc_ppo.yaml, which is agent_calc.yaml with them); a key also given on the command line takes the
+command line's value.
 
 A seed passes when the score's last 10% exceeds its first 10% by at least ``--min-gain`` and, for a task with
 tools, the last 10%'s tool-call rate is above ``--min-tool-rate``; the exit status is 1 when a seed does not.
@@ -19,6 +24,14 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PPO_OVERRIDES = ("algo.adv_estimator=gae", "algo.lam=1.0", "algo.whiten_advantages=false")
+
+
+def overrides_for(ppo: bool, given: list) -> list:
+    """The overrides every seed trains with: ``given``, after PPO_OVERRIDES (less the keys ``given`` sets) when
+    ``ppo``."""
+    keys = {o.split("=", 1)[0] for o in given}
+    return [*(o for o in PPO_OVERRIDES if ppo and o.split("=", 1)[0] not in keys), *given]
 
 
 def first_last(values: list) -> tuple[float, float]:
@@ -65,30 +78,36 @@ def main(argv=None) -> int:
     ap.add_argument("--min-tool-rate", type=float, default=0.8, help="tool-call rate of the last 10%% above this "
                     "(tasks with tools)")
     ap.add_argument("--timeout-s", type=float, default=1800)
+    ap.add_argument("--ppo", action="store_true", help="PPO with a critic (PPO_OVERRIDES) instead of the config's "
+                    "estimator")
     ap.add_argument("--out", default=None, help="runs go here (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="config overrides for every seed (key=value)")
     args = ap.parse_args(argv)
+    overrides = overrides_for(args.ppo, args.overrides)
     import yaml
 
     with open(args.config, encoding="utf-8") as f:
-        task = ((yaml.safe_load(f) or {}).get("agent") or {}).get("environment") or "?"
+        tree = yaml.safe_load(f) or {}
+    task = (tree.get("agent") or {}).get("environment") or "?"
+    algo = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("algo.adv_estimator=")),
+                (tree.get("algo") or {}).get("adv_estimator") or "?")
     has_tools = task == "calc"
     base = args.out or tempfile.mkdtemp(prefix="agent_learning_")
     os.makedirs(base, exist_ok=True)
     results, ok = [], True
     for seed in args.seeds:
-        r = run_seed(args.config, seed, os.path.join(base, f"seed{seed}"), args.overrides, args.timeout_s)
+        r = run_seed(args.config, seed, os.path.join(base, f"seed{seed}"), overrides, args.timeout_s)
         passed = r["score_last"] - r["score_first"] >= args.min_gain and (
             not has_tools or r["tool_call_rate_last"] > args.min_tool_rate)
         ok &= passed
         results.append(r)
-        print(f"agent_learning_seed task={task} seed={seed} steps={r['steps']} "
+        print(f"agent_learning_seed task={task} algo={algo} seed={seed} steps={r['steps']} "
               f"tool_call_rate_first={r['tool_call_rate_first']:.3f} tool_call_rate_last={r['tool_call_rate_last']:.3f} "
               f"score_first={r['score_first']:.3f} score_last={r['score_last']:.3f} seconds={r['seconds']:.0f} "
               f"pass={passed}", flush=True)
     mean = {k: sum(r[k] for r in results) / len(results) for k in
             ("tool_call_rate_first", "tool_call_rate_last", "score_first", "score_last", "seconds")}
-    print(f"agent_learning task={task} tool_call_rate_first={mean['tool_call_rate_first']:.3f} "
+    print(f"agent_learning task={task} algo={algo} tool_call_rate_first={mean['tool_call_rate_first']:.3f} "
           f"tool_call_rate_last={mean['tool_call_rate_last']:.3f} score_first={mean['score_first']:.3f} "
           f"score_last={mean['score_last']:.3f} seconds={mean['seconds']:.0f} seeds={len(results)} "
           f"all_pass={ok} runs={base}")

@@ -46,12 +46,11 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from verl_ds.batch import RolloutBatch
 from verl_ds.hf_module import (IGNORES_POSITIONS, device_of, family_name, forward_params, probe_batch, probing,
                                 reads_positions, sequence_convolutions, unwrap_module, vocab_size)
 from verl_ds.rows import position_ids_from_mask, prompt_groups
@@ -142,8 +141,11 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False) -> Generation:
-        """Sample up to ``max_new_tokens`` per left-padded prompt; the result is always (B, max_new_tokens) wide."""
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                 stop_token_ids: Sequence[int] = ()) -> Generation:
+        """Sample up to ``max_new_tokens`` per left-padded prompt; the result is always (B, max_new_tokens) wide.
+        A response ends on EOS or on any of ``stop_token_ids`` (an agent's turn: Llama 3.1 also ends one on
+        <|eot_id|> and <|eom_id|>), included in its length and counted as done."""
         from transformers import LogitsProcessorList
 
         if self.gather_params:
@@ -156,6 +158,9 @@ class HFRolloutEngine:
         gen_cfg = rollout_generation_config(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id)
+        stops = list(dict.fromkeys([int(self.eos_token_id), *map(int, stop_token_ids)]))
+        if len(stops) > 1:
+            gen_cfg.eos_token_id = stops  # generate stops on any of them and pads after it
         stats = SampledTokenStats(1.0 if greedy else temperature)
         distinct = self.share_decode and not synced
         shared = shared_prefill(model, input_ids, attention_mask, expand=not distinct) if self.share_prefill and \
@@ -184,8 +189,9 @@ class HFRolloutEngine:
             responses = torch.cat([responses, responses.new_full((responses.shape[0], extra), self.pad_token_id)], 1)
             log_probs = torch.cat([log_probs, log_probs.new_zeros((log_probs.shape[0], extra))], 1)
             entropy = torch.cat([entropy, entropy.new_zeros((entropy.shape[0], extra))], 1)
-        lengths = RolloutBatch.response_length_from_eos(responses, self.eos_token_id)
-        done = (responses == self.eos_token_id).any(dim=1)
+        is_stop = torch.isin(responses, torch.tensor(stops, device=responses.device))
+        lengths = torch.where(is_stop.any(-1), is_stop.int().argmax(-1) + 1, responses.shape[1]).to(torch.int64)
+        done = is_stop.any(dim=1)
         # positions after the first EOS hold whatever generate padded with; make them the pad id
         valid = torch.arange(max_new_tokens, device=responses.device).unsqueeze(0) < lengths.unsqueeze(1)
         responses = torch.where(valid, responses, torch.full_like(responses, self.pad_token_id))
@@ -248,11 +254,12 @@ def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torc
     ``prefill``'s logits) and ``mask``, running one row per distinct state (see the module docstring); returns the
     prompts and responses as ``generate`` does, (B, W + 1 + steps), pad after each row's EOS."""
     (name, cache), = prefill.cache.items()
-    eos, pad = int(gen_cfg.eos_token_id), int(gen_cfg.pad_token_id)
-    B, dev = ids.shape[0], ids.device
+    pad, B, dev = int(gen_cfg.pad_token_id), ids.shape[0], ids.device
+    stops = gen_cfg.eos_token_id if isinstance(gen_cfg.eos_token_id, list) else [gen_cfg.eos_token_id]
+    eos = torch.tensor([int(i) for i in stops], device=dev)
     state = prefill.rows.to(dev)  # each row's row in the cache: its prompt's, then its distinct state's
     held = int(state.max()) + 1  # rows in the cache: the distinct prompts, then the last step's states
-    alive = ids[:, -1] != eos
+    alive = ~torch.isin(ids[:, -1], eos)
     extra = {"logits_to_keep": 1} if "logits_to_keep" in forward_params(model) else {}
     for _ in range(int(gen_cfg.max_new_tokens)):
         if not bool(alive.any()):
@@ -278,7 +285,7 @@ def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torc
         nxt = torch.where(alive, nxt, torch.full_like(nxt, pad))
         ids = torch.cat([ids, nxt[:, None]], 1)
         mask = torch.cat([mask, mask.new_ones((B, 1))], 1)
-        alive = alive & (nxt != eos)
+        alive = alive & ~torch.isin(nxt, eos)
     return ids
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -181,9 +181,10 @@ class VLLMRollout:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False):
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+                 stop_token_ids: Sequence[int] = ()):
         """HFRolloutEngine.generate's contract (left-padded prompts in, a ``Generation`` of width max_new_tokens
-        out; ``entropy`` is None: vLLM does not report it)."""
+        out, ending on EOS or ``stop_token_ids``; ``entropy`` is None: vLLM does not report it)."""
         if self._synced_at != self._actor_steps():  # the actor's weights were replaced (a resume): sync first
             self.refresh()
         seed = self.seeds.next()
@@ -191,7 +192,8 @@ class VLLMRollout:
         try:
             return self.engine.generate_padded(input_ids, attention_mask, max_new_tokens=int(max_new_tokens),
                                                temperature=float(temperature), top_k=max(int(top_k), 0),
-                                               top_p=float(top_p), greedy=bool(greedy), seed=seed)
+                                               top_p=float(top_p), greedy=bool(greedy), seed=seed,
+                                               stop_token_ids=list(stop_token_ids))
         finally:
             self._after_generate()
 

@@ -30,7 +30,7 @@ def world_sizes(path: str) -> list[int]:
 def test_the_shipped_configs_are_all_here():
     names = {os.path.basename(p) for p in job_configs()}
     assert {"default.yaml", "qwen2.5-0.5b-gsm8k.yaml", "grpo_gsm8k.yaml", "zero2.yaml", "zero3_offload.yaml",
-            "agent_calc.yaml", "agent_guess.yaml", "agent_qwen2.5_calc.yaml"} <= names
+            "agent_calc.yaml", "agent_calc_ppo.yaml", "agent_guess.yaml", "agent_qwen2.5_calc.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", job_configs(), ids=os.path.basename)

@@ -16,9 +16,14 @@ extends turn by turn; one that no longer ends the turn with its end-of-turn toke
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 from typing import Any
 
-__all__ = ["ChatTokens", "TemplateError"]
+__all__ = ["ChatTokens", "TemplateError", "generation_stop_ids"]
+
+log = logging.getLogger(__name__)
 
 _BASE = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong"}]
 
@@ -111,3 +116,27 @@ class ChatTokens:
             ids += self._encode(messages[i]["content"]) + [self.end_id] + self.after_turn(messages[i + 1:j])
             i = j
         return ids
+
+
+def generation_stop_ids(model_dir: str, tokenizer: Any) -> list[int]:
+    """The ids besides the tokenizer's eos that the checkpoint's ``generation_config.json`` stops on, in its order
+    (Llama 3.1 Instruct: eos <|eot_id|>, and <|end_of_text|>, <|eom_id|>); [] without the file or an eos entry.
+
+    ``load_tokenizer`` sets them as ``tokenizer.generation_stop_ids``: a multi-turn rollout ends a sampled turn on
+    any of them (``ChatTokens.stop_ids``), as the model's own ``generate`` would. An unreadable file or an id that is
+    not one of the tokenizer's is left out with a warning naming it (single responses never read them)."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            eos = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("%s: not a readable generation config (%s); an agent's turns end on eos only", path, exc)
+        return []
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(tokenizer)]
+    if bad:
+        log.warning("%s: eos_token_id entries %r are not token ids of the tokenizer (0 to %d); left out", path, bad,
+                    len(tokenizer) - 1)
+    return [i for i in dict.fromkeys(ids) if i not in bad and i != tokenizer.eos_token_id]

@@ -72,10 +72,16 @@ class Trajectory:
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(ids)
 
 
-def engine_turns(engine, pad_token_id: int, **sampling) -> GenerateFn:
+def engine_turns(engine, pad_token_id: int, stop_token_ids: Sequence[int] = (), **sampling) -> GenerateFn:
     """A GenerateFn over a rollout engine (``HFRolloutEngine`` / ``VLLMRollout``: left-padded prompts in, a
-    ``Generation`` out): each row's sampled ids up to and including its stop token, with their log-probs."""
+    ``Generation`` out): each row's sampled ids up to and including its stop token, with their log-probs.
+    ``stop_token_ids`` (``ChatTokens.stop_ids``) end a turn besides the engine's EOS."""
     import torch
+
+    eos = getattr(engine, "eos_token_id", None)
+    extra = [int(i) for i in stop_token_ids if i != eos]
+    if extra:  # an engine that knows only its EOS is never handed an empty list it may not take
+        sampling = {**sampling, "stop_token_ids": extra}
 
     def generate(prompts: list, max_new_tokens: int) -> list:
         width = max(map(len, prompts))

@@ -145,9 +145,10 @@ def agent_rollout(spec: AgentSpec, actor, tokenizer, prompts: dict, *, max_new_t
     engine = actor.rollout_engine
     with t("gen"):
         envs = [make_environment(spec.environment, spec.env_args) for _ in samples]
-        generate = engine_turns(engine, tokenizer.pad_token_id, temperature=temperature, top_k=top_k, top_p=top_p,
-                                greedy=greedy)
-        trajs = run_episodes(generate, spec.chat(tokenizer, envs[0]), envs, samples,
+        chat = spec.chat(tokenizer, envs[0])
+        generate = engine_turns(engine, tokenizer.pad_token_id, stop_token_ids=chat.stop_ids, temperature=temperature,
+                                top_k=top_k, top_p=top_p, greedy=greedy)
+        trajs = run_episodes(generate, chat, envs, samples,
                              replace(spec.limits, max_turn_tokens=max_new_tokens), spec.workers)
     with t("reward"):
         batch, mismatches = trajectories_to_batch(trajs, pad_token_id=tokenizer.pad_token_id,

@@ -75,15 +75,15 @@ def demonstration(env_name: str, row: dict, rng: random.Random) -> list[dict]:
 
 
 def demonstration_tokens(chat: ChatTokens, messages: list, decision: bool = True) -> tuple[list[int], list[int]]:
-    """(ids, mask) of a conversation as a rollout builds it: mask 1 on each assistant turn's ids and stop token,
-    except the first turn's first token when ``decision`` is False."""
+    """(ids, mask) of a conversation as a rollout builds it: mask 1 on each assistant turn's ids and the template's
+    end-of-turn token (``ChatTokens.end_id``), except the first turn's first token when ``decision`` is False."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     ids = chat.prompt(messages[:first])
     mask = [0] * len(ids)
     decision_at = len(ids)
     i = first
     while i < len(messages):
-        turn = chat.tokenizer.encode(messages[i]["content"], add_special_tokens=False) + chat.stop_ids[:1]
+        turn = chat.tokenizer.encode(messages[i]["content"], add_special_tokens=False) + [chat.end_id]
         j = next((k for k in range(i + 1, len(messages)) if messages[k]["role"] == "assistant"), len(messages))
         after = chat.after_turn(messages[i + 1:j]) if j < len(messages) else []
         ids += turn + after

@@ -56,6 +56,11 @@ def load_tokenizer(cfg: Config):
                               "point model.tokenizer_path at a directory with tokenizer files") from None
     if tok.eos_token_id is None:
         raise ConfigError(f"the tokenizer of {path or 'the built-in task'} has no EOS token; responses could never end")
+    if cfg.model.path is not None and not getattr(tok, "generation_stop_ids", None):
+        from verl_ds.agent.chat_tokens import generation_stop_ids
+
+        # the checkpoint's other stop ids (Llama 3.1: <|eom_id|>, ...): an agent's turns end on them too
+        tok.generation_stop_ids = generation_stop_ids(cfg.model.path, tok)
     if tok.pad_token_id is None:
         # pad == eos is then handled by building response masks from lengths, never from token != pad
         tok.pad_token = tok.eos_token

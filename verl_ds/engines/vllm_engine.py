@@ -218,11 +218,12 @@ class VLLMRolloutEngine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, n: int = 1, greedy: bool = False,
-                 seed: Optional[int] = None) -> VLLMGeneration:
+                 seed: Optional[int] = None, stop_token_ids: Sequence[int] = ()) -> VLLMGeneration:
         """Sample ``n`` responses of up to ``max_new_tokens`` tokens per prompt (token-id lists, no padding).
 
         Sampling parameters apply to this call only. ``seed`` fixes the samples (each row gets its own seed from
-        it); None draws from the engine's own counter (seeded at construction, never the global RNG). Returns a
+        it); None draws from the engine's own counter (seeded at construction, never the global RNG).
+        ``stop_token_ids`` end a response as EOS does (an agent's turn), for this call. Returns a
         ``VLLMGeneration`` of B = len(prompts) * n rows, R = max_new_tokens columns (see its fields)."""
         prompts = self._check_generate(prompt_token_ids, max_new_tokens, temperature, top_k, top_p, n, greedy, seed)
         from vllm import SamplingParams
@@ -230,9 +231,10 @@ class VLLMRolloutEngine:
         entropy = [self.seed, self._calls, 1] if seed is None else int(seed)
         self._calls += seed is None
         rows = len(prompts) * n
+        stops = list(dict.fromkeys([*self.eos_token_ids, *map(int, stop_token_ids)]))
         params = [SamplingParams(max_tokens=max_new_tokens, temperature=0.0 if greedy else float(temperature),
                                  top_k=0 if greedy else int(top_k), top_p=1.0 if greedy else float(top_p),
-                                 min_p=0.0, logprobs=0, stop_token_ids=self.eos_token_ids, seed=s, detokenize=False)
+                                 min_p=0.0, logprobs=0, stop_token_ids=stops, seed=s, detokenize=False)
                   for s in _row_seeds(entropy, rows)]
         requests = [{"prompt_token_ids": list(p)} for p in prompts for _ in range(n)]
         with preserved_process_state():
@@ -241,7 +243,7 @@ class VLLMRolloutEngine:
         log_probs = torch.zeros((rows, max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(rows, dtype=torch.int64)
         done = torch.zeros(rows, dtype=torch.bool)
-        eos = set(self.eos_token_ids)
+        eos = set(stops)
         for i, out in enumerate(outputs):
             comp = out.outputs[0]
             toks = list(comp.token_ids)[:max_new_tokens]
