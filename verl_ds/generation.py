@@ -44,6 +44,7 @@ built, with a log line (``shared_generation_refusal``).
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -74,8 +75,9 @@ class SampledTokenStats:
     """A logits processor recording, per step, the log-prob of the token drawn and the distribution's entropy
     under softmax(raw logits / temperature). It returns the scores unchanged."""
 
-    def __init__(self, temperature: float):
+    def __init__(self, temperature: float, hook=None):
         self.inv_t = 1.0 / float(temperature)
+        self.hook, self.versions = hook, []  # hook() -> the weights' version, once per step (asynchronous RL)
         self._prev: Optional[torch.Tensor] = None  # (B, V) log-softmax of the last step
         self.log_probs: list[torch.Tensor] = []
         self.entropy: list[torch.Tensor] = []
@@ -86,6 +88,8 @@ class SampledTokenStats:
         logp = torch.log_softmax(scores.float() * self.inv_t, dim=-1)
         self.entropy.append(-(logp.exp() * logp).sum(-1))
         self._prev = logp
+        if self.hook is not None:  # these logits' weights; a weight update may land before the next forward
+            self.versions.append(self.hook())
         return scores
 
     def finish(self, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +119,9 @@ class HFRolloutEngine:
         self.share_prefill = share_prefill
         self.share_decode = share_decode and share_prefill
         self._replica = None
+        # asynchronous RL (verl_ds.asyncrl): called at each decoding step, returns the version of the weights that
+        # computed the step's logits; last_versions: thread ident -> its last call's, one per response column
+        self.step_hook, self.last_versions = None, {}
 
     @property
     def module(self):
@@ -156,7 +163,7 @@ class HFRolloutEngine:
         gen_cfg = rollout_generation_config(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, bos_token_id=self.bos_token_id)
-        stats = SampledTokenStats(1.0 if greedy else temperature)
+        stats = SampledTokenStats(1.0 if greedy else temperature, self.step_hook)
         distinct = self.share_decode and not synced
         shared = shared_prefill(model, input_ids, attention_mask, expand=not distinct) if self.share_prefill and \
             not synced else None
@@ -184,6 +191,8 @@ class HFRolloutEngine:
             responses = torch.cat([responses, responses.new_full((responses.shape[0], extra), self.pad_token_id)], 1)
             log_probs = torch.cat([log_probs, log_probs.new_zeros((log_probs.shape[0], extra))], 1)
             entropy = torch.cat([entropy, entropy.new_zeros((entropy.shape[0], extra))], 1)
+        if self.step_hook is not None:
+            self.last_versions[threading.get_ident()] = stats.versions[:max_new_tokens]
         lengths = RolloutBatch.response_length_from_eos(responses, self.eos_token_id)
         done = (responses == self.eos_token_id).any(dim=1)
         # positions after the first EOS hold whatever generate padded with; make them the pad id
