@@ -116,9 +116,12 @@ class AsyncRollout:
         self._requested = step
         self.gate.update(version=step)  # a skipped step changed no weights but counts; wakes a waiting producer
         busy0 = self.busy_s
+        # half the collective timeout: a silent generation thread is reported (naming this rank) while the other
+        # ranks still wait in the step's next collective, within trainer.dist_timeout_s
+        wait = 0.5 * float(self.cfg.trainer.dist_timeout_s)
         with timings("gen_wait"):
             groups, metrics = self.queue.take(self.per_step, self.gate.version, self.staleness_bound(),
-                                              self.cfg.rollout.stale_samples, float(self.cfg.trainer.dist_timeout_s),
+                                              self.cfg.rollout.stale_samples, wait,
                                               on_stale=lambda g: self._redo.append(g.index))
         self.gate.poke(lambda: setattr(self, "_consumed", self._consumed + len(groups)))
         pad = self.trainer.tokenizer.pad_token_id

@@ -117,7 +117,7 @@ class SampleQueue:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise ProducerError(f"{self.name}: no sample from the rollout producer for {timeout:.0f} s "
-                                            f"(trainer.dist_timeout_s); it hangs or is far too slow")
+                                            f"(half of trainer.dist_timeout_s); it hangs or is far too slow")
                     self._cond.wait(left)
                 group = self._items.popleft()
                 age = version - group.oldest()
