@@ -51,9 +51,6 @@ def check_rollout_engine(cfg: Config) -> None:
             log.warning("rollout.engine=%s: %s only apply to rollout.engine=vllm and are ignored", entry.name,
                         ", ".join(f"rollout.{k}" for k in ignored))
     entry.meta["check"](cfg)
-    from verl_ds.asyncrl.producer import check_async
-
-    check_async(cfg)  # rollout.mode one_step_off / streaming: a generation thread that must not enter collectives
 
 
 def build_rollout_engine(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None):

@@ -99,8 +99,9 @@ def test_a_failing_or_hung_generation_thread_stops_every_rank_naming_it(tmp_path
     for rank in (0, 1):
         text = job.text(rank)
         assert "rank 1: ProducerError: rank 1:" in text, job.tail()
+        # a hung thread: the trainer's wait for samples or for the weights gives up after half the timeout
         want = "RuntimeError: reward server unreachable" if fault == "raise" else \
-            f"no sample from the rollout producer for {timeout_s // 2} s"
+            f"{timeout_s // 2} s (half of trainer.dist_timeout_s); it hangs"
         assert want in text, job.tail()
     if fault == "hang":  # start-up included; the wait itself is half the timeout
         assert time.monotonic() - t0 < 600

@@ -11,7 +11,7 @@
 Versions count the trainer's steps: the weights after step k's update have version k + 1. The generation thread
 never enters a collective (the replica is whole; the weight refresh, a ZeRO-3 gather, runs on the trainer's
 thread while the generation thread waits at a decoding step), so the async modes need rollout.engine=hf with
-gather_params, no reward model, no dynamic sampling and no agent environment (``check_async``).
+gather_params, no reward model, no dynamic sampling and no agent environment (``config.validate``).
 """
 from __future__ import annotations
 
@@ -24,27 +24,10 @@ import torch
 
 from verl_ds import dist as vdist
 from verl_ds.asyncrl.queue import Group, ProducerError, SampleQueue
-from verl_ds.config import Config, ConfigError
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score
 
 log = logging.getLogger(__name__)
-
-
-def check_async(cfg: Config) -> None:
-    """ConfigError naming the key when ``rollout.mode`` is asynchronous and the run needs a collective while it
-    generates (the generation thread must not enter one)."""
-    if cfg.rollout.mode == "sync":
-        return
-    why = [(cfg.rollout.engine != "hf", f"rollout.engine={cfg.rollout.engine} (use hf)"),
-           (not cfg.rollout.gather_params, "rollout.gather_params=false (the thread would gather ZeRO-3 shards)"),
-           (cfg.reward.model_path is not None, "reward.model_path (a reward model's forward is a collective)"),
-           (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true (its rounds are agreed over ranks)"),
-           (cfg.agent.environment is not None, "agent.environment (multi-turn episodes)")]
-    bad = [w for cond, w in why if cond]
-    if bad:
-        raise ConfigError(f"rollout.mode={cfg.rollout.mode} generates in a thread beside training and cannot run "
-                          f"with {'; '.join(bad)}; use rollout.mode=sync")
 
 
 class WeightGate:
@@ -52,10 +35,11 @@ class WeightGate:
     ``update`` raises ``want``, then takes ``cond`` when the generation thread lets go of it, at its next decoding
     step (``mid_response``) or at the end of its batch."""
 
-    def __init__(self, version: int, mid_response: bool):
+    def __init__(self, version: int, mid_response: bool, timeout: Optional[float] = None, name: str = "rank 0"):
         self.cond = threading.Condition()
         self.version, self.mid_response, self.want = int(version), bool(mid_response), False
         self.producer: Optional[int] = None  # the generation thread's ident
+        self.timeout, self.name = timeout, name  # how long the trainer waits for the generation thread to let go
 
     def hook(self) -> int:
         """The generation engine's per-step hook: the version of the weights that computed this step's logits; on
@@ -69,12 +53,17 @@ class WeightGate:
         """On the trainer's thread: run ``fn()`` holding ``cond`` (the generation thread paused at a decoding step,
         or between batches), then wake the generation thread."""
         self.want = True
-        with self.cond:
-            try:
-                fn()
-            finally:
-                self.want = False
-                self.cond.notify_all()
+        if not self.cond.acquire(timeout=-1 if self.timeout is None else self.timeout):
+            self.want = False
+            raise ProducerError(f"{self.name}: the generation thread did not reach a decoding step or finish its batch "
+                                f"within {self.timeout:.0f} s (half of trainer.dist_timeout_s); it hangs (a reward "
+                                f"function?) or is far too slow")
+        try:
+            fn()
+        finally:
+            self.want = False
+            self.cond.notify_all()
+            self.cond.release()
 
     def update(self, refresh=None, version: Optional[int] = None) -> None:
         """``poke``: run ``refresh()`` (the replica's weight copy) and set the version (default +1)."""
@@ -97,7 +86,10 @@ class AsyncRollout:
         self.per_step = trainer.c.sampler.batch_size  # prompts (groups) per rank and step
         first = 1 if self.mode == "one_step_off" else max(1, int(trainer.state.get("max_staleness")))
         self.queue = SampleQueue(self.per_step * (1 + first), name=f"rank {trainer.rank}")
-        self.gate = WeightGate(0, mid_response=self.mode == "streaming")
+        # half the collective timeout: a silent generation thread is reported (naming this rank) while the other
+        # ranks still wait in the step's next collective, within trainer.dist_timeout_s
+        self.wait_s = 0.5 * float(cfg.trainer.dist_timeout_s)
+        self.gate = WeightGate(0, mid_response=self.mode == "streaming", timeout=self.wait_s, name=f"rank {trainer.rank}")
         self._inflight: list = []  # [data set index, version at its start] of prompts drawn, not yet queued
         self._redo: list = []  # data set indices to generate again (stale under "regenerate", or in flight at a save)
         self._consumed = self._requested = 0  # groups trained on so far; the step the trainer waits for
@@ -116,12 +108,9 @@ class AsyncRollout:
         self._requested = step
         self.gate.update(version=step)  # a skipped step changed no weights but counts; wakes a waiting producer
         busy0 = self.busy_s
-        # half the collective timeout: a silent generation thread is reported (naming this rank) while the other
-        # ranks still wait in the step's next collective, within trainer.dist_timeout_s
-        wait = 0.5 * float(self.cfg.trainer.dist_timeout_s)
         with timings("gen_wait"):
             groups, metrics = self.queue.take(self.per_step, self.gate.version, self.staleness_bound(),
-                                              self.cfg.rollout.stale_samples, wait,
+                                              self.cfg.rollout.stale_samples, self.wait_s,
                                               on_stale=lambda g: self._redo.append(g.index))
         self.gate.poke(lambda: setattr(self, "_consumed", self._consumed + len(groups)))
         pad = self.trainer.tokenizer.pad_token_id
@@ -144,8 +133,9 @@ class AsyncRollout:
         """Stop the generation thread (its batch in flight is abandoned)."""
         self._stop = True
         self.queue.close()
-        with self.gate.cond:
+        if self.gate.cond.acquire(timeout=1.0):  # a hung generation thread holds it: nothing to wake then
             self.gate.cond.notify_all()
+            self.gate.cond.release()
         if self._thread is not None:
             self._thread.join(timeout=10)  # a daemon thread: a batch still generating is left to end with us
 
@@ -269,4 +259,4 @@ def make_async_rollout(trainer) -> Optional[AsyncRollout]:
     return None if trainer.cfg.rollout.mode == "sync" else AsyncRollout(trainer)
 
 
-__all__ = ["AsyncRollout", "WeightGate", "check_async", "make_async_rollout", "ProducerError"]
+__all__ = ["AsyncRollout", "WeightGate", "make_async_rollout", "ProducerError"]
