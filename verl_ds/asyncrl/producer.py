@@ -89,12 +89,13 @@ class AsyncRollout:
         # half the collective timeout: a silent generation thread is reported (naming this rank) while the other
         # ranks still wait in the step's next collective, within trainer.dist_timeout_s
         self.wait_s = 0.5 * float(cfg.trainer.dist_timeout_s)
-        self.gate = WeightGate(0, mid_response=self.mode == "streaming", timeout=self.wait_s, name=f"rank {trainer.rank}")
+        self.gate = WeightGate(0, mid_response=self.mode == "streaming", timeout=self.wait_s,
+                               name=f"rank {trainer.rank}")
         self._inflight: list = []  # [data set index, version at its start] of prompts drawn, not yet queued
         self._redo: list = []  # data set indices to generate again (stale under "regenerate", or in flight at a save)
         self._consumed = self._requested = 0  # groups trained on so far; the step the trainer waits for
         self._thread: Optional[threading.Thread] = None
-        self._stop, self.busy_s, self.error = False, 0.0, None
+        self._stop, self.busy_s, self._busy_mark, self.error = False, 0.0, 0.0, None
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -107,7 +108,6 @@ class AsyncRollout:
             self._start(step)
         self._requested = step
         self.gate.update(version=step)  # a skipped step changed no weights but counts; wakes a waiting producer
-        busy0 = self.busy_s
         with timings("gen_wait"):
             groups, metrics = self.queue.take(self.per_step, self.gate.version, self.staleness_bound(),
                                               self.cfg.rollout.stale_samples, self.wait_s,
@@ -121,7 +121,8 @@ class AsyncRollout:
         batch = RolloutBatch.cat([_pad_to(g.batch, width, rwidth, pad) for g in groups])
         n = self.cfg.rollout.n
         batch.group_index = torch.arange(len(groups), device=batch.action.device).repeat_interleave(n)
-        metrics = {**groups[-1].metrics, **metrics, "async/gen_busy_s": torch.tensor(self.busy_s - busy0)}
+        busy, self._busy_mark = self.busy_s - self._busy_mark, self.busy_s  # generate time since the last step
+        metrics = {**groups[-1].metrics, **metrics, "async/gen_busy_s": torch.tensor(busy)}
         return Rollout(batch=batch, responses=[r for g in groups for r in g.responses], metrics=metrics)
 
     def refresh(self) -> None:
@@ -147,9 +148,21 @@ class AsyncRollout:
         self.gate.version = self._requested = step
         self._consumed = step * self.per_step
         self.engine.step_hook = self.gate.hook
+        self.engine.generate = self._exclusive(self.engine.generate)
         self._thread = threading.Thread(target=self._run, name=f"verl-ds-rollout-rank{self.trainer.rank}",
                                         daemon=True)
         self._thread.start()
+
+    def _exclusive(self, generate):
+        """``generate`` for the trainer's own calls (validation) run while the generation thread waits at a decoding
+        step: a plain HF generate swaps the model's generation config in and out for its call."""
+        def call(*args, **kwargs):
+            if threading.get_ident() == self.gate.producer:
+                return generate(*args, **kwargs)
+            out = []
+            self.gate.poke(lambda: out.append(generate(*args, **kwargs)))
+            return out[0]
+        return call
 
     def _due(self) -> int:
         """The step a batch started now would be trained at (no group dropped in between)."""
