@@ -6,7 +6,8 @@ from a fresh tiny model over the task's 18-token vocabulary: each token is EOS w
 lengths are geometric, heavy-tailed against the limit (most short, a few cut at the limit; the script prints the
 measured distribution). In the synchronous mode every step waits for its slowest response, then trains; in the
 asynchronous modes a generation thread on each rank's replica samples the next batches while the rank trains
-(colocated: split placement, where some ranks only generate, is not built yet, see docs/async.md).
+(colocated; the split placement, ``rollout.split_ranks``, is not measured here: on 2 CPU ranks it leaves one rank
+training alone).
 
 Per mode it prints generated tokens per second over the measured steps (after ``--warmup``), the share of the step
 each side is busy (trainer: step minus its wait for samples; generation thread: its generate time), the mean

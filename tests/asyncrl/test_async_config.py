@@ -11,6 +11,8 @@ from verl_ds.config import ConfigError, check_startup, load_config
     (["rollout.mode=one_step_off", "algo.dynamic_sampling=true", "algo.adv_estimator=grpo", "rollout.n=2"],
      r"rollout.mode=one_step_off .*algo.dynamic_sampling=true .*use rollout.mode=sync"),
     (["rollout.mode=streaming", "rollout.engine=vllm"], r"rollout.engine=vllm \(use hf\)"),
+    (["rollout.split_ranks=1", "rollout.mode=streaming"], r"rollout.split_ranks=1 needs rollout.mode=one_step_off"),
+    (["rollout.split_ranks=1"], r"rollout.split_ranks=1 needs rollout.mode=one_step_off, got sync"),
     (["rollout.mode=async"], r"rollout.mode: 'async' is not one of \['sync', 'one_step_off', 'streaming'\]"),
     (["rollout.max_staleness=-1"], r"rollout.max_staleness: -1 is out of range \[0, 64\]"),
     (["rollout.stale_samples=keep"], r"rollout.stale_samples: 'keep' is not one of \['drop', 'regenerate'\]"),

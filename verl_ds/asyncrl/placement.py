@@ -8,7 +8,7 @@ the bridge from training rank 0: one module's ZeRO-3 partitions gathered at a ti
 into flat buckets of at most ``bucket_bytes``, one broadcast per bucket; never through files. Both sides derive the
 same bucket plan from the model's (name, shape, dtype) list, checked first with one broadcast of its digest.
 
-The generation ranks' own loop (data, reward, queue) is not built yet (docs/async.md): this is the weight path.
+The generation ranks' loop is ``verl_ds.asyncrl.split``.
 """
 from __future__ import annotations
 

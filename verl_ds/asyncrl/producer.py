@@ -268,7 +268,12 @@ class AsyncRollout:
 
 
 def make_async_rollout(trainer) -> Optional[AsyncRollout]:
-    """The trainer's AsyncRollout for an asynchronous ``rollout.mode``; None for ``sync``."""
+    """The trainer's rollouts for an asynchronous ``rollout.mode``: from generation ranks (split placement,
+    ``verl_ds.asyncrl.split``) or a generation thread; None for ``sync``."""
+    if trainer.cfg.rollout.split_ranks:
+        from verl_ds.asyncrl.split import RemoteRollout, current
+
+        return RemoteRollout(trainer, current())
     return None if trainer.cfg.rollout.mode == "sync" else AsyncRollout(trainer)
 
 

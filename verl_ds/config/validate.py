@@ -184,6 +184,8 @@ def _check_async(cfg: Config) -> None:
            (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true (its rounds are agreed over ranks)"),
            (cfg.agent.environment is not None, "agent.environment (multi-turn episodes)")]
     bad = [w for cond, w in why if cond]
+    if r.split_ranks and r.mode != "one_step_off":
+        raise ConfigError(f"rollout.split_ranks={r.split_ranks} needs rollout.mode=one_step_off, got {r.mode}")
     if bad:
         raise ConfigError(f"rollout.mode={r.mode} generates in a thread beside training and cannot run with "
                           f"{'; '.join(bad)}; use rollout.mode=sync")
@@ -233,7 +235,7 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
         _check_reward_functions(cfg)
     _check_data(cfg)
     _check_dpo(cfg)
-    if cfg.rollout.mode != "sync":
+    if cfg.rollout.mode != "sync" or cfg.rollout.split_ranks:
         _check_async(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "
