@@ -6,8 +6,7 @@ from a fresh tiny model over the task's 18-token vocabulary: each token is EOS w
 lengths are geometric, heavy-tailed against the limit (most short, a few cut at the limit; the script prints the
 measured distribution). In the synchronous mode every step waits for its slowest response, then trains; in the
 asynchronous modes a generation thread on each rank's replica samples the next batches while the rank trains
-(colocated; the split placement, ``rollout.split_ranks``, is not measured here: on 2 CPU ranks it leaves one rank
-training alone).
+(colocated), and one-step-off on split ranks (``rollout.split_ranks=1``: rank 1 only generates, rank 0 trains).
 
 Per mode it prints generated tokens per second over the measured steps (after ``--warmup``), the share of the step
 each side is busy (trainer: step minus its wait for samples; generation thread: its generate time), the mean
@@ -32,7 +31,9 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
 MODES = {"sync": [], "one_step_off": ["rollout.mode=one_step_off"],
-         "streaming": ["rollout.mode=streaming", "rollout.max_staleness=2"]}
+         "streaming": ["rollout.mode=streaming", "rollout.max_staleness=2"],
+         # rank 1 only generates, rank 0 trains the whole batch alone
+         "split_one_step_off": ["rollout.mode=one_step_off", "rollout.split_ranks=1"]}
 OFF_POLICY = ["rollout.is_correction=true", "rollout.is_mode=decoupled"]
 
 
@@ -123,7 +124,7 @@ def main(argv=None) -> None:
                 if mode not in res or f["tokens_per_s"] > res[mode]["tokens_per_s"]:
                     res[mode] = f
         for mode, f in res.items():
-            print(f"{mode:13s} tokens/s {f['tokens_per_s']:8.1f}  step {f['step_s']:.3f}s  busy: trainer "
+            print(f"{mode:18s} tokens/s {f['tokens_per_s']:8.1f}  step {f['step_s']:.3f}s  busy: trainer "
                   f"{f['trainer_busy']:.0%} generation {f['gen_busy']:.0%}  staleness {f['staleness']:.2f}  "
                   f"score_last {f['score_last']:.3f}  length {f['len_mean']:.1f} (clipped {f['clip_ratio']:.0%})")
         print("sync phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(res["sync"]["phases"].items())))
@@ -131,6 +132,7 @@ def main(argv=None) -> None:
         if args.learning:
             learning(tmp, [int(s) for s in args.seeds.split(",")], args.modes.split(","))
     base = res["sync"]["tokens_per_s"]
+    print(f"split_one_step_off_speedup={res['split_one_step_off']['tokens_per_s'] / base:.2f}")
     print(f"async_rl streaming_speedup={res['streaming']['tokens_per_s'] / base:.2f} "
           f"one_step_off_speedup={res['one_step_off']['tokens_per_s'] / base:.2f} "
           f"score_last_diff={res['streaming']['score_last'] - res['sync']['score_last']:+.3f}")
