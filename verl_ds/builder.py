@@ -115,7 +115,8 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     for role, model in models.items():
         registry.register(role, model, aliases=ALIASES[role])
     ppo = PPOModel(state=state, algo=cfg.algo, registry=registry,
-                   is_cap=cfg.rollout.is_cap if cfg.rollout.is_correction else None, **models)
+                   is_cap=cfg.rollout.is_cap if cfg.rollout.is_correction else None, is_mode=cfg.rollout.is_mode,
+                   **models)
     registry.register("ppo", ppo)
     if rank == 0:
         state.set("reward_name", reward_name(cfg.reward.functions, cfg.reward.model_path))

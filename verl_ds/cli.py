@@ -114,7 +114,14 @@ def cmd_train(args) -> int:
 
     cfg = _load(args)
     launch = detect_launch(local_rank_arg=args.local_rank)
-    check_startup(cfg, launch.world_size, launch.rank)  # refuse a bad job before torch.distributed or any model starts
+    split = cfg.rollout.split_ranks
+    if split and split >= launch.world_size:
+        from verl_ds.config import ConfigError
+
+        raise ConfigError(f"rollout.split_ranks={split} leaves no training rank in a world of {launch.world_size}")
+    # split placement: the training ranks' world is the first world - split ranks (verl_ds.asyncrl.split)
+    check_startup(cfg, launch.world_size - split, min(launch.rank, launch.world_size - split - 1) if split else
+                  launch.rank)  # refuse a bad job before torch.distributed or any model starts
     _logging(launch.rank)
     from verl_ds.builder import load_data
 
@@ -127,6 +134,12 @@ def cmd_train(args) -> int:
 
     if launch.world_size > 1 or "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if split:
+        from verl_ds.asyncrl import split as split_placement
+
+        launch, code = split_placement.start(cfg, launch, data)
+        if code is not None:  # a generation rank: its whole run is over
+            return code
     if launch.rank == 0:
         print(f"verl_ds: launcher={launch.launcher} world_size={launch.world_size} "
               f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---", flush=True)

@@ -44,6 +44,7 @@ built, with a log line (``shared_generation_refusal``).
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -73,8 +74,9 @@ class SampledTokenStats:
     """A logits processor recording, per step, the log-prob of the token drawn and the distribution's entropy
     under softmax(raw logits / temperature). It returns the scores unchanged."""
 
-    def __init__(self, temperature: float):
+    def __init__(self, temperature: float, hook=None):
         self.inv_t = 1.0 / float(temperature)
+        self.hook, self.versions = hook, []  # hook() -> the weights' version, once per step (asynchronous RL)
         self._prev: Optional[torch.Tensor] = None  # (B, V) log-softmax of the last step
         self.log_probs: list[torch.Tensor] = []
         self.entropy: list[torch.Tensor] = []
@@ -85,6 +87,8 @@ class SampledTokenStats:
         logp = torch.log_softmax(scores.float() * self.inv_t, dim=-1)
         self.entropy.append(-(logp.exp() * logp).sum(-1))
         self._prev = logp
+        if self.hook is not None:  # these logits' weights; a weight update may land before the next forward
+            self.versions.append(self.hook())
         return scores
 
     def finish(self, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +118,8 @@ class HFRolloutEngine:
         self.share_prefill = share_prefill
         self.share_decode = share_decode and share_prefill
         self._replica = None
+        # verl_ds.asyncrl: step_hook() -> the weights' version at each decoding step; last_versions: thread -> its list
+        self.step_hook, self.last_versions = None, {}
 
     @property
     def module(self):
@@ -161,7 +167,7 @@ class HFRolloutEngine:
         stops = list(dict.fromkeys([int(self.eos_token_id), *map(int, stop_token_ids)]))
         if len(stops) > 1:
             gen_cfg.eos_token_id = stops  # generate stops on any of them and pads after it
-        stats = SampledTokenStats(1.0 if greedy else temperature)
+        stats = SampledTokenStats(1.0 if greedy else temperature, self.step_hook)
         distinct = self.share_decode and not synced
         shared = shared_prefill(model, input_ids, attention_mask, expand=not distinct) if self.share_prefill and \
             not synced else None
@@ -189,6 +195,8 @@ class HFRolloutEngine:
             responses = torch.cat([responses, responses.new_full((responses.shape[0], extra), self.pad_token_id)], 1)
             log_probs = torch.cat([log_probs, log_probs.new_zeros((log_probs.shape[0], extra))], 1)
             entropy = torch.cat([entropy, entropy.new_zeros((entropy.shape[0], extra))], 1)
+        if self.step_hook is not None:
+            self.last_versions[threading.get_ident()] = stats.versions[:max_new_tokens]
         is_stop = torch.isin(responses, torch.tensor(stops, device=responses.device))
         lengths = torch.where(is_stop.any(-1), is_stop.int().argmax(-1) + 1, responses.shape[1]).to(torch.int64)
         done = is_stop.any(dim=1)

@@ -25,7 +25,9 @@ def trainer_state(trainer) -> dict:
     return {"shared_state": trainer.state.state_dict(), "global_step": trainer.state.get("global_step"),
             "models": {name: reg.get(name).state_dict() for name in reg.names()},
             "registry_versions": reg.versions(), "reward_spec": trainer.boundary.reward_spec,
-            "sampler": trainer.c.sampler.state_dict(), "reliability": trainer.guard.state_dict()}
+            "sampler": trainer.c.sampler.state_dict(), "reliability": trainer.guard.state_dict(),
+            # rollout.mode one_step_off / streaming: every rank's queue and prompts in flight (a collective)
+            **({"async": trainer.asyncrl.state_dict()} if getattr(trainer, "asyncrl", None) else {})}
 
 
 def save_checkpoint(trainer) -> str:
@@ -61,6 +63,8 @@ def resume_from(trainer, step_dir: str, verify: bool = True) -> int:
     trainer.registry.restore_versions({k: v for k, v in saved["registry_versions"].items() if k in trainer.registry})
     trainer.c.sampler.load_state_dict(saved["sampler"])
     trainer.guard.load_state_dict(saved.get("reliability", {}))
+    if getattr(trainer, "asyncrl", None) is not None and "async" in saved:
+        trainer.asyncrl.load_state_dict(saved["async"])
     # the generation replica still holds the weights it last copied (a fallback replaced them): copy them again
     trainer.registry.get("actor").rollout_engine.refresh()
     step = int(saved["global_step"])

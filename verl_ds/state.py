@@ -1,7 +1,7 @@
 """SharedState: the cross-model hyper-parameters of a PPO run, owned by rank 0.
 
 Every key is declared (:class:`StateKey`: name, type, default, allowed range or choices, hot-updatable
-or not, one-line description). The 17 hot-updatable keys are DERIVED from the config fields that declare
+or not, one-line description). The 18 hot-updatable keys are DERIVED from the config fields that declare
 ``hot=<key>`` (``verl_ds.config.schema``): same default (``initial_state(Config())``), same range, choices
 and help, so ``/v1/state`` publishes exactly what a run with the default config uses. The read-only keys
 (global_step, epoch, actor_version, reward_version, best_reward, reward_name) are written by the trainer
@@ -114,7 +114,7 @@ STATE_KEYS: dict[str, StateKey] = {k.name: k for k in _hot_keys() + [
     _read_only("reward_name", str, "", "name of the active reward (model or function set)"),
 ]}
 HOT_KEYS: tuple[str, ...] = tuple(k for k, d in STATE_KEYS.items() if d.hot)
-assert len(HOT_KEYS) == 17, HOT_KEYS
+assert len(HOT_KEYS) == 18, HOT_KEYS
 
 
 class StateValidationError(ValueError):

@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from verl_ds import dist as vdist
+from verl_ds.asyncrl.producer import make_async_rollout
 from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, check_startup, write_run_config
@@ -85,8 +86,8 @@ class Trainer:
             from verl_ds.agent.rollout import AgentSpec, agent_rollout_fn
 
             self.rollout_fn = agent_rollout_fn(AgentSpec.from_config(cfg))
-        self._listeners: list = []
-        self._last_saved: Optional[int] = None
+        self.asyncrl = make_async_rollout(self)  # rollout.mode one_step_off / streaming: a generation thread
+        self._listeners, self._last_saved = [], None  # event listeners; the step last checkpointed (or None)
         self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
 
     @property
@@ -124,11 +125,11 @@ class Trainer:
         rollout, error, algo = None, None, cfg.algo
         sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
         try:
-            rollout = collect(self._prompts, self.registry.get("actor"), self.registry.get("reward"), tok,
-                              sampling=sampling, n=cfg.rollout.n, timings=t, dynamic=algo.dynamic_sampling,
-                              max_rounds=algo.max_sampling_rounds,
-                              overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
-                              greedy_baseline=self.ppo.needs_baseline, rollout_fn=self.rollout_fn)
+            rollout = self.asyncrl.next_rollout(step, t) if self.asyncrl else collect(  # rollout.mode (asyncrl)
+                self._prompts, self.registry.get("actor"), self.registry.get("reward"), tok, sampling=sampling,
+                n=cfg.rollout.n, timings=t, dynamic=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
+                overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
+                greedy_baseline=self.ppo.needs_baseline, rollout_fn=self.rollout_fn)
         except SamplingError as exc:  # non-finite logits: skip the step everywhere, with a forensic record
             self.guard.sampling_error = str(exc)
         except Exception as exc:  # e.g. a reward function failing on one rank: every rank must stop together
@@ -175,7 +176,7 @@ class Trainer:
                                                           cfg.actor.max_tokens_per_micro_batch)
                 metrics.update(actor_metrics)
             with t("weight_sync"):
-                self.registry.get("actor").rollout_engine.refresh()
+                (self.asyncrl or self.registry.get("actor").rollout_engine).refresh()
             if self.is_main:  # which weights produced a rollout: the actor's optimizer steps so far
                 self.state.set("actor_version", self.state.get("actor_version") + actor_steps)
             if self.ppo.ref is not None:
@@ -206,8 +207,7 @@ class Trainer:
         return collate_prompts(items, self.tokenizer.pad_token_id, self.actor_engine.device)
 
     def _sampler_mismatch(self, batch) -> dict:
-        """|sampler log-prob - trainer log-prob| over the response tokens (mean, and max over every rank's tokens);
-        nothing when the old-log-prob pass was skipped."""
+        """|sampler - trainer log-prob| over the response tokens (mean; max over all ranks'), {} without that pass."""
         if batch.old_log_probs is None:
             return {}
         rm = batch.response_mask
@@ -383,9 +383,9 @@ class Trainer:
         return directory
 
     def close(self) -> None:
-        """Stop the control server, shut the rollout engine down and flush loggers; safe to call more than once, and
-        after a failure."""
+        """Stop the generation thread, control server and rollout engine; flush loggers (idempotent, also on failure)."""
         self.preemption.uninstall()
+        getattr(self.asyncrl, "close", lambda: None)()  # before the engine below: the generation thread may be using it
         close_sampler = getattr(self.registry.get("actor").rollout_engine, "close", None)
         if close_sampler is not None:  # vLLM's shutdown destroys its groups: before vdist.shutdown() ends ours
             close_sampler()

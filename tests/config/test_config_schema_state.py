@@ -14,13 +14,13 @@ EXPECTED_DEFAULTS = {
     "actor_lr": 1e-3, "critic_lr": 5e-3, "kl_coef": 0.01, "target_kl": 0.1, "kl_ctrl_type": "band",
     "use_kl_penalty": True, "kl_kind": "k1", "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "cliprange_value": 0.5,
     "entropy_coef": 0.0, "gamma": 1.0, "lam": 0.95, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-    "max_new_tokens": 8,
+    "max_new_tokens": 8, "max_staleness": 1,
 }
 EXPECTED_RANGES = {
     "actor_lr": "(0.0, 1.0]", "critic_lr": "(0.0, 1.0]", "kl_coef": "[0.0, 1000.0]", "target_kl": "(0.0, 1000.0]",
     "clip_ratio_low": "[0.0, 1.0)", "clip_ratio_high": "[0.0, 10.0]", "cliprange_value": "[0.0, 1000000.0]",
     "entropy_coef": "[0.0, 1.0]", "gamma": "[0.0, 1.0]", "lam": "[0.0, 1.0]", "temperature": "[0.01, 100.0]",
-    "top_k": "[0, inf)", "top_p": "(0.0, 1.0]", "max_new_tokens": "[1, 1048576]",
+    "top_k": "[0, inf)", "top_p": "(0.0, 1.0]", "max_new_tokens": "[1, 1048576]", "max_staleness": "[0, 64]",
 }
 
 
@@ -30,7 +30,7 @@ def _config_fields():
 
 def test_state_schema_matches_the_config_defaults_ranges_and_help():
     schema, cfg, fields = SharedState.schema(), Config(), _config_fields()
-    assert set(HOT_KEYS) == set(EXPECTED_DEFAULTS) and len(HOT_KEYS) == 17
+    assert set(HOT_KEYS) == set(EXPECTED_DEFAULTS) and len(HOT_KEYS) == 18
     for key in HOT_KEYS:
         entry = schema[key]
         assert entry["default"] == EXPECTED_DEFAULTS[key], key

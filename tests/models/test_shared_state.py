@@ -10,11 +10,11 @@ from verl_ds.state import HOT_KEYS, STATE_KEYS, SharedState, StateValidationErro
 
 EXPECTED_HOT = {"actor_lr", "critic_lr", "kl_coef", "target_kl", "kl_ctrl_type", "use_kl_penalty", "kl_kind",
                 "clip_ratio_low", "clip_ratio_high", "cliprange_value", "entropy_coef", "gamma", "lam", "temperature",
-                "top_k", "top_p", "max_new_tokens"}
+                "top_k", "top_p", "max_new_tokens", "max_staleness"}
 
 
 def test_declared_keys_and_schema():
-    assert set(HOT_KEYS) == EXPECTED_HOT and len(HOT_KEYS) == 17
+    assert set(HOT_KEYS) == EXPECTED_HOT and len(HOT_KEYS) == 18
     for ro in ("global_step", "epoch", "actor_version", "reward_version", "best_reward", "reward_name"):
         assert not STATE_KEYS[ro].hot
     s = SharedState(rank=0)

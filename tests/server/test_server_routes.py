@@ -100,7 +100,7 @@ def test_state_get_has_values_schema_version(server, parts):
     assert set(schema) == set(STATE_KEYS)
     assert schema["kl_coef"] == {**schema["kl_coef"], "type": "float", "range": [0.0, 1000.0], "hot": True}
     assert schema["global_step"]["hot"] is False
-    assert sum(s["hot"] for s in schema.values()) == len(HOT_KEYS) == 17
+    assert sum(s["hot"] for s in schema.values()) == len(HOT_KEYS) == 18
     assert all(s["description"] for s in schema.values())
     assert a.json["pending"] == []
 

@@ -47,6 +47,35 @@ def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.T
     return weights, metrics
 
 
+def decoupled_is_weights(prox_log_probs: torch.Tensor, behav_log_probs: torch.Tensor, response_mask: torch.Tensor,
+                         cap: float = 2.0):
+    """Behaviour importance weights of the decoupled PPO objective (AReaL: Fu et al. 2025, arXiv:2505.24298, eq. 5):
+    w = pi_prox / pi_behav per token, where pi_behav produced the token (``rollout_log_probs``: the sampler's,
+    possibly an older actor version, or several versions within one partial rollout) and pi_prox is the proximal
+    policy the clipped ratio is taken against (``old_log_probs``: the actor before this update). With these weights
+    ``policy_loss`` computes w * max(-A r, -A clip(r)), r = pi / pi_prox: the trust region is around pi_prox, not
+    around a stale behaviour policy. A token whose weight exceeds ``cap`` is left out (weight 0), as AReaL's
+    ``behav_imp_weight_cap`` does, where truncated IS would keep it at ``cap``. All (B, R); cap >= 1.
+
+    Returns (weights (B, R) float32 without grad, 0 on padding and on masked tokens; metrics with 0-d float32
+    is_weight_mean (masked mean of the weights, 0 for the left-out tokens) and is_capped_frac (share of valid
+    tokens left out))."""
+    _check_btensors("prox_log_probs", prox_log_probs, behav_log_probs=behav_log_probs)
+    m = as_bool_mask(response_mask, "response_mask", prox_log_probs.shape, "prox_log_probs")
+    cap = check_positive_number(cap, "cap")
+    if cap < 1.0:
+        raise ValueError(f"cap must be >= 1 (tokens whose weight exceeds it are left out; below 1 on-policy tokens "
+                         f"would be), got {cap!r}")
+    with torch.no_grad():
+        zero = torch.zeros((), dtype=torch.float32, device=prox_log_probs.device)
+        log_ratio = torch.where(m, prox_log_probs.float() - behav_log_probs.float(), zero)
+        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        over = ratio > cap
+        weights = torch.where(m & ~over, ratio, zero)
+        metrics = {"is_weight_mean": masked_mean(weights, m), "is_capped_frac": masked_mean(over.float(), m)}
+    return weights, metrics
+
+
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean", normalizer=None,

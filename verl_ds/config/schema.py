@@ -122,6 +122,11 @@ class RolloutConfig:
     vllm_sleep: bool = _f(False, "GPU only: put vLLM to sleep after each generate call (KV cache freed, weights offloaded to CPU memory) and wake it for the next generate or weight sync, so the update phases get its GPU memory.")
     is_correction: bool = _f(False, "Truncated importance sampling (Yao et al. 2025, 'Your Efficient RL Framework Secretly Brings You Off-Policy RL Training'; verl's tis_imp_ratio_cap): weight each token's policy-gradient loss by min(exp(old_log_probs - rollout_log_probs), is_cap), correcting for a sampler whose log-probs differ from the trainer's (vLLM, a bf16 rollout).")
     is_cap: float = _f(2.0, "The cap C of the truncated importance weight min(ratio, C) (is_correction).", min=1.0, max=1e6)
+    is_mode: Literal["truncate", "decoupled"] = _f("truncate", "With is_correction: truncate (each token's weight min(ratio, is_cap)) or decoupled (AReaL's decoupled PPO, Fu et al. 2025: the ratio is clipped around the actor before the update and weighted by pi_old / pi_sampler; tokens whose weight exceeds is_cap are left out). Use decoupled with mode one_step_off or streaming (docs/async.md).")
+    mode: Literal["sync", "one_step_off", "streaming"] = _f("sync", "sync: generate, then train, every step (lock-step). one_step_off: batch k+1 generates (on a replica, in a thread) while batch k trains, with the weights before that update. streaming: generation runs ahead up to max_staleness versions, weights swap in mid-response (each token keeps its version); see docs/async.md.")
+    max_staleness: int = _f(1, "mode=streaming: no sample whose oldest token is more than this many actor updates old is trained on (0: the synchronous run, bit for bit); stale_samples says what happens to older ones.", min=0, max=64, hot="max_staleness")
+    split_ranks: int = _f(0, "Split placement: the last split_ranks ranks only generate (a whole actor copy each, weights broadcast from the trainers after every update), the others train; 0: every rank does both (colocated). Needs mode=one_step_off; see docs/async.md.", min=0)
+    stale_samples: Literal["drop", "regenerate"] = _f("regenerate", "mode=streaming: a group past max_staleness is dropped (counted; dropping biases towards short responses, the long ones go stale), or its prompt is generated again with the current weights.")
 
 
 @dataclass

@@ -189,6 +189,23 @@ def _check_data(cfg: Config) -> None:
                           "prompts; raise data.num_train_prompts or lower rollout.batch_size")
 
 
+def _check_async(cfg: Config) -> None:
+    """rollout.mode one_step_off / streaming generate in a thread beside training (``verl_ds.asyncrl``): nothing it
+    runs may be a collective."""
+    r = cfg.rollout
+    why = [(r.engine != "hf", f"rollout.engine={r.engine} (use hf)"),
+           (not r.gather_params, "rollout.gather_params=false (the thread would gather ZeRO-3 shards)"),
+           (cfg.reward.model_path is not None, "reward.model_path (a reward model's forward is a collective)"),
+           (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true (its rounds are agreed over ranks)"),
+           (cfg.agent.environment is not None, "agent.environment (multi-turn episodes)")]
+    bad = [w for cond, w in why if cond]
+    if r.split_ranks and r.mode != "one_step_off":
+        raise ConfigError(f"rollout.split_ranks={r.split_ranks} needs rollout.mode=one_step_off, got {r.mode}")
+    if bad:
+        raise ConfigError(f"rollout.mode={r.mode} generates in a thread beside training and cannot run with "
+                          f"{'; '.join(bad)}; use rollout.mode=sync")
+
+
 def initial_state(cfg: Config) -> dict:
     """SharedState's hot values at step 0, from the config (kl_kind resolved, use_kl_penalty effective)."""
     out = {}
@@ -234,6 +251,8 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
         _check_reward_functions(cfg)
     _check_data(cfg)
     _check_dpo(cfg)
+    if cfg.rollout.mode != "sync" or cfg.rollout.split_ranks:
+        _check_async(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "
                           f"got {cfg.trainer.resume!r}")

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from verl_ds import algos
-from verl_ds.algos.losses import truncated_is_weights
+from verl_ds.algos.losses import decoupled_is_weights, truncated_is_weights
 from verl_ds.batch import RolloutBatch
 from verl_ds.config.limits import FULL_KL_KIND
 from verl_ds.models.base import MissingModuleError, TrainableRole
@@ -45,6 +45,10 @@ def _need(batch: Any, fields: tuple[str, ...], who: str) -> None:
 LOSS_SHARE_METRICS = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")
 
 
+# rollout.is_mode -> the weights of the policy loss: truncated IS, or AReaL's decoupled objective
+IS_MODES = {"truncate": truncated_is_weights, "decoupled": decoupled_is_weights}
+
+
 class PPOModel(TrainableRole):
     """The algorithm over its components (see the module docstring).
 
@@ -54,7 +58,8 @@ class PPOModel(TrainableRole):
     A critic is required exactly when the advantage estimator needs one; a reference when a KL term needs
     one (``kl_coef > 0`` or an adaptive controller). All components share this model's SharedState.
     ``is_cap``: truncated importance sampling in the policy loss (``algos.losses.truncated_is_weights``: each
-    token weighted by min(exp(old_log_probs - rollout_log_probs), is_cap)); None: off.
+    token weighted by min(exp(old_log_probs - rollout_log_probs), is_cap)); None: off. ``is_mode="decoupled"``:
+    AReaL's decoupled objective instead (``algos.losses.decoupled_is_weights``: tokens over the cap left out).
     """
 
     required_modules = ("actor", "reward")
@@ -63,7 +68,10 @@ class PPOModel(TrainableRole):
     def __init__(self, actor: PolicyModel, reward: RewardModel, critic: ValueModel | None = None,
                  ref: ReferenceModel | None = None, state: SharedState | None = None, algo: Any = None,
                  registry: ModelRegistry | None = None, names: dict[str, str] | None = None,
-                 is_cap: float | None = None):
+                 is_cap: float | None = None, is_mode: str = "truncate"):
+        if is_mode not in IS_MODES:
+            raise ValueError(f"PPOModel: is_mode must be one of {sorted(IS_MODES)}, got {is_mode!r}")
+        self.is_weights_fn = IS_MODES[is_mode]
         if is_cap is not None and (isinstance(is_cap, bool) or not isinstance(is_cap, (int, float)) or not is_cap >= 1):
             raise ValueError(f"PPOModel: is_cap must be None (no importance sampling correction) or a number >= 1, "
                              f"got {is_cap!r}")
@@ -250,7 +258,7 @@ class PPOModel(TrainableRole):
         old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
         is_weights, is_metrics = None, {}
         if self.is_cap is not None:  # the sampler's log-probs differ from the trainer's (vLLM, bf16): TIS
-            is_weights, is_metrics = truncated_is_weights(old, batch.rollout_log_probs, mask, self.is_cap)
+            is_weights, is_metrics = self.is_weights_fn(old, batch.rollout_log_probs, mask, self.is_cap)
         pg_loss, pg_metrics = algos.policy_loss(log_probs, old, batch.advantages, mask,
                                                 hot["clip_ratio_low"], hot["clip_ratio_high"], self.algo.clip_ratio_c,
                                                 mode, normalizer=normalizer, is_weights=is_weights, max_len=max_len)

@@ -1,0 +1,161 @@
+"""Asynchronous RL (rollout.mode, docs/async.md): the same GRPO job on 2 CPU ranks, synchronous vs one-step-off vs
+streaming, timed in the same run.
+
+The job: the built-in parity task, 16 prompts x n=4 per step, responses of up to ``--max-new-tokens`` (64) tokens
+from a fresh tiny model over the task's 18-token vocabulary: each token is EOS with probability ~1/18, so response
+lengths are geometric, heavy-tailed against the limit (most short, a few cut at the limit; the script prints the
+measured distribution). In the synchronous mode every step waits for its slowest response, then trains; in the
+asynchronous modes a generation thread on each rank's replica samples the next batches while the rank trains
+(colocated), and one-step-off on split ranks (``rollout.split_ranks=1``: rank 1 only generates, rank 0 trains).
+
+Per mode it prints generated tokens per second over the measured steps (after ``--warmup``), the share of the step
+each side is busy (trainer: step minus its wait for samples; generation thread: its generate time), the mean
+staleness and the final score (mean ``rollout/score/mean`` of the last 5 steps); then the synchronous per-phase
+profile and a projection for 8 GPUs from it, and last the line
+``async_rl streaming_speedup=<x> one_step_off_speedup=<y> score_last_diff=<z>`` (streaming's final score minus the
+synchronous one).
+
+    python benchmarks/async_rl.py                     # ~6-10 min on 2 loaded CPU cores (2 runs per mode)
+    python benchmarks/async_rl.py --learning          # + the default task, sync vs streaming S=1, 2, seeds 0-2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "launch", "train.py")
+MODES = {"sync": [], "one_step_off": ["rollout.mode=one_step_off"],
+         "streaming": ["rollout.mode=streaming", "rollout.max_staleness=2"],
+         # rank 1 only generates, rank 0 trains the whole batch alone
+         "split_one_step_off": ["rollout.mode=one_step_off", "rollout.split_ranks=1"]}
+OFF_POLICY = ["rollout.is_correction=true", "rollout.is_mode=decoupled"]
+
+
+def run(out: str, overrides: list, nproc: int = 2) -> list:
+    """launch/train.py on ``nproc`` ranks (torchrun); returns the metrics rows of the trained steps."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                "PYTHONWARNINGS": "ignore"})
+    head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                 f"--nproc_per_node={nproc}", f"--master_port={port}"]
+    cmd = [*head, TRAIN, f"trainer.output_dir={out}", "trainer.progress_bar=false", "trainer.plot=false",
+           "trainer.export_hf=false", "trainer.resume=none", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip() and "training/global_step" in line]
+
+
+def figures(rows: list, warmup: int) -> dict:
+    m = rows[warmup:]
+    step = sum(r["timing_s/step"] for r in m)
+    tokens = sum(r["perf/total_num_tokens"] for r in m)
+    wait = sum(r.get("timing_s/gen_wait", 0.0) for r in m)
+    gen = sum(r.get("async/gen_busy_s", r.get("timing_s/gen", 0.0) + r.get("timing_s/reward", 0.0)) for r in m)
+    return {"tokens_per_s": tokens / step, "step_s": statistics.median(r["timing_s/step"] for r in m),
+            "trainer_busy": 1 - wait / step if "timing_s/gen_wait" in m[0] else
+            1 - sum(r.get("timing_s/gen", 0) + r.get("timing_s/reward", 0) for r in m) / step,
+            "gen_busy": gen / step, "staleness": statistics.mean(r.get("async/staleness/mean", 0.0) for r in m),
+            "score_last": statistics.mean(r["rollout/score/mean"] for r in rows[-5:]),
+            "len_mean": statistics.mean(r["response_length/mean"] for r in m),
+            "clip_ratio": statistics.mean(r["response_length/clip_ratio"] for r in m),
+            "phases": {k[len("timing_s/"):]: statistics.median(r.get(k, 0.0) for r in m) for k in m[0]
+                       if k.startswith("timing_s/") and k != "timing_s/step"}}
+
+
+def project(sync: dict, max_new: int) -> str:
+    """8 GPUs from the measured synchronous phases, generation G (gen + reward) and training T (the rest), each
+    assumed to scale linearly with the GPUs it gets. A lock-step batch decodes for as many steps as its longest
+    response; a streaming generator with partial rollouts keeps its batch full, ~``tail`` = mean / limit of that."""
+    p = sync["phases"]
+    G = p.get("gen", 0.0) + p.get("reward", 0.0)
+    T = sum(v for k, v in p.items() if k not in ("gen", "reward", "boundary"))
+    tail = sync["len_mean"] / max_new
+    lines = [f"measured per step (sync, median): generation G={G:.3f}s, training T={T:.3f}s "
+             f"(G share {G / (G + T):.0%}); mean response length {sync['len_mean']:.1f} of {max_new} "
+             f"(clipped {sync['clip_ratio']:.0%}): tail factor {tail:.2f}"]
+    colocated = (G + T) / max(G, T)
+    best = min(range(1, 8), key=lambda g: max(8 / g * G * tail, 8 / (8 - g) * T))
+    split = (G + T) / max(8 / best * G * tail, 8 / (8 - best) * T)
+    lines.append(f"8 GPUs: colocated one_step_off/streaming, generation overlapping training on the same GPUs: at most "
+                 f"(G+T)/max(G,T) = {colocated:.2f}x; split streaming, {best} generate + {8 - best} train: "
+                 f"(G+T)/max(8/{best}*G*{tail:.2f}, 8/{8 - best}*T) = {split:.2f}x (weight sync not counted)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--learning", action="store_true", help="also the default task: sync vs streaming S=1, 2")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--modes", default="sync,S1,S2", help="--learning: which of sync, S1, S2")
+    ap.add_argument("--learning-only", action="store_true")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per mode, interleaved; the fastest is kept (the "
+                                                             "machine's other load moves single runs)")
+    args = ap.parse_args(argv)
+    job = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=16", "actor.mini_batch_size=64",
+           "actor.micro_batch_size=16", f"rollout.max_new_tokens={args.max_new_tokens}",
+           f"trainer.total_steps={args.steps}", "model.max_position_embeddings=128", "trainer.val_every=0"]
+    print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; 2 ranks, OMP_NUM_THREADS="
+          f"{os.environ.get('OMP_NUM_THREADS', '1')}")
+    res = {}
+    if args.learning_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            return learning(tmp, [int(s) for s in args.seeds.split(",")], args.modes.split(","))
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for mode, extra in MODES.items():
+                rows = run(os.path.join(tmp, f"{mode}{rep}"), [*job, *extra, *(OFF_POLICY if extra else [])])
+                f = figures(rows, args.warmup)
+                if mode not in res or f["tokens_per_s"] > res[mode]["tokens_per_s"]:
+                    res[mode] = f
+        for mode, f in res.items():
+            print(f"{mode:18s} tokens/s {f['tokens_per_s']:8.1f}  step {f['step_s']:.3f}s  busy: trainer "
+                  f"{f['trainer_busy']:.0%} generation {f['gen_busy']:.0%}  staleness {f['staleness']:.2f}  "
+                  f"score_last {f['score_last']:.3f}  length {f['len_mean']:.1f} (clipped {f['clip_ratio']:.0%})")
+        print("sync phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(res["sync"]["phases"].items())))
+        print(project(res["sync"], args.max_new_tokens))
+        if args.learning:
+            learning(tmp, [int(s) for s in args.seeds.split(",")], args.modes.split(","))
+    base = res["sync"]["tokens_per_s"]
+    print(f"split_one_step_off_speedup={res['split_one_step_off']['tokens_per_s'] / base:.2f}")
+    print(f"async_rl streaming_speedup={res['streaming']['tokens_per_s'] / base:.2f} "
+          f"one_step_off_speedup={res['one_step_off']['tokens_per_s'] / base:.2f} "
+          f"score_last_diff={res['streaming']['score_last'] - res['sync']['score_last']:+.3f}")
+
+
+def learning(tmp: str, seeds: list, modes: list) -> None:
+    """The default task (150 steps, one rank each): the final greedy validation score per mode and seed."""
+    for name, extra in (("sync", []), ("S1", ["rollout.mode=streaming", "rollout.max_staleness=1"]),
+                        ("S2", ["rollout.mode=streaming", "rollout.max_staleness=2"])):
+        if name not in modes:
+            continue
+        scores = []
+        for seed in seeds:
+            out = os.path.join(tmp, f"learn_{name.replace(' ', '_')}_{seed}")
+            run(out, [f"trainer.seed={seed}", *extra, *(OFF_POLICY if extra else [])], nproc=1)
+            with open(os.path.join(out, "summary.json"), encoding="utf-8") as fh:
+                s = json.load(fh)
+            scores.append((s["val_after"], s["reward_last10"]))
+        print(f"learning {name:14s} greedy val after: " + " ".join(f"seed{sd}={v:.3f}" for sd, (v, _) in
+                                                                   zip(seeds, scores)) +
+              f"  mean {statistics.mean(v for v, _ in scores):.3f}; train score last 10%: mean "
+              f"{statistics.mean(r for _, r in scores):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""rollout.mode / max_staleness / stale_samples / is_mode at start-up: the asynchronous modes refuse, naming the key,
+what would make the generation thread enter a collective; the keys are checked like any other."""
+import pytest
+
+from verl_ds.config import ConfigError, check_startup, load_config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.mode=streaming", "rollout.gather_params=false"], r"rollout.mode=streaming generates in a thread .* "
+                                                                r"rollout.gather_params=false"),
+    (["rollout.mode=one_step_off", "algo.dynamic_sampling=true", "algo.adv_estimator=grpo", "rollout.n=2"],
+     r"rollout.mode=one_step_off .*algo.dynamic_sampling=true .*use rollout.mode=sync"),
+    (["rollout.mode=streaming", "rollout.engine=vllm"], r"rollout.engine=vllm \(use hf\)"),
+    (["rollout.split_ranks=1", "rollout.mode=streaming"], r"rollout.split_ranks=1 needs rollout.mode=one_step_off"),
+    (["rollout.split_ranks=1"], r"rollout.split_ranks=1 needs rollout.mode=one_step_off, got sync"),
+    (["rollout.mode=async"], r"rollout.mode: 'async' is not one of \['sync', 'one_step_off', 'streaming'\]"),
+    (["rollout.max_staleness=-1"], r"rollout.max_staleness: -1 is out of range \[0, 64\]"),
+    (["rollout.stale_samples=keep"], r"rollout.stale_samples: 'keep' is not one of \['drop', 'regenerate'\]"),
+    (["rollout.is_mode=clip"], r"rollout.is_mode: 'clip' is not one of \['truncate', 'decoupled'\]"),
+])
+def test_bad_async_config_is_refused_naming_the_key(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_startup(load_config(None, [f"trainer.output_dir={tmp_path}/run", *overrides]), 1)
+
+
+def test_a_good_async_config_passes(tmp_path):
+    check_startup(load_config(None, [f"trainer.output_dir={tmp_path}/run", "rollout.mode=streaming",
+                                     "rollout.max_staleness=2", "rollout.stale_samples=drop",
+                                     "rollout.is_correction=true", "rollout.is_mode=decoupled"]), 2)

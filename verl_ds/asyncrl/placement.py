@@ -1,0 +1,119 @@
+"""Split placement's process groups and weight path: training ranks send the actor's weights to generation ranks.
+
+``split_groups``: the training ranks (the first ``world - rollout_ranks``) make the default process group among
+themselves alone, so DeepSpeed ZeRO-3, ``verl_ds.dist`` and every collective of the trainer see a smaller world
+unchanged; a second gloo group over every rank (the bridge), from the same TCP store, carries the weights and the
+samples. ``send_weights`` (every training rank) / ``receive_weights`` (every generation rank) move the weights over
+the bridge from training rank 0: one module's ZeRO-3 partitions gathered at a time (``engines.hf_weights``), packed
+into flat buckets of at most ``bucket_bytes``, one broadcast per bucket; never through files. Both sides derive the
+same bucket plan from the model's (name, shape, dtype) list, checked first with one broadcast of its digest.
+
+The generation ranks' loop is ``verl_ds.asyncrl.split``.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from verl_ds.engines.hf_weights import weight_groups
+from verl_ds.engines.zero3 import gathered
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+
+
+@dataclass
+class Placement:
+    """This rank's role ("train" or "rollout"), the bridge group over every rank and the training ranks' count."""
+    role: str
+    bridge: object
+    rank: int
+    world: int
+    n_train: int
+
+
+def split_groups(rank: int, world: int, master_addr: str, master_port: int, rollout_ranks: int,
+                 timeout_s: float) -> Placement:
+    """Make the training ranks' default group (ranks 0..world-rollout_ranks-1) and the bridge over all ranks."""
+    if not 1 <= rollout_ranks < world:
+        raise ValueError(f"split placement needs 1 <= rollout ranks < world size {world}, got {rollout_ranks}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_addr, master_port, world_size=None, is_master=rank == 0, wait_for_workers=False,
+                          timeout=timeout)
+    n_train = world - rollout_ranks
+    if rank < n_train and not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.PrefixStore("train", store), rank=rank, world_size=n_train,
+                                timeout=timeout)
+    bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world, timeout)
+    return Placement("train" if rank < n_train else "rollout", bridge, rank, world, n_train)
+
+
+def _entries(module) -> list:
+    return [(name, tuple(shape), dtype) for _, outs in weight_groups(module) for name, shape, dtype, _ in outs]
+
+
+def _plan(entries: list, bucket_bytes: int) -> list:
+    """Entry indices per bucket: consecutive entries of one dtype, at most ``bucket_bytes`` (a larger one alone)."""
+    buckets, size = [], 0
+    for i, (_, shape, dtype) in enumerate(entries):
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if buckets and (size + nbytes > bucket_bytes or entries[buckets[-1][0]][2] != dtype):
+            buckets.append([])
+            size = 0
+        if not buckets:
+            buckets.append([])
+        buckets[-1].append(i)
+        size += nbytes
+    return buckets
+
+
+def _check_plan(entries: list, placement: Placement) -> None:
+    digest = hashlib.sha256(repr([(n, s, str(d)) for n, s, d in entries]).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    theirs = mine.clone()
+    placement.bridge.broadcast(theirs, 0).wait()
+    if not torch.equal(mine, theirs):
+        raise RuntimeError(f"rank {placement.rank}: the generation model's weights (names, shapes, dtypes) differ from "
+                           f"the trainer's; both sides must build the same model (model.*)")
+
+
+def send_weights(module, placement: Placement, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+    """Every training rank: broadcast the current weights from training rank 0 over the bridge (each module's
+    ZeRO-3 gather is a collective of the training ranks). Returns the seconds it took."""
+    t0 = time.perf_counter()
+    groups = weight_groups(module)
+    entries = _entries(module)
+    _check_plan(entries, placement)
+    ends = {bucket[-1] for bucket in _plan(entries, bucket_bytes)}
+    pending, i = [], 0
+    for params, outs in groups:
+        with gathered(params):
+            for name, _, _, produce in outs:
+                pending.append(produce().detach().reshape(-1).clone())
+                if i in ends:
+                    placement.bridge.broadcast(torch.cat(pending), 0).wait()
+                    pending = []
+                i += 1
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def receive_weights(model, placement: Placement, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
+    """Every generation rank: receive the trainer's weights into ``model`` (whole, the same architecture) in place.
+    Returns the seconds it took."""
+    t0 = time.perf_counter()
+    entries = _entries(model)
+    _check_plan(entries, placement)
+    targets = dict(model.named_parameters(remove_duplicate=False))
+    for bucket in _plan(entries, bucket_bytes):
+        sizes = [torch.Size(entries[i][1]).numel() for i in bucket]
+        flat = torch.empty(sum(sizes), dtype=entries[bucket[0]][2])
+        placement.bridge.broadcast(flat, 0).wait()
+        for i, part in zip(bucket, flat.split(sizes)):
+            name, shape, _ = entries[i]
+            targets[name].copy_(part.view(shape))
+    return time.perf_counter() - t0

@@ -1,0 +1,280 @@
+"""Asynchronous rollouts on each rank: a generation thread on the HF replica feeding a bounded ``SampleQueue``.
+
+``rollout.mode`` (docs/async.md):
+- ``one_step_off``: batch k+1 is generated with the weights of version k while batch k trains; a weight update waits
+  for the batch in flight to finish (every response has one version); samples are exactly one update old.
+- ``streaming``: generation runs ahead while the trainer trains, up to ``max_staleness`` updates; a weight update
+  lands between two decoding steps of the responses in flight (partial rollouts: each token keeps the version of
+  the weights that produced its logits; the key/value cache of the earlier tokens is kept). ``max_staleness: 0``
+  generates each batch only when the trainer asks for it, with the current weights: the synchronous run, bit for bit.
+
+Versions count the trainer's steps: the weights after step k's update have version k + 1. The generation thread
+never enters a collective (the replica is whole; the weight refresh, a ZeRO-3 gather, runs on the trainer's
+thread while the generation thread waits at a decoding step), so the async modes need rollout.engine=hf with
+gather_params, no reward model, no dynamic sampling and no agent environment (``config.validate``).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+import torch
+
+from verl_ds import dist as vdist
+from verl_ds.asyncrl.queue import Group, ProducerError, SampleQueue
+from verl_ds.metrics import Timings
+from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score
+
+log = logging.getLogger(__name__)
+
+
+class WeightGate:
+    """Who may touch the replica's weights: the generation thread holds ``cond`` while it generates; the trainer's
+    ``update`` raises ``want``, then takes ``cond`` when the generation thread lets go of it, at its next decoding
+    step (``mid_response``) or at the end of its batch."""
+
+    def __init__(self, version: int, mid_response: bool, timeout: Optional[float] = None, name: str = "rank 0"):
+        self.cond = threading.Condition()
+        self.version, self.mid_response, self.want = int(version), bool(mid_response), False
+        self.producer: Optional[int] = None  # the generation thread's ident
+        self.timeout, self.name = timeout, name  # how long the trainer waits for the generation thread to let go
+
+    def hook(self) -> int:
+        """The generation engine's per-step hook: the version of the weights that computed this step's logits; on
+        the generation thread, lets a waiting weight update in before the next forward (streaming)."""
+        v = self.version
+        if self.want and self.mid_response and threading.get_ident() == self.producer:
+            self.cond.wait_for(lambda: not self.want)
+        return v
+
+    def poke(self, fn) -> None:
+        """On the trainer's thread: run ``fn()`` holding ``cond`` (the generation thread paused at a decoding step,
+        or between batches), then wake the generation thread."""
+        self.want = True
+        if not self.cond.acquire(timeout=-1 if self.timeout is None else self.timeout):
+            self.want = False
+            raise ProducerError(f"{self.name}: the generation thread did not reach a decoding step or finish its batch "
+                                f"within {self.timeout:.0f} s (half of trainer.dist_timeout_s); it hangs (a reward "
+                                f"function?) or is far too slow")
+        try:
+            fn()
+        finally:
+            self.want = False
+            self.cond.notify_all()
+            self.cond.release()
+
+    def update(self, refresh=None, version: Optional[int] = None) -> None:
+        """``poke``: run ``refresh()`` (the replica's weight copy) and set the version (default +1)."""
+        def run():
+            if refresh is not None:
+                refresh()
+            self.version = self.version + 1 if version is None else max(self.version, int(version))
+        self.poke(run)
+
+
+class AsyncRollout:
+    """The trainer's rollouts in ``one_step_off``/``streaming`` mode (see the module docstring): ``next_rollout``
+    replaces ``rollout.collect``, ``refresh`` the engine's weight refresh; ``state_dict``/``load_state_dict`` carry
+    the queue, the prompts in flight and this rank's sampler through a checkpoint."""
+
+    def __init__(self, trainer):
+        cfg = trainer.cfg
+        self.trainer, self.cfg, self.mode = trainer, cfg, cfg.rollout.mode
+        self.engine = trainer.registry.get("actor").rollout_engine
+        self.per_step = trainer.c.sampler.batch_size  # prompts (groups) per rank and step
+        first = 1 if self.mode == "one_step_off" else max(1, int(trainer.state.get("max_staleness")))
+        self.queue = SampleQueue(self.per_step * (1 + first), name=f"rank {trainer.rank}")
+        # half the collective timeout: a silent generation thread is reported (naming this rank) while the other
+        # ranks still wait in the step's next collective, within trainer.dist_timeout_s
+        self.wait_s = 0.5 * float(cfg.trainer.dist_timeout_s)
+        self.gate = WeightGate(0, mid_response=self.mode == "streaming", timeout=self.wait_s,
+                               name=f"rank {trainer.rank}")
+        self._inflight: list = []  # [data set index, version at its start] of prompts drawn, not yet queued
+        self._redo: list = []  # data set indices to generate again (stale under "regenerate", or in flight at a save)
+        self._consumed = self._requested = 0  # groups trained on so far; the step the trainer waits for
+        self._thread: Optional[threading.Thread] = None
+        self._stop, self.busy_s, self._busy_mark, self.error = False, 0.0, 0.0, None
+
+    # ------------------------------------------------------------------ the trainer's side
+
+    def staleness_bound(self) -> int:
+        return 1 if self.mode == "one_step_off" else int(self.trainer.state.get("max_staleness"))
+
+    def next_rollout(self, step: int, timings: Timings) -> Rollout:
+        """This rank's rollout for ``step``: ``per_step`` groups from the queue, none older than the bound."""
+        if self._thread is None:
+            self._start(step)
+        self._requested = step
+        self.gate.update(version=step)  # a skipped step changed no weights but counts; wakes a waiting producer
+        with timings("gen_wait"):
+            groups, metrics = self.queue.take(self.per_step, self.gate.version, self.staleness_bound(),
+                                              self.cfg.rollout.stale_samples, self.wait_s,
+                                              on_stale=lambda g: self._redo.append(g.index))
+        self.gate.poke(lambda: setattr(self, "_consumed", self._consumed + len(groups)))
+        pad = self.trainer.tokenizer.pad_token_id
+        width = max(g.batch.prompt_width for g in groups)
+        rwidth = max(g.batch.response_width for g in groups)
+        from verl_ds.batch import RolloutBatch
+
+        batch = RolloutBatch.cat([_pad_to(g.batch, width, rwidth, pad) for g in groups])
+        n = self.cfg.rollout.n
+        batch.group_index = torch.arange(len(groups), device=batch.action.device).repeat_interleave(n)
+        busy, self._busy_mark = self.busy_s - self._busy_mark, self.busy_s  # generate time since the last step
+        metrics = {**groups[-1].metrics, **metrics, "async/gen_busy_s": torch.tensor(busy)}
+        return Rollout(batch=batch, responses=[r for g in groups for r in g.responses], metrics=metrics)
+
+    def refresh(self) -> None:
+        """After the actor's update: the replica takes the new weights (a collective under ZeRO-3, on this thread)
+        while the generation thread waits at a decoding step (streaming) or after its batch (one_step_off)."""
+        self.gate.update(refresh=self.engine.refresh)
+
+    def close(self) -> None:
+        """Stop the generation thread (its batch in flight is abandoned)."""
+        self._stop = True
+        self.queue.close()
+        if self.gate.cond.acquire(timeout=1.0):  # a hung generation thread holds it: nothing to wake then
+            self.gate.cond.notify_all()
+            self.gate.cond.release()
+        if self._thread is not None:
+            self._thread.join(timeout=10)  # a daemon thread: a batch still generating is left to end with us
+
+    # ------------------------------------------------------------------ the generation thread
+
+    def _start(self, step: int) -> None:
+        if self.engine.replica is None:  # the first refresh is a collective: here, on the trainer's thread
+            self.engine.refresh()
+        self.gate.version = self._requested = step
+        self._consumed = step * self.per_step
+        self.engine.step_hook = self.gate.hook
+        self.engine.generate = self._exclusive(self.engine.generate)
+        self._thread = threading.Thread(target=self._run, name=f"verl-ds-rollout-rank{self.trainer.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _exclusive(self, generate):
+        """``generate`` for the trainer's own calls (validation) run while the generation thread waits at a decoding
+        step: a plain HF generate swaps the model's generation config in and out for its call."""
+        def call(*args, **kwargs):
+            if threading.get_ident() == self.gate.producer:
+                return generate(*args, **kwargs)
+            out = []
+            self.gate.poke(lambda: out.append(generate(*args, **kwargs)))
+            return out[0]
+        return call
+
+    def _due(self) -> int:
+        """The step a batch started now would be trained at (no group dropped in between)."""
+        ahead = self._consumed + len(self.queue) + len(self._inflight)
+        return ahead // self.per_step
+
+    def _may_start(self) -> bool:
+        s, due = self.staleness_bound(), self._due()
+        return due - s <= self.gate.version and (s > 0 or self._requested >= due)
+
+    def _run(self) -> None:
+        self.gate.producer = threading.get_ident()
+        tr = self.trainer
+        try:
+            while not self._stop:
+                with self.gate.cond:
+                    self.gate.cond.wait_for(lambda: self._stop or self._may_start())
+                    if self._stop:
+                        break
+                    t0 = time.perf_counter()
+                    ro, indices = self._generate(tr)
+                    self.busy_s += time.perf_counter() - t0
+                for group in self._groups(ro, indices):
+                    self.queue.put(group, on_put=self._landed)
+        except BaseException as exc:  # noqa: BLE001 - the trainer's next take reports it, naming this rank
+            if not self._stop:
+                self.error = exc
+                log.error("rank %d: the rollout thread failed: %s: %s", tr.rank, type(exc).__name__, exc)
+            self.queue.close(exc)
+
+    def _landed(self, group: Group) -> None:
+        for k, (index, _) in enumerate(self._inflight):
+            if index == group.index:
+                del self._inflight[k]
+                return
+
+    def _generate(self, tr):
+        """One generation call (the gate held): prompts to redo first, else the sampler's next batch."""
+        from verl_ds.data import collate_prompts
+
+        with self.queue.lock:  # drawn and registered in flight together (a checkpoint sees both or neither)
+            if self._redo:
+                indices, self._redo = self._redo[:self.per_step], self._redo[self.per_step:]
+            else:
+                indices = list(tr.c.sampler.next_batch())
+            self._inflight.extend([i, self.gate.version] for i in indices)
+        items = [tr.c.train_set[i] for i in indices]
+        prompts = collate_prompts(items, tr.tokenizer.pad_token_id, tr.actor_engine.device)
+        hot, algo = tr.state.snapshot(), self.cfg.algo
+        sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+        ro = collect(lambda: prompts, tr.registry.get("actor"), tr.registry.get("reward"), tr.tokenizer,
+                     sampling=sampling, n=self.cfg.rollout.n, timings=Timings(),
+                     overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
+                     greedy_baseline=tr.ppo.needs_baseline, rollout_fn=self._sample)
+        return ro, indices
+
+    def _sample(self, actor, reward, tokenizer, prompts, **kw) -> Rollout:
+        """``rollout_and_score`` that keeps each response column's version (per row, through ``collect``)."""
+        ro = rollout_and_score(actor, reward, tokenizer, prompts, **kw)
+        if not kw.get("greedy"):
+            versions = tuple(self.engine.last_versions.get(threading.get_ident(), ()))
+            ro.batch.extras["actor_versions"] = [versions] * len(ro.batch)
+        return ro
+
+    def _groups(self, ro: Rollout, indices: list) -> list:
+        b = ro.batch
+        per_row = b.extras.pop("actor_versions")
+        R = b.response_width
+        cols = torch.arange(R)
+        out = []
+        for g, index in enumerate(indices):
+            rows = (b.group_index == g).nonzero().flatten()
+            sub = b.select(rows)
+            v = torch.tensor([list(per_row[int(r)]) + [-1] * (R - len(per_row[int(r)])) for r in rows.tolist()],
+                             dtype=torch.int64).reshape(len(rows), R)
+            v = torch.where(cols[None, :] < sub.response_length.cpu()[:, None], v, torch.full_like(v, -1))
+            out.append(Group(batch=sub, responses=[ro.responses[int(r)] for r in rows.tolist()], index=int(index),
+                             versions=v, metrics=dict(ro.metrics)))
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Every rank's queue, prompts in flight (with the version they started at), prompts to redo and sampler
+        position (a collective: rank 0's checkpoint holds them all)."""
+        with self.queue.lock:
+            mine = {"queue": self.queue.snapshot(), "inflight": [list(x) for x in self._inflight],
+                    "redo": list(self._redo), "sampler": self.trainer.c.sampler.state_dict()}
+        return {"mode": self.mode, "world_size": vdist.world_size(), "ranks": vdist.gather_object(mine)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this rank's part (before the generation thread starts): the queued groups come first, then the
+        prompts that were in flight, generated again with the restored weights. Saved by another world size: the
+        queue is not carried over (logged); the run goes on from the global sampler position."""
+        if state.get("world_size") != vdist.world_size():
+            log.warning("resume: the asynchronous rollout queue was saved by %s ranks, this run has %d: its samples "
+                        "are not carried over", state.get("world_size"), vdist.world_size())
+            return
+        mine = state["ranks"][vdist.rank()]
+        self.queue.restore(mine["queue"], device=self.trainer.actor_engine.device)
+        self._redo = [int(i) for i, _ in mine["inflight"]] + [int(i) for i in mine["redo"]]
+        self.trainer.c.sampler.load_state_dict(mine["sampler"])
+
+
+def make_async_rollout(trainer) -> Optional[AsyncRollout]:
+    """The trainer's rollouts for an asynchronous ``rollout.mode``: from generation ranks (split placement,
+    ``verl_ds.asyncrl.split``) or a generation thread; None for ``sync``."""
+    if trainer.cfg.rollout.split_ranks:
+        from verl_ds.asyncrl.split import RemoteRollout, current
+
+        return RemoteRollout(trainer, current())
+    return None if trainer.cfg.rollout.mode == "sync" else AsyncRollout(trainer)
+
+
+__all__ = ["AsyncRollout", "WeightGate", "make_async_rollout", "ProducerError"]

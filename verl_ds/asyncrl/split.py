@@ -1,0 +1,205 @@
+"""Split placement (``rollout.split_ranks`` > 0, ``rollout.mode=one_step_off``): the last ``split_ranks`` ranks only
+generate, the others train (``verl_ds.asyncrl.placement`` makes the groups and moves the weights).
+
+Per step, over the bridge group, in this order on every rank (so that no rank waits on another's different call):
+
+  training rank t                          generation rank g (serves training ranks t with t % split_ranks == g')
+  recv batch k from g                      send batch k to each t it serves
+  train on batch k                         generate batch k+1 with weights k (overlapping the training)
+  control [go] + weights k+1 (broadcast)   receive control + weights k+1
+  ...                                      ...
+  control [stop, exit code] at close       exit with that code
+
+Generation ranks draw each training rank's prompts from that rank's sampler slice, starting where the training
+rank's checkpointed sampler stands (sent at start): a resumed run generates the batches the uninterrupted run would
+have (the batch in flight at a checkpoint is generated again). A generation rank that dies or hangs makes the
+training ranks' receive fail within ``trainer.dist_timeout_s`` (the bridge's timeout), naming it.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+
+import torch
+
+from verl_ds.asyncrl.placement import Placement, receive_weights, send_weights
+from verl_ds.metrics import Timings
+from verl_ds.rollout import Rollout, collect
+
+log = logging.getLogger(__name__)
+_STOP, _WEIGHTS, _REQUEST = 0, 1, 2
+_current: dict = {}  # the process's Placement, set by ``verl-ds train`` before the Trainer is built
+
+
+def set_current(placement: Placement) -> None:
+    _current["placement"] = placement
+
+
+def current():
+    return _current.get("placement")
+
+
+def _send_obj(bridge, obj, dst: int) -> None:
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # the job's own ranks only
+    bridge.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
+    bridge.send([data], dst, 1).wait()
+
+
+def _recv_obj(bridge, src: int):
+    n = torch.zeros(1, dtype=torch.int64)
+    bridge.recv([n], src, 0).wait()
+    data = torch.empty(int(n), dtype=torch.uint8)
+    bridge.recv([data], src, 1).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+def _control(bridge, cmd: int = _STOP, code: int = 0, payload=None):
+    """Broadcast (cmd, code) and a small object from training rank 0; returns them on every rank."""
+    head = torch.tensor([cmd, code], dtype=torch.int64)
+    bridge.broadcast(head, 0).wait()
+    size = torch.tensor([0 if payload is None else len(pickle.dumps(payload))], dtype=torch.int64)
+    bridge.broadcast(size, 0).wait()
+    data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8) if payload is not None else \
+        torch.empty(int(size), dtype=torch.uint8)
+    if int(size):
+        bridge.broadcast(data, 0).wait()
+    return int(head[0]), int(head[1]), pickle.loads(data.numpy().tobytes()) if int(size) else None
+
+
+class RemoteRollout:
+    """The training ranks' side: ``next_rollout`` receives the batch, ``refresh`` sends the weights."""
+
+    def __init__(self, trainer, placement: Placement):
+        self.trainer, self.pl = trainer, placement
+        self.src = placement.n_train + trainer.rank % (placement.world - placement.n_train)
+        self._started, self._closed = False, False
+
+    def _payload(self) -> dict:
+        tr = self.trainer
+        return {"hot": tr.state.snapshot(), "step": int(tr.state.get("global_step")),
+                "samplers": tr.c.sampler.state_dict()}
+
+    def _send(self) -> None:
+        _control(self.pl.bridge, _WEIGHTS, payload=self._payload())
+        send_weights(self.trainer.actor_engine.module, self.pl)
+
+    def next_rollout(self, step: int, timings: Timings) -> Rollout:
+        self.trainer.c.sampler.next_batch()  # kept in step with what was generated for this rank (checkpoints)
+        with timings("gen_wait"):
+            try:
+                if not self._started:  # the generation ranks start from this run's weights and data position
+                    self._send()
+                    self._started = True
+                _control(self.pl.bridge, _REQUEST, payload=self._payload())  # the batch made ahead; start the next
+                msg = _recv_obj(self.pl.bridge, self.src)
+            except RuntimeError as exc:  # gloo: the peer closed the connection, or the bridge's timeout passed
+                from verl_ds.asyncrl.queue import ProducerError
+
+                raise ProducerError(f"generation rank {self.src} (rollout.split_ranks) sent no batch: it died, hangs "
+                                    f"or failed (its log says why): {str(exc).splitlines()[0]}") from None
+        from verl_ds.batch import RolloutBatch
+
+        batch = RolloutBatch(extras=msg["extras"], **msg["fields"])
+        return Rollout(batch=batch, responses=msg["responses"], metrics=msg["metrics"])
+
+    def refresh(self) -> None:
+        """After the update: the weights go to the generation ranks (a collective of every rank)."""
+        t0 = time.perf_counter()
+        self._send()
+        self.trainer.registry.get("actor").rollout_engine.refresh()  # validation samples on this rank's replica
+        self.sync_s = time.perf_counter() - t0
+
+    def state_dict(self) -> dict:
+        return {"mode": "split"}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def close(self, code: int = 0) -> None:
+        """Tell the generation ranks to stop (every training rank calls it, at the end or on a failure)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            _control(self.pl.bridge, _STOP, code)
+        except RuntimeError as exc:  # a generation rank is gone already
+            log.warning("split placement: could not stop the generation ranks: %s", str(exc).splitlines()[0])
+
+
+def run_generation_rank(cfg, placement: Placement, data) -> int:
+    """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
+    returns the exit code the training ranks sent."""
+    from verl_ds.builder import build_reward
+    from verl_ds.config.validate import validate
+    from verl_ds.data import collate_prompts
+    from verl_ds.engines.build import build_actor_model
+    from verl_ds.models import PolicyModel
+    from verl_ds.sampler import DistributedPromptSampler
+    from verl_ds.state import SharedState
+
+    n_gen = placement.world - placement.n_train
+    me = placement.rank - placement.n_train
+    served = [t for t in range(placement.n_train) if t % n_gen == me]
+    derived = validate(cfg, placement.n_train)
+    tok = data.tokenizer
+    state = SharedState(rank=0)
+    model = build_actor_model(cfg, tok)
+    actor = PolicyModel(model, state=state)
+    reward = build_reward(cfg, tok, derived, state=state)
+    samplers = {t: DistributedPromptSampler(len(data.train), derived.prompts_per_rank, t, placement.n_train,
+                                            seed=cfg.trainer.seed) for t in served}
+    cmd, code, msg = _control(placement.bridge)  # the first weights and the data position
+    if cmd == _STOP:
+        return code
+    for t in served:
+        samplers[t].load_state_dict(msg["samplers"])
+
+    def generate(msg) -> dict:
+        hot, out = msg["hot"], {}
+        sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+        for t in served:
+            indices = samplers[t].next_batch()
+            prompts = collate_prompts([data.train[i] for i in indices], tok.pad_token_id, "cpu")
+            t0 = time.perf_counter()
+            ro = collect(lambda: prompts, actor, reward, tok, sampling=sampling, n=cfg.rollout.n, timings=Timings(),
+                         overlong=(cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor))
+            ro.metrics.update({"async/generated_at_step": torch.tensor(float(msg["step"])),
+                               "async/gen_busy_s": torch.tensor(time.perf_counter() - t0)})
+            out[t] = ro
+        return out
+
+    ready = None
+    while True:
+        if cmd == _STOP:
+            return code
+        if cmd == _WEIGHTS:
+            receive_weights(model, placement)
+            actor.rollout_engine.refresh()
+            if ready is None:  # the first batch, right after the first weights
+                ready = generate(msg)
+        elif cmd == _REQUEST:  # send the batch made ahead, then make the next one while the trainers train
+            for t, ro in ready.items():
+                b = ro.batch  # plain data: fields, extras, texts, metrics
+                _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
+                                             "responses": ro.responses, "metrics": ro.metrics}, t)
+            ready = generate(msg)
+        cmd, code, msg = _control(placement.bridge)
+
+
+def start(cfg, launch, data):
+    """``verl-ds train`` with ``rollout.split_ranks``: make the groups; a generation rank runs its loop and returns
+    (launch, its exit code), a training rank returns (its launch info within the training ranks' world, None)."""
+    import dataclasses
+
+    from verl_ds.asyncrl.placement import split_groups
+
+    pl = split_groups(launch.rank, launch.world_size, launch.master_addr, launch.master_port,
+                      cfg.rollout.split_ranks, cfg.trainer.dist_timeout_s)
+    if pl.role == "rollout":
+        return launch, run_generation_rank(cfg, pl, data)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm on the training ranks' group, made above
+    set_current(pl)
+    return dataclasses.replace(launch, world_size=pl.n_train), None
