@@ -105,7 +105,7 @@ def cmd_stage(args) -> int:
     from verl_ds import dist as vdist
 
     vdist.shutdown()
-    return 0
+    return vdist.exit_after_shutdown(0, launch.world_size)
 
 
 def cmd_train(args) -> int:
@@ -114,7 +114,7 @@ def cmd_train(args) -> int:
 
     cfg = _load(args)
     launch = detect_launch(local_rank_arg=args.local_rank)
-    split = cfg.rollout.split_ranks
+    processes, split = launch.world_size, cfg.rollout.split_ranks
     if split and split >= launch.world_size:
         from verl_ds.config import ConfigError
 
@@ -139,7 +139,9 @@ def cmd_train(args) -> int:
 
         launch, code = split_placement.start(cfg, launch, data)
         if code is not None:  # a generation rank: its whole run is over
-            return code
+            from verl_ds import dist as vdist
+
+            return vdist.exit_after_shutdown(code, processes)
     if launch.rank == 0:
         print(f"verl_ds: launcher={launch.launcher} world_size={launch.world_size} "
               f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---", flush=True)
@@ -153,7 +155,7 @@ def cmd_train(args) -> int:
     from verl_ds import dist as vdist
 
     vdist.shutdown()
-    return 0
+    return vdist.exit_after_shutdown(0, processes)
 
 
 def cmd_config(args) -> int:

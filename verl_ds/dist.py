@@ -162,6 +162,26 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def exit_after_shutdown(code: int, world: int) -> int:
+    """A finished multi-rank process ends here, after ``shutdown()``: streams and logs flushed, then ``os._exit``.
+    Even with every group destroyed, a rank now and then aborted in C++ thread teardown during interpreter
+    finalisation ("terminate called without an active exception", exit -6) after its work was done and reported,
+    which the launcher reports as a failed job; ``os._exit`` skips that teardown (pytorch/pytorch#179291 describes
+    the crash). A single process (tests call ``main()`` in-process) returns ``code``."""
+    if world <= 1:
+        return code
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
