@@ -31,20 +31,25 @@ def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.T
 
     Returns (weights (B, R) float32 without grad, 0 on padding; metrics with 0-d float32 is_weight_mean (masked
     mean of the capped weights) and is_capped_frac (share of valid tokens whose ratio exceeded the cap))."""
-    _check_btensors("old_log_probs", old_log_probs, rollout_log_probs=rollout_log_probs)
-    m = as_bool_mask(response_mask, "response_mask", old_log_probs.shape, "old_log_probs")
+    m, ratio, cap = _sampler_ratio(("old_log_probs", old_log_probs), ("rollout_log_probs", rollout_log_probs),
+                                   response_mask, cap, "a weight is capped at cap; below 1 every on-policy token is "
+                                                       "down-weighted")
+    weights = torch.where(m, ratio.clamp(max=cap), 0.0)
+    return weights, {"is_weight_mean": masked_mean(weights, m), "is_capped_frac": masked_mean((ratio > cap).float(), m)}
+
+
+def _sampler_ratio(new: tuple, behav: tuple, response_mask: torch.Tensor, cap: float, why_cap: str):
+    """(mask, exp(new - behav) without grad (1 on padding), cap) after checking the (name, tensor) pairs and cap."""
+    (new_name, new_lp), (behav_name, behav_lp) = new, behav
+    _check_btensors(new_name, new_lp, **{behav_name: behav_lp})
+    m = as_bool_mask(response_mask, "response_mask", new_lp.shape, new_name)
     cap = check_positive_number(cap, "cap")
     if cap < 1.0:
-        raise ValueError(f"cap must be >= 1 (a weight is capped at cap; below 1 every on-policy token is "
-                         f"down-weighted), got {cap!r}")
+        raise ValueError(f"cap must be >= 1 ({why_cap}), got {cap!r}")
     with torch.no_grad():
-        zero = torch.zeros((), dtype=torch.float32, device=old_log_probs.device)
         # padding first: the sampler reports 0 there, and a NaN past the end must not reach a weight
-        log_ratio = torch.where(m, old_log_probs.float() - rollout_log_probs.float(), zero)
-        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-        weights = torch.where(m, ratio.clamp(max=cap), zero)
-        metrics = {"is_weight_mean": masked_mean(weights, m), "is_capped_frac": masked_mean((ratio > cap).float(), m)}
-    return weights, metrics
+        log_ratio = torch.where(m, new_lp.float() - behav_lp.float(), 0.0)
+        return m, torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)), cap
 
 
 def decoupled_is_weights(prox_log_probs: torch.Tensor, behav_log_probs: torch.Tensor, response_mask: torch.Tensor,
@@ -60,20 +65,12 @@ def decoupled_is_weights(prox_log_probs: torch.Tensor, behav_log_probs: torch.Te
     Returns (weights (B, R) float32 without grad, 0 on padding and on masked tokens; metrics with 0-d float32
     is_weight_mean (masked mean of the weights, 0 for the left-out tokens) and is_capped_frac (share of valid
     tokens left out))."""
-    _check_btensors("prox_log_probs", prox_log_probs, behav_log_probs=behav_log_probs)
-    m = as_bool_mask(response_mask, "response_mask", prox_log_probs.shape, "prox_log_probs")
-    cap = check_positive_number(cap, "cap")
-    if cap < 1.0:
-        raise ValueError(f"cap must be >= 1 (tokens whose weight exceeds it are left out; below 1 on-policy tokens "
-                         f"would be), got {cap!r}")
-    with torch.no_grad():
-        zero = torch.zeros((), dtype=torch.float32, device=prox_log_probs.device)
-        log_ratio = torch.where(m, prox_log_probs.float() - behav_log_probs.float(), zero)
-        ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-        over = ratio > cap
-        weights = torch.where(m & ~over, ratio, zero)
-        metrics = {"is_weight_mean": masked_mean(weights, m), "is_capped_frac": masked_mean(over.float(), m)}
-    return weights, metrics
+    m, ratio, cap = _sampler_ratio(("prox_log_probs", prox_log_probs), ("behav_log_probs", behav_log_probs),
+                                   response_mask, cap, "tokens whose weight exceeds it are left out; below 1 on-policy "
+                                                       "tokens would be")
+    over = ratio > cap
+    weights = torch.where(m & ~over, ratio, 0.0)
+    return weights, {"is_weight_mean": masked_mean(weights, m), "is_capped_frac": masked_mean(over.float(), m)}
 
 
 def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
