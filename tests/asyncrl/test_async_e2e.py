@@ -58,7 +58,9 @@ def test_usr1_checkpoints_the_queue_and_the_resumed_run_trains_the_saved_samples
     for rank in state["ranks"]:
         for g in rank["queue"]:  # each queued group: its samples, its prompt and each token's version
             v = g["versions"]
-            assert v.shape == g["fields"]["action"].shape and int(v[v >= 0].min()) <= s
+            # the checkpointed weights (after step s's update) are version s + 1: a group drawn after that
+            # update has every token at s + 1
+            assert v.shape == g["fields"]["action"].shape and int(v[v >= 0].min()) <= s + 1
         assert len(rank["queue"]) + len(rank["inflight"]) >= per_rank, "the generation thread ran ahead"
     # the resumed step trains the saved samples first: where a rank had a whole batch queued, its response
     # lengths are those of the saved groups (averaged over the 2 ranks, as the metric is)
