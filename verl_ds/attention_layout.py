@@ -12,13 +12,8 @@ position: its place in its own (prompt + response) sequence. Then one rule cover
                         and position(q) - position(kv) < window   (sliding-window layers only)
 
 which is exactly each sequence run alone: the tokens on a token's path are its own sequence's earlier tokens, and the
-window counts them in its own positions. ``AttentionLayout`` holds it as per-token tensors (segment, position) and a
-(segments x segments) ancestry table (None for plain packing, where it is the identity); the CPU path evaluates it on
-each block's grid (``dense``), FlexAttention reads it as a ``BlockMask`` (``block_mask``), both built once per
-micro-batch and cached on the layout, which every layer receives.
-
-``model.attn_implementation`` (``resolve_attn_implementation``): ``auto`` is flash_attention_2 on CUDA when flash-attn
-is importable, else flex_attention on CUDA, else sdpa. ``packed_attention`` says which kernel serves the packed rows.
+window counts them in its own positions. The CPU path evaluates it on each block's grid (``dense``), FlexAttention
+reads it as a ``BlockMask`` (``block_mask``), both built once per micro-batch and cached on the layout.
 """
 from __future__ import annotations
 
@@ -38,11 +33,9 @@ LAYOUT_KWARG = "verl_ds_attention_layout"  # the forward keyword that carries a 
 
 @dataclass(frozen=True, eq=False)
 class AttentionLayout:
-    """The segments of a packed row of ``starts[-1]`` tokens (see the module docstring): ``starts``: each segment's
-    first token, ascending, then the row's end; ``parents``: each segment's parent (-1: a root, a sequence's start);
-    ``first_pos``: the position of each segment's first token. Device tensors and masks are built on first use.
-
-    An object, not a tuple: DeepSpeed's ZeRO-3 module hooks walk every tuple and list in a forward's arguments."""
+    """The segments of a packed row: ``starts`` (each segment's first token, then the row's end), ``parents``
+    (-1: a root) and ``first_pos`` (each segment's first position). An object, not a tuple: DeepSpeed's ZeRO-3
+    module hooks walk every tuple and list in a forward's arguments."""
 
     starts: tuple
     parents: tuple
@@ -52,9 +45,8 @@ class AttentionLayout:
 
     @classmethod
     def from_runs(cls, runs, device="cpu") -> "AttentionLayout":
-        """From ``runs``: (start, length, parent token or -1, first position) of each run of consecutive tokens that
-        continue each other, in packed order, covering the row (empty runs skipped). A run's parent token must lie
-        in an earlier run of the same tree (the rows of one group are contiguous)."""
+        """From ``runs``: (start, length, parent token or -1, first position) of each run of consecutive tokens, in
+        packed order, covering the row; a run's parent token must lie in an earlier run of the same tree."""
         runs = [r for r in runs if r[1] > 0]
         if not runs:
             raise ValueError("AttentionLayout: a packed row needs at least one token")
@@ -174,10 +166,9 @@ def resolve_attn_implementation(name: str, device_type: str) -> str:
 
 
 def packed_attention(implementation: str, shared: bool, device_type: str) -> tuple:
-    """(attention the model is switched to for packed rows, a start-up note or None) for a resolved implementation:
-    flash-attention serves plain packed rows natively (transformers' varlen path on ``cu_seq_lens_q/k``) but not a
-    tree of shared prompts / prefixes, which FlexAttention serves; flex_attention serves every layout; sdpa and eager
-    (no packed-row kernel of its own) serve every layout with sdpa one tree at a time, a slow path on a GPU."""
+    """(attention the model is switched to for packed rows, a start-up note or None): flash-attention serves plain
+    packed rows (transformers' varlen path) but not a tree, which FlexAttention serves; sdpa and eager serve every
+    layout with sdpa one tree at a time, a slow path on a GPU."""
     if implementation.startswith("flash_attention"):
         if not shared:
             return implementation, None

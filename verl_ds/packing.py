@@ -1,18 +1,12 @@
 """Remove padding and split by tokens: pack a padded micro-batch into one row, and partition samples into
 micro-batches by a token budget with the same count on every data-parallel rank.
 
-Packing (``model.remove_padding``). ``pack(input_ids, attention_mask)`` keeps the real tokens of a
-(B, T) batch, row after row, in one (1, N) row whose ``position_ids`` restart at 0 for each sequence;
-``unpack`` puts per-token results back at their (B, T) places with zeros at padding. Left, right and
-any other padding pattern work: the position of a token is the number of real tokens before it in
-its row, the ids ``verl_ds.rows.position_ids_from_mask`` gives the padded path. How a model
-keeps sequences apart in the packed row is in ``verl_ds.models.varlen_attention``.
+Packing (``model.remove_padding``). ``pack(input_ids, attention_mask)`` keeps the real tokens of a (B, T) batch,
+row after row, in one (1, N) row whose positions restart at 0 for each sequence (any padding pattern);
+``unpack`` puts per-token results back at their (B, T) places.
 
-Scoring responses (``pack(..., response_width=R)``): the output at a token predicts the next one, so the
-last real token of a response is read (as a label) but never needs to go through the model; it is left
-out of the row, which saves one token per sample in every forward and backward. ``Packed.targets`` then says,
-for each real response token, its id, the packed index whose output predicts it and its place in the (B, R)
-response block (``ResponseIndex``).
+Scoring responses (``pack(..., response_width=R)``): the last real token of a response predicts nothing, so it
+is read as a label only and left out of the row (one token per sample saved in every forward and backward).
 
 Token budget (``actor.max_tokens_per_micro_batch``). Every rank computes its local count with
 ``count_micro_batches`` (first-fit decreasing), the ranks agree on the largest
@@ -48,15 +42,9 @@ PACK_NAMES = ("input_ids", "attention_mask")  # what the packers' errors call th
 
 @dataclass(frozen=True)
 class Packed:
-    """A padded (B, T) batch with its padding removed.
-
-    input_ids, position_ids: (1, N) int64, N = real tokens; position ids restart at 0 per sequence.
-    cu_seqlens: (B + 1,) int32 offsets of the sequences in the row (flash-attn's varlen layout).
-    indices: (N,) int64 flat index (row * T + column) of each packed token in the padded batch.
-    lengths: (B,) int64 real tokens per row; max_seqlen: their max; shape: (B, T).
-    targets, response_width: with ``pack(..., response_width=R)``, the ``ResponseIndex`` of the response tokens
-    and R (each row's last real response token is then not in the row); else None.
-    """
+    """A padded (B, T) batch with its padding removed: input_ids, position_ids (1, N); cu_seqlens (B + 1,) int32
+    (flash-attn's varlen offsets); indices (N,): each token's flat index row * T + column in the padded batch;
+    lengths (B,); targets, response_width: with ``pack(..., response_width=R)``, the ``ResponseIndex`` and R."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -78,8 +66,8 @@ class Packed:
         return AttentionLayout.sequences(self.lengths.tolist(), self.input_ids.device)
 
     def attention_kwargs(self) -> dict:
-        """What the attention reads, the same objects for every layer: flash-attention's ``cu_seq_lens_q/k`` (int32 on
-        the row's device) and ``max_length_q/k`` (ints), and the row's ``layout``; no layer syncs the host."""
+        """What every layer's attention reads (flash-attention's ``cu_seq_lens_q/k``, ``max_length_q/k`` and the
+        row's ``layout``): the same objects for every layer, so no layer syncs the host."""
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
                 "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen, LAYOUT_KWARG: self.layout}
 
@@ -108,10 +96,8 @@ def _no_prompt_rows(mask: torch.Tensor, response_width: int) -> None:
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int | None = None) -> Packed:
-    """Remove the padding of ``input_ids`` (B, T): the real tokens (``attention_mask`` True), row by
-    row in column order, as one (1, N) row with per-sequence position ids (see ``Packed``). With
-    ``response_width`` R (the last R columns hold responses), each row's last real response token is left out
-    and ``targets`` locates every response token (see the module docstring)."""
+    """``input_ids`` (B, T) without its padding (see ``Packed``); with ``response_width`` R (the last R columns
+    hold responses) each row's last real response token is left out and ``targets`` locates every one."""
     input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     full = mask
@@ -136,8 +122,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: 
 
 
 def unpack(packed: Packed, values: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """Per-token ``values`` (N, ...) or (1, N, ...) back to (B, T, ...), ``fill`` at padding.
-    Differentiable w.r.t. ``values``."""
+    """Per-token ``values`` (N, ...) or (1, N, ...) back to (B, T, ...), ``fill`` at padding (differentiable)."""
     n = packed.num_tokens
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"unpack: values must be a tensor of shape (N, ...) or (1, N, ...), got "
@@ -192,14 +177,13 @@ def _first_fit_decreasing(lengths: Sequence[int], max_tokens: int) -> list[list[
 
 
 def count_micro_batches(lengths, max_tokens: int) -> int:
-    """The number of micro-batches this rank needs for ``lengths`` (tokens per sample) under
-    ``max_tokens`` per micro-batch (first-fit decreasing; a sample over the budget gets its own)."""
+    """The micro-batches this rank needs for ``lengths`` under ``max_tokens`` each (first-fit decreasing)."""
     return len(_first_fit_decreasing(_check_lengths(lengths, max_tokens), max_tokens))
 
 
 def agree_num_micro_batches(local_count: int, group=None) -> int:
-    """The largest ``local_count`` over the ranks of ``group`` (an all-reduce MAX when torch.distributed
-    is initialised, else ``local_count``): the micro-batch count every rank then uses."""
+    """The largest ``local_count`` over the ranks of ``group`` (all-reduce MAX; ``local_count`` alone without
+    torch.distributed)."""
     if isinstance(local_count, bool) or not isinstance(local_count, int) or local_count < 1:
         raise ValueError(f"local_count must be a positive int, got {local_count!r}")
     import torch.distributed as dist
@@ -261,14 +245,9 @@ def _rebalance(bins, lengths, max_tokens):
 
 
 def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
-    """Partition sample indices into micro-batches of at most ``max_tokens`` tokens each.
-
-    lengths: tokens per sample (list of ints or a 1-D integer tensor). num_micro_batches: the count
-    agreed by all ranks (``agree_num_micro_batches(count_micro_batches(...))``); None uses this rank's
-    own count. Every index appears exactly once; a micro-batch exceeds ``max_tokens`` only when it is a
-    single sample that does. The loads are balanced (longest first onto the least-loaded micro-batch,
-    a first-fit-decreasing packing rebalanced when that does not fit). Deterministic: indices within a
-    micro-batch ascend, micro-batches are ordered by their first index."""
+    """Sample indices (by ``lengths``, tokens per sample) in ``num_micro_batches`` (the agreed count; None: this
+    rank's own) micro-batches of at most ``max_tokens`` tokens, balanced (longest first onto the least-loaded,
+    first-fit decreasing rebalanced when that does not fit); indices ascend, micro-batches by first index."""
     lengths = _check_lengths(lengths, max_tokens)
     needed = count_micro_batches(lengths, max_tokens)
     k = needed if num_micro_batches is None else num_micro_batches
@@ -316,11 +295,8 @@ def _shared_units(batch, budget: int) -> tuple[list[list[int]], list[int]]:
 
 def micro_batch_groups(batch, size: int, budget: int | None, share_prompts: bool = False) -> list[list[int]]:
     """Row groups of a RolloutBatch: ``size`` rows each, or by a token budget with the same number of groups on
-    every rank (a collective: ZeRO-3 forwards must line up).
-
-    A row costs its prompt and response tokens. With ``share_prompts`` (the model packs each prompt once for
-    all its samples, ``verl_ds.prompt_sharing``; rows grouped by ``verl_ds.rows.prompt_groups``) the samples of a prompt stay in one micro-batch and
-    cost the prompt once, as the packed row holds them; a group over the budget is cut into pieces that fit."""
+    every rank (a collective: ZeRO-3 forwards must line up). With ``share_prompts`` a prompt's samples stay
+    together and cost the prompt once, as the packed row holds them (a group over the budget is cut)."""
     if budget is None:
         return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
     if not share_prompts:

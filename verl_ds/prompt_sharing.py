@@ -7,28 +7,20 @@ prompt and puts the responses after it::
 
     [prompt A | response A1 | response A2 | ... | prompt B | response B1 | ...]
 
-Positions restart at 0 for each prompt and continue from the prompt length in each of its responses, so every
-token keeps the position it has in its own (prompt + response) sequence. A response token attends to its
-prompt and to the earlier tokens of its own response only (``verl_ds.attention_layout``: the row's layout, read by
-the attention from the ``verl_ds_attention_layout`` keyword), so each token's hidden state, log-prob and gradient are
-those of the unshared packed row; the prompt's hidden states receive the gradient of all its responses, as the n
-copies' gradients would add up. The saving is (n - 1) / n of the prompt tokens in every forward and backward. The
-first response token of each sample is predicted by the shared last prompt token; a response's last token is
-scored but not fed (its output would predict nothing), as in ``verl_ds.packing.pack(..., response_width=R)``. The same idea as "Prefix
-Grouper" (Liu et al. 2025, https://arxiv.org/abs/2506.05433), for packed rows.
+Every token keeps the position it has in its own (prompt + response) sequence and a response token attends to its
+prompt and its own earlier tokens only (``verl_ds.attention_layout``), so each token's hidden state, log-prob and
+gradient are those of the unshared row; the prompt's hidden states receive the gradient of all its responses, as
+the n copies' would add up. The saving is (n - 1) / n of the prompt tokens in every forward and backward. The
+same idea as "Prefix Grouper" (Liu et al. 2025, https://arxiv.org/abs/2506.05433), for packed rows.
 
 Response prefixes (``share_prefixes``, ``model.share_response_prefixes``): the same holds one level down. Samples of
 a prompt that begin with the same response tokens (a converged policy's, short answers, a common opening) have the
 same hidden states there too, so a group's responses are packed as a tree: its rows ordered by their responses, each
-row holding only the tokens past the prefix it shares with the row before it, and each token attending to its
-prompt, the shared tokens it continues (held by earlier rows of its group) and its own earlier tokens. A response
-token then is scored once for all the samples that hold it after the same prefix (``ResponseIndex.take``); their
-gradients add up as the copies' would. In a 30M-parameter GRPO run on the default task, the rows of the later steps
-held 28-66% fewer response tokens.
+row holding only the tokens past the prefix it shares with the row before it. A response token then is scored once
+for all the samples that hold it after the same prefix (``ResponseIndex.take``). In a 30M-parameter GRPO run on
+the default task, the rows of the later steps held 28-66% fewer response tokens.
 
-Rows share a prompt when their prompt columns hold the same real tokens in the same places (the n copies of a prompt
-in a rollout batch are padded alike), whatever their group ids say; a row whose prompt appears once is packed as in
-``verl_ds.packing.pack``.
+Rows share a prompt by ``verl_ds.rows.prompt_groups``, whatever their group ids say.
 """
 from __future__ import annotations
 
@@ -66,13 +58,9 @@ def group_layout(groups, device="cpu") -> AttentionLayout:
 
 @dataclass(frozen=True)
 class SharedPacked:
-    """A padded (B, T) batch of prompt + response rows packed with one copy per distinct prompt.
-
-    input_ids, position_ids: (1, N) int64. groups: ((start, prompt_len, (response_len, ...)[, links]), ...) in
-    packed order, each group's responses right after its prompt, each without its last token (it predicts nothing;
-    scoring reads it as a label only); layout: their ``AttentionLayout``. targets: the ``ResponseIndex`` of every real response token (its id, the packed index of
-    the token that predicts it, its place in the (B, R) response block), as ``Packed.targets``. shape: (B, T).
-    """
+    """A padded (B, T) batch packed with one copy per distinct prompt: input_ids, position_ids (1, N); groups:
+    ((start, prompt_len, (response_len, ...)[, links]), ...) in packed order, each response without its last token
+    (a label only); layout: their ``AttentionLayout``; targets: as ``Packed.targets``."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -93,13 +81,9 @@ class SharedPacked:
 
 def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
                         share_prefixes: bool = False) -> SharedPacked:
-    """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are the responses, with rows of identical
-    prompts (the same real tokens in the same places of the first T - R columns) sharing one copy of it (see the
-    module docstring). Groups come in the order of their first row, rows in batch order within a group.
-
-    ``share_prefixes``: the responses of a prompt also share the leading tokens they have in common (the module
-    docstring's response prefixes); a group's rows then come in the order of their responses (lexicographic, ties
-    in batch order), so that each row's shared part is in the row before its own tokens."""
+    """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are the responses, one copy per distinct
+    prompt (module docstring); groups in the order of their first row, rows in batch order within a group, or,
+    with ``share_prefixes``, in the order of their responses (each row's shared part is in the row before it)."""
     input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     R = check_response_width(response_width, T)

@@ -17,12 +17,9 @@ __all__ = ["ResponseIndex", "check_batch", "prompt_groups", "position_ids_from_m
 
 
 class ResponseIndex(NamedTuple):
-    """The real response tokens of a packed batch: ``label_ids`` (n,) their token ids, ``preds`` (n,) the packed
-    indices whose outputs predict them (the previous real token of the same sequence), ``out`` (n,) their flat
-    index row * R + column in the (B, R) response block. ``take`` (m,), where samples share a response prefix
-    (``verl_ds.prompt_sharing``): ``out`` has m places and place i reads the scored pair ``take[i]`` (the same
-    token predicted by the same packed position is scored once for all the samples that hold it); None: one pair
-    per place."""
+    """The real response tokens of a packed batch: ``label_ids`` (n,), ``preds`` (n,) the packed indices whose
+    outputs predict them, ``out`` (n,) their flat index row * R + column in the (B, R) response block. ``take``
+    (m,) with shared response prefixes: place i of ``out`` reads the scored pair ``take[i]``; None: one each."""
 
     label_ids: torch.Tensor
     preds: torch.Tensor
@@ -31,10 +28,9 @@ class ResponseIndex(NamedTuple):
 
 
 def check_batch(observation: Any, mask: Any, who: str, names: tuple = ("observation", "mask")) -> tuple:
-    """(observation as int64, mask as bool): ``observation`` a (B, T) integer tensor of token ids with T >= 1, ``mask``
-    None (every token real) or a (B, T) bool or 0/1 integer tensor on its device with a real token in every row.
-    A (B, T, T) attention matrix is refused: HF models build the causal matrix themselves, and a 3-D mask where a
-    2-D one is expected silently masks everything out in some models. Errors start with ``who`` and use ``names``."""
+    """(observation as int64, mask as bool) of a (B, T) token-id batch and its mask (None: every token real; a
+    real token in every row). A (B, T, T) matrix is refused: a 3-D mask where a 2-D one is expected silently masks
+    everything out in some HF models. Errors start with ``who`` and use ``names``."""
     ids, m = names
     if not isinstance(observation, torch.Tensor):
         raise TypeError(f"{who}: {ids} must be a (B, T) int64 tensor of token ids, got {type(observation).__name__}")
@@ -89,11 +85,9 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def index_responses(input_ids: torch.Tensor, mask: torch.Tensor, response_width: int, place: torch.Tensor,
                     order: torch.Tensor | None = None) -> ResponseIndex:
-    """The ``ResponseIndex`` of the real tokens (``mask``) in the last ``response_width`` columns of ``input_ids``
-    (B, T), each predicted by the real token before it in its row, which the packed row holds at ``place`` (B, T)
-    int64 (its own copy or the one it shares). Rows in the order the packed row holds them (``order``, (B,);
-    batch order by default), columns ascending. Every row needs a real token before its response
-    (``verl_ds.packing`` refuses an empty prompt)."""
+    """The ``ResponseIndex`` of the real tokens in the last ``response_width`` columns, each predicted by the real
+    token before it in its row, held by the packed row at ``place`` (B, T); rows in ``order`` (default batch order),
+    columns ascending. Every row needs a real token before its response."""
     B, T = mask.shape
     P = T - response_width
     rows, cols = (mask[:, P:] if order is None else mask[order, P:]).nonzero().unbind(1)

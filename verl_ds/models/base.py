@@ -1,15 +1,5 @@
-"""BaseModel and the role contracts every model component of verl_ds follows.
-
-The design fixes six methods: ``get_action``, ``get_value``, ``get_logprob``, ``get_reward``, ``update``,
-``state_dict``. A component carries only the ones its role can honour, through the role ABCs below:
-the actor is a ``PolicyModel`` (acts, scores log-probs, trains), the frozen reference a ``ReferenceModel``
-(scores log-probs), the critic a ``ValueModel`` (values, trains), the reward a ``RewardModel`` (rewards);
-``PPOModel`` schedules them. Every component has ``state_dict()``: its public attributes.
-
-Construction checks ``required_modules`` at once: a missing one raises MissingModuleError whose message
-starts with exactly ``Missing required module: <name>`` and lists what was given; one of the wrong kind
-(``module_types``) raises TypeError naming the kind expected. Concrete subclasses are recorded in the
-registry's class table (``verl_ds.registry.model_classes()``).
+"""BaseModel and the role contracts of the design's six methods (``get_action``, ``get_value``, ``get_logprob``,
+``get_reward``, ``update``, ``state_dict``): a component carries only the ones its role can honour.
 
 Hot hyper-parameters live in ``self._state`` (a :class:`verl_ds.state.SharedState`), never in attributes:
 the trainer and the HTTP control plane change them there and every model reads them at call time.
@@ -30,7 +20,7 @@ from verl_ds.state import SharedState
 
 __all__ = ["BaseModel", "MissingModuleError", "ActionRole", "LogProbRole", "ValueRole", "RewardRole", "TrainableRole",
            "left_align_prompts", "unwrap_module",
-           "forward_params", "optimizer_step"]
+           "forward_params", "optimizer_step", "update_from_config"]
 
 
 class MissingModuleError(ValueError):
@@ -72,13 +62,9 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 class BaseModel(ABC):
-    """Abstract model component (see the module docstring).
-
-    Subclasses set ``required_modules`` (names that must be given and not None) and optionally
-    ``module_types`` (name -> expected class or tuple of classes), and call
-    ``super().__init__(state=..., **modules)`` first in their ``__init__``; the modules become
-    attributes of the same names.
-    """
+    """A model component: subclasses set ``required_modules`` (MissingModuleError when one is missing or None)
+    and ``module_types`` (name -> class), and call ``super().__init__(state=..., **modules)`` first; the modules
+    become attributes. Concrete subclasses are recorded in ``verl_ds.registry.model_classes()``."""
 
     required_modules: ClassVar[tuple[str, ...]] = ()
     module_types: ClassVar[dict[str, type | tuple[type, ...]]] = {}
@@ -109,7 +95,6 @@ class BaseModel(ABC):
 
     @property
     def state(self) -> SharedState:
-        """The SharedState this model reads its hot hyper-parameters from."""
         return self._state
 
     # ---- state -----------------------------------------------------------------------------------
@@ -118,13 +103,8 @@ class BaseModel(ABC):
         return self.public_state()
 
     def public_state(self) -> dict:
-        """Every attribute not starting with ``_`` (the design's rule: what must survive a checkpoint is public).
-
-        Tensors are saved as detached copies, objects with a ``state_dict()`` (KL controllers) by it,
-        dataclasses by their fields, plain data by a deep copy. Module slots given to ``__init__``,
-        nn.Modules and nested BaseModels are skipped: their weights belong to the engine checkpoints. Any
-        other public attribute is an error naming it: make it private (``_name``) or give it a state_dict.
-        """
+        """Every attribute not starting with ``_`` (the design's rule: what must survive a checkpoint is public),
+        but module slots, nn.Modules and nested BaseModels: their weights belong to the engine checkpoints."""
         out = {}
         for key, value in vars(self).items():
             if key.startswith("_") or key in self._module_names or isinstance(value, (nn.Module, BaseModel)):
@@ -168,8 +148,7 @@ class BaseModel(ABC):
         self.load_public_state(sd)
 
     def torch_modules(self) -> list[nn.Module]:
-        """The nn.Modules this component holds (directly or through nested BaseModels), for the
-        registry's parameter counts."""
+        """The nn.Modules this component holds (directly or through nested BaseModels)."""
         out = []
         for key, value in vars(self).items():
             if isinstance(value, nn.Module):
@@ -177,7 +156,6 @@ class BaseModel(ABC):
             elif isinstance(value, BaseModel):
                 out.extend(value.torch_modules())
         return out
-
 
 
 # ---- the role contracts (the design's methods, each on the roles that can honour it) ---------------------
@@ -225,13 +203,28 @@ class TrainableRole(BaseModel):
         """One in-place update from ``batch``."""
 
 
+def update_from_config(model: "BaseModel", module: Any, optimizer, config: Any, needs: str,
+                       untrainable: str | None = None) -> dict | None:
+    """``TrainableRole.update`` of a component that trains ``module``: ``optimizer_step`` on ``config["loss"]``
+    (from ``PPOModel.<needs>``) at ``state[model.lr_key]``, with ``config["skip"]`` and ``config["boundary"]``;
+    ``untrainable``: why this component cannot train (an error after the loss check)."""
+    who = type(model).__name__
+    loss = config.get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
+    if loss is None:
+        raise ValueError(f"{who}.update: config must hold 'loss', the scalar loss tensor of this batch "
+                         f"(from PPOModel.{needs})")
+    if untrainable:
+        raise ValueError(f"{who}.update: {untrainable}")
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: d)
+    return optimizer_step(module, optimizer, loss, model.state.get(model.lr_key), who, skip=bool(get("skip", False)),
+                          boundary=get("boundary"))
+
+
 def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: torch.Tensor, lr: float | None,
                    who: str, skip: bool = False, boundary: bool | None = None) -> dict | None:
-    """backward + step for a DeepSpeed engine (``module.backward``/``module.step``) or a plain module with a
-    torch optimizer; returns ``{"grad_norm", "skipped"}`` when an optimizer step was due (a DeepSpeed
-    accumulation boundary, or always for a plain optimizer), else None.
-
-    ``lr`` is written to the param groups first (hot learning rate) unless the engine owns an LR scheduler.
+    """backward + step for a DeepSpeed engine or a plain module with a torch optimizer; ``{"grad_norm",
+    "skipped", "zero_stage"}`` when an optimizer step was due, else None. ``lr`` goes to the param groups unless
+    the engine owns an LR scheduler.
     ``skip`` drops this step on every rank that passes it: under ZeRO the loss is back-propagated as NaN, so
     every gradient is NaN and DeepSpeed's overflow check (a non-finite global norm) drops the step, clears
     the gradients and keeps its counters consistent (a NaN loss alone can leave the gradients finite at

@@ -10,7 +10,7 @@ import torch
 
 from verl_ds.kernels.response_logprob import response_logprobs
 from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, forward_params, left_align_prompts,
-                                 optimizer_step, unwrap_module)
+                                 unwrap_module, update_from_config)
 from verl_ds.rows import check_batch, position_ids_from_mask
 from verl_ds.state import SharedState
 
@@ -43,10 +43,8 @@ def active_dropout(module: torch.nn.Module) -> list[str]:
 
 
 class ReferenceModel(LogProbRole):
-    """Log-probs of responses under a causal LM: ``lm`` is anything whose
-    ``__call__(input_ids=, attention_mask=, position_ids=)`` returns an object with ``.logits`` (B, T, V): a HF
-    causal LM or a DeepSpeed engine around one. Position ids are computed from the attention mask
-    (cumsum - 1), so left-padded prompts get the same positions as unpadded ones."""
+    """Log-probs of responses under ``lm``, a HF causal LM or a DeepSpeed engine around one (called with
+    ``input_ids=, attention_mask=, position_ids=``, returning ``.logits`` (B, T, V))."""
 
     required_modules = ("lm",)
 
@@ -73,8 +71,7 @@ class ReferenceModel(LogProbRole):
 
     @property
     def shares_prompts(self) -> bool:
-        """Whether scoring packs each prompt once for all its samples (``verl_ds.prompt_sharing``): a
-        token budget then counts the prompt once and keeps its samples in one micro-batch."""
+        """Whether scoring packs each prompt once for all its samples (``verl_ds.prompt_sharing``)."""
         return self._share_prompts
 
     # ---- forward ---------------------------------------------------------------------------------
@@ -96,14 +93,9 @@ class ReferenceModel(LogProbRole):
 
     def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None,
                     temperature: float = 1.0, return_entropy: bool = False, head_kl=None):
-        """Log-probs (B, R) float32 of the response tokens ``action`` (B, R) = observation[:, -R:].
-
-        logits[:, -R-1:-1] predict them; computed by ``verl_ds.kernels.response_logprob`` in one
-        pass, at ``temperature`` (the rollout's). Differentiable: the PPO update calls it under grad.
-        With return_entropy, also the entropy (B, R) of each position's distribution. Values at
-        padded response positions are meaningless; mask them with the response mask. ``head_kl``
-        (``verl_ds.models.full_kl``): the fused LM head runs, and its extra column comes back last, (B, R).
-        """
+        """Log-probs (B, R) float32 of the response tokens ``action`` (B, R) = observation[:, -R:] at
+        ``temperature``, differentiable; with return_entropy also the entropies (B, R). Padded response positions
+        hold garbage: mask them. ``head_kl`` (``verl_ds.models.full_kl``): its column comes back last, (B, R)."""
         who = f"{type(self).__name__}.get_logprob"
         observation, mask = check_batch(observation, mask, who)
         if not isinstance(action, torch.Tensor) or action.dim() != 2 or action.shape[0] != observation.shape[0]:
@@ -158,10 +150,8 @@ class ReferenceModel(LogProbRole):
 
 
 class AdaptersOffReferenceModel(ReferenceModel):
-    """The reference of a LoRA actor: the actor's own engine with its adapters switched off (peft's
-    ``disable_adapter()``) while it scores, i.e. the frozen base model, with no second copy of the weights.
-    ``lm`` is a peft model or a DeepSpeed engine around one; scoring is for no-grad passes (the trainer's
-    reference pass), and, as any shared module, not concurrently with the actor's own forwards."""
+    """The reference of a LoRA actor: the actor's own engine (peft model) with its adapters switched off while
+    it scores, no second copy of the weights; not concurrently with the actor's own forwards."""
 
     def __init__(self, lm: Any, state: SharedState | None = None, **kwargs):
         super().__init__(lm, state=state, **kwargs)
@@ -171,23 +161,20 @@ class AdaptersOffReferenceModel(ReferenceModel):
                             f"one), got {type(inner).__name__}")
 
     def get_logprob(self, *args, **kwargs):
-        """``ReferenceModel.get_logprob`` of the base model (adapters off for the call)."""
         with unwrap_module(self.lm).disable_adapter():
             return super().get_logprob(*args, **kwargs)
 
     def torch_modules(self) -> list:
-        """The modules holding the frozen base weights (what this model scores with), for the registry's counts."""
+        """The modules holding the frozen base weights (what this model scores with)."""
         return [m for m in unwrap_module(self.lm).modules()
                 if any(True for _ in m.parameters(recurse=False))
                 and not any(p.requires_grad for p in m.parameters(recurse=False))]
 
 
 class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
-    """The actor: scores log-probs like a ReferenceModel, samples responses through ``rollout_engine`` (an
-    object with ``generate(input_ids, attention_mask, *, max_new_tokens, temperature, top_k, top_p, greedy)
-    -> Generation`` and ``refresh()``: ``verl_ds.generation.HFRolloutEngine`` by default, on ``lm`` itself),
-    and trains with ``update``. ``optimizer`` is only used when ``lm`` is not a DeepSpeed engine;
-    ``lr_key`` is the SharedState key of its learning rate."""
+    """The actor: scores log-probs like a ReferenceModel, samples through ``rollout_engine`` (``generate(...) ->
+    Generation`` and ``refresh()``; default HF generate on ``lm``) and trains with ``update``. ``optimizer``: for
+    an ``lm`` that is not a DeepSpeed engine; ``lr_key``: the SharedState key of its learning rate."""
 
     def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
                  lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None,
@@ -227,14 +214,9 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
     @torch.no_grad()
     def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
                    top_k: int = 50, top_p: float = 0.95, *, max_new_tokens: int = 1, greedy: bool = False):
-        """Sample a response of up to ``max_new_tokens`` tokens for each left-padded prompt row.
-
-        Returns (action (B, R) int64 right-padded with the pad id after each response's end (EOS included),
-        log_probs (B, R) float32, entropy (B, R) float32), R = max_new_tokens; log-probs and entropies are those
-        of softmax(logits / temperature) before top-k/top-p truncation (the distribution the trainer recomputes
-        with ``get_logprob``: truncation would bias the PPO ratio), zero past a response's end. Temperature,
-        top-k and top-p act on the logits in that order (vLLM). ``greedy`` ignores the sampling knobs.
-        """
+        """(action (B, R) int64 right-padded after each EOS, log_probs, entropy (B, R) float32), R = max_new_tokens,
+        for left-padded prompts. Log-probs and entropies are those before top-k/top-p truncation (the distribution
+        ``get_logprob`` recomputes: truncation would bias the PPO ratio)."""
         who = "PolicyModel.get_action"
         observation, mask = check_batch(observation, mask, who)
         _check_sampling(temperature, top_k, top_p, who)
@@ -249,15 +231,6 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
         return gen.responses, gen.log_probs, gen.entropy
 
     def update(self, batch: Any, config: Any):
-        """One backward + optimizer step from ``config["loss"]`` (a scalar tensor from compute_policy_loss on
-        ``batch``), at the learning rate ``state[lr_key]`` read now; ``config["skip"]`` drops the step (the
-        non-finite guard's answer). DeepSpeed engine: ``engine.backward``/``engine.step`` (a step happens at
-        the accumulation boundary); else the optimizer given at construction. Returns ``{"grad_norm",
-        "skipped"}`` when an optimizer step was due, else None."""
-        loss = (config or {}).get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
-        if loss is None:
-            raise ValueError("PolicyModel.update: config must hold 'loss', the scalar loss tensor of this batch "
-                             "(from PPOModel.compute_policy_loss)")
-        get = config.get if isinstance(config, dict) else (lambda k, d=None: d)
-        return optimizer_step(self.lm, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
-                              skip=bool(get("skip", False)), boundary=get("boundary"))
+        """One step from ``config["loss"]`` (``verl_ds.models.base.update_from_config``): the engine's at its
+        accumulation boundary, else the optimizer given at construction."""
+        return update_from_config(self, self.lm, self._optimizer, config, "compute_policy_loss")

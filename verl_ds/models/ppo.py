@@ -2,13 +2,9 @@
 calls the trainer schedules: ``compute_advantage``, ``compute_policy_loss``, ``compute_value_loss``, and
 ``update`` (the KL controller).
 
-The advantage estimator is chosen by name from ``verl_ds.algos``' registry (``algo.adv_estimator``): ``gae`` is PPO
-with a critic (Schulman et al. 2017); ``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_plus_plus``,
-``reinforce_plus_plus_baseline`` and ``remax`` need no critic. Hot hyper-parameters (kl_coef, kl_kind,
-clip_ratio_low/high, cliprange_value, entropy_coef, gamma, lam, temperature, kl_ctrl_type, target_kl) are read
-from the SharedState at every call; the static knobs come from the config's ``algo`` section. The numerics are
-``verl_ds.algos``; metric names follow verl's (``actor/pg_clipfrac``, ``critic/vf_loss``, ...). Metric values
-are 0-d tensors: the trainer reduces them once per step.
+The advantage estimator comes from ``verl_ds.algos``' registry (``algo.adv_estimator``). Hot hyper-parameters are
+read from the SharedState at every call, the static knobs from the config's ``algo`` section. Metric names follow
+verl's (``actor/pg_clipfrac``, ``critic/vf_loss``, ...); values are 0-d tensors the trainer reduces once per step.
 """
 from __future__ import annotations
 
@@ -50,17 +46,10 @@ IS_MODES = {"truncate": truncated_is_weights, "decoupled": decoupled_is_weights}
 
 
 class PPOModel(TrainableRole):
-    """The algorithm over its components (see the module docstring).
-
-    ``algo``: the config's ``AlgoConfig`` (default: its defaults). The components live in a ModelRegistry
-    (``registry``: default a private one; the trainer passes its own) under ``names`` (role -> name, default
-    the role) and are looked up at every call: ``swap("reward", new_reward)`` takes effect at the next call.
-    A critic is required exactly when the advantage estimator needs one; a reference when a KL term needs
-    one (``kl_coef > 0`` or an adaptive controller). All components share this model's SharedState.
-    ``is_cap``: truncated importance sampling in the policy loss (``algos.losses.truncated_is_weights``: each
-    token weighted by min(exp(old_log_probs - rollout_log_probs), is_cap)); None: off. ``is_mode="decoupled"``:
-    AReaL's decoupled objective instead (``algos.losses.decoupled_is_weights``: tokens over the cap left out).
-    """
+    """The algorithm over its components, which live in a ModelRegistry (``registry``; default a private one)
+    under ``names`` (role -> name) and are looked up at every call, so ``swap("reward", new)`` takes effect at
+    the next one. A critic is required exactly when the estimator needs one. ``is_cap``: importance sampling
+    against the sampler's log-probs in the policy loss (None: off), by ``IS_MODES[is_mode]``."""
 
     required_modules = ("actor", "reward")
     module_types = _KINDS
@@ -110,8 +99,7 @@ class PPOModel(TrainableRole):
 
     @property
     def loss_agg_mode(self) -> str:
-        """``algo.loss_agg_mode`` with ``auto`` resolved for the estimator (dr_grpo: seq-mean-token-sum-norm, whose
-        constant is the state's max_new_tokens, the generation budget; the others: token-mean)."""
+        """``algo.loss_agg_mode`` with ``auto`` resolved for the estimator."""
         return self._loss_agg_mode
 
     @property
@@ -172,15 +160,9 @@ class PPOModel(TrainableRole):
     def compute_advantage(self, batch: Any,
                           whiten_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                           baseline_scores: torch.Tensor | None = None) -> dict:
-        """Fill ``batch.token_rewards``, ``batch.advantages`` and ``batch.returns`` from ``batch.scores`` (B, R)
-        (and ``batch.values`` from the critic pass for GAE, ``batch.group_index`` for group estimators,
-        ``baseline_scores`` (B,) for ReMax); returns metrics.
-
-        Token rewards = scores - kl_coef * kl_penalty(old_log_probs, ref_log_probs, kl_kind) when the KL is
-        in the reward, else the scores. GAE advantages are whitened with ``whiten_fn(adv, response_mask)``
-        when ``algo.whiten_advantages`` (default ``algos.masked_whiten``; the trainer passes a DP-global one);
-        the critic-free estimators normalise themselves. Advantages and returns are zero on padding.
-        """
+        """Fill ``batch.token_rewards`` (scores - kl_coef * KL when the KL is in the reward), ``advantages`` and
+        ``returns``; returns metrics. ``whiten_fn(adv, response_mask)`` (the trainer passes a DP-global one)
+        whitens GAE advantages when ``algo.whiten_advantages``; ``baseline_scores`` (B,): ReMax's."""
         who = "PPOModel.compute_advantage"
         given, batch = batch, RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
@@ -227,16 +209,9 @@ class PPOModel(TrainableRole):
 
     # ---- losses ------------------------------------------------------------------------------------
     def compute_policy_loss(self, batch: Any, normalizer: float | torch.Tensor | None = None):
-        """(loss, metrics): clipped surrogate (dual clip) - entropy_coef * agg(entropy)
-        [+ kl_coef * agg(kl_penalty(log_probs, ref_log_probs, kl_kind)) when the KL is in the loss; for
-        kl_kind=full_symmetric the exact value over the vocabulary (``verl_ds.models.full_kl``)].
-
-        The actor runs WITH grad (get_logprob at the state's temperature); batch.old_log_probs are the rollout
-        policy's, or, when the trainer skipped that pass because the update is on-policy and its forward is that
-        pass's, the actor's own log-probs detached (the ratio is exactly 1). ``normalizer`` goes to every agg_loss
-        (the global token count for DP and accumulation); ``max_len`` of seq-mean-token-sum-norm is the state's
-        max_new_tokens.
-        """
+        """(loss, metrics): clipped surrogate (dual clip) - entropy_coef * agg(entropy) [+ kl_coef * agg(KL) when
+        the KL is in the loss]. Without batch.old_log_probs (an on-policy update whose forward is the scoring
+        pass's) the actor's own detached log-probs stand in (ratio 1). ``normalizer`` goes to every agg_loss."""
         who = "PPOModel.compute_policy_loss"
         batch = RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
@@ -307,13 +282,9 @@ class PPOModel(TrainableRole):
                                         horizon=self.algo.kl_horizon)
 
     def update(self, batch: Any, config: Any = None):
-        """Step the KL controller with ``config["observed_kl"]`` (the global token-mean KL, see
-        ``algos.observed_kl``) and ``config["n_samples"]`` (global), and write the new kl_coef to SharedState.
-
-        The controller follows SharedState: rebuilt (from the state's kl_coef) when kl_ctrl_type or target_kl
-        changed, or when kl_coef was changed from outside. kl_coef is written on rank 0 only (other ranks get it
-        from sync()), clamped to its range.
-        """
+        """Step the KL controller with ``config["observed_kl"]`` and ``config["n_samples"]`` (global) and write
+        the new kl_coef to SharedState (rank 0; the others get it from sync()). The controller is rebuilt when
+        kl_ctrl_type, target_kl or kl_coef was changed from outside."""
         config = config or {}
         if "observed_kl" not in config:
             raise ValueError("PPOModel.update: config must hold 'observed_kl' (the global token-mean KL) and "
@@ -330,13 +301,11 @@ class PPOModel(TrainableRole):
 
     # ---- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """{"kl_controller": the controller's state (its kind included)}; the algo knobs come from the config,
-        the weights from the engines."""
+        """{"kl_controller": the controller's state}; the algo knobs come from the config."""
         return {"kl_controller": self.kl_controller.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore the KL controller of the checkpointed kind (whatever the config says: the hot value wins, as
-        for every SharedState key)."""
+        """Restore the KL controller of the checkpointed kind (the hot value wins over the config's)."""
         unknown = set(sd) - {"kl_controller"}
         if unknown:
             raise KeyError(f"PPOModel.load_state_dict: unknown keys {sorted(unknown)}; known: ['kl_controller']")

@@ -4,12 +4,9 @@ Reward function signature::
 
     fn(prompts: list[str], responses: list[str], batch: RolloutBatch) -> list[float] | Tensor
 
-Batch mode returns (B,) (one score per sample, placed on the last real response token);
-``per_token=True`` returns (B, R) (or B sequences of response_length[i] or R values), zeroed on
-padding, with the EOS position zeroed or kept per ``eos_reward``. Whatever comes back is checked
-at the boundary: converted to float32 (float64 lists included), shape and finiteness checked, and
-any failure (or an exception inside the function) raises RewardFunctionError naming the function
-and the sample index.
+Batch mode returns (B,) (one score per sample, placed on the last real response token); ``per_token=True``
+returns (B, R) (or B sequences of response_length[i] or R values), the EOS position zeroed or kept per
+``eos_reward``. Any failure raises RewardFunctionError naming the function and the sample index.
 """
 from __future__ import annotations
 
@@ -59,18 +56,10 @@ def _check_weight(weight: Any, who: str) -> float:
 
 
 class RewardModel(RewardRole):
-    """Scores rollouts. ``model``: optional neural scorer, a HF ``AutoModelForSequenceClassification``
-    with one label (or a DeepSpeed engine around one, or any nn.Module returning per-token (B, T)
-    or pooled (B,) scores), scored at the last real token of each row (from the attention mask, so
-    pad == eos tokenizers work). It must share the actor's vocabulary; a reward model with its own
-    tokenizer belongs in a reward function that re-tokenizes the texts.
-
-    model_weight/model_name: the scorer's weight in the sum and its metric name. eos_reward: for
-    per-token functions, "zero" zeroes the EOS position, "keep" keeps it. ``tokenizer`` is kept for
-    callers that decode responses (not used here). ``micro_batch_size``: rows per scorer forward.
-    ``num_workers``: reward functions run on this many chunks of the batch in a thread pool (rule rewards
-    can be slow); 1 calls each function once on the whole batch.
-    """
+    """Scores rollouts. ``model``: optional neural scorer (a HF sequence classifier with one label, an engine
+    around one, or an nn.Module returning (B, T) or (B,) scores), read at the last real token of each row (from
+    the mask, so pad == eos tokenizers work); it must share the actor's vocabulary. ``num_workers``: reward
+    functions run on this many chunks of the batch in a thread pool (rule rewards can be slow)."""
 
     required_modules = ()
 
@@ -112,8 +101,7 @@ class RewardModel(RewardRole):
         return self._tokenizer
 
     def close(self) -> None:
-        """Remove the capture hook from the scorer (call when this RewardModel is discarded but the
-        scorer lives on)."""
+        """Remove the capture hook from the scorer (when this RewardModel is discarded but the scorer lives on)."""
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -121,8 +109,7 @@ class RewardModel(RewardRole):
     # ---- functions -----------------------------------------------------------------------------------
     def register_reward_fn(self, fn: Callable, name: str | None = None, weight: float = 1.0,
                            per_token: bool = False) -> str:
-        """Add ``fn`` (see module docstring); a name already registered is replaced (hot swap).
-        Returns the name used (default: the function's ``__name__``)."""
+        """Add ``fn`` (module docstring) under ``name`` (default ``fn.__name__``), replacing one of that name."""
         if not callable(fn):
             raise TypeError(f"register_reward_fn: fn must be callable, got {type(fn).__name__}")
         if not isinstance(per_token, bool):
@@ -160,8 +147,7 @@ class RewardModel(RewardRole):
     # ---- neural scorer -------------------------------------------------------------------------------
     @torch.no_grad()
     def get_reward(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) float32 scores of the neural scorer at the last real token of each row, ``micro_batch_size``
-        rows per forward."""
+        """(B,) float32 scores of the neural scorer, ``micro_batch_size`` rows per forward."""
         who = "RewardModel.get_reward"
         if self.model is None:
             raise ValueError(f"{who}: this RewardModel has no neural scorer (only reward functions: "
@@ -199,12 +185,8 @@ class RewardModel(RewardRole):
 
     # ---- composition ---------------------------------------------------------------------------------
     def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str]):
-        """Token-level scores (B, R) float32 and metrics ``reward/<name>/mean`` (unweighted, per-sample
-        sums averaged over the batch).
-
-        batch: a RolloutBatch with observation, mask, response_length (and done for per-token
-        functions with eos_reward="zero"). Batch-mode scores go on column response_length - 1.
-        """
+        """Token-level scores (B, R) float32 of a RolloutBatch and metrics ``reward/<name>/mean`` (unweighted
+        per-sample sums averaged); batch-mode scores go on column response_length - 1."""
         who = "RewardModel.compute_rewards"
         fns = self._fns
         if self.model is None and not fns:
@@ -293,8 +275,7 @@ class RewardModel(RewardRole):
 
     # ---- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """eos_reward, model_weight, model_name and the registered functions' names/weights (not the
-        functions themselves: they are code, re-registered from the config on resume)."""
+        """The public settings and the functions' names and weights (functions are code, re-registered on resume)."""
         out = super().state_dict()
         out["reward_fns"] = self.reward_fns()
         return out

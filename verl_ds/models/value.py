@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import TrainableRole, ValueRole, last_token_index, left_align_prompts, optimizer_step
+from verl_ds.models.base import TrainableRole, ValueRole, last_token_index, left_align_prompts, update_from_config
 from verl_ds.rows import check_batch, position_ids_from_mask
 from verl_ds.state import SharedState
 
@@ -24,13 +24,9 @@ def _hidden_size(config) -> int:
 
 
 class CriticLM(nn.Module):
-    """HF backbone (``AutoModel``: the causal LM without its LM head) + ``value_head`` Linear(H, 1).
-
-    forward(input_ids, attention_mask, position_ids) -> values (B, T) float32, one per position (the
-    value of the state after that token). A plain nn.Module: DeepSpeed ZeRO-3 shards it like any model.
-    The head starts with weight ~ N(0, (0.02/sqrt(H))^2) and bias 0, so initial values are about
-    +-0.02 for unit-scale hidden states while the backbone still gets gradients from the first step.
-    """
+    """HF backbone (``AutoModel``: the causal LM without its LM head) + ``value_head`` Linear(H, 1): values
+    (B, T) float32, the value of the state after each token. The head starts at N(0, (0.02/sqrt(H))^2), bias 0,
+    so initial values are about +-0.02 while the backbone still gets gradients from the first step."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int | None = None):
         super().__init__()
@@ -53,9 +49,8 @@ class CriticLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "CriticLM":
-        """Backbone from a causal LM (or critic) checkpoint via ``AutoModel.from_pretrained`` (the LM head
-        is dropped); the value head from ``value_head.pt`` when the folder holds one (written by
-        ``save_pretrained``), else freshly initialised. ``torch_dtype`` is accepted as ``dtype``."""
+        """Backbone from a causal LM (or critic) checkpoint (the LM head dropped); the value head from
+        ``value_head.pt`` when the folder holds one, else freshly initialised."""
         from transformers import AutoModel
 
         if "torch_dtype" in kwargs:
@@ -84,14 +79,9 @@ class CriticLM(nn.Module):
 
 
 class ValueModel(ValueRole, TrainableRole):
-    """The critic: values (``get_value``, per-token ``get_values``) and training (``update``).
-
-    ``net`` is a CriticLM, a DeepSpeed engine wrapping one, any nn.Module called as
-    ``net(input_ids=, attention_mask=, position_ids=)`` that returns (B, T) values (or an output
-    whose ``.logits`` is (B, T, 1), as a HF token classifier with one label), or a plain callable
-    ``fn(observation) -> Tensor`` returning (B,) or (B, T). Output shapes are checked: (B, 1) is an
-    error (squeeze it), never a silent broadcast.
-    """
+    """The critic: values (``get_value``, per-token ``get_values``) and training (``update``). ``net``: a CriticLM
+    (or a DeepSpeed engine around one), an nn.Module returning (B, T) values or ``.logits`` (B, T, 1), or a
+    callable ``fn(observation) -> (B,) or (B, T)``; a (B, 1) output is an error, never a silent broadcast."""
 
     required_modules = ("net",)
 
@@ -156,8 +146,7 @@ class ValueModel(ValueRole, TrainableRole):
         return values.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
 
     def get_values(self, observation: torch.Tensor, mask: torch.Tensor | None, response_length: int) -> torch.Tensor:
-        """(B, R) float32 per-token values aligned with the R response tokens: values[:, -R-1:-1]
-        (the value of the state before each response token, as verl's critic). Differentiable."""
+        """(B, R) float32 values[:, -R-1:-1]: the state before each response token (as verl's critic)."""
         who = "ValueModel.get_values"
         observation, mask = check_batch(observation, mask, who)
         T = observation.shape[1]
@@ -181,14 +170,6 @@ class ValueModel(ValueRole, TrainableRole):
         return values[:, -response_length - 1:-1]
 
     def update(self, batch: Any, config: Any):
-        """One backward + step from ``config["loss"]`` at ``state[lr_key]``, ``config["skip"]`` dropping it (see
-        PolicyModel.update). A callable value function has no parameters to train."""
-        loss = (config or {}).get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
-        if loss is None:
-            raise ValueError("ValueModel.update: config must hold 'loss', the scalar loss tensor of this batch "
-                             "(from PPOModel.compute_value_loss)")
-        if not self._is_network:
-            raise ValueError("ValueModel.update: a plain value function has no parameters to train")
-        get = config.get if isinstance(config, dict) else (lambda k, d=None: d)
-        return optimizer_step(self.net, self._optimizer, loss, self._state.get(self.lr_key), type(self).__name__,
-                              skip=bool(get("skip", False)), boundary=get("boundary"))
+        """One step from ``config["loss"]`` (``verl_ds.models.base.update_from_config``)."""
+        return update_from_config(self, self.net, self._optimizer, config, "compute_value_loss",
+                                  None if self._is_network else "a plain value function has no parameters to train")
