@@ -1,9 +1,4 @@
-"""RolloutBatch: the tensors of one PPO rollout, with the layout every model and loss relies on.
-
-The fields, their shapes, dtypes and meaning, and the check a batch must pass: ``verl_ds.batch_layout``.
-
-A field may be named by its alias (``batch_layout.ALIASES``: the design article's names). A plain mapping of
-the fields becomes a RolloutBatch with ``RolloutBatch.coerce``.
+"""RolloutBatch: the tensors of one PPO rollout (fields, aliases and checks: ``verl_ds.batch_layout``).
 
 ``extras`` holds per-sample non-tensor data (prompt texts, ground-truth answers): every value is a
 sequence of length B and is sliced by ``select``/``split`` and joined by ``cat`` like the tensors.
@@ -32,11 +27,8 @@ def _slice_extra(value: Any, idx: torch.Tensor) -> Any:
 
 
 class RolloutBatch:
-    """Dict-like container of the ``batch_layout`` fields with attribute access (see module docstring).
-
-    ``RolloutBatch(observation=..., action=..., returns=..., extras={"prompts": [...]})``; a field not
-    given is None. ``batch.x``, ``batch["x"]`` and ``"x" in batch`` work, with the aliases.
-    """
+    """Dict-like container of the ``batch_layout`` fields (a field not given is None): ``batch.x``,
+    ``batch["x"]`` and ``"x" in batch`` work, with the aliases."""
 
     __slots__ = ("_data", "extras")
 
@@ -79,8 +71,7 @@ class RolloutBatch:
 
     @classmethod
     def coerce(cls, batch: Any, who: str = "batch") -> "RolloutBatch":
-        """A RolloutBatch as it is, or one built from a mapping of field name -> tensor (``extras`` allowed);
-        anything else is a TypeError naming what was expected."""
+        """A RolloutBatch as it is, or one built from a mapping of field name -> tensor (``extras`` allowed)."""
         if isinstance(batch, cls):
             return batch
         if isinstance(batch, Mapping):
@@ -140,7 +131,7 @@ class RolloutBatch:
 
     @staticmethod
     def make_next_observation(observation: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-        """observation shifted left by one column with ``pad_token_id`` appended (see module docstring)."""
+        """observation shifted left by one column with ``pad_token_id`` appended."""
         pad = torch.full_like(observation[:, :1], pad_token_id)
         return torch.cat([observation[:, 1:], pad], dim=1)
 
@@ -149,13 +140,8 @@ class RolloutBatch:
                         response_length: torch.Tensor | None = None, done: torch.Tensor | None = None, *,
                         pad_token_id: int, eos_token_id: int | None = None,
                         extras: dict | None = None) -> "RolloutBatch":
-        """Build the ROLLOUT_FIELDS from generation output.
-
-        prompt_ids (B, P) left-padded with prompt_mask (B, P); response_ids (B, R). response_length
-        (B,) defaults to ``response_length_from_eos`` (needs eos_token_id); done (B,) defaults to
-        "the last real token is eos_token_id" (all False without eos_token_id). Response positions
-        past response_length are overwritten with pad_token_id.
-        """
+        """The ROLLOUT_FIELDS from left-padded prompts (B, P) and responses (B, R); response_length defaults to
+        ``response_length_from_eos``, done to "the last real token is eos_token_id"; pads past each response."""
         if response_length is None:
             if eos_token_id is None:
                 raise ValueError("from_generation: pass response_length or eos_token_id to find where responses end")
@@ -180,9 +166,7 @@ class RolloutBatch:
                    next_observation=cls.make_next_observation(observation, pad_token_id), extras=extras)
 
     def validate(self, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> "RolloutBatch":
-        """Check presence, shapes, dtypes, masks, finiteness and padding (``batch_layout.check_batch``); returns
-        self. The first problem raises BatchValidationError (a ValueError) naming the field, what was expected
-        and what was found."""
+        """``batch_layout.check_batch`` (BatchValidationError on the first problem); returns self."""
         check_batch(self, pad_token_id, required)
         return self
 
@@ -201,10 +185,9 @@ class RolloutBatch:
 
     def split(self, mini_batch_size: int, generator: torch.Generator | None = None,
               shuffle: bool = True) -> list["RolloutBatch"]:
-        """Equal mini-batches (B must be divisible by mini_batch_size), rows shuffled with
-        ``generator`` unless shuffle=False. With ``group_index`` naming groups of several samples (rollout.n > 1)
-        the groups are shuffled and each keeps its rows together, in batch order (as verl splits its interleaved
-        batches), so micro-batches hold whole groups and their shared prompts (``verl_ds.prompt_sharing``)."""
+        """Equal mini-batches, rows shuffled with ``generator`` unless shuffle=False; groups of ``group_index``
+        keep their rows together, in batch order (as verl splits), so micro-batches hold whole groups and can
+        share their prompts (``verl_ds.prompt_sharing``)."""
         B = len(self)
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
             raise ValueError(f"split: mini_batch_size must be an int >= 1, got {mini_batch_size!r}")

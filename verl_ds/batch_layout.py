@@ -99,11 +99,8 @@ def canonical(name: str) -> str:
 
 
 def check_batch(batch, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> None:
-    """``RolloutBatch.validate``: presence, shapes, dtypes, masks, finiteness and padding.
-
-    Every field that is set is checked, required or not. The first problem raises
-    BatchValidationError (a ValueError) naming the field, what was expected and what was found.
-    """
+    """``RolloutBatch.validate``: presence, shapes, dtypes, masks, finiteness and padding of every field that is
+    set; the first problem raises BatchValidationError naming the field, what was expected and what was found."""
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
         raise TypeError(f"validate: pad_token_id must be an int, got {pad_token_id!r}")
     for f in required:
@@ -141,6 +138,7 @@ def check_batch(batch, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR
             raise BatchValidationError(f, f"expected finite float32 values, found {t[tuple(bad)].item()} at "
                                           f"index {tuple(bad)}")
     _check_layout(batch, pad_token_id, sizes)
+
 
 def _check_layout(batch, pad_token_id: int, sizes: dict) -> None:
     d = {f: batch[f] for f in FIELDS}
@@ -184,7 +182,6 @@ def _check_layout(batch, pad_token_id: int, sizes: dict) -> None:
     if d["action"] is not None and d["observation"] is not None and P is not None:
         _expect_equal("action", d["action"], d["observation"][:, P:], "action == observation[:, P:] (the "
                                                                       "last R columns)")
-
 
 
 def _dt(dtype: torch.dtype) -> str:

@@ -1,10 +1,8 @@
 """Construction: the config in, one plain object with every component of a run out (``build``).
 
-Only what the algorithm needs is built: the critic when the advantage estimator needs one (GAE), the frozen
-reference when a KL term needs one (``algo.kl_coef > 0`` or an adaptive KL controller); with ``actor.lora_rank > 0``
-that reference is the actor's own engine with its adapters off (``AdaptersOffReferenceModel``), not a second model. Every engine is a
-DeepSpeed engine; the models around them (``verl_ds.models``) are registered in a ModelRegistry under their
-roles, with the aliases the control plane shows.
+Only what the algorithm needs is built: the critic when the advantage estimator needs one, the frozen reference when
+a KL term can be non-zero (with ``actor.lora_rank > 0``: the actor's own engine with its adapters off, not a second
+model). The models are registered in a ModelRegistry under their roles, with the aliases the control plane shows.
 """
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ from typing import Any, NamedTuple, Optional
 
 from verl_ds import algos
 from verl_ds.config import Config, ConfigError, Derived, sequence_tokens
+from verl_ds.config.limits import has_reference  # the same rule limits the hot KL keys
 from verl_ds.engines.build import build_engines, build_reward_engine, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,13 +34,6 @@ class Components:
     ppo: Any  # PPOModel
     extra: dict = field(default_factory=dict)
     sequence_parallel: Any = None  # this rank's SequenceParallel group (model.sequence_parallel_size > 1)
-
-
-def kl_needs_reference(cfg: Config) -> bool:
-    """Whether any KL term can be non-zero in this run (then a frozen reference is built)."""
-    from verl_ds.config.limits import has_reference  # the same rule limits the hot KL keys
-
-    return has_reference(cfg)
 
 
 def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
@@ -68,7 +60,7 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
         raise ConfigError("trainer.export_format=adapter needs actor.lora_rank > 0 (a fully fine-tuned actor has no "
                           "adapters); use trainer.export_format=merged")
     roles = ["actor"]
-    if kl_needs_reference(cfg) and actor_lora is None:  # a LoRA actor is its own reference, adapters off
+    if has_reference(cfg) and actor_lora is None:  # a LoRA actor is its own reference, adapters off
         roles.append("ref")
     if algos.get_advantage_estimator(cfg.algo.adv_estimator).needs_critic:
         roles.append("critic")
@@ -107,7 +99,7 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     if "ref" in engines:
         models["ref"] = ReferenceModel(engines["ref"], state=state, remove_padding=packed, fused_lm_head=fused,
                                        share_prompts=shared, share_prefixes=prefixes, sequence_parallel=sp)
-    elif actor_lora is not None and kl_needs_reference(cfg):  # the actor's engine, scoring with its adapters off
+    elif actor_lora is not None and has_reference(cfg):  # the actor's engine, scoring with its adapters off
         models["ref"] = AdaptersOffReferenceModel(engines["actor"], state=state, remove_padding=packed,
                                                   fused_lm_head=fused, share_prompts=shared,
                                                   share_prefixes=prefixes, sequence_parallel=sp)
@@ -125,11 +117,9 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
 
 
 def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool]:
-    """(packed, shared): whether the scoring and update forwards use packed rows (``model.remove_padding``) and shared
-    prompts (``model.share_prompts`` with ``rollout.n > 1``), decided here for the models actually built
-    (``verl_ds.models.families.packing_support``: a tiny probe forward of each, on every rank), and the attention
-    (``model.attn_implementation``): a family they would get wrong falls back to padded batches or to plain packing,
-    a layout the kernel cannot serve to one that can, with one log line each."""
+    """(packed, shared): whether the forwards use packed rows and shared prompts, decided for the models built (a
+    probe forward of each, ``verl_ds.models.families.packing_support``) and the attention: a family they would get
+    wrong falls back to padded batches or plain packing, with one log line each."""
     import torch
 
     from verl_ds.attention_layout import resolve_attn_implementation
@@ -188,9 +178,8 @@ class PromptData(NamedTuple):
 
 
 def load_data(cfg: Config) -> PromptData:
-    """The tokenizer and the (train, val) prompt sets, checked: an unreadable file, a file without a usable
-    prompt, or fewer usable prompts than one step draws is a ConfigError naming the key. ``verl-ds train`` runs it
-    before torch.distributed starts (as part of the start-up gate) and hands the result to the Trainer."""
+    """The tokenizer and the (train, val) prompt sets, checked (a ConfigError naming the key); ``verl-ds train``
+    runs it before torch.distributed starts and hands the result to the Trainer."""
     from verl_ds.data import PromptDataset
     from verl_ds.rewards import unscorable_rows
     from verl_ds.tasks import parity

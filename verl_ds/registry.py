@@ -1,10 +1,7 @@
-"""ModelRegistry: name -> model instance, with aliases, atomic hot swap and a version per name.
+"""ModelRegistry: name -> model instance, with aliases, atomic hot swap and a version per name; and the class
+table that ``BaseModel.__init_subclass__`` fills (``model_classes()``).
 
-Also the class table that ``BaseModel.__init_subclass__`` fills (``model_classes()``).
-
-Hot swap: ``register(name, new_model)`` on an existing name replaces the instance under the lock and
-bumps its version; the next ``get`` (by name or alias) returns the new instance. A ``get`` never sees
-None or a half-registered entry: entries are immutable and replaced in one dict assignment.
+A ``get`` never sees None or a half-registered entry: entries are immutable and replaced in one dict assignment.
 """
 from __future__ import annotations
 
@@ -52,11 +49,8 @@ def _torch_modules(model: Any) -> list:
 
 
 def _param_stats(model: Any) -> tuple[bool | None, int | None]:
-    """(trainable, num_parameters) over the torch modules the model is or wraps; (None, None) if none.
-
-    Parameters are counted once even when shared; a ZeRO-3 partitioned parameter reports its full
-    size through ``ds_numel`` (its local ``numel()`` is 0).
-    """
+    """(trainable, num_parameters) over the torch modules the model is or wraps (None, None without any); a ZeRO-3
+    partitioned parameter reports its full size through ``ds_numel`` (its local ``numel()`` is 0)."""
     modules = _torch_modules(model)
     if not modules:
         return None, None
@@ -81,11 +75,7 @@ class ModelRegistry:
         self._last_version: dict[str, int] = {}  # survives unregister so versions never repeat
 
     def register(self, name: str, model: Any, aliases: tuple[str, ...] | list[str] = ()) -> int:
-        """Register (or atomically replace) ``name``; returns the new version.
-
-        Aliases are added to the ones the name already has. An alias may not shadow another
-        registered name or point to a different name already.
-        """
+        """Register (or atomically replace, bumping its version) ``name`` with more ``aliases``; the new version."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"model name must be a non-empty str, got {name!r}")
         if model is None:
@@ -128,7 +118,7 @@ class ModelRegistry:
 
     def get(self, name: str, default: Any = _MISSING) -> Any:
         """The instance registered under ``name`` or an alias; unknown -> ``default`` if given, else
-        UnknownModelError with close-match suggestions."""
+        UnknownModelError."""
         with self._lock:
             try:
                 return self._entries[self._resolve(name)].model
@@ -167,8 +157,7 @@ class ModelRegistry:
             return {n: e.version for n, e in self._entries.items()}
 
     def restore_versions(self, versions: dict[str, int]) -> None:
-        """Set the versions of registered names to the saved ones (a resumed run reports what the saved run did);
-        a saved name that is not registered is an error naming it."""
+        """Set the versions of registered names to the saved ones (a resumed run reports what the saved run did)."""
         with self._lock:
             missing = sorted(set(versions) - set(self._entries))
             if missing:
@@ -181,10 +170,7 @@ class ModelRegistry:
                 self._last_version[name] = max(self._last_version.get(name, 0), version)
 
     def snapshot(self) -> list[dict]:
-        """One dict per name: {name, aliases, class, version, registered_at, trainable, num_parameters}.
-
-        trainable/num_parameters are None when the model neither is nor wraps torch modules.
-        """
+        """One dict per name: {name, aliases, class, version, registered_at, trainable, num_parameters}."""
         with self._lock:
             items = [(n, e, sorted(a for a, c in self._aliases.items() if c == n)) for n, e in self._entries.items()]
         out = []
@@ -206,8 +192,7 @@ _CLASSES_LOCK = threading.Lock()
 
 
 def register_model_class(cls: type) -> None:
-    """Record a concrete model class under its ``__name__`` (a later class of the same name replaces
-    it, so re-imports and notebook re-definitions work)."""
+    """Record a concrete model class under its ``__name__`` (a later one replaces it: re-imports work)."""
     with _CLASSES_LOCK:
         _CLASSES[cls.__name__] = cls
 

@@ -1,9 +1,5 @@
-"""One rollout: prompts -> the actor's ``get_action`` -> a RolloutBatch -> decoded responses -> scores.
-
-``rollout_and_score`` serves training (sampled, ``n`` samples per prompt) and evaluation (greedy, or sampled
-for mean@k / pass@k) alike. The actor and the reward are taken from the ModelRegistry by the caller at every
-step, so a swapped model is used at once.
-"""
+"""One rollout: prompts -> the actor's ``get_action`` -> a RolloutBatch -> decoded responses -> scores, for
+training and evaluation alike (the caller takes actor and reward from the ModelRegistry at every step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -43,12 +39,9 @@ def repeat_prompts(prompts: dict, n: int) -> dict:
 def rollout_and_score(actor, reward, tokenizer, prompts: dict, *, max_new_tokens: int, temperature: float = 1.0,
                       top_k: int = 0, top_p: float = 1.0, greedy: bool = False, n: int = 1,
                       timings: Optional[Timings] = None) -> Rollout:
-    """Sample ``n`` responses per prompt with ``actor.get_action``, build the batch, decode, score with ``reward``.
-
-    prompts: ``verl_ds.data.collate_prompts`` output on the engines' device (left-padded). The batch carries
-    ``rollout_log_probs`` (what the sampler reported), ``group_index`` and ``scores``; ``extras`` holds the
-    prompt texts and the data set's pass-through fields. Timings ``gen`` and ``reward`` are recorded.
-    """
+    """Sample ``n`` responses per prompt (``verl_ds.data.collate_prompts`` output) with ``actor.get_action``, build
+    the batch (with ``rollout_log_probs``, ``group_index``, ``scores`` and the prompts in ``extras``), decode and
+    score with ``reward``."""
     t = timings or Timings()
     if n > 1:
         prompts = repeat_prompts(prompts, n)
@@ -76,8 +69,7 @@ def rollout_and_score(actor, reward, tokenizer, prompts: dict, *, max_new_tokens
 
 
 def _pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_token_id: int) -> RolloutBatch:
-    """The batch with its prompts left-padded to ``prompt_width`` and its responses right-padded to
-    ``response_width`` columns, so that rounds of different widths can be joined (multi-turn rounds differ in R)."""
+    """The batch padded to ``prompt_width`` + ``response_width`` columns, so that rounds of different widths join."""
     B, left, right = len(batch), prompt_width - batch.prompt_width, response_width - batch.response_width
     for name, fill in (("observation", pad_token_id), ("next_observation", pad_token_id), ("mask", False)):
         t = batch[name]

@@ -2,16 +2,12 @@
 
 - ``hf``: ``verl_ds.generation.HFRolloutEngine``, HF ``generate`` on a replica of the actor (or on the ZeRO-3
   module itself with ``rollout.gather_params=false``).
-- ``vllm``: ``VLLMRollout``, a colocated in-process vLLM engine per rank (``verl_ds.engines.vllm_engine``,
-  docs/vllm.md). Its ``refresh()`` streams the actor's weights into vLLM one module at a time, each module's
-  ZeRO-3 partitions gathered only for that module; its ``generate`` takes the sampling parameters of the call
-  (the trainer reads them from SharedState every step) and a seed derived from (trainer.seed, global step,
-  rank, call of the step), so a resumed run samples what the uninterrupted run sampled.
+- ``vllm``: ``VLLMRollout``, a colocated in-process vLLM engine per rank (docs/vllm.md), seeded per call from
+  (trainer.seed, global step, rank, call of the step), so a resumed run samples what the uninterrupted run sampled.
 
 Every engine has HF's contract: ``generate(input_ids, attention_mask, *, max_new_tokens, temperature, top_k,
 top_p, greedy) -> verl_ds.generation.Generation`` and ``refresh()`` (a collective under ZeRO-3, called by the
-trainer after each actor update). An entry is registered with a ``check(cfg)`` run before any model is built
-and a ``build(cfg, actor, tokenizer, state=, rank=, lora=)`` factory.
+trainer after each actor update).
 """
 from __future__ import annotations
 
@@ -54,8 +50,7 @@ def check_rollout_engine(cfg: Config) -> None:
 
 
 def build_rollout_engine(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None):
-    """The engine ``rollout.engine`` names, sampling from ``actor`` (a DeepSpeed engine or a HF causal LM);
-    building the vLLM engine is a collective (every rank builds its own)."""
+    """The engine ``rollout.engine`` names, sampling from ``actor`` (building vLLM's is a collective)."""
     return ROLLOUT_ENGINES.get(cfg.rollout.engine)(cfg, actor, tokenizer, state=state, rank=rank, lora=lora)
 
 
@@ -130,13 +125,9 @@ def check_vllm_config(cfg: Config) -> None:
 
 
 class VLLMRollout:
-    """HFRolloutEngine's contract on a colocated vLLM engine (see the module docstring).
-
-    actor: a DeepSpeed engine (any ZeRO stage) or a HF causal LM. The vLLM engine starts at construction with
-    the actor's current weights (a collective under ZeRO-3). Before each ``generate`` the weights are synced
-    again if the DeepSpeed engine's step count moved since the last sync (a checkpoint was loaded), so a
-    resumed run never samples from the initial weights. ``seed``/``rank``/``state`` make the per-call seeds
-    (``CallSeeds``)."""
+    """HFRolloutEngine's contract on a colocated vLLM engine started with ``actor``'s weights (a collective under
+    ZeRO-3). The weights are synced again before a ``generate`` when the engine's step count moved since the last
+    sync (a checkpoint was loaded), so a resumed run never samples from the initial weights."""
 
     def __init__(self, actor, *, pad_token_id: int, eos_token_id: int, state=None, seed: int = 0, rank: int = 0,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.5, kv_cache_bytes: Optional[int] = None,
@@ -158,7 +149,6 @@ class VLLMRollout:
 
     @property
     def module(self) -> torch.nn.Module:
-        """The HF model under the engine wrapper."""
         return getattr(self.lm, "module", self.lm)
 
     @property
@@ -183,8 +173,7 @@ class VLLMRollout:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
                  stop_token_ids: Sequence[int] = ()):
-        """HFRolloutEngine.generate's contract (left-padded prompts in, a ``Generation`` of width max_new_tokens
-        out, ending on EOS or ``stop_token_ids``; ``entropy`` is None: vLLM does not report it)."""
+        """HFRolloutEngine.generate's contract (``entropy`` is None: vLLM does not report it)."""
         if self._synced_at != self._actor_steps():  # the actor's weights were replaced (a resume): sync first
             self.refresh()
         seed = self.seeds.next()
@@ -213,9 +202,8 @@ class VLLMRollout:
 
 
 class CallSeeds:
-    """Seeds of a rank's generate calls, from (trainer seed, global step, rank, call index within the step): a
-    resumed run repeats the uninterrupted run's seeds from its first step on, whatever ran before. The step is
-    read from SharedState (``global_step``); without a state it is 0."""
+    """Seeds of a rank's generate calls, from (trainer seed, the state's global step, rank, call index within the
+    step): a resumed run repeats the uninterrupted run's seeds from its first step on, whatever ran before."""
 
     def __init__(self, seed: int, rank: int, state=None):
         self.seed, self.rank, self.state = int(seed), int(rank), state
@@ -243,7 +231,6 @@ def mix_seed(seed: int, step: int, rank: int, call: int) -> int:
 
 @register_rollout_engine("vllm", check=check_vllm_config)
 def build_vllm(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None) -> VLLMRollout:
-    """A VLLMRollout with the ``rollout.vllm_*`` settings."""
     if lora is not None:
         check_vllm_config(cfg)  # raises: LoRA is refused
     r = cfg.rollout

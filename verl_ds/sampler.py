@@ -9,13 +9,9 @@ import numpy as np
 
 
 class DistributedPromptSampler:
-    """Indices of this rank's prompts, one batch at a time, forever (epoch after epoch).
-
-    Every epoch is a permutation of range(dataset_len) seeded by (seed, epoch). Global batch b of an epoch is
-    permutation[b*G:(b+1)*G] with G = batch_size_per_rank * world_size; rank r takes its slice [r*B:(r+1)*B].
-    With drop_last the incomplete last global batch of an epoch is dropped; without it, it is filled from the start
-    of the same permutation. `state_dict()` after k batches + `load_state_dict()` continues with batch k+1.
-    """
+    """Indices of this rank's prompts, one batch at a time, forever. Every epoch is a permutation seeded by
+    (seed, epoch); global batch b is permutation[b*G:(b+1)*G], G = batch_size_per_rank * world_size, and rank r
+    takes its slice. Without drop_last the last global batch is filled from the start of the permutation."""
 
     def __init__(self, dataset_len: int, batch_size_per_rank: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, drop_last: bool = True):
@@ -58,13 +54,11 @@ class DistributedPromptSampler:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        """Where the sampler stands: {"epoch", "position", "seed", "dataset_len", "global_batch_size"}."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "dataset_len": self.dataset_len, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state`; a different data set size or global batch size is an error (the position would
-        point at other prompts)."""
+        """Continue from `state` (of the same data set size and global batch size)."""
         missing = [k for k in ("epoch", "position", "seed") if k not in state]
         if missing:
             raise ValueError(f"sampler state: missing keys {missing}; got {sorted(state)}")

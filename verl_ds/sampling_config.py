@@ -4,14 +4,11 @@ The trainer scores softmax(logits / temperature) (``PolicyModel.get_logprob``); 
 by top-k / top-p only. Plain ``generate`` (one rank, or several with ``synced_gpus``), the shared prefill's first
 token and shared decoding (``verl_ds.generation``) must therefore all draw from that one distribution.
 
-A checkpoint's ``generation_config.json`` can set any ``GenerationConfig`` field
-(https://huggingface.co/docs/transformers/main_classes/text_generation#transformers.GenerationConfig): logits
-processors (repetition_penalty, suppress_tokens, ...), warpers (min_p, typical_p, ...), stopping criteria
-(stop_strings, max_time, ...), other decoding modes (num_beams, ...) and the output's form. ``generate`` fills every field its ``generation_config`` argument leaves at None from the model's own
-``generation_config`` (transformers ``GenerationMixin._prepare_generation_config``), and for most of these fields
-None is the only value that turns them off. So ``rollout_generation_config`` sets each field whose neutral value
-is not None explicitly, and ``generate`` runs inside ``only_this_generation_config``, which puts that config in
-place of the model's own for the call: nothing the checkpoint sets reaches any path.
+A checkpoint's ``generation_config.json`` can set any ``GenerationConfig`` field (processors, warpers, stopping
+criteria, decoding modes), and ``generate`` fills every field its ``generation_config`` argument leaves at None from
+the model's own (transformers ``GenerationMixin._prepare_generation_config``), while for most fields None is the only
+value that turns them off. So ``rollout_generation_config`` sets each field whose neutral value is not None, and
+``generate`` runs inside ``only_this_generation_config``: nothing the checkpoint sets reaches any path.
 """
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ _reported: set = set()
 def rollout_generation_config(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, greedy: bool,
                               pad_token_id: int, eos_token_id: int, bos_token_id: Optional[int]):
     """A complete ``GenerationConfig``: sampling at ``temperature`` with ``top_k`` (<= 0: off) and ``top_p``, or
-    argmax with ``greedy``, one sequence per prompt, ``max_new_tokens`` tokens or EOS; every other processor,
-    warper and stopping criterion off (see the module docstring for the fields that are None when off)."""
+    argmax with ``greedy``; every other processor, warper and stopping criterion off."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -69,9 +65,8 @@ def _generating_module(model: Any) -> Any:
 
 @contextlib.contextmanager
 def only_this_generation_config(model: Any, gen_cfg) -> Iterator[None]:
-    """While active, ``model``'s own generation config (a checkpoint's ``generation_config.json``) is a copy of
-    ``gen_cfg``, so ``generate(generation_config=gen_cfg)`` fills nothing from the checkpoint. Says once per field
-    set, at INFO, which checkpoint fields are not applied."""
+    """While active, ``model``'s own generation config is a copy of ``gen_cfg`` (the checkpoint fields not applied
+    are logged once, at INFO)."""
     module = _generating_module(model)
     own = getattr(module, "generation_config", None)
     fields = tuple(checkpoint_sampling_fields(module, gen_cfg))

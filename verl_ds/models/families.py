@@ -2,16 +2,12 @@
 model itself (``packing_support``; shared generation: ``verl_ds.generation.shared_generation_refusal``), so that a family they would get wrong falls back to
 padded batches, plain packing or plain ``generate`` with one log line instead of training on wrong numbers.
 
-Packed rows (``model.remove_padding``) need: attention through transformers' AttentionInterface (flash-attention's
-varlen path, or ours given the row's layout), causal attention, no layer mixing tokens outside attention
-(state-space, short-convolution or linear-attention layers carry state from one packed sequence into the next),
-position ids that the model reads (encoder-decoder decoders such as BART's count positions from 0 over the whole
-row), and a chunked-attention chunk no shorter than the longest sequence. Shared prompts (``model.share_prompts``)
-need the layout to reach every attention call (StableLM's and Nemotron's decoder layers do not pass keyword arguments
-on to their attention); sliding windows are part of the layout (``verl_ds.attention_layout``, which also picks the
-kernel). Both are checked by one tiny forward of the model itself (a few tokens, under ``packed_row_witness``; a
-collective under ZeRO-3, run alike on every rank). docs/models.md lists the families
-the installed transformers ships and what each gets (tests/models/test_families.py).
+Packed rows need attention through transformers' AttentionInterface, causal attention, no layer mixing tokens outside
+attention (state-space, short-convolution or linear-attention layers), position ids that the model reads (BART-like
+decoders count positions over the whole row), and a chunked-attention chunk no shorter than the longest sequence.
+Shared prompts need the layout to reach every attention call (StableLM's and Nemotron's decoder layers do not pass
+keyword arguments on). Both are checked by one tiny forward of the model itself (a collective under ZeRO-3).
+docs/models.md lists what each family gets.
 """
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ __all__ = ["PackingSupport", "packing_support"]
 
 @dataclass(frozen=True)
 class PackingSupport:
-    """The start-up decision for one model: ``packing`` / ``sharing``: None when packed rows / shared prompts are
-    exact for it, else why not (naming the family); sharing is refused whenever packing is. ``note``: why the packed
-    rows do not run on the implementation asked for (a start-up log line), or None."""
+    """The start-up decision for one model: ``packing`` / ``sharing``: None when exact for it, else why not;
+    ``note``: why the packed rows do not run on the implementation asked for, or None."""
 
     family: str
     packing: Optional[str] = None
@@ -62,12 +57,9 @@ def _forward(model: Any, packed, R: int) -> None:
 
 def packing_support(model: Any, max_length: Optional[int] = None, share: bool = True,
                     implementation: str = "sdpa") -> PackingSupport:
-    """Whether packed rows (and, with ``share``, shared prompts and response prefixes) are exact for ``model`` (a HF
-    causal LM, a CriticLM, or a DeepSpeed engine around one), switched to the attention that serves them with the
-    resolved ``implementation`` (``attention_layout.packed_attention``); ``max_length``: the longest prompt +
-    response the run will score (for attention chunks; None: refused where the model has chunks). Runs a tiny
-    no-grad forward of the model (on every rank under ZeRO-3); see the module docstring for what is checked. Where
-    sharing is refused, the model is switched back to the plain-packing attention."""
+    """Whether packed rows (and, with ``share``, shared prompts and prefixes) are exact for ``model``, switched to
+    the attention that serves them on ``implementation``; ``max_length``: the longest sequence the run will score
+    (for attention chunks). Where sharing is refused, the model goes back to the plain-packing attention."""
     from verl_ds.packing import pack
     from verl_ds.prompt_sharing import pack_shared_prompts
 

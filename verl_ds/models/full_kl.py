@@ -1,14 +1,10 @@
 """``algo.kl_kind=full_symmetric`` in the actor's loss: the exact symmetric KL over the whole vocabulary at each
 response position (``verl_ds.algos.head_kl``), with no (N, V) logits of either model.
 
-The reference's LM-head inputs (its final hidden states, (n, H), not its (n, V) logits) are recomputed in the
-update, one no-grad forward per micro-batch, in the actor's own row layout (padded, packed, shared prompts):
-the reference runs the same fused-head code path on the same micro-batch, and its head, instead of scoring,
-records the rows it is given (``RefHeadRows``). The actor's fused head then adds the KL of each row as one more
-output column (``HeadSymmetricKL``), inside the head's own module call, so under ZeRO-3 DeepSpeed gathers the
-actor's head for the forward and again for the backward that recomputes each chunk's logits. The reference's
-head weight is copied while its module call has it gathered (ZeRO-3); otherwise it is used in place.
-A LoRA actor's reference is its engine with the adapters off (``AdaptersOffReferenceModel``), as for log-probs.
+The reference's final hidden states (n, H) are recomputed in the update, one no-grad forward per micro-batch in the
+actor's own row layout, its fused head recording the rows it is given (``RefHeadRows``) instead of scoring. The
+actor's fused head then adds the KL of each row as one more output column (``HeadSymmetricKL``) inside the head's
+own module call, so under ZeRO-3 DeepSpeed gathers the actor's head for the forward and the backward.
 """
 from __future__ import annotations
 
@@ -66,9 +62,8 @@ _LAYOUT = ("_remove_padding", "_share_prompts", "_share_prefixes", "_sp")  # _sp
 
 def logprobs_with_full_kl(actor: Any, ref: Any, observation: torch.Tensor, action: torch.Tensor,
                           mask: torch.Tensor, temperature: float):
-    """(log_probs, entropy, kl), each (B, R) float32 with grad into the actor: ``actor.get_logprob`` with entropy
-    (always through the fused LM head) and the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the vocabulary at each
-    response position, at ``temperature``. ``ref``: a ReferenceModel scoring in the actor's layout."""
+    """(log_probs, entropy, kl), each (B, R) float32 with grad into the actor: ``actor.get_logprob`` (through the
+    fused LM head) and the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the vocabulary at each response position."""
     layout = {k: getattr(actor, k, None) for k in _LAYOUT}
     ref_layout = {k: getattr(ref, k, None) for k in _LAYOUT}
     if layout != ref_layout:

@@ -1,22 +1,14 @@
-"""Forward passes over a packed micro-batch (``verl_ds.packing.pack``): the response log-probs (and
-entropy) of a causal LM and the response-aligned values of a critic, as (B, R) like the padded
-``PolicyModel.get_logprob`` / ``ValueModel.get_values``, but computed on the N real tokens only.
+"""Forward passes over a packed micro-batch: the response log-probs (and entropy) of a causal LM and the
+response-aligned values of a critic, (B, R) as the padded ``PolicyModel.get_logprob`` / ``ValueModel.get_values``,
+computed on the N real tokens only.
 
-The packed row goes in as ``input_ids`` and ``position_ids`` (1, N) with no attention mask and
-``use_cache=False`` (transformers ignores packing when a cache exists), plus ``Packed.attention_kwargs()``
-(``cu_seq_lens_q/k`` and ``max_length_q/k`` for flash-attention, the row's layout for ours: see
-``verl_ds.models.varlen_attention`` for how each attention implementation keeps the sequences apart). Every forward
-on our attention is witnessed (``packed_row_witness``): an attention call that did not get the row's layout, or a layer that mixes tokens outside attention, raises ``PackedRowNotReached`` instead of returning wrong
-numbers.
-
-Response column j of row b (token ``observation[b, T - R + j]``) is predicted by the hidden state of
-the previous real token of its row (the padded path's ``logits[:, -R-1:-1]``); a batch packed with
-``pack(..., response_width=R)`` or shared prompts leaves each row's last response token out of the row
-and says where the predictors are (``ResponseIndex``). Only those n <= B * R hidden states reach the LM head
-(``logits_to_keep`` as an index tensor). With ``fused_lm_head=True`` the LM head itself returns the
-log-probs and entropies (``verl_ds.algos.fused_lm_head``) inside its own forward call, so under
-ZeRO-3 DeepSpeed's module hooks gather its partitioned weight for the forward and for the backward,
-and reduce its gradient, exactly as for the plain head. Padded response positions come back as 0.
+The packed row goes in as ``input_ids`` and ``position_ids`` (1, N) with no attention mask and ``use_cache=False``
+(transformers ignores packing when a cache exists), plus ``Packed.attention_kwargs()``. Every forward on our
+attention is witnessed (``packed_row_witness``): an attention call without the row's layout, or a layer that mixes
+tokens outside attention, raises ``PackedRowNotReached`` instead of returning wrong numbers. Only the n <= B * R
+predictor hidden states reach the LM head (``logits_to_keep`` as an index tensor). With ``fused_lm_head=True`` the
+LM head itself returns the log-probs and entropies (``verl_ds.algos.fused_lm_head``) inside its own forward call, so
+under ZeRO-3 DeepSpeed's module hooks gather and reduce its weight exactly as for the plain head.
 """
 from __future__ import annotations
 
@@ -77,6 +69,15 @@ def _accepts(module: Any) -> tuple[set[str], bool]:
     return set(params), var_kw
 
 
+@contextlib.contextmanager
+def _witnessed(model: Any, packed: Packed, row: Any):
+    """``packed_row_witness`` over the row (this rank's slice of it when sequence-parallel ``row`` is active)."""
+    tokens, layout = (packed.num_tokens, packed.layout) if row is None else (row.tokens, row.layout)
+    with packed_row_witness(model, tokens, layout, isinstance(packed, SharedPacked)), \
+            (row.active() if row is not None else contextlib.nullcontext()):
+        yield
+
+
 def _packed_kwargs(inner: Any, packed: Packed, row: Any = None) -> dict:
     names, var_kw = _accepts(inner)
     src = packed if row is None else row  # a ShardedRow: this rank's slice of the tokens, the whole row's layout
@@ -92,12 +93,10 @@ def _packed_kwargs(inner: Any, packed: Packed, row: Any = None) -> dict:
 def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: float = 1.0,
                              compute_entropy: bool = True, keep: torch.Tensor | None = None, head_kl: Any = None,
                              **chunks):
-    """While active, ``model``'s output-embedding Linear returns, in place of logits (1, n, V), the
-    (1, n, 2) float32 [log-prob of ``labels``, entropy] (or (1, n, 1) without entropy) from
-    ``fused_linear_logprobs`` ((B, k, 2) for a padded batch's (B, k, H) hidden states). ``keep``: rows to take when the head is given all N hidden states
-    (a model without ``logits_to_keep``). ``head_kl`` (``verl_ds.models.full_kl``): one more column, its
-    ``(head, hidden rows)`` result (the full-vocabulary KL), or the whole output when it ``replaces_head``.
-    Not thread-safe for the same model."""
+    """While active, ``model``'s output-embedding Linear returns, in place of logits (..., V), the float32
+    [log-prob of ``labels``, entropy] (..., 2) (or (..., 1)) of ``fused_linear_logprobs``. ``keep``: rows to take
+    when the head gets all N hidden states. ``head_kl`` (``verl_ds.models.full_kl``): one more column, or the whole
+    output when it ``replaces_head``. Not thread-safe for the same model."""
     inner = unwrap_module(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
@@ -135,12 +134,9 @@ def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: floa
 def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: float = 1.0, *,
                     compute_entropy: bool = False, fused_lm_head: bool = False, head_kl: Any = None,
                     sequence_parallel: Any = None, **chunks):
-    """(log_probs (B, R), entropy (B, R) or None), float32, of the response tokens of a packed batch under
-    the causal LM ``lm`` (a HF model or a DeepSpeed engine around one) at ``temperature``: the padded
-    ``PolicyModel.get_logprob`` on the same batch, 0 at padded response positions. Differentiable.
-    ``fused_lm_head``: never build the (n, V) logits (``chunks``: chunk_rows / vocab_chunk). ``head_kl``
-    (fused only, see ``lm_head_returns_logprobs``): a third item, its column as (B, R). ``sequence_parallel`` (a
-    ``SequenceParallel``): this rank runs its slice of the row (``verl_ds.models.sequence_parallel``)."""
+    """(log_probs (B, R), entropy (B, R) or None) float32 of a packed batch's responses under ``lm``: the padded
+    ``PolicyModel.get_logprob``, 0 at padded positions. ``fused_lm_head``: never build the (n, V) logits;
+    ``head_kl``: a third item; ``sequence_parallel``: this rank runs its slice of the row."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
     idx = response_index(packed, response_width)
@@ -164,9 +160,7 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
                                        keep=None if keep_arg else preds, head_kl=head_kl, **chunks)
     else:
         ctx = contextlib.nullcontext()
-    tokens, layout = (packed.num_tokens, packed.layout) if row is None else (row.tokens, row.layout)
-    with ctx, packed_row_witness(lm, tokens, layout, isinstance(packed, SharedPacked)), \
-            (row.active() if row is not None else contextlib.nullcontext()):
+    with ctx, _witnessed(lm, packed, row):
         out = lm(**kwargs)
     logits = out.logits if hasattr(out, "logits") else (out[0] if isinstance(out, (tuple, list)) else out)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[0] != 1:
@@ -190,15 +184,11 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
 
 
 def packed_values(critic: Any, packed: Packed, response_width: int, sequence_parallel: Any = None) -> torch.Tensor:
-    """(B, R) float32 values aligned with the response tokens (the value of the state before each, as
-    ``ValueModel.get_values``) of a packed batch under ``critic`` (a CriticLM, a DeepSpeed engine around
-    one, or a HF token classifier with one label); 0 at padded response positions. Differentiable.
-    ``sequence_parallel``: as ``packed_logprobs``."""
+    """(B, R) float32 values of a packed batch under ``critic``, as ``ValueModel.get_values``, 0 at padded
+    positions; ``sequence_parallel``: as ``packed_logprobs``."""
     idx = response_index(packed, response_width)
     row = sequence_parallel.shard(packed) if sequence_parallel is not None else None
-    tokens, layout = (packed.num_tokens, packed.layout) if row is None else (row.tokens, row.layout)
-    with packed_row_witness(critic, tokens, layout, isinstance(packed, SharedPacked)), \
-            (row.active() if row is not None else contextlib.nullcontext()):
+    with _witnessed(critic, packed, row):
         out = critic(**_packed_kwargs(unwrap_module(critic), packed, row))
     if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
         out = out.logits

@@ -1,10 +1,8 @@
 """The attention functions packed rows go through, and the check that every layer got the row's layout.
 
-Plain packed rows on CUDA with flash-attn take transformers' own ``flash_attention_2/3``: ``flash_attn_varlen_func``
-on the ``cu_seq_lens_q/k`` / ``max_length_q/k`` kwargs ``Packed.attention_kwargs()`` builds once per micro-batch (int32
-on the row's device, Python ints): no host sync in the layers (``verl_ds.attention_layout.packed_attention``). Every
-other packed row reads its ``AttentionLayout`` (the one definition of who may attend to whom) from the
-``verl_ds_attention_layout`` keyword, through one of two functions registered here:
+Plain packed rows on CUDA with flash-attn take transformers' own ``flash_attention_2/3`` on the ``cu_seq_lens_q/k``
+``Packed.attention_kwargs()`` builds once per micro-batch (no host sync in the layers). Every other packed row reads
+its ``AttentionLayout`` from the ``verl_ds_attention_layout`` keyword, through one of two functions registered here:
 
 - ``verl_ds_varlen_flex``: torch's FlexAttention with the layout's ``BlockMask`` (built once per micro-batch, cached on
   the layout for every layer), compiled on CUDA. On a CPU it runs eagerly, forward only (torch 2.13 has no CPU
@@ -69,11 +67,10 @@ _WITNESS: contextvars.ContextVar = contextvars.ContextVar("verl_ds_packed_row_wi
 
 @contextlib.contextmanager
 def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared: bool = False):
-    """Around one forward of ``model`` over a packed row of ``tokens`` tokens with ``layout`` (``shared``: its prompts
-    are shared): every attention call must go through ours with the whole row, no mask and this layout (StableLM's
-    layers drop it on the way), be causal, and come at least once per decoder layer (fewer: other layers mix tokens
-    across the packed sequences); else ``PackedRowNotReached`` names the family, after the forward. Plain packing on
-    flash-attention is not witnessed: transformers keeps those rows apart by ``cu_seq_lens``."""
+    """Around one forward of ``model`` over a packed row: every attention call must go through ours with the whole
+    row, no mask and this ``layout`` (StableLM's layers drop it on the way), be causal, and come at least once per
+    decoder layer (fewer: other layers mix tokens across the packed sequences); else ``PackedRowNotReached`` names
+    the family, after the forward. Plain packing on flash-attention is not witnessed (``cu_seq_lens`` keeps it)."""
     impl = str(getattr(config_of(model), "_attn_implementation", None))
     if impl.startswith(ULYSSES_PREFIX):  # sequence parallel: the wrapper tells the witness when its kernel does not
         impl = VARLEN_ATTENTION
@@ -110,8 +107,7 @@ def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared:
 
 def _row_layout(module, query, key, attention_mask, kwargs: dict) -> AttentionLayout | None:
     """The layout of a packed row (one unpadded row, no cache): the keyword's, else the sequences ``cu_seq_lens_q``
-    or its position ids start (transformers' rule: where a position is not the previous plus 1; one host sync per
-    layer, for callers that pass no layout); None for anything else (padded batches, decoding)."""
+    or its position ids start (one host sync per layer, for callers that pass no layout); None for anything else."""
     layout = kwargs.pop(LAYOUT_KWARG, None)
     witness = _WITNESS.get()
     if witness is not None:
@@ -205,8 +201,7 @@ def register_varlen_attention() -> str:
 
 
 def use_attention(model: Any, name: str) -> Any:
-    """Switch a HF model (or a CriticLM / DeepSpeed engine around one) to attention ``name`` (one registered here, or
-    transformers' own, e.g. flash_attention_2); returns ``model``. Padded inputs keep sdpa's numbers on ours."""
+    """Switch a HF model (or a CriticLM / engine around one) to attention ``name``; returns ``model``."""
     register_varlen_attention()
     inner = unwrap_module(model)
     targets = [inner] if hasattr(inner, "set_attn_implementation") else [
@@ -224,5 +219,4 @@ def use_attention(model: Any, name: str) -> Any:
 
 
 def use_varlen_attention(model: Any) -> Any:
-    """``use_attention(model, "verl_ds_varlen_sdpa")``: packed rows attended tree by tree with sdpa."""
     return use_attention(model, VARLEN_ATTENTION)
