@@ -25,17 +25,8 @@ inputs are never modified. Semantics follow verl's ``verl/trainer/ppo/core_algos
 DAPO (Yu et al. 2025, arXiv:2503.14476) is GRPO plus clip-higher, token-mean aggregation, dynamic
 sampling and the overlong penalty: see ``verl_ds.algos.sampling``.
 
-Registry. ``get_advantage_estimator(name)`` returns an :class:`AdvantageEstimator`, called the same way
-for every entry::
-
-    est(token_rewards, response_mask, *, values=None, group_index=None, baseline_scores=None,
-        gamma=1.0, lam=1.0, eps=1e-6, whiten_fn=None) -> (advantages, returns)
-
-Each entry takes what it needs and ignores the rest; its flags ``needs_critic``, ``needs_groups`` and
-``needs_baseline`` say what the caller must provide (a missing one is a clear error), so a trainer
-builds a critic only when ``needs_critic``. ``whiten_fn(x, response_mask)`` replaces the local
-whitening of the REINFORCE++ entries (pass a data-parallel-global one). Group estimators need all
-samples of a group in the same call. GAE advantages come back unwhitened.
+``get_advantage_estimator(name)`` returns an :class:`AdvantageEstimator`, called the same way for every entry;
+its flags say what the caller must provide. Group estimators need all samples of a group in the same call.
 """
 from __future__ import annotations
 
@@ -128,9 +119,7 @@ def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: t
 def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
                                             *, whiten_fn: Callable | None = None):
     """REINFORCE++ with a group baseline: (score - group mean) on every response token, whitened over the
-    valid tokens by :func:`masked_whiten` (variance epsilon 1e-8, as verl's
-    ``compute_reinforce_plus_plus_baseline_outcome_advantage``, whose ``epsilon`` is unused; a group of one has
-    mean 0); ``whiten_fn(x, response_mask)`` replaces the local whitening; returns = advantages."""
+    valid tokens (eps 1e-8, as verl, whose ``epsilon`` is unused; a group of one has mean 0)."""
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     _, mean, _ = group_count_mean_std(scores, inverse, n_groups)
     centered = _spread(scores - mean, m)
@@ -140,8 +129,7 @@ def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, respons
 
 
 def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor):
-    """ReMax: returns G_t = sum of the response's rewards from t on, advantages G_t - baseline_scores (B,), the
-    score of the greedy response per sample."""
+    """ReMax: returns G_t = sum of the response's rewards from t on, advantages G_t - baseline_scores (B,)."""
     r, m = _prepare(token_rewards, response_mask)
     check_float_tensor(baseline_scores, "baseline_scores")
     if tuple(baseline_scores.shape) != (r.shape[0],):
@@ -157,9 +145,9 @@ def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Te
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered estimator: call it with the uniform signature (module docstring); the flags say
-    which optional inputs it needs; ``kl_placement`` is where ``algo.kl_placement=auto`` puts the KL term,
-    ``loss_agg_mode`` how ``algo.loss_agg_mode=auto`` aggregates the losses."""
+    """A registered estimator, called as ``est(token_rewards, response_mask, *, values, group_index,
+    baseline_scores, gamma, lam, eps, whiten_fn) -> (advantages, returns)``; the flags say which optional inputs it
+    needs, ``kl_placement`` / ``loss_agg_mode`` what ``algo.kl_placement`` / ``algo.loss_agg_mode=auto`` mean."""
     name: str
     fn: Callable
     needs_critic: bool = False
@@ -187,10 +175,7 @@ ADV_ESTIMATOR_NAMES = ADVANTAGE_ESTIMATORS.view()
 def register_advantage_estimator(name: str, *, needs_critic: bool = False, needs_groups: bool = False,
                                  needs_baseline: bool = False, kl_placement: str = "reward",
                                  loss_agg_mode: str = "token-mean", aliases: tuple = ()):
-    """Decorator registering ``fn(token_rewards, response_mask, *, values, group_index, baseline_scores,
-    gamma, lam, eps, whiten_fn) -> (advantages, returns)`` under ``name``; a taken name raises.
-    ``kl_placement`` ("reward" or "loss") is the estimator's convention for the KL term (``algo.kl_placement=auto``),
-    ``loss_agg_mode`` (a registered aggregation) its loss aggregation (``algo.loss_agg_mode=auto``)."""
+    """Decorator registering an ``AdvantageEstimator``'s ``fn`` under ``name``; a taken name raises."""
     if kl_placement not in ("reward", "loss"):
         raise ValueError(f"kl_placement: expected 'reward' or 'loss', got {kl_placement!r}")
     LOSS_AGGREGATIONS.get(loss_agg_mode)  # an unknown mode raises, naming the valid ones

@@ -212,13 +212,9 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           temperature: float = 1.0, bias: torch.Tensor | None = None, want_entropy: bool = True, *,
                           chunk_rows: int | None = None, vocab_chunk: int | None = None, ignore_index: int = -100):
-    """(log softmax(z) at ``labels``, entropy of softmax(z)), z = (hidden @ weight^T + bias) / temperature,
-    without materialising z: both (N,) float32, differentiable w.r.t. hidden, weight and bias.
-
-    hidden: (N, H) float32/bfloat16/float16; weight: (V, H) and bias: (V,) of the same dtype; labels:
-    (N,) int in [0, V) or ``ignore_index`` (log-prob 0 and no gradient through it; the entropy is still
-    computed). ``want_entropy=False`` skips the entropy sums and returns None for it. chunk_rows /
-    vocab_chunk size the (rows x vocab) tile (defaults: 4 MiB float32 tiles on a CPU)."""
+    """(log softmax(z) at ``labels``, entropy of softmax(z) or None), z = (hidden @ weight^T + bias) / temperature,
+    without materialising z: (N,) float32, differentiable w.r.t. hidden, weight and bias. A label
+    ``ignore_index`` gets log-prob 0 and no gradient through it."""
     check_float_tensor(hidden, "hidden")
     check_float_tensor(weight, "weight")
     check_tensor(labels, "labels")

@@ -81,9 +81,7 @@ def _gae_rows(rewards, values, mask, gamma, lam, adv_out, ret_out):
 
 def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
                       gamma: float, lam: float):
-    """Torch path of :func:`compute_gae` (no input checks; ``response_mask`` bool or 0/1).
-
-    The reference the Triton kernel is tested against. Returns (advantages, returns), (B, T) float32."""
+    """Torch path of :func:`compute_gae` (no input checks), the Triton kernel's test reference."""
     mask = response_mask if response_mask.dtype == torch.bool else response_mask != 0
     b, t = token_rewards.shape
     adv = torch.empty(b, t, dtype=torch.float32, device=token_rewards.device)
@@ -91,9 +89,7 @@ def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, respons
     if t == 0 or b == 0:
         return adv, ret
     rows = max(1, _CHUNK_ELEMS // t) if token_rewards.device.type == "cpu" else b
-    starts = range(0, b, rows)
-
-    for s in starts:
+    for s in range(0, b, rows):
         e = min(s + rows, b)
         _gae_rows(token_rewards[s:e], values[s:e], mask[s:e], float(gamma), float(lam), adv[s:e], ret[s:e])
     return adv, ret
@@ -101,11 +97,8 @@ def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, respons
 
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
                 gamma: float = 1.0, lam: float = 1.0):
-    """GAE advantages and returns with verl's masked-carry semantics (see the module docstring).
-
-    token_rewards, values: (B, R) float; response_mask: (B, R) bool (or 0/1), True = trainable token.
-    Returns (advantages, returns), both (B, R) float32; masked positions hold the carried advantage
-    (callers mask them). No whitening here: see :func:`masked_whiten`."""
+    """(advantages, returns) (B, R) float32 with verl's masked-carry semantics (module docstring); masked
+    positions hold the carried advantage (callers mask them). No whitening here."""
     check_float_tensor(token_rewards, "token_rewards")
     check_float_tensor(values, "values")
     if token_rewards.dim() != 2:

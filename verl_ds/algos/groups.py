@@ -12,11 +12,8 @@ import torch
 
 
 def group_inverse(group_index, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
-    """(inverse, G): ``inverse[i]`` in 0..G-1 is the group of sample i (equal ids -> equal numbers), an int64
-    (B,) tensor on ``device``; G the number of distinct ids.
-
-    group_index: length-B integer tensor, numpy array or sequence of hashable ids. Tensors and numeric or
-    string numpy arrays are mapped by a sort (torch/np.unique); other sequences by one dict pass."""
+    """(inverse, G): ``inverse[i]`` in 0..G-1 is the group of sample i, an int64 (B,) tensor on ``device``;
+    G the number of distinct ids."""
     if isinstance(group_index, torch.Tensor):
         if group_index.dim() != 1 or group_index.is_floating_point() or group_index.is_complex():
             raise TypeError(f"group_index as a tensor must be a 1-D integer tensor of B ids, got dtype "
@@ -53,9 +50,7 @@ def group_sums(x: torch.Tensor, inverse: torch.Tensor, n_groups: int) -> torch.T
 
 
 def group_count_mean_std(scores: torch.Tensor, inverse: torch.Tensor, n_groups: int):
-    """(count, mean, std) per sample's group, each (B,) float64, from the (B,) float64 ``scores``.
-
-    std is the unbiased (Bessel) one, computed in two passes. A group of one sample has mean 0 and
+    """(count, mean, unbiased std) per sample's group, each (B,) float64; a group of one sample has mean 0 and
     std 1, as in verl (its advantage is then its own score)."""
     ones = torch.ones_like(scores)
     count = group_sums(ones, inverse, n_groups)[inverse]

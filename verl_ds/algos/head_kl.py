@@ -84,9 +84,7 @@ def head_symmetric_kl(hidden: torch.Tensor, weight: torch.Tensor, ref_hidden: to
                       ref_weight: torch.Tensor, bias: torch.Tensor | None = None, ref_bias: torch.Tensor | None = None,
                       temperature: float = 1.0, *, chunk_rows: int | None = None) -> torch.Tensor:
     """(N,) float32 exact 0.5 (KL(p||q) + KL(q||p)) per token, p = softmax((hidden W^T + bias)/t),
-    q = softmax((ref_hidden U^T + ref_bias)/t), computed ``chunk_rows`` tokens at a time (see the module
-    docstring). hidden, ref_hidden: (N, H); weight: (V, H) and ref_weight: (V, H') of their hidden's dtype.
-    Differentiable w.r.t. hidden, weight and bias; the reference gets no gradient."""
+    q = softmax((ref_hidden U^T + ref_bias)/t), ``chunk_rows`` tokens at a time; no gradient to the reference."""
     for name, t in (("hidden", hidden), ("weight", weight), ("ref_hidden", ref_hidden), ("ref_weight", ref_weight)):
         check_float_tensor(t, name)
         if t.dim() != 2:

@@ -12,9 +12,7 @@ with d = log_probs - ref_log_probs for tokens sampled from pi:
     full_symmetric     the same from sampled  in the loss the actor computes the exact value over the whole
                        log-probs              vocabulary instead (``verl_ds.algos.head_kl``, loss placement only)
 
-The estimators are a registry: ``@register_kl_estimator("name", aliases=(...))`` on a function
-``fn(log_probs, ref_log_probs) -> (...) float32`` (both float32, same shape) adds one; ``KL_KINDS`` is a
-live view of the registered names. (The fused Triton kernel knows the built-in kinds only.)
+The estimators are a registry (``register_kl_estimator``); ``KL_KINDS`` is a live view of the names.
 """
 from __future__ import annotations
 
@@ -78,9 +76,7 @@ def _full_symmetric_sampled(log_probs, ref_log_probs):
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate of the given ``kind`` (see the module docstring), float32, same shape.
-
-    log_probs, ref_log_probs: (...) float log-probs of the sampled tokens under pi and ref. Differentiable."""
+    """Per-token KL estimate of the given ``kind`` from the sampled tokens' log-probs, float32, differentiable."""
     check_float_tensor(log_probs, "log_probs")
     check_float_tensor(ref_log_probs, "ref_log_probs")
     check_same_shape(log_probs, "log_probs", ref_log_probs, "ref_log_probs")
@@ -171,9 +167,8 @@ def _chunk_stats(c, c_ref, inv_t, bufs):
 
 def full_symmetric_kl_torch(logits2d: torch.Tensor, ref_logits2d: torch.Tensor, temperature: float = 1.0, *,
                             chunk_rows: int | None = None) -> torch.Tensor:
-    """Torch path of :func:`full_symmetric_kl` on (N, V) logits (or (B, T, V) blocks of one layout):
-    flat (N,) float32, differentiable. No input checks (the public function does them). The reference
-    the Triton kernel is tested against."""
+    """Torch path of :func:`full_symmetric_kl` on (N, V) logits (or (B, T, V) blocks), flat (N,) float32; no
+    input checks. The Triton kernel's test reference."""
     rows = rows_per_chunk(logits2d.shape[-1], logits2d.device, chunk_rows)
     return _SymmetricKL.apply(logits2d, ref_logits2d, 1.0 / float(temperature), rows)
 
@@ -187,11 +182,9 @@ def _same_row_blocks(logits, ref_logits):
 
 
 def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Exact 0.5 * (KL(p||q) + KL(q||p)) per position, p = softmax(logits/t), q = softmax(ref_logits/t).
-
-    logits, ref_logits: (..., V) float of one shape. Returns (...) float32. It equals
-    0.5 * sum_v (p_v - q_v)(x_v - y_v) (the log-sum-exp terms cancel), computed chunk by chunk with no
-    (..., V) temporaries. Differentiable w.r.t. ``logits`` (and ``ref_logits`` if it requires grad)."""
+    """Exact 0.5 * (KL(p||q) + KL(q||p)) per position (...) float32, p = softmax(logits/t), q = softmax(ref_logits/t):
+    0.5 * sum_v (p_v - q_v)(x_v - y_v) (the log-sum-exp terms cancel), chunk by chunk with no (..., V)
+    temporaries. Differentiable w.r.t. ``logits`` (and ``ref_logits`` if it requires grad)."""
     check_float_tensor(logits, "logits")
     check_float_tensor(ref_logits, "ref_logits")
     check_same_shape(logits, "logits", ref_logits, "ref_logits")

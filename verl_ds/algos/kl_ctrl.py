@@ -7,18 +7,11 @@
     ziegler  Ziegler et al. 2019 (arXiv:1909.08593) proportional controller:
              e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n_samples / horizon
 
-The old names are deprecated aliases (one warning each in the log): ``adaptive`` -> ziegler,
-``multiplicative`` -> band (also ``proportional`` -> ziegler, ``bangbang`` -> band, ``constant`` -> fixed).
-More controllers: ``@register_kl_controller("name")`` on a class built as
-``cls(init_kl_coef, target_kl, horizon, **kwargs)``.
+The old names (``adaptive``, ``multiplicative``, ...) are deprecated aliases, one warning each in the log.
 
-Observed KL. ``current_kl`` is in the units of ``target_kl``: per-token nats of the trainer's KL
-estimator, as the TOKEN MEAN over every rank's response tokens, sum_(i,t) kl m / sum_(i,t) m; each rank
-gives :func:`observed_kl` (sum, count) and the trainer all-reduces both before dividing. (verl feeds the
-batch mean of each sequence's token mean instead; the two differ when responses have different
-lengths, and only the token mean is unchanged by how the batch is split over ranks.) ``n_samples``
-is the global number of samples since the last update (summed over data-parallel ranks, or the
-Ziegler controller moves dp_size times too slowly).
+Observed KL. ``current_kl`` is the TOKEN MEAN of the trainer's per-token KL over every rank's response tokens
+(:func:`observed_kl`); verl feeds the batch mean of each sequence's token mean instead, which changes with how the
+batch is split over ranks. ``n_samples`` is global too, or the Ziegler controller moves dp_size times too slowly.
 """
 from __future__ import annotations
 
@@ -46,10 +39,8 @@ def register_kl_controller(name: str, *, aliases: tuple = (), deprecated_aliases
 
 
 def observed_kl(kl: torch.Tensor, response_mask: torch.Tensor):
-    """This rank's share of the observed KL: (sum of ``kl`` over the response tokens, their count),
-    two 0-d float64 tensors; the controller's input is sum / count after an all-reduce of both.
-
-    kl: (B, R) per-token KL (e.g. ``kl_penalty``), response_mask: (B, R). Padding never enters."""
+    """This rank's share of the observed KL: (sum of ``kl`` (B, R) over the response tokens, their count), two
+    0-d float64 tensors; the controller's input is sum / count after an all-reduce of both."""
     check_float_tensor(kl, "kl")
     m = as_bool_mask(response_mask, "response_mask", kl.shape, "kl")
     total = torch.where(m, kl.detach().to(torch.float64), torch.zeros((), dtype=torch.float64, device=kl.device))
@@ -204,10 +195,8 @@ class BandKLController(_KLController):
 
 def make_kl_controller(kind: str, init_kl_coef: float, target_kl: float | None = None, horizon: int = 10000,
                        **kwargs) -> _KLController:
-    """Build a registered controller by name ("fixed", "band", "ziegler"; see the module docstring).
-
-    Extra keywords go to the controller (band: up, down, min_coef, max_coef); ``horizon`` is the
-    Ziegler controller's. An unknown name lists the valid ones."""
+    """Build a registered controller by name; extra keywords go to the controller (band: up, down, min_coef,
+    max_coef)."""
     name = KL_CONTROLLERS.canonical(kind)
     cls = KL_CONTROLLERS.get(name)
     accepted = inspect.signature(cls).parameters

@@ -179,12 +179,8 @@ class _LogProbEntropy(torch.autograd.Function):
 
 def logprobs_and_entropy_torch(logits2d: torch.Tensor, labels: torch.Tensor | None, temperature: float = 1.0,
                                compute_entropy: bool = True, *, chunk_rows: int | None = None):
-    """Torch path: log softmax(logits2d / t) at ``labels`` and the entropy, both (N,) float32.
-
-    logits2d: (N, V) float (or (B, T, V), e.g. a slice of a model output that cannot be flattened
-    without a copy; results are then flat (B*T,)); labels: logits2d.shape[:-1] int64 in [0, V) or
-    None (then logprob is None). Differentiable w.r.t. ``logits2d``. No input checks: the public
-    functions do them. The reference the Triton kernels are tested against."""
+    """Torch path: log softmax(logits2d / t) at ``labels`` (None: no log-probs) and the entropy, flat (N,)
+    float32, of (N, V) or (B, T, V) logits; no input checks. The Triton kernels' test reference."""
     if labels is None and not compute_entropy:
         return None, None
     rows = rows_per_chunk(logits2d.shape[-1], logits2d.device, chunk_rows)
@@ -236,10 +232,7 @@ def _dispatch(logits2d, labels, temperature, compute_entropy):
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature) at ``labels``.
-
-    logits: (..., V) float32/bfloat16/float16; labels: (...) int64 in [0, V). Returns (...) float32,
-    differentiable w.r.t. ``logits``."""
+    """log softmax(logits / temperature) (..., V) at ``labels`` (...): (...) float32, differentiable."""
     logits2d, flat_labels, temperature = _check_inputs(logits, labels, temperature)
     lp, _ = _dispatch(logits2d, flat_labels, temperature, compute_entropy=False)
     return lp.view(labels.shape)
@@ -253,10 +246,8 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
-    """(log softmax(logits / t) at ``labels``, entropy of softmax(logits / t)) from one pass over the logits.
-
-    logits: (..., V); labels: (...) int64 in [0, V). Both results are (...) float32, differentiable
-    w.r.t. ``logits``."""
+    """(log softmax(logits / t) at ``labels``, entropy of softmax(logits / t)) from one pass over the logits,
+    (...) float32 each, differentiable."""
     logits2d, flat_labels, temperature = _check_inputs(logits, labels, temperature)
     lp, ent = _dispatch(logits2d, flat_labels, temperature, compute_entropy=True)
     return lp.view(labels.shape), ent.view(labels.shape)

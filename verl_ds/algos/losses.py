@@ -27,10 +27,8 @@ def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.T
     """Truncated importance sampling weights (TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
     You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; verl's ``tis_imp_ratio_cap``):
     w = min(exp(old_log_probs - rollout_log_probs), cap) per token, the trainer's probability of a sampled token
-    over the sampler's (vLLM, a bf16 rollout), capped to bound the variance. All (B, R); cap >= 1.
-
-    Returns (weights (B, R) float32 without grad, 0 on padding; metrics with 0-d float32 is_weight_mean (masked
-    mean of the capped weights) and is_capped_frac (share of valid tokens whose ratio exceeded the cap))."""
+    over the sampler's (vLLM, a bf16 rollout), capped to bound the variance. Returns (weights (B, R) without grad,
+    0 on padding; metrics is_weight_mean and is_capped_frac, the share of valid tokens over the cap)."""
     m, ratio, cap = _sampler_ratio(("old_log_probs", old_log_probs), ("rollout_log_probs", rollout_log_probs),
                                    response_mask, cap, "a weight is capped at cap; below 1 every on-policy token is "
                                                        "down-weighted")
@@ -60,11 +58,8 @@ def decoupled_is_weights(prox_log_probs: torch.Tensor, behav_log_probs: torch.Te
     policy the clipped ratio is taken against (``old_log_probs``: the actor before this update). With these weights
     ``policy_loss`` computes w * max(-A r, -A clip(r)), r = pi / pi_prox: the trust region is around pi_prox, not
     around a stale behaviour policy. A token whose weight exceeds ``cap`` is left out (weight 0), as AReaL's
-    ``behav_imp_weight_cap`` does, where truncated IS would keep it at ``cap``. All (B, R); cap >= 1.
-
-    Returns (weights (B, R) float32 without grad, 0 on padding and on masked tokens; metrics with 0-d float32
-    is_weight_mean (masked mean of the weights, 0 for the left-out tokens) and is_capped_frac (share of valid
-    tokens left out))."""
+    ``behav_imp_weight_cap`` does, where truncated IS would keep it at ``cap``. Returns (weights, metrics) as
+    ``truncated_is_weights`` (is_capped_frac: the share of valid tokens left out)."""
     m, ratio, cap = _sampler_ratio(("prox_log_probs", prox_log_probs), ("behav_log_probs", behav_log_probs),
                                    response_mask, cap, "tokens whose weight exceeds it are left out; below 1 on-policy "
                                                        "tokens would be")
@@ -80,15 +75,10 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip (Ye et al. 2019,
     arXiv:1912.09729), as verl's ``vanilla``.
 
-    log_probs, old_log_probs, advantages, response_mask: (B, R). With
-    rho = exp(clamp(log_probs - old_log_probs, -20, 20)): L = max(-A rho, -A clip(rho, 1 - low, 1 + high)),
-    and where A < 0 it is capped at -c A (clip_ratio_c = c > 1; None disables the dual clip). Aggregated
-    with ``loss_agg_mode``/``normalizer``/``max_len`` (see :func:`agg_loss`). Returns (loss 0-d float32, metrics) with
-    0-d detached float32 metrics pg_clipfrac (share of valid tokens where the clipped term is the
-    larger), pg_clipfrac_lower (share where the dual clip caps a negative-advantage token) and ppo_kl
-    (masked mean of old_log_probs - log_probs). ``is_weights`` (B, R) (``truncated_is_weights``) multiply each
-    token's loss before aggregation, as verl's vanilla loss does with its truncated IS ratio; no gradient flows
-    through them."""
+    With rho = exp(clamp(log_probs - old_log_probs, -20, 20)): L = max(-A rho, -A clip(rho, 1 - low, 1 + high)),
+    and where A < 0 it is capped at -c A (clip_ratio_c = c > 1; None disables the dual clip); aggregated by
+    :func:`agg_loss`. Metrics: pg_clipfrac, pg_clipfrac_lower (the dual clip's share) and ppo_kl. ``is_weights``
+    (B, R) multiply each token's loss before aggregation (no gradient through them), as verl's vanilla loss."""
     _check_btensors("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
     if is_weights is not None:
         _check_btensors("log_probs", log_probs, is_weights=is_weights)
@@ -135,12 +125,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """Clipped value loss 0.5 * agg(max((V - G)^2, (V_clip - G)^2)), V_clip = V_old + clip(V - V_old, +-eps),
     G the returns (as in verl's ``compute_value_loss``).
 
-    values (new predictions), old_values (rollout-time), returns, response_mask: (B, R).
     cliprange_value = None or 0 disables clipping: the loss is 0.5 * agg((V - G)^2). (With eps = 0 the
     clipped form would be max((V - G)^2, (V_old - G)^2), whose gradient is 0 wherever V is closer to G
-    than V_old: the critic could not learn.) ``max_len``: seq-mean-token-sum-norm's constant. Returns
-    (loss 0-d float32, metrics) with 0-d detached float32 metrics vf_clipfrac (share of valid tokens where the
-    clipped term is the larger) and vpred_mean."""
+    than V_old: the critic could not learn.) Metrics: vf_clipfrac and vpred_mean."""
     _check_btensors("values", values, old_values=old_values, returns=returns)
     m = as_bool_mask(response_mask, "response_mask", values.shape, "values")
     zero = torch.zeros((), dtype=torch.float32, device=values.device)

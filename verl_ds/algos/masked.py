@@ -32,10 +32,8 @@ def _masked_values(x, mask):
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Mean of ``x`` over the positions where ``mask`` is true, float32.
-
-    x, mask: same shape. dim=None reduces everything to a 0-d tensor, an int or tuple reduces those
-    dims. Where nothing is valid the result is 0, not NaN, as in verl (and a bool mask costs no sync)."""
+    """Mean of ``x`` over the positions where ``mask`` is true (over ``dim``, default all), float32; where
+    nothing is valid the result is 0, not NaN, as in verl (and a bool mask costs no sync)."""
     xm, m = _masked_values(x, mask)
     if dim is None:
         dim = tuple(range(x.dim()))
@@ -50,32 +48,29 @@ def _count_at_least_two(m: torch.Tensor, what: str) -> torch.Tensor:
     return n.to(torch.float32)
 
 
-def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of ``x`` over the valid positions (0-d float32), Bessel-corrected by default.
-
-    Raises ValueError when fewer than 2 elements are valid (with unbiased=True; 1 without)."""
+def _centered(x, mask, what: str, unbiased: bool = True):
+    """(x - mean with 0 outside the mask, mean, variance, bool mask) over the valid positions."""
     xm, m = _masked_values(x, mask)
     if unbiased:
-        n = _count_at_least_two(m, "masked_var")
+        n = _count_at_least_two(m, what)
     else:
         n = m.sum().to(torch.float32)
         if int(n) < 1:
-            raise ValueError("masked_var needs at least 1 valid (mask=True) element, got 0")
+            raise ValueError(f"{what} needs at least 1 valid (mask=True) element, got 0")
     mean = xm.sum() / n
     centered = torch.where(m, xm - mean, torch.zeros((), dtype=torch.float32, device=x.device))
-    return centered.square().sum() / (n - 1 if unbiased else n)
+    return centered, mean, centered.square().sum() / (n - 1 if unbiased else n), m
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``x`` over the valid positions (0-d float32), Bessel-corrected by default."""
+    return _centered(x, mask, "masked_var", unbiased)[2]
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) over the valid positions (unbiased var), float32, same shape.
-
-    shift_mean=False adds the mean back (scale only). Masked positions are 0 in the result. Raises
-    ValueError when fewer than 2 elements are valid."""
-    xm, m = _masked_values(x, mask)
-    n = _count_at_least_two(m, "masked_whiten")
-    mean = xm.sum() / n
-    centered = torch.where(m, xm - mean, torch.zeros((), dtype=torch.float32, device=x.device))
-    var = centered.square().sum() / (n - 1)
+    """(x - mean) / sqrt(var + eps) over the valid positions (unbiased var), float32, 0 outside the mask;
+    shift_mean=False adds the mean back (scale only)."""
+    centered, mean, var, m = _centered(x, mask, "masked_whiten")
     out = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         out = torch.where(m, out + mean, out)
@@ -124,16 +119,14 @@ def _seq_mean_token_sum_norm(xm, m, norm, max_len):
 def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean", normalizer=None, *,
              max_len: int | None = None) -> torch.Tensor:
     """Aggregate a per-token loss ``loss_mat`` (B, R) over ``response_mask`` (B, R) into a 0-d float32 loss.
-
     Modes (X = loss_mat, m = response_mask; a sequence counts when it has a valid token):
       token-mean               sum(X m) / N_tok
       seq-mean-token-sum       sum_i sum_t X m / N_seq
       seq-mean-token-mean      sum_i (sum_t X m / sum_t m) / N_seq        (GRPO)
       seq-mean-token-sum-norm  sum(X m) / (N_seq * C), C = max_len or R   (Dr.GRPO)
     ``normalizer`` (a positive number or 0-d tensor), when given, replaces the local N_tok (token-mean)
-    or N_seq (seq-* modes). The trainer passes the global token (or sequence) count of the mini-batch
-    divided by dp_size * grad_accum, so DeepSpeed's averaging over ranks and micro-batches yields the
-    exact global mean. Without it, an all-masked batch gives 0. More modes: :func:`register_loss_agg`."""
+    or N_seq (seq-* modes): the trainer passes the mini-batch's global count, so the micro-batch losses add up
+    to the exact global mean. Without it, an all-masked batch gives 0."""
     check_float_tensor(loss_mat, "loss_mat")
     if loss_mat.dim() != 2:
         raise ValueError(f"loss_mat must have shape (B, R), got shape {tuple(loss_mat.shape)}")

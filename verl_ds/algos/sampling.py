@@ -18,13 +18,12 @@ from .groups import check_int, group_inverse
 
 def overlong_reward_penalty(response_length: torch.Tensor, max_new_tokens: int, overlong_buffer: int,
                             penalty_factor: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong penalty per sample, (B,) float32, added to the score.
-
-    With L = response_length, L_max = max_new_tokens, C = overlong_buffer, f = penalty_factor:
+    """DAPO's soft overlong penalty per sample, (B,) float32, added to the score. With L = response_length,
+    L_max = max_new_tokens, C = overlong_buffer, f = penalty_factor:
         0                           for L <= L_max - C
         -f (L - (L_max - C)) / C    for L_max - C < L <= L_max   (linear from 0 down to -f)
         -f                          for L > L_max
-    (C = 0: no ramp, -f only past L_max.) response_length: (B,) integer or float tensor, >= 0."""
+    (C = 0: no ramp, -f only past L_max.)"""
     check_tensor(response_length, "response_length")
     if response_length.dim() != 1 or response_length.is_complex() or response_length.dtype == torch.bool:
         raise ValueError(f"response_length must be a (B,) integer or float tensor, got dtype {response_length.dtype} "
@@ -46,9 +45,7 @@ def overlong_reward_penalty(response_length: torch.Tensor, max_new_tokens: int, 
 
 
 def groups_with_signal(scores: torch.Tensor, group_index) -> torch.Tensor:
-    """(B,) bool: True for samples whose group's scores are not all equal (exact comparison).
-
-    scores: (B,) float (one score per sample); group_index: B group ids. A group of one has no signal."""
+    """(B,) bool: True for samples whose group's (B,) scores are not all equal (a group of one has no signal)."""
     check_float_tensor(scores, "scores")
     if scores.dim() != 1:
         raise ValueError(f"scores must have shape (B,), got shape {tuple(scores.shape)}")

@@ -88,9 +88,8 @@ VOCAB_LAUNCH_OVERRIDE: dict | None = None
 
 
 def vocab_meta(n_cols: int) -> dict:
-    """Launch meta-parameters (vocab block per loop step, warps) of the row-streaming kernels.
-
-    One program streams one row, so occupancy comes from N (thousands of rows). On CUDA a 4096-wide
+    """Launch meta-parameters (vocab block per loop step, warps) of the row-streaming kernels. One program
+    streams one row, so occupancy comes from N (thousands of rows). On CUDA a 4096-wide
     block with 8 warps gives each thread 16 values (two 16-byte loads for bf16) per step and keeps
     ~8 KB in flight per program; several programs per SM hide the latency. No autotuning: with
     the constexpr and dtype variants it would compile and time hundreds of kernels per process.

@@ -104,16 +104,8 @@ def _check_inputs(token_rewards, values, response_mask, gamma, lam):
 
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
                 gamma: float, lam: float):
-    """Masked GAE (verl semantics, module docstring) with a Triton kernel; no gradient.
-
-    Parameters:
-        token_rewards: (B, T) float, per-token rewards (score and KL penalty already folded in).
-        values: (B, T) float, critic values.
-        response_mask: (B, T) bool, True on trainable tokens; False positions are skipped.
-        gamma, lam: discount and GAE lambda.
-    Returns:
-        (advantages, returns), each (B, T) float32; returns = advantages + values.
-    """
+    """Masked GAE (verl semantics, module docstring) with a Triton kernel, no gradient: (advantages, returns),
+    each (B, T) float32, of (B, T) rewards, values and a bool mask."""
     _check_inputs(token_rewards, values, response_mask, gamma, lam)
     check_runnable(token_rewards, "compute_gae")
     n_rows, n_steps = token_rewards.shape

@@ -150,17 +150,8 @@ class LogprobEntropyFunction(torch.autograd.Function):
 
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                          compute_entropy: bool = True, ignore_index: int = -100):
-    """Log-prob of ``labels`` and entropy under softmax(logits / temperature), fused in Triton.
-
-    Parameters:
-        logits: (N, V) float32/bfloat16/float16; any row stride, unit column stride preferred (else copied).
-        labels: (N,) int64 token ids in [0, V), or ``ignore_index`` for rows to skip.
-        temperature: positive float; the logits are divided by it (as the sampler did).
-        compute_entropy: False skips the entropy sums and returns None for it.
-    Returns:
-        (logprob (N,) float32 <= 0, entropy (N,) float32 >= 0 or None); 0 on ignored rows.
-        Both are differentiable w.r.t. ``logits``.
-    """
+    """(logprob (N,) float32 <= 0, entropy (N,) float32 >= 0 or None) of ``labels`` (N,) under softmax(logits /
+    temperature) of (N, V) logits, fused in Triton, differentiable; 0 on rows labelled ``ignore_index``."""
     check_float_2d("logits", logits)
     check_labels(labels, logits.shape[0], logits.shape[1], ignore_index)
     temperature = check_temperature(temperature)

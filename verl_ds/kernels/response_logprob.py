@@ -9,8 +9,7 @@ keeps that copy alive until the backward. Here the kernel reads the logits in pl
 (``verl_ds/kernels/logprob.py``). Nothing of the logits' size is allocated in the forward; the backward
 allocates only the gradient of the logits themselves.
 
-On the torch path (``VERL_DS_KERNELS=torch``, CPU tensors, float64) ``verl_ds.algos`` already reads a
-(B, R, V) slice in row blocks without copying it; this function then just forwards to it.
+On the torch path ``verl_ds.algos`` already reads a (B, R, V) slice in row blocks without copying it.
 """
 from __future__ import annotations
 
@@ -42,12 +41,8 @@ def _check(logits, labels) -> None:
 
 def response_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                       compute_entropy: bool = False):
-    """(log_probs (B, R) float32, entropy (B, R) float32 or None) of ``labels`` under softmax(logits / t).
-
-    logits: (B, R+1, V) float32/bfloat16/float16, the last R+1 positions of the model output (position t
-    predicts labels[:, t]); labels: (B, R) int64 in [0, V). Differentiable w.r.t. ``logits``; no copy of
-    the logits is made (the Triton path reads them in place, the torch path in row blocks).
-    """
+    """(log_probs (B, R) float32, entropy (B, R) float32 or None) of ``labels`` (B, R) under softmax(logits / t)
+    of the last R+1 positions (B, R+1, V) of the model output, differentiable, with no copy of the logits."""
     _check(logits, labels)
     use_triton = logits.dtype != torch.float64 and dispatch.backend_for(logits) == "triton"
     if not use_triton:

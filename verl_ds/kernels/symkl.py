@@ -134,15 +134,8 @@ class SymmetricKLFunction(torch.autograd.Function):
 
 
 def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-row 1/2 (KL(p||q) + KL(q||p)) over the full vocabulary, fused in Triton (one pass).
-
-    Parameters:
-        logits: (N, V) actor logits, float32/bfloat16/float16; the gradient flows to them.
-        ref_logits: (N, V) reference logits (any of those dtypes); treated as constant.
-        temperature: positive float dividing both.
-    Returns:
-        (N,) float32, >= 0.
-    """
+    """Per-row 1/2 (KL(p||q) + KL(q||p)) (N,) float32 of (N, V) logits and ref_logits (a constant) at
+    ``temperature``, fused in Triton (one pass)."""
     check_float_2d("logits", logits)
     check_float_2d("ref_logits", ref_logits, logits.shape[0])
     if ref_logits.shape != logits.shape:
