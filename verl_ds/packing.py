@@ -221,13 +221,16 @@ def _rebalance(bins, lengths, max_tokens):
     move single samples from the heaviest bin to the lightest while that lowers the heavier of the two
     and keeps the budget (each move strictly lowers the sum of squared loads)."""
     loads = [sum(lengths[i] for i in b) for b in bins]
+
+    def move(i, src, dst):
+        bins[src].remove(i)
+        bins[dst].append(i)
+        loads[src] -= lengths[i]
+        loads[dst] += lengths[i]
+
     for e in [b for b in range(len(bins)) if not bins[b]]:
         donor = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: (loads[b], -b))
-        i = min(bins[donor], key=lambda j: (lengths[j], j))
-        bins[donor].remove(i)
-        bins[e].append(i)
-        loads[donor] -= lengths[i]
-        loads[e] += lengths[i]
+        move(min(bins[donor], key=lambda j: (lengths[j], j)), donor, e)
     for _ in range(10 * len(lengths)):  # a bound on the moves; in practice a handful
         hi = max(range(len(bins)), key=lambda b: (loads[b], -b))
         lo = min(range(len(bins)), key=lambda b: (loads[b], b))
@@ -236,11 +239,7 @@ def _rebalance(bins, lengths, max_tokens):
                    and loads[lo] + lengths[i] <= max_tokens]
         if not movable:
             return bins
-        i = max(movable, key=lambda j: (min(lengths[j], gap - lengths[j]), -j))  # closest to half the gap
-        bins[hi].remove(i)
-        bins[lo].append(i)
-        loads[hi] -= lengths[i]
-        loads[lo] += lengths[i]
+        move(max(movable, key=lambda j: (min(lengths[j], gap - lengths[j]), -j)), hi, lo)  # closest to half the gap
     return bins
 
 

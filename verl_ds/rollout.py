@@ -95,11 +95,10 @@ def _add_overlong_penalty(batch: RolloutBatch, max_new_tokens: int, overlong: tu
 def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, timings: Timings,
             dynamic: bool = False, max_rounds: int = 1, overlong: Optional[tuple] = None,
             greedy_baseline: bool = False, rollout_fn=rollout_and_score) -> Rollout:
-    """This rank's rollout for one step, from one or more rounds of ``draw_prompts()`` (collated prompts), each
-    sampled and scored by ``rollout_fn`` (``rollout_and_score``, or multi-turn episodes: ``verl_ds.agent.rollout``).
+    """This rank's rollout for one step, from one or more rounds of ``draw_prompts()``, each sampled and scored by
+    ``rollout_fn`` (``rollout_and_score``, or multi-turn episodes: ``verl_ds.agent.rollout``).
 
-    - ``overlong=(buffer, factor)``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13) added to each
-      response's score at its last token (``algos.overlong_reward_penalty``).
+    - ``overlong=(buffer, factor)``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13).
     - ``greedy_baseline``: ReMax (Li et al. 2023): one greedy response per prompt, its score (with the overlong
       penalty, as the samples') the baseline of the prompt's samples (``batch.extras["baseline_score"]``).
     - ``dynamic``: DAPO's dynamic sampling: groups whose scores are all equal carry no signal and are dropped,

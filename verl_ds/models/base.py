@@ -99,10 +99,6 @@ class BaseModel(ABC):
 
     # ---- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The public, non-weight state (see ``public_state``); weights are checkpointed by their engines."""
-        return self.public_state()
-
-    def public_state(self) -> dict:
         """Every attribute not starting with ``_`` (the design's rule: what must survive a checkpoint is public),
         but module slots, nn.Modules and nested BaseModels: their weights belong to the engine checkpoints."""
         out = {}
@@ -123,13 +119,13 @@ class BaseModel(ABC):
                                 f"(self._{key}) or give it state_dict()/load_state_dict()")
         return out
 
-    def load_public_state(self, sd: dict) -> None:
-        """Inverse of ``public_state`` for the keys present in ``sd``."""
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore the keys present in ``sd`` of what ``state_dict()`` returned."""
         if not isinstance(sd, dict):
             raise TypeError(f"{type(self).__name__}.load_state_dict expects a dict, got {type(sd).__name__}")
-        known = self.public_state()
+        known = self.state_dict()
         for key, value in sd.items():
-            # only what public_state saves: never a method, a property or a module slot (setattr would replace it)
+            # only what state_dict saves: never a method, a property or a module slot (setattr would replace it)
             if key not in known:
                 raise KeyError(f"{type(self).__name__}.load_state_dict: unknown key {key!r}; "
                                f"known: {sorted(known)}")
@@ -142,10 +138,6 @@ class BaseModel(ABC):
                 current.load_state_dict(value)
             else:
                 setattr(self, key, copy.deepcopy(value))
-
-    def load_state_dict(self, sd: dict) -> None:
-        """Restore what ``state_dict()`` returned."""
-        self.load_public_state(sd)
 
     def torch_modules(self) -> list[nn.Module]:
         """The nn.Modules this component holds (directly or through nested BaseModels)."""
@@ -226,13 +218,10 @@ def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: t
     "skipped", "zero_stage"}`` when an optimizer step was due, else None. ``lr`` goes to the param groups unless
     the engine owns an LR scheduler.
     ``skip`` drops this step on every rank that passes it: under ZeRO the loss is back-propagated as NaN, so
-    every gradient is NaN and DeepSpeed's overflow check (a non-finite global norm) drops the step, clears
-    the gradients and keeps its counters consistent (a NaN loss alone can leave the gradients finite at
-    masked positions); without ZeRO nothing checks, so the gradients are dropped instead.
-    ``boundary`` (DeepSpeed engines): whether this micro-batch ends the accumulation, set by the caller (whose
-    loss is already normalised for the whole mini-batch: no division by the engine's accumulation count), so the
-    number of micro-batches may vary (token budgets); None leaves both to the engine's own counter.
-    """
+    DeepSpeed's overflow check drops the step, clears the gradients and keeps its counters consistent (a NaN loss
+    alone can leave the gradients finite at masked positions); without ZeRO the gradients are dropped instead.
+    ``boundary``: whether this micro-batch ends the accumulation, set by the caller (whose loss is normalised for
+    the mini-batch), so the number of micro-batches may vary; None leaves both to the engine's own counter."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
         raise ValueError(f"{who}.update: config['loss'] must be a scalar tensor that requires grad, got "
                          f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")

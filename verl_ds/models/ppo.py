@@ -45,6 +45,11 @@ LOSS_SHARE_METRICS = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")
 IS_MODES = {"truncate": truncated_is_weights, "decoupled": decoupled_is_weights}
 
 
+def _role(role: str, optional: bool = False) -> property:
+    """The current component of ``role`` (``PPOModel._get``); setting it swaps it in."""
+    return property(lambda self: self._get(role, optional), lambda self, m: self.swap(role, m))
+
+
 class PPOModel(TrainableRole):
     """The algorithm over its components, which live in a ModelRegistry (``registry``; default a private one)
     under ``names`` (role -> name) and are looked up at every call, so ``swap("reward", new)`` takes effect at
@@ -129,14 +134,8 @@ class PPOModel(TrainableRole):
         return model
 
     # Reads go through the registry at every access; ``ppo.reward = new`` is ``ppo.swap("reward", new)``.
-    actor = property(lambda self: self._get("actor"), lambda self, m: self.swap("actor", m),
-                     doc="The current actor (PolicyModel).")
-    critic = property(lambda self: self._get("critic", optional=True), lambda self, m: self.swap("critic", m),
-                      doc="The current critic (ValueModel) or None.")
-    reward = property(lambda self: self._get("reward"), lambda self, m: self.swap("reward", m),
-                      doc="The current RewardModel.")
-    ref = property(lambda self: self._get("ref", optional=True), lambda self, m: self.swap("ref", m),
-                   doc="The reference (ReferenceModel) or None.")
+    actor, reward = _role("actor"), _role("reward")
+    critic, ref = _role("critic", optional=True), _role("ref", optional=True)  # None when not built
 
     @property
     def registry(self) -> ModelRegistry:

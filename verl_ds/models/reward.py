@@ -289,7 +289,7 @@ class RewardModel(RewardRole):
         if sd.get("eos_reward", self.eos_reward) not in EOS_REWARD_MODES:
             raise ValueError(f"RewardModel.load_state_dict: eos_reward must be one of {list(EOS_REWARD_MODES)}, "
                              f"got {sd['eos_reward']!r}")
-        self.load_public_state(sd)
+        super().load_state_dict(sd)
         with self._lock:
             self._fns = tuple(_RewardFn(f.name, f.fn, _check_weight(fns[f.name]["weight"], f.name), f.per_token)
                               if f.name in fns else f for f in self._fns)
