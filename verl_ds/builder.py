@@ -90,19 +90,16 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
 
     # rollout.engine from the registry in verl_ds.rollout_engines (hf: a LoRA actor's replica has its adapters merged)
     rollout_engine = build_rollout_engine(cfg, engines["actor"], tok, state=state, rank=rank, lora=actor_lora)
-    models = {"actor": PolicyModel(engines["actor"], state=state, rollout_engine=rollout_engine, tokenizer=tok,
-                                   remove_padding=packed, fused_lm_head=fused, share_prompts=shared,
-                                   share_prefixes=prefixes, sequence_parallel=sp),
+    scoring = dict(state=state, remove_padding=packed, fused_lm_head=fused, share_prompts=shared,
+                   share_prefixes=prefixes, sequence_parallel=sp)  # the actor's and the reference's row layout
+    models = {"actor": PolicyModel(engines["actor"], rollout_engine=rollout_engine, tokenizer=tok, **scoring),
               "reward": build_reward(cfg, tok, derived, state=state)}
     if "critic" in engines:
         models["critic"] = ValueModel(engines["critic"], state=state, remove_padding=packed, sequence_parallel=sp)
     if "ref" in engines:
-        models["ref"] = ReferenceModel(engines["ref"], state=state, remove_padding=packed, fused_lm_head=fused,
-                                       share_prompts=shared, share_prefixes=prefixes, sequence_parallel=sp)
+        models["ref"] = ReferenceModel(engines["ref"], **scoring)
     elif actor_lora is not None and has_reference(cfg):  # the actor's engine, scoring with its adapters off
-        models["ref"] = AdaptersOffReferenceModel(engines["actor"], state=state, remove_padding=packed,
-                                                  fused_lm_head=fused, share_prompts=shared,
-                                                  share_prefixes=prefixes, sequence_parallel=sp)
+        models["ref"] = AdaptersOffReferenceModel(engines["actor"], **scoring)
     registry = ModelRegistry()
     for role, model in models.items():
         registry.register(role, model, aliases=ALIASES[role])

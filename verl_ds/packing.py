@@ -8,20 +8,11 @@ row after row, in one (1, N) row whose positions restart at 0 for each sequence 
 Scoring responses (``pack(..., response_width=R)``): the last real token of a response predicts nothing, so it
 is read as a label only and left out of the row (one token per sample saved in every forward and backward).
 
-Token budget (``actor.max_tokens_per_micro_batch``). Every rank computes its local count with
-``count_micro_batches`` (first-fit decreasing), the ranks agree on the largest
-(``agree_num_micro_batches``: an all-reduce MAX), then each rank splits its samples into exactly that
-many micro-batches with ``token_budget_micro_batches`` (longest first onto the least-loaded
-micro-batch that still fits), so the forward/backward calls, and the ZeRO-3 collectives inside them,
-line up across ranks. A micro-batch exceeds the budget only when it holds one sample that does. When the
-model shares prompts (``model.share_prompts``), ``micro_batch_groups`` keeps the samples of a prompt together
-and counts the prompt once, as the packed row holds it.
-
-Loss normalisation with variable micro-batches: aggregate each micro-batch with
-``agg_loss(..., "token-mean", normalizer=G)`` where G is the global token count of the mini-batch
-(all micro-batches, all ranks) and sum the micro-batch losses (or their gradients): the sum is the
-exact token mean of the mini-batch. Where DeepSpeed divides each micro-batch loss by its gradient
-accumulation steps k and averages gradients over W ranks, pass ``normalizer=G / (W * k)`` instead.
+Token budget (``actor.max_tokens_per_micro_batch``). Every rank counts its micro-batches
+(``count_micro_batches``), the ranks agree on the largest (``agree_num_micro_batches``), then each rank splits its
+samples into exactly that many (``token_budget_micro_batches``), so the forward/backward calls, and the ZeRO-3
+collectives inside them, line up across ranks. Each micro-batch's loss is normalised by the mini-batch's global
+token count (``agg_loss(..., normalizer=G)``), so the micro-batch losses add up to the exact token mean.
 """
 from __future__ import annotations
 
