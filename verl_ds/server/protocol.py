@@ -147,22 +147,15 @@ class _LingeringTransport:
             return
         self._timer = self._loop.call_later(self._linger_s, self._t.close)
 
-    def hard_close(self) -> None:
-        """Close now (a dropped slow client, or server shutdown): nothing more is sent or read."""
+    def hard_close(self, graceful: bool = False) -> None:
+        """Close now: an abort (a dropped slow client, or server shutdown: nothing more is sent or read), or with
+        ``graceful`` a FIN for an idle connection (RFC 9112 section 9.5): no answer is owed and nothing is left to
+        drain, so neither lingers."""
         self.lingering = True
         self._on_closing()
         if self._timer is not None:
             self._timer.cancel()
-        self._t.abort()
-
-    def close_idle(self) -> None:
-        """Close an idle connection now with a FIN (RFC 9112 section 9.5: a graceful close): no answer is owed
-        and nothing is left to drain, so it does not linger."""
-        self.lingering = True
-        self._on_closing()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._t.close()
+        (self._t.close if graceful else self._t.abort)()
 
     def finished(self) -> None:
         """The client closed its side too (or the connection is gone): no need to linger any longer."""
@@ -249,7 +242,7 @@ class ControlProtocol(H11Protocol):
                        "longest idle one (%s, idle %.1f s) for a new client", len(self.connections), victim.client,
                        self.loop.time() - victim._idle_since)
         victim._disarm_deadline()
-        victim.transport.close_idle()
+        victim.transport.hard_close(graceful=True)
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -319,10 +312,6 @@ class ControlProtocol(H11Protocol):
         error = self._protocol_error
         status = getattr(error, "error_status_hint", 400)
         status = status if isinstance(status, int) and 400 <= status < 600 else 400
-        if status == 431:
-            message = HEAD_TOO_LARGE
-        else:
-            message = describe_protocol_error(error)
-        out = raw_json_response(status, message)
-        self.transport.write(out)
+        message = HEAD_TOO_LARGE if status == 431 else describe_protocol_error(error)
+        self.transport.write(raw_json_response(status, message))
         self.transport.close()
