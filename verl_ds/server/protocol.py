@@ -3,20 +3,11 @@
 uvicorn (https://www.uvicorn.org/settings/#timeouts) only times out idle keep-alive connections and resets
 that timer on every byte received, so a client trickling one header byte at a time holds a connection
 forever; its ``limit_concurrency`` counts such connections too, so 64 trickling sockets would lock out
-everyone else. ``ControlProtocol`` adds:
-
-- a whole-head deadline: the request head must be complete ``request_timeout`` seconds after the
-  connection opened (or after the previous answer on a keep-alive connection), however the bytes trickle;
-  the body has its own deadline in the app (``verl_ds.server.app``);
-- a cap on open connections, so sockets (file descriptors the training process needs) cannot be
-  exhausted: past it the connection idle longest (no request in progress) is closed to make room, and only
-  when every connection has a request in progress is the new one answered 503 at once and closed;
-- a chunked body is refused (413) as soon as a chunk's size line announces more than the limit;
-- JSON answers for protocol errors (h11's reason, without echoing header values that may hold a token);
-- a lingering close: after an answer that ends the connection, the write side is shut and unread input is
-  discarded for a short while instead of closing with unread data (which makes the kernel send RST, and a
-  client still uploading would then lose the 413 it was sent);
-- half-closed clients (``shutdown(SHUT_WR)`` after the request) still get their answer.
+everyone else. ``ControlProtocol`` adds (docs/http_api.md, "Limits", has the figures): a whole-head deadline;
+a cap on open connections (sockets are file descriptors the training process needs) that evicts the longest
+idle one; a chunked body refused (413) from its size line; JSON answers for protocol errors without echoing
+header values (they may hold a token); a lingering close, so that a client still uploading reads its 413
+instead of the RST that closing with unread input makes the kernel send; answers to half-closed clients.
 """
 from __future__ import annotations
 
