@@ -31,6 +31,19 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _on_every_rank(fn: Callable, arg) -> tuple:
+    """Collective: (``fn(arg)`` or None, ["rank r: reason"] for every rank where it raised). Whatever it raises
+    but KeyboardInterrupt is caught: a reward's own code ran (SystemExit from a module's import included)."""
+    out, error = None, None
+    try:
+        out = fn(arg)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see the docstring: nothing a reward raises may end the run
+        error = _reason(exc)
+    return out, [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
+
+
 def _read_jsonl(path: str) -> list[dict]:
     if not os.path.isfile(path):
         return []
@@ -115,22 +128,9 @@ class StepBoundary:
     def _swap(self, request: dict, restore: bool = False) -> bool:
         """Build, try and install a swap on every rank (collective); roll it back everywhere when any rank fails."""
         spec = self._spec(request)
-        reward, error = None, None
-        try:
-            reward = self._build_reward(spec)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - SystemExit from a module's import must not end the run
-            error = _reason(exc)
-        errors = [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
+        reward, errors = _on_every_rank(self._build_reward, spec)
         if not errors and self._probe is not None:  # only once built everywhere: a scorer's forward is a collective
-            try:
-                self._probe(reward)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - the reward's own code ran: anything may come out
-                error = _reason(exc)
-            errors = [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
+            _, errors = _on_every_rank(self._probe, reward)
         step = self.state.get("global_step")
         tags = {k: True for k in ("replayed", "resume") if request.get(k)} | ({"resume": True} if restore else {})
         tags.update({"id": request["id"]} if request.get("id") else {})
