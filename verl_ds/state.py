@@ -8,14 +8,12 @@ This run's limits (``verl_ds.config.run_limits(cfg)``) are checked on every writ
 Rank 0 is the only writer; at every step boundary the trainer calls ``apply_staged()`` (rank 0 applies the
 hot updates queued by the HTTP thread) and then ``sync()``, which broadcasts rank 0's values to every rank,
 so all ranks train with identical hyper-parameters. Values are plain python scalars: ``snapshot()`` and
-``save()`` are JSON as they are.
+``state_dict()`` are JSON as they are.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import os
 import threading
 import time
 import uuid
@@ -343,22 +341,6 @@ class SharedState:
         with self._lock:
             self._values = {**defaults, **clean}
             self._version = version
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Atomic JSON (``checkpoint_manifest.fsync_write``: a temp file in the same folder, fsync, rename)."""
-        from verl_ds.checkpoint_manifest import fsync_write
-
-        data = json.dumps(self.state_dict(), indent=2, sort_keys=True, allow_nan=False)
-        fsync_write(os.path.abspath(os.fspath(path)), data.encode())
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Load a file written by ``save`` (validated like ``load_state_dict``)."""
-        with open(path) as f:
-            try:
-                sd = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"SharedState.load: {os.fspath(path)!r} is not valid JSON: {e}") from None
-        self.load_state_dict(sd)
 
     def __repr__(self) -> str:
         return f"SharedState(rank={self.rank}, version={self.version}, values={self.snapshot()})"
