@@ -6,33 +6,15 @@ Layout under ``<output_dir>/checkpoints``::
     global_step_<N>/rng_rank<r>.json   every rank's RNG states (python, numpy, torch, cuda); the arrays in
                                        rng_rank<r>.safetensors
     global_step_<N>/trainer_state.json the trainer state, exact (``verl_ds.safe_state``: JSON + safetensors)
-    global_step_<N>/COMPLETE           manifest: format, world size, roles and ZeRO stages, every file's size, a
-                                       digest of its first and last MiB and (digest="full") the sha256 of all its
-                                       bytes; written after every rank finished
+    global_step_<N>/COMPLETE           manifest (``verl_ds.checkpoint_manifest``), written after every rank finished
     latest                             the name of the newest complete checkpoint, written last
 
-A directory without a valid manifest (a job killed while saving), with a missing, truncated or unlisted file, or
-with a file whose first or last MiB changed (overwritten, a torn write; a torch/zip file keeps its
-index at the end) is skipped, with a message naming it, for the previous complete one. ``verify(mode="full")``
-re-hashes every byte (a bit flip in the middle of a large shard), each rank a share of the files.
-
-verl_ds's own files load without running code (JSON, safetensors; checkpoints of format 1, which pickled them,
-through torch's ``weights_only`` unpickler). DeepSpeed's engine files are pickles read by DeepSpeed's loader:
-whoever can write a checkpoint directory can run code in the job that resumes from it (the trust boundary,
-docs/reliability.md). A save that runs out of disk space stops with a CheckpointError saying so.
-
-Frozen engines (the reference, a reward model) are not saved: they are rebuilt from the model. Nor is the
-frozen base of a LoRA engine: its checkpoint holds the adapters and their optimizer state, and the manifest
-records what each engine trains (``trainable_signature``), so a resume with other LoRA keys is refused.
-
-Another world size (elastic resume): a ZeRO-1/2/3 engine saved by N ranks is converted once by
-DeepSpeed's ``ds_to_universal`` (``verl_ds.engines.universal``) and loaded by M ranks, weights and Adam
-moments; stage 0 states are whole and load as they are. RNG policy: rank r restores the RNG saved by
-rank r when there was one (r < N); a rank beyond the saved ones seeds python, numpy and torch from
-sha256(seed, step, r), so its draws are reproducible but not a continuation. Data order: the trainer
-state's sampler position counts global batches (``DistributedPromptSampler``), so with the same
-``rollout.batch_size`` the run continues with the same sequence of global batches, each now split
-into M rank slices instead of N.
+docs/reliability.md says what is checked at resume, the trust boundary (DeepSpeed's engine files are pickles),
+and the elastic resume: a ZeRO-1/2/3 engine saved by N ranks is converted once by DeepSpeed's
+``ds_to_universal`` (``verl_ds.engines.universal``) and loaded by M ranks; a rank beyond the saved ones seeds
+from sha256(seed, step, r). Frozen engines (the reference, a reward model, a LoRA engine's base) are rebuilt
+from the model, not saved; the manifest records what each engine trains, so a resume with other LoRA keys is
+refused.
 """
 from __future__ import annotations
 
@@ -228,10 +210,7 @@ def _restore_rng(step_dir: str, rng: Optional[dict], step: int, seed: int) -> No
     if rng is not None:
         set_rng_state(rng)
         return
-    s = derived_seed(seed, step, vdist.rank())
-    random.seed(s)
-    np.random.seed(s % 2**32)
-    torch.manual_seed(s)  # all devices, CUDA included
+    vdist.seed_everything(derived_seed(seed, step, vdist.rank()))  # torch's: all devices, CUDA included
     log.warning("rank %d has no saved RNG in %s (saved by fewer ranks): seeded from (seed=%d, step=%d, rank)",
                 vdist.rank(), step_dir, seed, step)
 

@@ -1,12 +1,8 @@
 """A checkpoint's COMPLETE manifest and the checks against it; the choice of the checkpoint to resume from.
 
 The manifest lists every file a save wrote with its size, a digest of its first and last MiB and (``digest="full"``)
-the sha256 of all its bytes. ``verify`` finds a missing, truncated or overwritten file, and a file the manifest
-does not list (added later, or its entry removed: such a file was never checked). The manifest is not signed:
-it detects accidents (a killed save, a torn write, a full disk, bit rot), not someone who may write the
-directory (see docs/reliability.md, "Trust model"). ``scan`` names, newest first, the checkpoints of one run
-that can be resumed and every directory it passed over with the reason; ``latest`` may only name a
-``global_step_<N>`` directory of this run.
+the sha256 of all its bytes. It is not signed: it detects accidents (a killed save, a torn write, a full disk, bit
+rot), not someone who may write the directory (docs/reliability.md, "Trust model").
 """
 from __future__ import annotations
 

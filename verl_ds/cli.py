@@ -27,7 +27,9 @@ def _quiet_environment() -> None:
     warnings.filterwarnings("ignore", message=".*TRANSFORMERS_CACHE.*")
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+def _config_args(p: argparse.ArgumentParser, launched: bool = False) -> None:
+    if launched:
+        p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
     p.add_argument("--config", default=None, help=f"YAML config (default: {os.path.relpath(DEFAULT_CONFIG)} when it exists)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. actor.lr=1e-4 trainer.total_steps=10")
 
@@ -49,8 +51,10 @@ def _logging(rank: int) -> None:
 def stage_module(name: str):
     """``verl_ds.stages.<name>`` (its ``JOB`` class runs the job); ConfigError when this build has no such job."""
     import importlib
+    import importlib.util
 
     from verl_ds.config import ConfigError
+    from verl_ds.stages import STAGES
 
     module_name = f"verl_ds.stages.{name}"
     try:
@@ -58,29 +62,19 @@ def stage_module(name: str):
     except ModuleNotFoundError as exc:
         if exc.name != module_name:
             raise
+        here = ", ".join(s for s in STAGES if importlib.util.find_spec(f"verl_ds.stages.{s}"))
         raise ConfigError(f"verl-ds {name}: this installation has no {name} job ({module_name} is missing); the "
-                          f"jobs here: train, {', '.join(s for s in _stages() if _has(s))}") from None
+                          f"jobs here: train, {here}") from None
     if not hasattr(module, "JOB"):
         raise ConfigError(f"verl-ds {name}: {module_name} defines no JOB (the StageJob subclass that runs it)")
     return module
-
-
-def _stages() -> tuple:
-    from verl_ds.stages import STAGES
-
-    return STAGES
-
-
-def _has(name: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(f"verl_ds.stages.{name}") is not None
 
 
 def cmd_stage(args) -> int:
     """A supervised-style job (sft, rm, dpo): the same gate, launchers and run directory as ``train``."""
     from verl_ds.dist import detect_launch
     from verl_ds.stages.gate import check_stage
+    from verl_ds.stages.spine import format_summary
 
     job_cls = stage_module(args.command).JOB
     cfg = _load(args, os.path.join(os.path.dirname(DEFAULT_CONFIG), f"{args.command}.yaml"))
@@ -88,24 +82,31 @@ def cmd_stage(args) -> int:
     check_stage(cfg, launch.world_size, launch.rank)  # refused before torch.distributed or any model starts
     _logging(launch.rank)
     data = job_cls.load_data(cfg)  # unusable data exits 2 before torch.distributed
+    _set_threads(launch)
+    return _run(job_cls(cfg, launch, data=data), cfg, launch, f"verl_ds {args.command}", format_summary,
+                launch.world_size)
 
+
+def _set_threads(launch) -> None:
     import torch
 
     if launch.world_size > 1 or "OMP_NUM_THREADS" in os.environ:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    if launch.rank == 0:
-        print(f"verl_ds {args.command}: launcher={launch.launcher} world_size={launch.world_size} "
-              f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---",
-              flush=True)
-    summary = job_cls(cfg, launch, data=data).fit()
-    if launch.rank == 0:
-        from verl_ds.stages.spine import format_summary
 
-        print(format_summary(summary), flush=True)
+
+def _run(job, cfg, launch, banner: str, format_summary, processes: int) -> int:
+    """Fit a built job (rank 0 prints the resolved config first and the summary last), then end the process."""
     from verl_ds import dist as vdist
 
+    if launch.rank == 0:
+        print(f"{banner}: launcher={launch.launcher} world_size={launch.world_size} "
+              f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---",
+              flush=True)
+    summary = job.fit()
+    if launch.rank == 0:
+        print(format_summary(summary), flush=True)
     vdist.shutdown()
-    return vdist.exit_after_shutdown(0, launch.world_size)
+    return vdist.exit_after_shutdown(0, processes)
 
 
 def cmd_train(args) -> int:
@@ -127,13 +128,11 @@ def cmd_train(args) -> int:
 
     data = load_data(cfg)  # the prompt sets are part of the gate: unusable data exits 2 before torch.distributed
 
-    import torch
-
+    from verl_ds.report import format_summary
     from verl_ds.testing.faults import install_from_env
     from verl_ds.trainer import Trainer
 
-    if launch.world_size > 1 or "OMP_NUM_THREADS" in os.environ:
-        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    _set_threads(launch)
     if split:
         from verl_ds.asyncrl import split as split_placement
 
@@ -142,20 +141,9 @@ def cmd_train(args) -> int:
             from verl_ds import dist as vdist
 
             return vdist.exit_after_shutdown(code, processes)
-    if launch.rank == 0:
-        print(f"verl_ds: launcher={launch.launcher} world_size={launch.world_size} "
-              f"master={launch.master_addr}:{launch.master_port}\n--- resolved config ---\n{cfg.to_yaml()}---", flush=True)
     trainer = Trainer(cfg, launch, data=data)
     install_from_env(trainer)  # VERL_DS_FAULT: tests break real runs at chosen points
-    summary = trainer.fit()
-    if launch.rank == 0:
-        from verl_ds.report import format_summary
-
-        print(format_summary(summary), flush=True)
-    from verl_ds import dist as vdist
-
-    vdist.shutdown()
-    return vdist.exit_after_shutdown(0, processes)
+    return _run(trainer, cfg, launch, "verl_ds", format_summary, processes)
 
 
 def cmd_config(args) -> int:
@@ -189,15 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-ds", description="PPO for HF causal LMs on DeepSpeed ZeRO-3")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="run PPO training (what launch/train.py runs)")
-    _config_args(p)
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+    _config_args(p, launched=True)
     p.set_defaults(func=cmd_train)
     for name, what in (("sft", "supervised fine-tuning on prompt/completion or chat rows"),
                        ("rm", "train a reward model (Bradley-Terry) on preference pairs"),
                        ("dpo", "direct preference optimisation on preference pairs")):
         p = sub.add_parser(name, help=f"{what} (launch/{name}.py; default config configs/{name}.yaml)")
-        _config_args(p)
-        p.add_argument("--local_rank", "--local-rank", type=int, default=None, help="set by the deepspeed launcher")
+        _config_args(p, launched=True)
         p.set_defaults(func=cmd_stage)
     p = sub.add_parser("config", help="print the resolved, validated config (or --describe every key)")
     _config_args(p)

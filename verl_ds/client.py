@@ -1,14 +1,6 @@
-"""``verl-ds state``: read and change the SharedState of a running job through its control server.
-
-    verl-ds state get [KEY]                        # GET /v1/state (or /v1/state/KEY)
-    verl-ds state set KEY=VALUE [KEY=VALUE ...]    # PATCH /v1/state, applied at the next step boundary
-
-The server URL comes from ``--url``, else ``<--run-dir>/server_url.txt``, else ``VERL_DS_SERVER_URL``,
-else ``runs/default/server_url.txt``; the token from ``--token`` if given (other users can see it in ``ps``),
-else ``VERL_DS_SERVER_TOKEN`` (preferred). Values are parsed as JSON (``0.05``, ``true``, ``null``) and fall
-back to a string (``kl_kind=k3``).
-Exit status: 0 on success, 1 when the server refuses (its message is printed) or cannot be reached,
-2 on a usage error.
+"""``verl-ds state get [KEY]`` / ``verl-ds state set KEY=VALUE ...``: read and change the SharedState of a
+running job through its control server (docs/http_api.md, "The verl-ds state command": where the URL and the
+token come from, how values are read, the exit statuses).
 """
 from __future__ import annotations
 

@@ -1,19 +1,12 @@
 """The step boundary: where hot changes from the control plane take effect, on every rank at once.
 
-At each boundary rank 0 applies the SharedState updates staged by the HTTP thread and takes the staged reward
-swap, atomically with bumping ``global_step`` (a change staged concurrently lands wholly before or after it,
-so the step announced to its client is the step it is applied at); then the swap is built on every rank, tried
-(``probe``: the data sets' row check and a test call) and the state is broadcast. A swap that fails to build
-or to score on any rank, whatever it raises (SystemExit included), is rolled back on every rank, logged and
-audited as refused, and training goes on. Every applied, refused or dropped change is appended to
-``<run>/state_changes.jsonl`` (time, step, key, old, new, client, id).
-
-Every change is journaled in ``<run>/staged_changes.jsonl`` when it is accepted (id, the step it applies at),
-before the 202. On resume from a checkpoint at step S, the changes audited as applied after S, and the
-journaled ones no audit line settles (lost in a crash before their step), are replayed at their steps; each is
-validated again, and one that fails is rolled back and audited as refused (``"replayed": true``), so it is
-never tried again. A journaled change whose step the run passed without it is audited as dropped; so are the
-changes still staged when a run ends at ``trainer.total_steps`` and a swap replaced by a later one.
+At each boundary rank 0 applies the staged SharedState updates and takes the staged reward swap, atomically
+with bumping ``global_step`` (so the step announced to a client is the step its change is applied at); then the
+swap is built and tried on every rank and the state is broadcast. A swap that fails on any rank, whatever it
+raises (SystemExit included), is rolled back on every rank and audited as refused; training goes on. The
+journal (``staged_changes.jsonl``, written before the 202), the audit log (``state_changes.jsonl``) and the
+replay of both on resume are described in docs/http_api.md and docs/reliability.md ("Hot changes across a
+crash").
 """
 from __future__ import annotations
 
@@ -36,6 +29,19 @@ JOURNAL_FILE = "staged_changes.jsonl"
 def _reason(exc: BaseException) -> str:
     text = str(exc).splitlines()[0] if str(exc) else ""
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _on_every_rank(fn: Callable, arg) -> tuple:
+    """Collective: (``fn(arg)`` or None, ["rank r: reason"] for every rank where it raised). Whatever it raises
+    but KeyboardInterrupt is caught: a reward's own code ran (SystemExit from a module's import included)."""
+    out, error = None, None
+    try:
+        out = fn(arg)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - see the docstring: nothing a reward raises may end the run
+        error = _reason(exc)
+    return out, [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
 
 
 def _read_jsonl(path: str) -> list[dict]:
@@ -84,8 +90,8 @@ class StepBoundary:
         request = {**self._check_swap(spec), "client": client, "id": uuid.uuid4().hex}
         with self.state.lock, self._lock:  # the same lock order as cross()
             applies_at = self.state.get("global_step") + 1
-            self._journal([{"id": request["id"], "step": applies_at, "key": "reward", "spec": self._spec(request),
-                            "client": client}])
+            self._append(JOURNAL_FILE, [{"id": request["id"], "step": applies_at, "key": "reward",
+                                         "spec": self._spec(request), "client": client}])
             replaced, self._pending_swap = self._pending_swap, request
             if replaced is not None:
                 self._audit([self._dropped_swap(replaced, f"replaced by the swap {request['id']} staged for the "
@@ -93,8 +99,8 @@ class StepBoundary:
         return {"staged": self._spec(request), "applies_at_step": applies_at}
 
     def _journal_state(self, items: list[dict], applies_at: int) -> None:
-        self._journal([{"id": i["id"], "step": applies_at, "key": i["key"], "new": i["value"], "client": i["client"]}
-                       for i in items])
+        self._append(JOURNAL_FILE, [{"id": i["id"], "step": applies_at, "key": i["key"], "new": i["value"],
+                                     "client": i["client"]} for i in items])
 
     # ---- every rank, once per step -------------------------------------------------------------------
     def cross(self) -> int:
@@ -122,22 +128,9 @@ class StepBoundary:
     def _swap(self, request: dict, restore: bool = False) -> bool:
         """Build, try and install a swap on every rank (collective); roll it back everywhere when any rank fails."""
         spec = self._spec(request)
-        reward, error = None, None
-        try:
-            reward = self._build_reward(spec)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - SystemExit from a module's import must not end the run
-            error = _reason(exc)
-        errors = [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
+        reward, errors = _on_every_rank(self._build_reward, spec)
         if not errors and self._probe is not None:  # only once built everywhere: a scorer's forward is a collective
-            try:
-                self._probe(reward)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as exc:  # noqa: BLE001 - the reward's own code ran: anything may come out
-                error = _reason(exc)
-            errors = [f"rank {r}: {e}" for r, e in enumerate(vdist.gather_object(error)) if e]
+            _, errors = _on_every_rank(self._probe, reward)
         step = self.state.get("global_step")
         tags = {k: True for k in ("replayed", "resume") if request.get(k)} | ({"resume": True} if restore else {})
         tags.update({"id": request["id"]} if request.get("id") else {})
@@ -224,9 +217,6 @@ class StepBoundary:
 
     def _audit(self, records: list, step: int) -> None:
         self._append(AUDIT_FILE, records, step)
-
-    def _journal(self, entries: list) -> None:
-        self._append(JOURNAL_FILE, entries)
 
     def schedule_replay(self, resumed_step: int) -> int:
         """Read the audit log and the journal and plan to apply again, at their steps, the changes applied after

@@ -1,12 +1,10 @@
 """Prompt data: load a prompt set and left-pad batches for generation (the order: ``verl_ds.sampler``).
 
-- `PromptDataset` reads JSON lines, Parquet, or a `datasets` data set saved with `save_to_disk`, tokenizes the prompt
-  field (optionally through the chat template) and keeps pass-through fields for reward functions. Bad rows never
-  crash: each is skipped (or, when overlong, truncated) and counted by reason; a row repeating an earlier one of a
-  file is kept and counted (`duplicate_row`); `report()` and `summary()` say what happened and where. Files are read
-  by `verl_ds.data_files` (strict JSON: huge integers, repeated keys and non-finite numbers are reasons too). A
-  missing file, an unsupported format or zero usable rows is an error at construction.
-- `collate_prompts` left-pads a list of items into tensors.
+`PromptDataset` reads JSON lines, Parquet, or a `datasets` save_to_disk directory (``verl_ds.data_files``: strict
+JSON), tokenizes the prompt field (optionally through the chat template) and keeps pass-through fields for reward
+functions. A bad row never crashes the load: it is skipped (an overlong one truncated, a repeat of an earlier one
+kept) and counted by reason (`REASONS`, `report()`, `summary()`); a missing file, an unsupported format or zero
+usable rows is an error at construction.
 """
 from __future__ import annotations
 

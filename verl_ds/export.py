@@ -116,9 +116,7 @@ def export_hf(engine_module, tokenizer, directory: str, max_shard_size: Union[in
     """Write ``engine_module`` (a HF model, possibly ZeRO-3 partitioned, or a DeepSpeed engine around one) and
     ``tokenizer`` (or None) to ``directory`` in HF format; every rank must call it. Returns ``directory``.
 
-    ``dtype``: the saved dtype of floating tensors (default: their own). Only rank 0 touches the file system;
-    it streams each gathered module's tensors into the shard files, whose layout is planned from the shapes
-    before anything is gathered.
+    ``dtype``: the saved dtype of floating tensors (default: their own). Only rank 0 touches the file system.
     """
     limit = parse_size(max_shard_size)
     main = vdist.rank() == 0

@@ -14,7 +14,6 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -42,16 +41,15 @@ def reduce_metrics(metrics: dict, op: str = "mean") -> dict:
     or 0-d tensors (on any device). Every rank must pass the same keys. Returns python floats."""
     if not metrics:
         return {}
-    from verl_ds.dist import all_reduce_sum
+    from verl_ds.dist import all_reduce_sum, world_size
 
     keys = sorted(metrics)
     # python numbers stay float64 (a float32 detour would log kl_coef 0.2 as 0.20000000298)
     t = torch.stack([v.detach().to("cpu", torch.float64).reshape(()) if isinstance(v, torch.Tensor)
                      else torch.tensor(float(v), dtype=torch.float64) for v in (metrics[k] for k in keys)])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        t = all_reduce_sum(t)
-        if op == "mean":
-            t /= dist.get_world_size()
+    t = all_reduce_sum(t)  # a no-op at world size 1
+    if op == "mean":
+        t /= world_size()
     return dict(zip(keys, t.tolist()))
 
 

@@ -38,14 +38,9 @@ def check_reward_spec(spec: Any, *, allow_code: bool, swappable: Iterable[str], 
     ``{"functions": [{"name", "weight", "per_token"}], "model_path", "model_weight"}``.
 
     ``spec``: ``{"function": name}`` and/or ``{"functions": [name | {name, weight, per_token}, ...]}`` and/or
-    ``{"model_path": dir, "model_weight": w}``. A function name passes when it is shipped (``REWARD_FNS``),
-    listed in ``swappable`` (exact string), or - only with ``allow_code`` - a 'module:fn' /
-    '/path/file.py:fn' whose source defines ``fn`` (read with ``ast``, never imported). A ``model_path``
-    is refused when ``reward_model_dir`` is None; it must resolve (symlinks followed) inside that
-    directory and hold a HF sequence-classification checkpoint (config.json is read, weights are not
-    loaded) with exactly one label and ``vocab_size`` >= ``vocab_size`` (the policy tokenizer's length;
-    None skips the check). Weights must be numbers in [-1e6, 1e6] (``MAX_REWARD_WEIGHT``: the scores are float32),
-    ``per_token`` a bool, false for the shipped functions (they score whole sequences). Raises ValueError.
+    ``{"model_path": dir, "model_weight": w}``. The rules (shipped, ``swappable`` and - only with ``allow_code`` -
+    statically checked code names; a model under ``reward_model_dir`` covering ``vocab_size`` tokens, None: not
+    checked; weights) are listed in docs/http_api.md, "POST /v1/models/reward". Raises ValueError.
     """
     if not isinstance(spec, dict):
         raise ValueError(f"reward swap: expected a JSON object, got {type(spec).__name__}")

@@ -1,9 +1,6 @@
 """A reward's trial before it replaces the active one: the row check start-up runs on the data sets, and a test
 call on a canned batch of this run's prompts, so a reward that cannot score this run fails at the step boundary
 (where ``verl_ds.control`` rolls it back) instead of failing the next step.
-
-``check_rows(functions, datasets)`` runs in the HTTP thread for the shipped functions of a swap request (then a
-missing data field is a 400); ``trial(reward, ...)`` runs at the boundary on every rank for the built reward.
 """
 from __future__ import annotations
 

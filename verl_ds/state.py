@@ -1,32 +1,19 @@
 """SharedState: the cross-model hyper-parameters of a PPO run, owned by rank 0.
 
-Every key is declared (:class:`StateKey`: name, type, default, allowed range or choices, hot-updatable
-or not, one-line description). The 18 hot-updatable keys are DERIVED from the config fields that declare
-``hot=<key>`` (``verl_ds.config.schema``): same default (``initial_state(Config())``), same range, choices
-and help, so ``/v1/state`` publishes exactly what a run with the default config uses. The read-only keys
-(global_step, epoch, actor_version, reward_version, best_reward, reward_name) are written by the trainer
-only and declared here. Per-run limits (``verl_ds.config.run_limits(cfg)``: the response length that fits
-the model's context, the KL estimators the KL placement allows) are passed as ``limits=`` and checked on
-every write.
+Every key is declared (:class:`StateKey`). The 18 hot-updatable keys are derived from the config fields that
+declare ``hot=<key>`` (``verl_ds.config.schema``): same default, range, choices and help, so ``/v1/state``
+publishes exactly what a run with the default config uses; the read-only keys are written by the trainer only.
+This run's limits (``verl_ds.config.run_limits(cfg)``) are checked on every write.
 
 Rank 0 is the only writer; at every step boundary the trainer calls ``apply_staged()`` (rank 0 applies the
 hot updates queued by the HTTP thread) and then ``sync()``, which broadcasts rank 0's values to every rank,
-so all ranks train with identical hyper-parameters.
-
-Typical step boundary (all ranks)::
-
-    changes = state.apply_staged()   # rank 0 applies the queue; [] on other ranks
-    state.sync()                     # collective: every rank gets rank 0's values and version
-
-All reads and writes hold one ``threading.RLock``. Values are plain python scalars (bool, int, float,
-str, or None for nullable keys), so ``snapshot()`` and ``save()`` are JSON as they are.
+so all ranks train with identical hyper-parameters. Values are plain python scalars: ``snapshot()`` and
+``state_dict()`` are JSON as they are.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import os
 import threading
 import time
 import uuid
@@ -289,12 +276,9 @@ class SharedState:
             self._apply(self._validate(updates, allow_read_only=True))
 
     def stage(self, updates: dict[str, Any], client: str = "") -> dict:
-        """Validate hot updates and queue them for the next step boundary (any thread, rank 0).
-
-        Every key is checked before anything is queued; on any failure one StateValidationError
-        names every offending key and nothing is queued. Returns
-        ``{"staged": {key: normalised value}, "applies_at_step": global_step + 1}``.
-        """
+        """Validate hot updates and queue them for the next step boundary (any thread, rank 0); all or nothing:
+        one StateValidationError names every offending key. Returns ``{"staged": {key: normalised value},
+        "applies_at_step": global_step + 1}``."""
         self._require_rank0("stage")
         with self._lock:  # limits apply to the values as they will be once the queue is applied
             pending = {**self._values, **{item["key"]: item["value"] for item in self._staged}}
@@ -323,11 +307,8 @@ class SharedState:
 
     # ---- distribution ---------------------------------------------------------------------------
     def sync(self, group=None) -> None:
-        """Collective: every rank takes rank 0's values and version. No-op without a process group.
-
-        Uses ``torch.distributed.broadcast_object_list`` (works on gloo and nccl). Staged updates
-        stay on rank 0.
-        """
+        """Collective: every rank takes rank 0's values and version (staged updates stay on rank 0). No-op
+        without a process group."""
         dist = _dist()
         if dist is None or dist.get_world_size(group) == 1:
             return
@@ -360,22 +341,6 @@ class SharedState:
         with self._lock:
             self._values = {**defaults, **clean}
             self._version = version
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Atomic JSON (``checkpoint_manifest.fsync_write``: a temp file in the same folder, fsync, rename)."""
-        from verl_ds.checkpoint_manifest import fsync_write
-
-        data = json.dumps(self.state_dict(), indent=2, sort_keys=True, allow_nan=False)
-        fsync_write(os.path.abspath(os.fspath(path)), data.encode())
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Load a file written by ``save`` (validated like ``load_state_dict``)."""
-        with open(path) as f:
-            try:
-                sd = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"SharedState.load: {os.fspath(path)!r} is not valid JSON: {e}") from None
-        self.load_state_dict(sd)
 
     def __repr__(self) -> str:
         return f"SharedState(rank={self.rank}, version={self.version}, values={self.snapshot()})"

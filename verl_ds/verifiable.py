@@ -1,16 +1,7 @@
-"""Verifiable (rule-based) rewards for reasoning tasks: is the final answer right, is the format right.
-
-Both follow the reward-function signature ``fn(prompts, responses, batch) -> list[float]`` and are
-shipped in ``verl_ds.rewards.REWARD_FNS`` as ``math_verify`` and ``format``. They are thread-safe, so a
-reward model may score samples from a thread pool.
-
-- :func:`math_answer_reward`: 1.0 when the response's final answer is mathematically equal to the
-  sample's reference ``batch.extras["answer"]`` (``1/2``, ``0.5`` and ``\\frac{1}{2}`` are equal), using
-  Hugging Face's math-verify (https://github.com/huggingface/Math-Verify); install with
-  ``pip install 'verl_ds[math]'``.
-- :func:`format_reward`: 1.0 when the whole response matches a regular expression, by default
-  :data:`DEFAULT_FORMAT_PATTERN` (one ``<think>...</think>`` block, then an answer with a ``\\boxed{...}``,
-  as in DeepSeek-R1-style training); :func:`make_format_reward` builds one for another pattern.
+"""Verifiable (rule-based) rewards for reasoning tasks: is the final answer right (``math_verify``, with Hugging
+Face's math-verify, https://github.com/huggingface/Math-Verify), is the format right (``format``, as in
+DeepSeek-R1-style training). Shipped in ``verl_ds.rewards.REWARD_FNS``; thread-safe, so a reward model may score
+samples from a thread pool.
 """
 from __future__ import annotations
 
@@ -54,11 +45,6 @@ def check_lists(who: str, prompts, responses) -> None:
             raise TypeError(f"{who}: response {i} must be a str, got {type(r).__name__}")
 
 
-def reference_answers(who: str, responses, batch) -> list:
-    """``batch.extras["answer"]``, one per response; ValueError naming what is missing."""
-    return extras_field(who, responses, batch, "answer", "answers")
-
-
 def extras_field(who: str, responses, batch, field: str, noun: str) -> list:
     """``batch.extras[field]`` (a data set field passed through), one per response; ValueError naming what is
     missing or how many there are (``noun``: what the values are called in that message)."""
@@ -96,7 +82,7 @@ def math_answer_reward(prompts: list, responses: list, batch) -> list[float]:
     one that cannot be parsed raises ValueError naming the sample."""
     who = "math_verify"
     check_lists(who, prompts, responses)
-    answers = reference_answers(who, responses, batch)
+    answers = extras_field(who, responses, batch, "answer", "answers")
     parse, verify = _math_verify()
     timeout = _MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
     rewards = []

@@ -1,13 +1,7 @@
-"""The non-finite guard: a NaN/Inf skips an update on every rank, is counted, and leaves a forensic record.
-
-- ``check_batch``: a rollout batch with non-finite log-probs, values, rewards or advantages on any rank
-  skips the step's updates on every rank.
-- ``skip_update``: answers "skip this optimizer step?" at each accumulation boundary: yes on every rank when
-  any rank saw a non-finite loss since the last boundary (the update loop then back-propagates NaN so the
-  engine drops the step, see ``verl_ds.models.base.optimizer_step``).
-- ``after_update``: a non-finite gradient norm is recorded; DeepSpeed dropped that step itself.
-Each bad step writes ``<run>/nonfinite/step_<N>.json`` (which samples, which token positions, their reward);
-``max_bad_steps`` consecutive bad steps stop the job with ``NonFiniteError`` naming the record.
+"""The non-finite guard: a NaN/Inf skips an update on every rank, is counted, and leaves a forensic record
+(``<run>/nonfinite/step_<N>.json``: which samples, which token positions, their reward); ``max_bad_steps``
+consecutive bad steps stop the job with ``NonFiniteError`` naming the record. A step to skip is back-propagated
+as NaN so that the engine drops it (``verl_ds.models.base.optimizer_step``).
 """
 from __future__ import annotations
 

@@ -60,21 +60,16 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None, what: s
 
 
 class ControlServer:
-    """The /v1 control-plane HTTP server of a training run (rank 0 only); docs/http_api.md has the routes.
+    """The /v1 control-plane HTTP server of a training run (rank 0 only); docs/http_api.md has the routes and the
+    limits (``request_timeout``, ``max_connections``, ``max_open_connections``, ``backlog``, ``max_body_bytes``).
 
     state, registry: what the routes show and PATCH stages into. host/port: bind address (port 0: any free
-    port). token: bearer token for mutating routes; None reads ``VERL_DS_SERVER_TOKEN``; '' or unset
-    disables mutations (403). max_body_bytes: larger request bodies get 413, whatever their framing.
-    run_dir: where ``start()`` writes ``server_url.txt`` (None: nowhere). metrics_fn: the latest training
-    metrics (``MetricsLogger.snapshot``). reward_swapper: has ``stage_reward_swap(spec, client=)`` (raising
-    ValueError on bad input); None: reward swapping answers 501. read_only: disable mutating routes outright
-    (then a non-loopback bind without a token is allowed). request_timeout: seconds for a request head to
-    arrive (from connecting, or from the previous answer) and again for its body. max_connections: requests
-    in progress at once; more get 503. max_open_connections: open sockets; more get 503 at once. backlog:
-    the listen queue. swappable_rewards: reward function specs POST /v1/models/reward may swap in besides
-    the shipped names. allow_reward_code: also allow any other 'module:fn' / 'file.py:fn' (logged loudly).
-    reward_model_dir: reward models may only be swapped in from under this directory (None: refused).
-    policy_vocab_size: the policy tokenizer's length; a swapped-in reward model must cover it.
+    port). token: bearer token for mutating routes; None reads ``VERL_DS_SERVER_TOKEN``; '' or unset disables
+    mutations (403). run_dir: where ``start()`` writes ``server_url.txt`` (None: nowhere). metrics_fn: the latest
+    training metrics (``MetricsLogger.snapshot``). reward_swapper: has ``stage_reward_swap(spec, client=)``
+    (raising ValueError on bad input); None: reward swapping answers 501. read_only: disable mutating routes
+    outright (then a non-loopback bind without a token is allowed). swappable_rewards, allow_reward_code,
+    reward_model_dir, policy_vocab_size: what POST /v1/models/reward may swap in (``check_reward_spec``).
     """
 
     def __init__(self, state: SharedState, registry: ModelRegistry, *, host: str = "127.0.0.1", port: int = 0,

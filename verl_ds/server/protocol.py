@@ -3,20 +3,11 @@
 uvicorn (https://www.uvicorn.org/settings/#timeouts) only times out idle keep-alive connections and resets
 that timer on every byte received, so a client trickling one header byte at a time holds a connection
 forever; its ``limit_concurrency`` counts such connections too, so 64 trickling sockets would lock out
-everyone else. ``ControlProtocol`` adds:
-
-- a whole-head deadline: the request head must be complete ``request_timeout`` seconds after the
-  connection opened (or after the previous answer on a keep-alive connection), however the bytes trickle;
-  the body has its own deadline in the app (``verl_ds.server.app``);
-- a cap on open connections, so sockets (file descriptors the training process needs) cannot be
-  exhausted: past it the connection idle longest (no request in progress) is closed to make room, and only
-  when every connection has a request in progress is the new one answered 503 at once and closed;
-- a chunked body is refused (413) as soon as a chunk's size line announces more than the limit;
-- JSON answers for protocol errors (h11's reason, without echoing header values that may hold a token);
-- a lingering close: after an answer that ends the connection, the write side is shut and unread input is
-  discarded for a short while instead of closing with unread data (which makes the kernel send RST, and a
-  client still uploading would then lose the 413 it was sent);
-- half-closed clients (``shutdown(SHUT_WR)`` after the request) still get their answer.
+everyone else. ``ControlProtocol`` adds (docs/http_api.md, "Limits", has the figures): a whole-head deadline;
+a cap on open connections (sockets are file descriptors the training process needs) that evicts the longest
+idle one; a chunked body refused (413) from its size line; JSON answers for protocol errors without echoing
+header values (they may hold a token); a lingering close, so that a client still uploading reads its 413
+instead of the RST that closing with unread input makes the kernel send; answers to half-closed clients.
 """
 from __future__ import annotations
 
@@ -147,22 +138,15 @@ class _LingeringTransport:
             return
         self._timer = self._loop.call_later(self._linger_s, self._t.close)
 
-    def hard_close(self) -> None:
-        """Close now (a dropped slow client, or server shutdown): nothing more is sent or read."""
+    def hard_close(self, graceful: bool = False) -> None:
+        """Close now: an abort (a dropped slow client, or server shutdown: nothing more is sent or read), or with
+        ``graceful`` a FIN for an idle connection (RFC 9112 section 9.5): no answer is owed and nothing is left to
+        drain, so neither lingers."""
         self.lingering = True
         self._on_closing()
         if self._timer is not None:
             self._timer.cancel()
-        self._t.abort()
-
-    def close_idle(self) -> None:
-        """Close an idle connection now with a FIN (RFC 9112 section 9.5: a graceful close): no answer is owed
-        and nothing is left to drain, so it does not linger."""
-        self.lingering = True
-        self._on_closing()
-        if self._timer is not None:
-            self._timer.cancel()
-        self._t.close()
+        (self._t.close if graceful else self._t.abort)()
 
     def finished(self) -> None:
         """The client closed its side too (or the connection is gone): no need to linger any longer."""
@@ -249,7 +233,7 @@ class ControlProtocol(H11Protocol):
                        "longest idle one (%s, idle %.1f s) for a new client", len(self.connections), victim.client,
                        self.loop.time() - victim._idle_since)
         victim._disarm_deadline()
-        victim.transport.close_idle()
+        victim.transport.hard_close(graceful=True)
         return True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -319,10 +303,6 @@ class ControlProtocol(H11Protocol):
         error = self._protocol_error
         status = getattr(error, "error_status_hint", 400)
         status = status if isinstance(status, int) and 400 <= status < 600 else 400
-        if status == 431:
-            message = HEAD_TOO_LARGE
-        else:
-            message = describe_protocol_error(error)
-        out = raw_json_response(status, message)
-        self.transport.write(out)
+        message = HEAD_TOO_LARGE if status == 431 else describe_protocol_error(error)
+        self.transport.write(raw_json_response(status, message))
         self.transport.close()

@@ -2,8 +2,7 @@
 
 Every view runs in one of the server's worker threads (it may wait on the SharedState lock while the
 trainer is at a step boundary) and returns ``(status, payload)``: a dict is sent as JSON, a str as
-Prometheus text. Errors are raised as ``HTTPError``. The route table is a registry (``ROUTES``), not an
-if-chain: ``resolve(path)`` finds the entry and its handlers by method.
+Prometheus text. Errors are raised as ``HTTPError``.
 
 Answers decided before authentication (404, 405, every GET) never repeat what the client sent, not even
 redacted: an answer echoing the path with the token replaced by '<redacted>' tells a client which of a

@@ -11,7 +11,7 @@ import os
 import re
 from decimal import Decimal, InvalidOperation
 
-from verl_ds.verifiable import check_lists, reference_answers
+from verl_ds.verifiable import check_lists, extras_field
 
 MINI_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_mini.jsonl")
 INSTRUCTION = "Answer with #### and the final number."
@@ -67,7 +67,7 @@ def reference_answer(answer) -> str | None:
 def exact_match_reward(prompts: list[str], responses: list[str], batch) -> list[float]:
     """1.0 where the response's final number equals the sample's `answer` field (batch.extras["answer"]), else 0.0."""
     check_lists("exact_match", prompts, responses)
-    answers = reference_answers("exact_match", responses, batch)
+    answers = extras_field("exact_match", responses, batch, "answer", "answers")
     rewards = []
     for i, (response, answer) in enumerate(zip(responses, answers)):
         reference = reference_answer(answer)

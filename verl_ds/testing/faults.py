@@ -48,18 +48,9 @@ def _steps(text: str, where: str) -> frozenset:
 
 
 def parse_faults(spec: str) -> list[Fault]:
-    """Parse ``VERL_DS_FAULT``: faults separated by ``;``, each ``action=value`` then ``:key=value`` options.
-
-    kill_at=<point>[:step=N][:rank=R]     SIGKILL this process at a fault point
-    hang_at=<point>[:step=N][:rank=R]     SIGSTOP this process (alive, sockets open, never answers)
-    signal_at=<point>[:sig=TERM|USR1][:step=N][:rank=R]   send a signal to this process
-    nan_logits_at_step=<steps>[:rank=R][:sample=I][:pos=T][:phase=rollout|update|sampling]
-        NaN in the actor's logits of sample I, response position T, in the first forward of the step's
-        log-prob pass (rollout, no grad) or of its PPO update (update, with grad), or in all the logits of row I
-        of the generation's first forward (sampling: the draw fails); rank defaults to 0.
-    Points: step_begin, after_actor, after_critic, before_manifest, before_latest (the last four are inside
-    a checkpoint save; step is then the step being saved). Steps: 3, 3,5 or 4-6.
-    """
+    """Parse ``VERL_DS_FAULT``: faults separated by ``;``, each ``action=value`` then ``:key=value`` options
+    (``kill_at``, ``hang_at``, ``signal_at`` at a point of FAULT_POINTS; ``nan_logits_at_step`` in a phase of
+    PHASES). docs/reliability.md, "Fault injection for tests", has the table."""
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         head, *opts = item.split(":")
