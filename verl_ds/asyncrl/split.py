@@ -77,8 +77,10 @@ class RemoteRollout:
 
     def _payload(self) -> dict:
         tr = self.trainer
-        return {"hot": tr.state.snapshot(), "step": int(tr.state.get("global_step")),
-                "samplers": tr.c.sampler.state_dict()}
+        # the whole SharedState (values and version) and the active reward: every hot change applied at this step
+        # boundary reaches the generation ranks with the request for the batch they make next
+        return {"state": tr.state.state_dict(), "reward_spec": dict(tr.boundary.reward_spec),
+                "step": int(tr.state.get("global_step")), "samplers": tr.c.sampler.state_dict()}
 
     def _send(self) -> None:
         _control(self.pl.bridge, _WEIGHTS, payload=self._payload())
@@ -146,7 +148,9 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
     state = SharedState(rank=0)
     model = build_actor_model(cfg, tok)
     actor = PolicyModel(model, state=state)
-    reward = build_reward(cfg, tok, derived, state=state)
+    spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
+            "model_weight": cfg.reward.model_weight}  # the trainer's StepBoundary starts from the same spec
+    scorer = {"spec": spec, "reward": build_reward(cfg, tok, derived, state=state)}
     samplers = {t: DistributedPromptSampler(len(data.train), derived.prompts_per_rank, t, placement.n_train,
                                             seed=cfg.trainer.seed) for t in served}
     cmd, code, msg = _control(placement.bridge)  # the first weights and the data position
@@ -155,16 +159,29 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
     for t in served:
         samplers[t].load_state_dict(msg["samplers"])
 
+    def follow(msg) -> None:
+        """Take the training ranks' SharedState and reward as of their latest step boundary."""
+        state.load_state_dict(msg["state"])
+        if msg["reward_spec"] != scorer["spec"]:  # swapped (or restored on resume): built and tried by the trainers
+            s, old = msg["reward_spec"], scorer["reward"]
+            getattr(old, "close", lambda: None)()
+            scorer["reward"] = build_reward(cfg, tok, derived, s["functions"], s.get("model_path"),
+                                            s.get("model_weight"), state=state)
+            scorer["spec"] = s
+            log.info("generation rank %d: reward swapped to %s at step %d", placement.rank, s, msg["step"])
+
     def generate(msg) -> dict:
-        hot, out = msg["hot"], {}
+        follow(msg)
+        hot, out = state.snapshot(), {}
         sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
         for t in served:
             indices = samplers[t].next_batch()
             prompts = collate_prompts([data.train[i] for i in indices], tok.pad_token_id, "cpu")
             t0 = time.perf_counter()
-            ro = collect(lambda: prompts, actor, reward, tok, sampling=sampling, n=cfg.rollout.n, timings=Timings(),
-                         overlong=(cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor))
+            ro = collect(lambda: prompts, actor, scorer["reward"], tok, sampling=sampling, n=cfg.rollout.n,
+                         timings=Timings(), overlong=(cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor))
             ro.metrics.update({"async/generated_at_step": torch.tensor(float(msg["step"])),
+                               "async/state_version": torch.tensor(float(state.version)),
                                "async/gen_busy_s": torch.tensor(time.perf_counter() - t0)})
             out[t] = ro
         return out
