@@ -102,7 +102,7 @@ class RemoteRollout:
                                     f"or failed (its log says why): {str(exc).splitlines()[0]}") from None
         from verl_ds.batch import RolloutBatch
 
-        batch = RolloutBatch(extras=msg["extras"], **msg["fields"])
+        batch = RolloutBatch(extras=msg["extras"], **msg["fields"]).to(self.trainer.actor_engine.device)
         return Rollout(batch=batch, responses=msg["responses"], metrics=msg["metrics"])
 
     def refresh(self) -> None:
@@ -146,7 +146,7 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
     derived = validate(cfg, placement.n_train)
     tok = data.tokenizer
     state = SharedState(rank=0)
-    model = build_actor_model(cfg, tok)
+    model = build_actor_model(cfg, tok).to(placement.device)
     actor = PolicyModel(model, state=state)
     spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
             "model_weight": cfg.reward.model_weight}  # the trainer's StepBoundary starts from the same spec
@@ -176,7 +176,7 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
         sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
         for t in served:
             indices = samplers[t].next_batch()
-            prompts = collate_prompts([data.train[i] for i in indices], tok.pad_token_id, "cpu")
+            prompts = collate_prompts([data.train[i] for i in indices], tok.pad_token_id, placement.device)
             t0 = time.perf_counter()
             ro = collect(lambda: prompts, actor, scorer["reward"], tok, sampling=sampling, n=cfg.rollout.n,
                          timings=Timings(), overlong=(cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor))
@@ -197,9 +197,10 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
                 ready = generate(msg)
         elif cmd == _REQUEST:  # send the batch made ahead, then make the next one while the trainers train
             for t, ro in ready.items():
-                b = ro.batch  # plain data: fields, extras, texts, metrics
+                b = ro.batch.to("cpu")  # plain host data over the gloo bridge: fields, extras, texts, metrics
+                metrics = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in ro.metrics.items()}
                 _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
-                                             "responses": ro.responses, "metrics": ro.metrics}, t)
+                                             "responses": ro.responses, "metrics": metrics}, t)
             ready = generate(msg)
         cmd, code, msg = _control(placement.bridge)
 
@@ -209,14 +210,16 @@ def start(cfg, launch, data):
     (launch, its exit code), a training rank returns (its launch info within the training ranks' world, None)."""
     import dataclasses
 
-    from verl_ds.asyncrl.placement import split_groups
+    from verl_ds.asyncrl.placement import rank_device, split_groups, weight_backend
 
+    device = rank_device(cfg.trainer.device, launch.local_rank)
     pl = split_groups(launch.rank, launch.world_size, launch.master_addr, launch.master_port,
-                      cfg.rollout.split_ranks, cfg.trainer.dist_timeout_s)
+                      cfg.rollout.split_ranks, cfg.trainer.dist_timeout_s, device=device)
     if pl.role == "rollout":
         return launch, run_generation_rank(cfg, pl, data)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm on the training ranks' group, made above
+    # DeepSpeed's comm on the training ranks' group, made above (nccl on CUDA)
+    deepspeed.init_distributed(dist_backend=weight_backend(device))
     set_current(pl)
     return dataclasses.replace(launch, world_size=pl.n_train), None
