@@ -25,7 +25,7 @@ SPLIT = ["algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=4", "acto
 def _rows(out: str) -> dict:
     if not os.path.isfile(os.path.join(out, "metrics.jsonl")):
         return {}
-    return {m["step"]: m for m in read_metrics(out) if "async/generated_at_step" in m}
+    return {m["step"]: m for m in read_metrics(out) if "training/global_step" in m}
 
 
 def _wait(proc, predicate, what: str, log: str, timeout: float = 600.0):
@@ -40,17 +40,27 @@ def _wait(proc, predicate, what: str, log: str, timeout: float = 600.0):
     raise AssertionError(f"timed out waiting for {what}:\n{open(log).read()[-6000:]}")
 
 
-def test_a_patch_and_a_reward_swap_reach_the_generation_rank_at_their_step(tmp_path):
-    (tmp_path / "const.py").write_text(f"def const(prompts, responses, batch):\n    return [{CONST}] * len(responses)\n")
-    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+def _start(out: str, log: str, overrides=()):
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", TRAIN,
-            *merged([f"trainer.output_dir={out}"], FAST, SPLIT)]
+            *merged([f"trainer.output_dir={out}"], FAST, SPLIT, list(overrides))]
     with open(log, "w") as fh:
         proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=fh,
                                 stderr=subprocess.STDOUT, start_new_session=True)
+    url_file = os.path.join(out, "server_url.txt")
     try:
-        url_file = os.path.join(out, "server_url.txt")
         url = _wait(proc, lambda: os.path.isfile(url_file) and open(url_file).read().strip(), "the server URL", log)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc, url
+
+
+def test_a_patch_and_a_reward_swap_reach_the_generation_rank_at_their_step(tmp_path):
+    (tmp_path / "const.py").write_text(f"def const(prompts, responses, batch):\n    return [{CONST}] * len(responses)\n")
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+    proc, url = _start(out, log)
+    try:
         _wait(proc, lambda: _rows(out), "step 1 was logged", log)
         patch = call(url, "PATCH", "/v1/state", {"max_new_tokens": 2, "temperature": 0.5}, token=TOKEN)
         swap = call(url, "POST", "/v1/models/reward", {"function": f"{tmp_path}/const.py:const"}, token=TOKEN)
@@ -77,3 +87,26 @@ def test_a_patch_and_a_reward_swap_reach_the_generation_rank_at_their_step(tmp_p
     # the SharedState version the generation rank sampled under follows the trainer's (it only grows)
     versions = [r["async/state_version"] for _, r in made]
     assert versions == sorted(versions) and versions[-1] > versions[0]
+
+
+def test_a_lowered_max_staleness_reaches_the_streaming_generation_rank_at_its_step(tmp_path):
+    """rollout.mode=streaming on split ranks with max_staleness 1; a PATCH to 0 answered for step s: from step s on
+    every group trained is on-policy (a group made ahead is regenerated), and the generation rank waits for each
+    request before it starts the batch."""
+    out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
+    proc, url = _start(out, log, ["rollout.mode=streaming", "rollout.max_staleness=1"])
+    try:
+        _wait(proc, lambda: len(_rows(out)) >= 2, "step 2 was logged", log)
+        patch = call(url, "PATCH", "/v1/state", {"max_staleness": 0}, token=TOKEN)
+        assert patch.status == 202, patch
+        at = patch.json["applies_at_step"]
+        _wait(proc, lambda: at + 2 in _rows(out), f"step {at + 2} was logged", log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    rows = _rows(out)
+    assert max(rows[s]["async/staleness/max"] for s in rows if 1 < s < at) == 1  # it ran ahead before
+    for s in (at, at + 1, at + 2):
+        assert rows[s]["async/staleness/max"] == 0 and rows[s]["async/staleness_hist/0"] == 4, rows[s]
+    assert rows[at]["async/regenerated"] > 0  # the group made ahead under the old bound went stale

@@ -1,4 +1,5 @@
-"""Split placement (``rollout.split_ranks`` > 0, ``rollout.mode=one_step_off``): the last ``split_ranks`` ranks only
+"""Split placement (``rollout.split_ranks`` > 0, ``rollout.mode=one_step_off``; ``streaming``: the generation
+ranks' side is ``verl_ds.asyncrl.split_stream``, the training ranks' the same): the last ``split_ranks`` ranks only
 generate, the others train (``verl_ds.asyncrl.placement`` makes the groups and moves the weights).
 
 Per step, over the bridge group, in this order on every rank (so that no rank waits on another's different call):
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -87,12 +89,12 @@ class RemoteRollout:
         send_weights(self.trainer.actor_engine.module, self.pl)
 
     def next_rollout(self, step: int, timings: Timings) -> Rollout:
-        self.trainer.c.sampler.next_batch()  # kept in step with what was generated for this rank (checkpoints)
         with timings("gen_wait"):
             try:
                 if not self._started:  # the generation ranks start from this run's weights and data position
                     self._send()
                     self._started = True
+                self.trainer.c.sampler.next_batch()  # in step with what was generated for this rank (checkpoints)
                 _control(self.pl.bridge, _REQUEST, payload=self._payload())  # the batch made ahead; start the next
                 msg = _recv_obj(self.pl.bridge, self.src)
             except RuntimeError as exc:  # gloo: the peer closed the connection, or the bridge's timeout passed
@@ -129,9 +131,8 @@ class RemoteRollout:
             log.warning("split placement: could not stop the generation ranks: %s", str(exc).splitlines()[0])
 
 
-def run_generation_rank(cfg, placement: Placement, data) -> int:
-    """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
-    returns the exit code the training ranks sent."""
+def _setup(cfg, placement: Placement, data) -> SimpleNamespace:
+    """A generation rank's model, reward, SharedState and the samplers of the training ranks it serves."""
     from verl_ds.builder import build_reward
     from verl_ds.config.validate import validate
     from verl_ds.data import collate_prompts
@@ -142,46 +143,67 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
 
     n_gen = placement.world - placement.n_train
     me = placement.rank - placement.n_train
-    served = [t for t in range(placement.n_train) if t % n_gen == me]
-    derived = validate(cfg, placement.n_train)
-    tok = data.tokenizer
-    state = SharedState(rank=0)
-    model = build_actor_model(cfg, tok).to(placement.device)
-    actor = PolicyModel(model, state=state)
-    spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
-            "model_weight": cfg.reward.model_weight}  # the trainer's StepBoundary starts from the same spec
-    scorer = {"spec": spec, "reward": build_reward(cfg, tok, derived, state=state)}
-    samplers = {t: DistributedPromptSampler(len(data.train), derived.prompts_per_rank, t, placement.n_train,
-                                            seed=cfg.trainer.seed) for t in served}
-    cmd, code, msg = _control(placement.bridge)  # the first weights and the data position
-    if cmd == _STOP:
-        return code
-    for t in served:
-        samplers[t].load_state_dict(msg["samplers"])
+    g = SimpleNamespace(cfg=cfg, data=data, tok=data.tokenizer, state=SharedState(rank=0),
+                        served=[t for t in range(placement.n_train) if t % n_gen == me],
+                        derived=validate(cfg, placement.n_train), rank=placement.rank)
+    g.model = build_actor_model(cfg, g.tok).to(placement.device)
+    g.actor = PolicyModel(g.model, state=g.state)
+    g.spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
+              "model_weight": cfg.reward.model_weight}  # the trainer's StepBoundary starts from the same spec
+    g.reward = build_reward(cfg, g.tok, g.derived, state=g.state)
+    g.samplers = {t: DistributedPromptSampler(len(data.train), g.derived.prompts_per_rank, t, placement.n_train,
+                                              seed=cfg.trainer.seed) for t in g.served}
 
     def follow(msg) -> None:
         """Take the training ranks' SharedState and reward as of their latest step boundary."""
-        state.load_state_dict(msg["state"])
-        if msg["reward_spec"] != scorer["spec"]:  # swapped (or restored on resume): built and tried by the trainers
-            s, old = msg["reward_spec"], scorer["reward"]
+        g.state.load_state_dict(msg["state"])
+        if msg["reward_spec"] != g.spec:  # swapped (or restored on resume): built and tried by the trainers
+            s, old = msg["reward_spec"], g.reward
             getattr(old, "close", lambda: None)()
-            scorer["reward"] = build_reward(cfg, tok, derived, s["functions"], s.get("model_path"),
-                                            s.get("model_weight"), state=state)
-            scorer["spec"] = s
+            g.reward = build_reward(cfg, g.tok, g.derived, s["functions"], s.get("model_path"), s.get("model_weight"),
+                                    state=g.state)
+            g.spec = s
             log.info("generation rank %d: reward swapped to %s at step %d", placement.rank, s, msg["step"])
 
+    g.follow = follow
+    g.prompts = lambda indices: collate_prompts([data.train[i] for i in indices], g.tok.pad_token_id,
+                                                placement.device)
+    return g
+
+
+def send_rollout(placement: Placement, ro: Rollout, dst: int) -> None:
+    """One training rank's scored batch, as plain host data over the gloo bridge: fields, extras, texts, metrics."""
+    b = ro.batch.to("cpu")
+    metrics = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in ro.metrics.items()}
+    _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
+                                 "responses": ro.responses, "metrics": metrics}, dst)
+
+
+def run_generation_rank(cfg, placement: Placement, data) -> int:
+    """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
+    returns the exit code the training ranks sent. ``rollout.mode=streaming``: ``verl_ds.asyncrl.split_stream``."""
+    g = _setup(cfg, placement, data)
+    cmd, code, msg = _control(placement.bridge)  # the first weights and the data position
+    if cmd == _STOP:
+        return code
+    for t in g.served:
+        g.samplers[t].load_state_dict(msg["samplers"])
+    if cfg.rollout.mode == "streaming":
+        from verl_ds.asyncrl.split_stream import serve_streaming
+
+        return serve_streaming(placement, g, msg)
+
     def generate(msg) -> dict:
-        follow(msg)
-        hot, out = state.snapshot(), {}
+        g.follow(msg)
+        hot, out = g.state.snapshot(), {}
         sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
-        for t in served:
-            indices = samplers[t].next_batch()
-            prompts = collate_prompts([data.train[i] for i in indices], tok.pad_token_id, placement.device)
+        for t in g.served:
+            prompts = g.prompts(g.samplers[t].next_batch())
             t0 = time.perf_counter()
-            ro = collect(lambda: prompts, actor, scorer["reward"], tok, sampling=sampling, n=cfg.rollout.n,
+            ro = collect(lambda: prompts, g.actor, g.reward, g.tok, sampling=sampling, n=cfg.rollout.n,
                          timings=Timings(), overlong=(cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor))
             ro.metrics.update({"async/generated_at_step": torch.tensor(float(msg["step"])),
-                               "async/state_version": torch.tensor(float(state.version)),
+                               "async/state_version": torch.tensor(float(g.state.version)),
                                "async/gen_busy_s": torch.tensor(time.perf_counter() - t0)})
             out[t] = ro
         return out
@@ -191,16 +213,13 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
         if cmd == _STOP:
             return code
         if cmd == _WEIGHTS:
-            receive_weights(model, placement)
-            actor.rollout_engine.refresh()
+            receive_weights(g.model, placement)
+            g.actor.rollout_engine.refresh()
             if ready is None:  # the first batch, right after the first weights
                 ready = generate(msg)
         elif cmd == _REQUEST:  # send the batch made ahead, then make the next one while the trainers train
             for t, ro in ready.items():
-                b = ro.batch.to("cpu")  # plain host data over the gloo bridge: fields, extras, texts, metrics
-                metrics = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in ro.metrics.items()}
-                _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
-                                             "responses": ro.responses, "metrics": metrics}, t)
+                send_rollout(placement, ro, t)
             ready = generate(msg)
         cmd, code, msg = _control(placement.bridge)
 
