@@ -63,3 +63,17 @@ def test_a_raising_streaming_generation_rank_stops_the_trainer_naming_it(tmp_pat
     text = proc.stdout + proc.stderr
     assert "RuntimeError: reward server unreachable" in text  # the generation rank's own report
     assert "rank 0: ProducerError: generation rank 1 (rollout.split_ranks) sent no batch" in text, text[-3000:]
+
+
+def test_one_generation_rank_streams_for_two_training_ranks_within_the_bound(tmp_path):
+    """3 ranks: ranks 0-1 train (ZeRO-3 over 2), rank 2 generates for both (one bounded queue each) with
+    max_staleness 2 and stale groups dropped."""
+    out = str(tmp_path / "run")
+    run_train(out, [*GRPO, *SPLIT, "rollout.max_staleness=2", "rollout.stale_samples=drop", "trainer.total_steps=4"],
+              nproc=3, timeout=900)
+    rows = [r for r in read_metrics(out) if "training/global_step" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["async/staleness/max"] <= 2 for r in rows)
+    # 2 groups per training rank and step, averaged over the two ranks: every admitted group is counted once
+    assert all(sum(r[f"async/staleness_hist/{s}"] for s in range(3)) == 2 for r in rows)
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
