@@ -2,11 +2,13 @@
 
 ``split_groups``: the training ranks (the first ``world - rollout_ranks``) make the default process group among
 themselves alone, so DeepSpeed ZeRO-3, ``verl_ds.dist`` and every collective of the trainer see a smaller world
-unchanged; a second gloo group over every rank (the bridge), from the same TCP store, carries the weights and the
-samples. ``send_weights`` (every training rank) / ``receive_weights`` (every generation rank) move the weights over
-the bridge from training rank 0: one module's ZeRO-3 partitions gathered at a time (``engines.hf_weights``), packed
-into flat buckets of at most ``bucket_bytes``, one broadcast per bucket; never through files. Both sides derive the
-same bucket plan from the model's (name, shape, dtype) list, checked first with one broadcast of its digest.
+unchanged; a second gloo group over every rank (the bridge), from the same TCP store, carries the control messages
+and the samples. The weights go over the bridge too on CPU, over a third group among the same ranks on CUDA: NCCL,
+the buckets staying on the GPUs (``weight_backend``). ``send_weights`` (every training rank) / ``receive_weights``
+(every generation rank) move the weights from training rank 0: one module's ZeRO-3 partitions gathered at a time
+(``engines.hf_weights``), packed into flat buckets of at most ``bucket_bytes``, one broadcast per bucket; never
+through files. Both sides derive the same bucket plan from the model's (name, shape, dtype) list, checked first
+with one broadcast of its digest over the bridge.
 
 The generation ranks' loop is ``verl_ds.asyncrl.split``.
 """
@@ -28,28 +30,62 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 
 @dataclass
 class Placement:
-    """This rank's role ("train" or "rollout"), the bridge group over every rank and the training ranks' count."""
+    """This rank's role ("train" or "rollout"), the bridge group over every rank and the training ranks' count;
+    ``weights``: the group the weight buckets go over (None: the bridge), on ``device``."""
     role: str
     bridge: object
     rank: int
     world: int
     n_train: int
+    weights: object = None
+    device: str = "cpu"
+
+    @property
+    def weight_group(self):
+        return self.bridge if self.weights is None else self.weights
+
+
+def weight_backend(device) -> str:
+    """The backend of the training ranks' group and of the weight broadcast: nccl when the ranks compute on CUDA
+    (the buckets never leave the GPUs), gloo otherwise. Control messages and samples always take the gloo bridge."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """This rank's device for ``trainer.device`` (auto: CUDA when there is one), one GPU per local rank as
+    ``verl_ds.dist.init_distributed`` picks it."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type != "cuda":
+        return device
+    return f"cuda:{local_rank % max(1, torch.cuda.device_count())}"
+
+
+def _nccl_group(store, rank: int, world: int, timeout: datetime.timedelta):
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout  # as torch.distributed's own group helper sets it (no public setter)
+    return dist.ProcessGroupNCCL(store, rank, world, opts)
 
 
 def split_groups(rank: int, world: int, master_addr: str, master_port: int, rollout_ranks: int,
-                 timeout_s: float) -> Placement:
-    """Make the training ranks' default group (ranks 0..world-rollout_ranks-1) and the bridge over all ranks."""
+                 timeout_s: float, device: str = "cpu") -> Placement:
+    """Make the training ranks' default group (ranks 0..world-rollout_ranks-1), the bridge over all ranks and, on
+    CUDA (``device`` "cuda:<i>", this rank's GPU), the NCCL weight group over all ranks."""
     if not 1 <= rollout_ranks < world:
         raise ValueError(f"split placement needs 1 <= rollout ranks < world size {world}, got {rollout_ranks}")
     timeout = datetime.timedelta(seconds=timeout_s)
+    backend = weight_backend(device)
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))  # NCCL binds each rank's communicator to its current device
     store = dist.TCPStore(master_addr, master_port, world_size=None, is_master=rank == 0, wait_for_workers=False,
                           timeout=timeout)
     n_train = world - rollout_ranks
     if rank < n_train and not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.PrefixStore("train", store), rank=rank, world_size=n_train,
+        dist.init_process_group(backend, store=dist.PrefixStore("train", store), rank=rank, world_size=n_train,
                                 timeout=timeout)
     bridge = dist.ProcessGroupGloo(dist.PrefixStore("bridge", store), rank, world, timeout)
-    return Placement("train" if rank < n_train else "rollout", bridge, rank, world, n_train)
+    weights = _nccl_group(dist.PrefixStore("weights", store), rank, world, timeout) if backend == "nccl" else None
+    return Placement("train" if rank < n_train else "rollout", bridge, rank, world, n_train, weights, str(device))
 
 
 def _entries(module) -> list:
@@ -93,9 +129,9 @@ def send_weights(module, placement: Placement, bucket_bytes: int = DEFAULT_BUCKE
     for params, outs in groups:
         with gathered(params):
             for name, _, _, produce in outs:
-                pending.append(produce().detach().reshape(-1).clone())
+                pending.append(produce().detach().reshape(-1).to(placement.device, copy=True))
                 if i in ends:
-                    placement.bridge.broadcast(torch.cat(pending), 0).wait()
+                    placement.weight_group.broadcast(torch.cat(pending), 0).wait()
                     pending = []
                 i += 1
     return time.perf_counter() - t0
@@ -111,8 +147,8 @@ def receive_weights(model, placement: Placement, bucket_bytes: int = DEFAULT_BUC
     targets = dict(model.named_parameters(remove_duplicate=False))
     for bucket in _plan(entries, bucket_bytes):
         sizes = [torch.Size(entries[i][1]).numel() for i in bucket]
-        flat = torch.empty(sum(sizes), dtype=entries[bucket[0]][2])
-        placement.bridge.broadcast(flat, 0).wait()
+        flat = torch.empty(sum(sizes), dtype=entries[bucket[0]][2], device=placement.device)
+        placement.weight_group.broadcast(flat, 0).wait()
         for i, part in zip(bucket, flat.split(sizes)):
             name, shape, _ = entries[i]
             targets[name].copy_(part.view(shape))

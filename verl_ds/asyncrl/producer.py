@@ -227,7 +227,10 @@ class AsyncRollout:
             ro.batch.extras["actor_versions"] = [versions] * len(ro.batch)
         return ro
 
-    def _groups(self, ro: Rollout, indices: list) -> list:
+    @staticmethod
+    def _groups(ro: Rollout, indices: list) -> list:
+        """A sampled and scored batch as one Group per prompt (``extras["actor_versions"]``: each row's versions);
+        also the split generation ranks' (``verl_ds.asyncrl.split_stream``)."""
         b = ro.batch
         per_row = b.extras.pop("actor_versions")
         R = b.response_width

@@ -1,4 +1,5 @@
-"""Split placement (``rollout.split_ranks`` > 0, ``rollout.mode=one_step_off``): the last ``split_ranks`` ranks only
+"""Split placement (``rollout.split_ranks`` > 0, ``rollout.mode=one_step_off``; ``streaming``: the generation
+ranks' side is ``verl_ds.asyncrl.split_stream``, the training ranks' the same): the last ``split_ranks`` ranks only
 generate, the others train (``verl_ds.asyncrl.placement`` makes the groups and moves the weights).
 
 Per step, over the bridge group, in this order on every rank (so that no rank waits on another's different call):
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import pickle
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -77,20 +79,22 @@ class RemoteRollout:
 
     def _payload(self) -> dict:
         tr = self.trainer
-        return {"hot": tr.state.snapshot(), "step": int(tr.state.get("global_step")),
-                "samplers": tr.c.sampler.state_dict()}
+        # the whole SharedState (values and version) and the active reward: every hot change applied at this step
+        # boundary reaches the generation ranks with the request for the batch they make next
+        return {"state": tr.state.state_dict(), "reward_spec": dict(tr.boundary.reward_spec),
+                "step": int(tr.state.get("global_step")), "samplers": tr.c.sampler.state_dict()}
 
     def _send(self) -> None:
         _control(self.pl.bridge, _WEIGHTS, payload=self._payload())
         send_weights(self.trainer.actor_engine.module, self.pl)
 
     def next_rollout(self, step: int, timings: Timings) -> Rollout:
-        self.trainer.c.sampler.next_batch()  # kept in step with what was generated for this rank (checkpoints)
         with timings("gen_wait"):
             try:
                 if not self._started:  # the generation ranks start from this run's weights and data position
                     self._send()
                     self._started = True
+                self.trainer.c.sampler.next_batch()  # in step with what was generated for this rank (checkpoints)
                 _control(self.pl.bridge, _REQUEST, payload=self._payload())  # the batch made ahead; start the next
                 msg = _recv_obj(self.pl.bridge, self.src)
             except RuntimeError as exc:  # gloo: the peer closed the connection, or the bridge's timeout passed
@@ -100,7 +104,7 @@ class RemoteRollout:
                                     f"or failed (its log says why): {str(exc).splitlines()[0]}") from None
         from verl_ds.batch import RolloutBatch
 
-        batch = RolloutBatch(extras=msg["extras"], **msg["fields"])
+        batch = RolloutBatch(extras=msg["extras"], **msg["fields"]).to(self.trainer.actor_engine.device)
         return Rollout(batch=batch, responses=msg["responses"], metrics=msg["metrics"])
 
     def refresh(self) -> None:
@@ -127,9 +131,8 @@ class RemoteRollout:
             log.warning("split placement: could not stop the generation ranks: %s", str(exc).splitlines()[0])
 
 
-def run_generation_rank(cfg, placement: Placement, data) -> int:
-    """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
-    returns the exit code the training ranks sent."""
+def _setup(cfg, placement: Placement, data) -> SimpleNamespace:
+    """A generation rank's model, reward, SharedState and the samplers of the training ranks it serves."""
     from verl_ds.builder import build_reward
     from verl_ds.config.validate import validate
     from verl_ds.data import collate_prompts
@@ -140,31 +143,67 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
 
     n_gen = placement.world - placement.n_train
     me = placement.rank - placement.n_train
-    served = [t for t in range(placement.n_train) if t % n_gen == me]
-    derived = validate(cfg, placement.n_train)
-    tok = data.tokenizer
-    state = SharedState(rank=0)
-    model = build_actor_model(cfg, tok)
-    actor = PolicyModel(model, state=state)
-    reward = build_reward(cfg, tok, derived, state=state)
-    samplers = {t: DistributedPromptSampler(len(data.train), derived.prompts_per_rank, t, placement.n_train,
-                                            seed=cfg.trainer.seed) for t in served}
+    g = SimpleNamespace(cfg=cfg, data=data, tok=data.tokenizer, state=SharedState(rank=0),
+                        served=[t for t in range(placement.n_train) if t % n_gen == me],
+                        derived=validate(cfg, placement.n_train), rank=placement.rank)
+    g.model = build_actor_model(cfg, g.tok).to(placement.device)
+    g.actor = PolicyModel(g.model, state=g.state)
+    g.spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
+              "model_weight": cfg.reward.model_weight}  # the trainer's StepBoundary starts from the same spec
+    g.reward = build_reward(cfg, g.tok, g.derived, state=g.state)
+    g.samplers = {t: DistributedPromptSampler(len(data.train), g.derived.prompts_per_rank, t, placement.n_train,
+                                              seed=cfg.trainer.seed) for t in g.served}
+
+    def follow(msg) -> None:
+        """Take the training ranks' SharedState and reward as of their latest step boundary."""
+        g.state.load_state_dict(msg["state"])
+        if msg["reward_spec"] != g.spec:  # swapped (or restored on resume): built and tried by the trainers
+            s, old = msg["reward_spec"], g.reward
+            getattr(old, "close", lambda: None)()
+            g.reward = build_reward(cfg, g.tok, g.derived, s["functions"], s.get("model_path"), s.get("model_weight"),
+                                    state=g.state)
+            g.spec = s
+            log.info("generation rank %d: reward swapped to %s at step %d", placement.rank, s, msg["step"])
+
+    g.follow = follow
+    g.prompts = lambda indices: collate_prompts([data.train[i] for i in indices], g.tok.pad_token_id,
+                                                placement.device)
+    return g
+
+
+def send_rollout(placement: Placement, ro: Rollout, dst: int) -> None:
+    """One training rank's scored batch, as plain host data over the gloo bridge: fields, extras, texts, metrics."""
+    b = ro.batch.to("cpu")
+    metrics = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in ro.metrics.items()}
+    _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
+                                 "responses": ro.responses, "metrics": metrics}, dst)
+
+
+def run_generation_rank(cfg, placement: Placement, data) -> int:
+    """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
+    returns the exit code the training ranks sent. ``rollout.mode=streaming``: ``verl_ds.asyncrl.split_stream``."""
+    g = _setup(cfg, placement, data)
     cmd, code, msg = _control(placement.bridge)  # the first weights and the data position
     if cmd == _STOP:
         return code
-    for t in served:
-        samplers[t].load_state_dict(msg["samplers"])
+    for t in g.served:
+        g.samplers[t].load_state_dict(msg["samplers"])
+    if cfg.rollout.mode == "streaming":
+        from verl_ds.asyncrl.split_stream import serve_streaming
+
+        return serve_streaming(placement, g, msg)
 
     def generate(msg) -> dict:
-        hot, out = msg["hot"], {}
+        g.follow(msg)
+        hot, out = g.state.snapshot(), {}
         sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
-        for t in served:
-            indices = samplers[t].next_batch()
-            prompts = collate_prompts([data.train[i] for i in indices], tok.pad_token_id, "cpu")
+        for t in g.served:
+            prompts = g.prompts(g.samplers[t].next_batch())
             t0 = time.perf_counter()
-            ro = collect(lambda: prompts, actor, reward, tok, sampling=sampling, n=cfg.rollout.n, timings=Timings(),
-                         overlong=(cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor))
+            ro = collect(lambda: prompts, g.actor, g.reward, g.tok, sampling=sampling, n=cfg.rollout.n,
+                         timings=Timings(), overlong=(cfg.algo.overlong_buffer, cfg.algo.overlong_penalty_factor))
             ro.metrics.update({"async/generated_at_step": torch.tensor(float(msg["step"])),
+                               "async/state_version": torch.tensor(float(g.state.version)),
                                "async/gen_busy_s": torch.tensor(time.perf_counter() - t0)})
             out[t] = ro
         return out
@@ -174,15 +213,13 @@ def run_generation_rank(cfg, placement: Placement, data) -> int:
         if cmd == _STOP:
             return code
         if cmd == _WEIGHTS:
-            receive_weights(model, placement)
-            actor.rollout_engine.refresh()
+            receive_weights(g.model, placement)
+            g.actor.rollout_engine.refresh()
             if ready is None:  # the first batch, right after the first weights
                 ready = generate(msg)
         elif cmd == _REQUEST:  # send the batch made ahead, then make the next one while the trainers train
             for t, ro in ready.items():
-                b = ro.batch  # plain data: fields, extras, texts, metrics
-                _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
-                                             "responses": ro.responses, "metrics": ro.metrics}, t)
+                send_rollout(placement, ro, t)
             ready = generate(msg)
         cmd, code, msg = _control(placement.bridge)
 
@@ -192,14 +229,16 @@ def start(cfg, launch, data):
     (launch, its exit code), a training rank returns (its launch info within the training ranks' world, None)."""
     import dataclasses
 
-    from verl_ds.asyncrl.placement import split_groups
+    from verl_ds.asyncrl.placement import rank_device, split_groups, weight_backend
 
+    device = rank_device(cfg.trainer.device, launch.local_rank)
     pl = split_groups(launch.rank, launch.world_size, launch.master_addr, launch.master_port,
-                      cfg.rollout.split_ranks, cfg.trainer.dist_timeout_s)
+                      cfg.rollout.split_ranks, cfg.trainer.dist_timeout_s, device=device)
     if pl.role == "rollout":
         return launch, run_generation_rank(cfg, pl, data)
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm on the training ranks' group, made above
+    # DeepSpeed's comm on the training ranks' group, made above (nccl on CUDA)
+    deepspeed.init_distributed(dist_backend=weight_backend(device))
     set_current(pl)
     return dataclasses.replace(launch, world_size=pl.n_train), None

@@ -199,8 +199,9 @@ def _check_async(cfg: Config) -> None:
            (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true (its rounds are agreed over ranks)"),
            (cfg.agent.environment is not None, "agent.environment (multi-turn episodes)")]
     bad = [w for cond, w in why if cond]
-    if r.split_ranks and r.mode != "one_step_off":
-        raise ConfigError(f"rollout.split_ranks={r.split_ranks} needs rollout.mode=one_step_off, got {r.mode}")
+    if r.split_ranks and r.mode == "sync":
+        raise ConfigError(f"rollout.split_ranks={r.split_ranks} needs rollout.mode=one_step_off or streaming, got "
+                          f"{r.mode}")
     if bad:
         raise ConfigError(f"rollout.mode={r.mode} generates in a thread beside training and cannot run with "
                           f"{'; '.join(bad)}; use rollout.mode=sync")
