@@ -17,7 +17,7 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -198,9 +198,11 @@ class RewardModel(RewardRole):
         return scores.float()
 
     # ---- composition ---------------------------------------------------------------------------------
-    def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str]):
+    def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str],
+                        per_sample: Optional[dict] = None):
         """Token-level scores (B, R) float32 and metrics ``reward/<name>/mean`` (unweighted, per-sample
-        sums averaged over the batch).
+        sums averaged over the batch). ``per_sample``, a dict, receives each metric's (B,) per-sample sums (a
+        metric over a subset of the rows is their mean: ``verl_ds.rollout.sample_means``).
 
         batch: a RolloutBatch with observation, mask, response_length (and done for per-token
         functions with eos_reward="zero"). Batch-mode scores go on column response_length - 1.
@@ -223,7 +225,7 @@ class RewardModel(RewardRole):
         rows = torch.arange(B, device=device)
         valid = torch.arange(R, device=device).unsqueeze(0) < rl.unsqueeze(1)  # (B, R)
         total = torch.zeros(B, R, dtype=torch.float32, device=device)
-        metrics: dict[str, torch.Tensor] = {}
+        parts: dict[str, torch.Tensor] = {}  # metric name -> (B,) per-sample sums
 
         def place(seq_scores: torch.Tensor) -> torch.Tensor:
             mat = torch.zeros(B, R, dtype=torch.float32, device=device)
@@ -233,7 +235,7 @@ class RewardModel(RewardRole):
         if self.model is not None:
             mat = place(self.get_reward(batch.observation, batch.mask))
             total += self.model_weight * mat
-            metrics[f"reward/{self.model_name}/mean"] = mat.sum(-1).mean()
+            parts[f"reward/{self.model_name}/mean"] = mat.sum(-1)
         for entry in fns:
             raw = self._call_chunked(entry, list(prompts), list(responses), batch)
             if entry.per_token:
@@ -246,8 +248,10 @@ class RewardModel(RewardRole):
             else:
                 mat = place(_to_seq_scores(raw, entry.name, B))
             total += entry.weight * mat
-            metrics[f"reward/{entry.name}/mean"] = mat.sum(-1).mean()
-        return total, metrics
+            parts[f"reward/{entry.name}/mean"] = mat.sum(-1)
+        if per_sample is not None:
+            per_sample.update(parts)
+        return total, {k: v.mean() for k, v in parts.items()}
 
     def _call_chunked(self, entry: _RewardFn, prompts: list, responses: list, batch: Any) -> Any:
         """``entry.fn`` on the whole batch, or on ``num_workers`` contiguous chunks in a thread pool (the results
