@@ -1,6 +1,7 @@
 """The reward metrics of an asynchronous step describe the samples it trains, also when its groups come from two
 generation calls (a real Trainer at world size 1, a real generation thread and HF generate): a checkpoint's queued
-group (scored 1.0) and a prompt that was in flight, generated again after the resume (scored 0.25)."""
+group (scored 1.0) and a prompt that was in flight, generated again after the resume (scored 0.25). A saved group
+that follows a prompt to generate (dealt so by a resume at another world size) is queued in its turn."""
 import os
 import sys
 
@@ -39,7 +40,10 @@ trainer.asyncrl.close()
 # the checkpoint as if it had been written while step 2's second prompt was still being generated
 mine = state["ranks"][0]
 kept, pending = mine["queue"][:2]
-mine.update(queue=[kept], inflight=[[pending["index"], 2]], redo=[])
+if sys.argv[3] == "queued_first":
+    mine.update(queue=[kept], inflight=[[pending["index"], 2]], redo=[])
+else:  # the prompt first, then the saved group
+    mine.update(queue=[], inflight=[], redo=[pending["index"], kept])
 os.environ["SCORE"] = "0.25"
 trainer.asyncrl = AsyncRollout(trainer)  # what a resumed run starts with
 trainer.asyncrl.load_state_dict(state)
@@ -52,7 +56,8 @@ vdist.shutdown()
 
 
 @pytest.mark.timeout(900)
-def test_a_step_of_two_generation_calls_logs_the_mean_reward_of_the_samples_it_trains(tmp_path):
+@pytest.mark.parametrize("order", ["queued_first", "prompt_first"])
+def test_a_step_of_two_generation_calls_logs_the_mean_reward_of_the_samples_it_trains(tmp_path, order):
     import json
 
     path = tmp_path / "reward.py"
@@ -61,7 +66,7 @@ def test_a_step_of_two_generation_calls_logs_the_mean_reward_of_the_samples_it_t
         "algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=2", "actor.mini_batch_size=4",
         "actor.micro_batch_size=2", "trainer.val_every=0", "trainer.export_hf=false", "trainer.device=cpu",
         "rollout.mode=streaming", "rollout.max_staleness=1", f"reward.functions=[{path}:score]"])
-    (res,) = run_ranks(WORKER, 1, tmp_path, args=(json.dumps(overrides),), timeout=800)
+    (res,) = run_ranks(WORKER, 1, tmp_path, args=(json.dumps(overrides), order), timeout=800)
     m = res["metrics"]
     # 2 samples scored 1.0 (the saved group) and 2 scored 0.25 (its prompt generated again): (2 + 0.5) / 4
     assert m["training/global_step"] == 2

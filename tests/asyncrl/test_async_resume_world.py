@@ -47,7 +47,8 @@ def test_resume_at_another_world_size_trains_the_saved_runs_next_batches(tmp_pat
     for step in (3, 4, 5):  # the same prompts: the queued and in-flight ones, then the sampler's next batches
         for key in ("rollout/score/mean", "prompt_length/mean"):
             assert got[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
-    # where every saved rank had its whole share of step 3 queued, step 3 trained those very samples
+    # a step for which every saved rank had its whole share queued trains those very samples
     per_rank = PER_STEP // saved_world
-    if all(len(r["queue"]) >= per_rank for r in state["ranks"]):
-        assert got[3]["response_length/mean"] == pytest.approx(expected[3]["response_length/mean"], rel=1e-6)
+    queued = min(len(r["queue"]) for r in state["ranks"]) // per_rank
+    for step in range(3, 3 + min(queued, 3)):
+        assert got[step]["response_length/mean"] == pytest.approx(expected[step]["response_length/mean"], rel=1e-6)
