@@ -14,10 +14,20 @@ from verl_ds.metrics import Timings
 
 @dataclass
 class Rollout:
-    """What one rollout produced: the batch (scores set), the decoded responses and the reward metrics."""
+    """What one rollout produced: the batch (scores set), the decoded responses and the reward metrics.
+
+    ``per_sample``: for the metrics that are means over the samples (the reward's, the overlong penalty's), each
+    one's (B,) per-sample values, row for row with ``batch``: ``sample_means`` of any selection of the rows gives
+    those metrics for that selection (the asynchronous rollouts' step is made of groups from several calls)."""
     batch: RolloutBatch
     responses: list[str]
     metrics: dict = field(default_factory=dict)
+    per_sample: dict = field(default_factory=dict)
+
+
+def sample_means(per_sample: dict) -> dict:
+    """The metrics of ``Rollout.per_sample`` values: each one's mean over the samples."""
+    return {k: v.float().mean() for k, v in per_sample.items()}
 
 
 class SamplingError(RuntimeError):
@@ -63,9 +73,9 @@ def rollout_and_score(actor, reward, tokenizer, prompts: dict, *, max_new_tokens
     with t("reward"):
         responses = tokenizer.batch_decode(
             [r[:k] for r, k in zip(batch.action.tolist(), batch.response_length.tolist())], skip_special_tokens=True)
-        scores, metrics = reward.compute_rewards(batch, prompts["prompts"], responses)
-        batch.scores = scores
-    return Rollout(batch=batch, responses=responses, metrics=metrics)
+        parts: dict = {}
+        batch.scores, _ = reward.compute_rewards(batch, prompts["prompts"], responses, per_sample=parts)
+    return Rollout(batch=batch, responses=responses, metrics=sample_means(parts), per_sample=parts)
 
 
 def _pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_token_id: int) -> RolloutBatch:
@@ -84,12 +94,12 @@ def _pad_to(batch: RolloutBatch, prompt_width: int, response_width: int, pad_tok
 
 
 def _add_overlong_penalty(batch: RolloutBatch, max_new_tokens: int, overlong: tuple) -> torch.Tensor:
-    """Add DAPO's overlong penalty to each response's score at its last token; returns the penalties' mean."""
+    """Add DAPO's overlong penalty to each response's score at its last token; returns the (B,) penalties."""
     from verl_ds import algos
 
     penalty = algos.overlong_reward_penalty(batch.response_length, max_new_tokens, *overlong)
     batch.scores[torch.arange(len(batch)), batch.response_length - 1] += penalty.to(batch.scores)
-    return penalty.mean()
+    return penalty
 
 
 def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, timings: Timings,
@@ -120,8 +130,10 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
         b = ro.batch
         b.group_index = b.group_index + rounds * target  # unique over the rounds of this step
         verified = b.scores.sum(-1)  # the reward's own score, before shaping: what dynamic sampling filters on
+        parts = dict(ro.per_sample)
         if shaping:
-            metrics["reward/overlong_penalty/mean"] = _add_overlong_penalty(b, sampling["max_new_tokens"], overlong)
+            parts["reward/overlong_penalty/mean"] = _add_overlong_penalty(b, sampling["max_new_tokens"], overlong)
+            metrics["reward/overlong_penalty/mean"] = parts["reward/overlong_penalty/mean"].mean()
         if greedy_baseline:
             with timings("gen_baseline"):
                 base = rollout_fn(actor, reward, tokenizer, prompts, greedy=True,
@@ -156,4 +168,5 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
                         "rollout/groups_dropped": torch.tensor(float(sum(len(d) for d in dropped) // n)),
                         "rollout/groups_filled": torch.tensor(float(filled))})
     responses = list(batch.extras.pop("response_text"))
-    return Rollout(batch=batch, responses=responses, metrics=metrics)
+    # dynamic sampling keeps some rows of several rounds: its per-sample values are not carried
+    return Rollout(batch=batch, responses=responses, metrics=metrics, per_sample={} if dynamic else parts)

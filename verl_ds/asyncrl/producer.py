@@ -24,8 +24,9 @@ import torch
 
 from verl_ds import dist as vdist
 from verl_ds.asyncrl.queue import Group, ProducerError, SampleQueue
+from verl_ds.asyncrl.reshard import reshard
 from verl_ds.metrics import Timings
-from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score
+from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score, sample_means
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,9 @@ class AsyncRollout:
         self.gate = WeightGate(0, mid_response=self.mode == "streaming", timeout=self.wait_s,
                                name=f"rank {trainer.rank}")
         self._inflight: list = []  # [data set index, version at its start] of prompts drawn, not yet queued
-        self._redo: list = []  # data set indices to generate again (stale under "regenerate", or in flight at a save)
+        # what comes before the sampler's next batch, in order: data set indices to generate (again: stale under
+        # "regenerate", or in flight at a save) and saved Groups to queue as they are (a resume at another world size)
+        self._todo: list = []
         self._consumed = self._requested = 0  # groups trained on so far; the step the trainer waits for
         self._thread: Optional[threading.Thread] = None
         self._stop, self.busy_s, self._busy_mark, self.error = False, 0.0, 0.0, None
@@ -111,8 +114,8 @@ class AsyncRollout:
         with timings("gen_wait"):
             groups, metrics = self.queue.take(self.per_step, self.gate.version, self.staleness_bound(),
                                               self.cfg.rollout.stale_samples, self.wait_s,
-                                              on_stale=lambda g: self._redo.append(g.index))
-        self.gate.poke(lambda: setattr(self, "_consumed", self._consumed + len(groups)))
+                                              on_stale=lambda g: self._todo.append(g.index), on_kept=self._took)
+        self.gate.poke(lambda: None)  # as before: the generation thread at a decoding step or between batches
         pad = self.trainer.tokenizer.pad_token_id
         width = max(g.batch.prompt_width for g in groups)
         rwidth = max(g.batch.response_width for g in groups)
@@ -122,7 +125,10 @@ class AsyncRollout:
         n = self.cfg.rollout.n
         batch.group_index = torch.arange(len(groups), device=batch.action.device).repeat_interleave(n)
         busy, self._busy_mark = self.busy_s - self._busy_mark, self.busy_s  # generate time since the last step
-        metrics = {**groups[-1].metrics, **metrics, "async/gen_busy_s": torch.tensor(busy)}
+        # the reward metrics of the samples taken, which may come from several generation calls
+        keys = dict.fromkeys(k for g in groups for k in g.per_sample)
+        taken = {k: torch.cat([g.per_sample[k] for g in groups if k in g.per_sample]) for k in keys}
+        metrics = {**sample_means(taken), **metrics, "async/gen_busy_s": torch.tensor(busy)}
         return Rollout(batch=batch, responses=[r for g in groups for r in g.responses], metrics=metrics)
 
     def refresh(self) -> None:
@@ -164,9 +170,13 @@ class AsyncRollout:
             return out[0]
         return call
 
+    def _took(self, group: Group) -> None:
+        self._consumed += 1  # under the queue's lock, as the group leaves the queue: ``_due`` never misses it
+
     def _due(self) -> int:
         """The step a batch started now would be trained at (no group dropped in between)."""
-        ahead = self._consumed + len(self.queue) + len(self._inflight)
+        with self.queue.lock:  # a group the trainer takes leaves the queue and joins _consumed at once
+            ahead = self._consumed + len(self.queue) + len(self._inflight)
         return ahead // self.per_step
 
     def _may_start(self) -> bool:
@@ -178,6 +188,9 @@ class AsyncRollout:
         tr = self.trainer
         try:
             while not self._stop:
+                if self._todo and isinstance(self._todo[0], Group):  # a saved group: queued as it is, in its turn
+                    self.queue.put(self._todo[0], on_put=lambda g: self._todo.pop(0))
+                    continue
                 with self.gate.cond:
                     self.gate.cond.wait_for(lambda: self._stop or self._may_start())
                     if self._stop:
@@ -200,12 +213,15 @@ class AsyncRollout:
                 return
 
     def _generate(self, tr):
-        """One generation call (the gate held): prompts to redo first, else the sampler's next batch."""
+        """One generation call (the gate held): the prompts at the head of ``_todo`` first (up to ``per_step``, up to
+        a saved group), else the sampler's next batch."""
         from verl_ds.data import collate_prompts
 
         with self.queue.lock:  # drawn and registered in flight together (a checkpoint sees both or neither)
-            if self._redo:
-                indices, self._redo = self._redo[:self.per_step], self._redo[self.per_step:]
+            if self._todo:
+                k = next((j for j, x in enumerate(self._todo[:self.per_step]) if isinstance(x, Group)),
+                         min(self.per_step, len(self._todo)))
+                indices, self._todo = self._todo[:k], self._todo[k:]
             else:
                 indices = list(tr.c.sampler.next_batch())
             self._inflight.extend([i, self.gate.version] for i in indices)
@@ -234,16 +250,17 @@ class AsyncRollout:
         b = ro.batch
         per_row = b.extras.pop("actor_versions")
         R = b.response_width
-        cols = torch.arange(R)
+        # the rows of one generate call share one version list: one (R,) row per distinct list, not per row
+        rows_of = {t: torch.tensor(list(t) + [-1] * (R - len(t)), dtype=torch.int64) for t in set(per_row)}
+        v = torch.stack([rows_of[t] for t in per_row]) if len(rows_of) > 1 else \
+            rows_of[per_row[0]].expand(len(per_row), R)
+        v = torch.where(torch.arange(R)[None, :] < b.response_length.cpu()[:, None], v, -1)
         out = []
         for g, index in enumerate(indices):
             rows = (b.group_index == g).nonzero().flatten()
-            sub = b.select(rows)
-            v = torch.tensor([list(per_row[int(r)]) + [-1] * (R - len(per_row[int(r)])) for r in rows.tolist()],
-                             dtype=torch.int64).reshape(len(rows), R)
-            v = torch.where(cols[None, :] < sub.response_length.cpu()[:, None], v, torch.full_like(v, -1))
-            out.append(Group(batch=sub, responses=[ro.responses[int(r)] for r in rows.tolist()], index=int(index),
-                             versions=v, metrics=dict(ro.metrics)))
+            out.append(Group(batch=b.select(rows), responses=[ro.responses[int(r)] for r in rows.tolist()],
+                             index=int(index), versions=v[rows.cpu()],
+                             per_sample={k: x[rows] for k, x in ro.per_sample.items()}))
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -253,20 +270,26 @@ class AsyncRollout:
         position (a collective: rank 0's checkpoint holds them all)."""
         with self.queue.lock:
             mine = {"queue": self.queue.snapshot(), "inflight": [list(x) for x in self._inflight],
-                    "redo": list(self._redo), "sampler": self.trainer.c.sampler.state_dict()}
+                    "redo": [x.to_state() if isinstance(x, Group) else int(x) for x in self._todo],
+                    "sampler": self.trainer.c.sampler.state_dict()}
         return {"mode": self.mode, "world_size": vdist.world_size(), "ranks": vdist.gather_object(mine)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part (before the generation thread starts): the queued groups come first, then the
-        prompts that were in flight, generated again with the restored weights. Saved by another world size: the
-        queue is not carried over (logged); the run goes on from the global sampler position."""
-        if state.get("world_size") != vdist.world_size():
-            log.warning("resume: the asynchronous rollout queue was saved by %s ranks, this run has %d: its samples "
-                        "are not carried over", state.get("world_size"), vdist.world_size())
-            return
-        mine = state["ranks"][vdist.rank()]
-        self.queue.restore(mine["queue"], device=self.trainer.actor_engine.device)
-        self._redo = [int(i) for i, _ in mine["inflight"]] + [int(i) for i in mine["redo"]]
+        prompts that were in flight, generated again with the restored weights. Saved by another world size: every
+        saved rank's groups and prompts are dealt to this run's ranks in the order the saved run would have
+        trained them (``verl_ds.asyncrl.reshard``), so the next global batches are made of the same prompts."""
+        device, world = self.trainer.actor_engine.device, vdist.world_size()
+        if len(state["ranks"]) != world:
+            parts, notes = reshard(state["ranks"], world, drop_last=self.trainer.c.sampler.drop_last)
+            for k, line in enumerate(notes if vdist.rank() == 0 else ()):
+                (log.info if k == 0 else log.warning)("resume: %s", line)
+            mine = parts[vdist.rank()]
+        else:
+            mine = state["ranks"][vdist.rank()]
+            mine = {**mine, "redo": [int(i) for i, _ in mine["inflight"]] + list(mine["redo"])}
+        self.queue.restore(mine["queue"], device=device)
+        self._todo = [Group.from_state(x, device) if isinstance(x, dict) else int(x) for x in mine["redo"]]
         self.trainer.c.sampler.load_state_dict(mine["sampler"])
 
 

@@ -35,7 +35,8 @@ class Group:
     responses: list
     index: int
     versions: torch.Tensor
-    metrics: dict = field(default_factory=dict)  # the reward metrics of the generation call it came from
+    # the per-sample values of the reward metrics (``verl_ds.rollout.Rollout.per_sample``), (n,) each
+    per_sample: dict = field(default_factory=dict)
 
     def oldest(self) -> int:
         """The oldest version among the group's response tokens."""
@@ -48,13 +49,15 @@ class Group:
     def to_state(self) -> dict:
         b = self.batch
         return {"fields": {f: b[f].cpu() for f in b.present()}, "extras": {k: list(v) for k, v in b.extras.items()},
-                "responses": list(self.responses), "index": int(self.index), "versions": self.versions.cpu()}
+                "responses": list(self.responses), "index": int(self.index), "versions": self.versions.cpu(),
+                "per_sample": {k: v.cpu() for k, v in self.per_sample.items()}}
 
     @classmethod
     def from_state(cls, state: dict, device=None) -> "Group":
         fields = {f: t.to(device) if device is not None else t for f, t in state["fields"].items()}
         return cls(batch=RolloutBatch(extras=dict(state["extras"]), **fields), responses=list(state["responses"]),
-                   index=int(state["index"]), versions=state["versions"].to(torch.int64))
+                   index=int(state["index"]), versions=state["versions"].to(torch.int64),
+                   per_sample=dict(state.get("per_sample", {})))
 
 
 class SampleQueue:
@@ -99,11 +102,13 @@ class SampleQueue:
             self._cond.notify_all()
 
     def take(self, k: int, version: int, max_staleness: int, policy: str, timeout: float,
-             on_stale: Optional[Callable[[Group], None]] = None) -> tuple[list, dict]:
+             on_stale: Optional[Callable[[Group], None]] = None,
+             on_kept: Optional[Callable[[Group], None]] = None) -> tuple[list, dict]:
         """``k`` admitted groups in arrival order and this call's metrics. A group whose oldest token is more than
         ``max_staleness`` versions behind ``version`` is not admitted: it is dropped, or (policy "regenerate")
-        passed to ``on_stale`` (under the queue's lock) to be generated again. Waits at most ``timeout`` seconds
-        for the next group; then ProducerError naming this queue."""
+        passed to ``on_stale`` (under the queue's lock) to be generated again; ``on_kept`` gets each admitted group
+        under the lock, as it leaves the queue. Waits at most ``timeout`` seconds for the next group; then
+        ProducerError naming this queue."""
         if policy not in STALE_POLICIES:
             raise ValueError(f"SampleQueue.take: policy must be one of {STALE_POLICIES}, got {policy!r}")
         kept, stale, staleness = [], [], []
@@ -128,6 +133,8 @@ class SampleQueue:
                 else:
                     kept.append(group)
                     staleness.append(age)
+                    if on_kept is not None:
+                        on_kept(group)
                 self._cond.notify_all()
             queued = len(self._items)
         return kept, self._metrics(kept, stale, staleness, policy, queued, max_staleness)

@@ -14,7 +14,7 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -184,9 +184,11 @@ class RewardModel(RewardRole):
         return scores.float()
 
     # ---- composition ---------------------------------------------------------------------------------
-    def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str]):
+    def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str],
+                        per_sample: Optional[dict] = None):
         """Token-level scores (B, R) float32 of a RolloutBatch and metrics ``reward/<name>/mean`` (unweighted
-        per-sample sums averaged); batch-mode scores go on column response_length - 1."""
+        per-sample sums averaged); batch-mode scores go on column response_length - 1. ``per_sample``, a dict,
+        receives each metric's (B,) per-sample sums (``verl_ds.rollout.sample_means`` averages a subset)."""
         who = "RewardModel.compute_rewards"
         fns = self._fns
         if self.model is None and not fns:
@@ -205,7 +207,7 @@ class RewardModel(RewardRole):
         rows = torch.arange(B, device=device)
         valid = torch.arange(R, device=device).unsqueeze(0) < rl.unsqueeze(1)  # (B, R)
         total = torch.zeros(B, R, dtype=torch.float32, device=device)
-        metrics: dict[str, torch.Tensor] = {}
+        parts: dict[str, torch.Tensor] = {}  # metric name -> (B,) per-sample sums
 
         def place(seq_scores: torch.Tensor) -> torch.Tensor:
             mat = torch.zeros(B, R, dtype=torch.float32, device=device)
@@ -215,7 +217,7 @@ class RewardModel(RewardRole):
         if self.model is not None:
             mat = place(self.get_reward(batch.observation, batch.mask))
             total += self.model_weight * mat
-            metrics[f"reward/{self.model_name}/mean"] = mat.sum(-1).mean()
+            parts[f"reward/{self.model_name}/mean"] = mat.sum(-1)
         for entry in fns:
             raw = self._call_chunked(entry, list(prompts), list(responses), batch)
             if entry.per_token:
@@ -228,8 +230,10 @@ class RewardModel(RewardRole):
             else:
                 mat = place(_to_seq_scores(raw, entry.name, B))
             total += entry.weight * mat
-            metrics[f"reward/{entry.name}/mean"] = mat.sum(-1).mean()
-        return total, metrics
+            parts[f"reward/{entry.name}/mean"] = mat.sum(-1)
+        if per_sample is not None:
+            per_sample.update(parts)
+        return total, {k: v.mean() for k, v in parts.items()}
 
     def _call_chunked(self, entry: _RewardFn, prompts: list, responses: list, batch: Any) -> Any:
         """``entry.fn`` on the whole batch, or on ``num_workers`` contiguous chunks in a thread pool (the results
