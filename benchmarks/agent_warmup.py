@@ -6,7 +6,7 @@ then runs sampled episodes of the built-in task with verl_ds.agent.episodes.run_
 rate, the share of calls that are well formed, copy the question's expression, and whose episode then answers
 with the tool's result, and the score::
 
-    python benchmarks/agent_warmup.py --env calc --steps 300 -o model.hidden_size=96
+    python benchmarks/agent_warmup.py --env calc --steps 300 -o model.config_overrides.hidden_size=96
 """
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ def prepare(work: str, size: str, n_prompts: int, seed: int, regime: str = "defa
 
     spec = REGIMES[regime]
     cfg = load_config(overrides=[f"model.{k}={v}" for k, v in SIZES[size].items()]
-                      + [f"model.max_position_embeddings={spec['context']}"])
+                      + [f"model.config_overrides.max_position_embeddings={spec['context']}"])
     # the built-in task's vocabulary (parity.VOCAB), as the default job uses, or the regime's wide one
     tok = load_tokenizer(cfg) if spec["vocab"] is None else build_tokenizer(wide_vocab(spec["vocab"] - 4))
     model = build_actor_model(cfg, tok)

@@ -14,7 +14,7 @@ TRAIN = os.path.join(ROOT, "launch", "train.py")
 # a short, fast job: tiny model, small batches; tests add their own overrides
 FAST = ["trainer.total_steps=2", "rollout.batch_size=8", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
         "rollout.max_new_tokens=6", "data.num_train_prompts=64", "data.num_val_prompts=8",
-        "trainer.progress_bar=false", "trainer.plot=false", "model.hidden_size=32", "model.intermediate_size=64"]
+        "trainer.loggers=[]", "model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64"]
 
 
 def merged(*groups) -> list:

@@ -113,7 +113,7 @@ class HFRolloutEngine:
         if share_prefill:  # decided once, at start-up: hybrid models' caches do not follow rows (LFM2, Falcon-H1)
             why = shared_generation_refusal(self.lm)
             if why is not None:
-                log.warning("rollout.share_prefill: %s; plain generate is used", why)
+                log.warning("rollout.share: %s; plain generate is used", why)
                 share_prefill = False
         self.share_prefill = share_prefill
         self.share_decode = share_decode and share_prefill

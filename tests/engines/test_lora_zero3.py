@@ -39,7 +39,7 @@ def gathered(module, trainable):
 for stage in stages:
     r = res[str(stage)] = {}
     cfg = load_config(overrides=[
-        "model.hidden_size=32", "model.intermediate_size=64", "data.num_train_prompts=32", "data.num_val_prompts=8",
+        "model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64", "data.num_train_prompts=32", "data.num_val_prompts=8",
         "rollout.batch_size=4", "actor.mini_batch_size=4", f"actor.micro_batch_size={4 // world}",
         f"deepspeed.zero_stage={stage}", f"model.gradient_checkpointing={str(gc).lower()}",
         "actor.lora_rank=4", "actor.lora_alpha=8", "actor.lora_target_modules=[q_proj, v_proj, down_proj]",
