@@ -254,7 +254,7 @@ def _print_summary(results: dict, floors: dict, stages: list, threads: int) -> N
     print("\nArithmetic floor: the matrix products alone at the measured float32 GEMM rate on "
           f"{threads} thread(s), computing every sample's prompt in every pass (as TRL does), and with each "
           "prompt once per group in the generation, reference and update passes (verl_ds's model.share_prompts and "
-          "rollout.share_prefill), each response's last token left out of the scoring passes (shared response "
+          "rollout.share), each response's last token left out of the scoring passes (shared response "
           "prefixes counted for every sample: verl_ds feeds them once, model.share_response_prefixes):")
     for label, f in floors.items():
         trl_s, ours = results[label, "trl"]["step_s"], results[label, f"verl_ds ZeRO-{stages[0]}"]["step_s"]

@@ -374,8 +374,7 @@ class Trainer:
         return summary
 
     def export_hf(self, directory: Optional[str] = None) -> str:
-        """The trained actor per ``trainer.export`` (safetensors written by rank 0; ``none`` exports merged when
-        called), plus the tokenizer."""
+        """The trained actor per ``trainer.export`` (merged when it is none), written by rank 0, and the tokenizer."""
         from verl_ds.export import export_actor, export_format
 
         directory = directory or os.path.join(self.out_dir, "hf_actor")

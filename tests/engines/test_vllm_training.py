@@ -85,7 +85,7 @@ def test_cpu_limits_are_config_errors():
 
     if not current_platform.is_cpu():
         pytest.skip("the head_dim limits and the missing sleep mode are the CPU backend's")
-    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: model.hidden_size / model.num_heads: .* head_dim=16"):
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: model.config_overrides hidden_size / num_attention_heads: .* head_dim=16"):
         check_rollout_engine(load_config(None, ["rollout.engine=vllm"]))  # the default tiny model
     with pytest.raises(ConfigError, match="rollout.vllm_sleep=true needs a GPU"):
         check_rollout_engine(load_config(None, ["rollout.engine=vllm", "rollout.vllm_sleep=true", *MODEL]))

@@ -21,9 +21,9 @@ def test_world_not_divisible_by_the_degree_exits_2_naming_the_key(capsys):
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.config_overrides.num_attention_heads=6", "model.config_overrides.num_key_value_heads=3", "model.config_overrides.hidden_size=96"],
-     r"model.sequence_parallel_size=2 must divide model.config_overrides.num_attention_heads=6 and model.config_overrides.num_key_value_heads=3"),
+     r"model.sequence_parallel_size=2 must divide num_attention_heads=6 and num_key_value_heads=3 \(of model.config_overrides\)"),
     (["model.config_overrides.num_key_value_heads=1"],
-     r"model.sequence_parallel_size=2 must divide model.config_overrides.num_attention_heads=4 and model.config_overrides.num_key_value_heads=1"),
+     r"model.sequence_parallel_size=2 must divide num_attention_heads=4 and num_key_value_heads=1 \(of model.config_overrides\)"),
     (["model.remove_padding=false"],
      r"model.sequence_parallel_size=2 splits packed rows: it needs model.remove_padding=true"),
 ])
