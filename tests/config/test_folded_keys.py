@@ -163,3 +163,14 @@ def test_the_critic_lora_takes_the_actors_arguments():
     cfg = load_config(None, ["critic.lora_rank=2", "actor.lora_alpha=4", "actor.lora_target_modules=[q_proj, output-head]"])
     s = lora_spec(cfg, "critic")
     assert (s.rank, s.alpha, s.scaling, s.target_modules) == (2, 4.0, 2.0, ("q_proj",))
+
+
+def test_a_config_files_overrides_with_model_path_are_refused_and_can_be_dropped(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  config_overrides: {hidden_size: 128}\n")
+    assert main(["config", "--config", str(path), f"model.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.config_overrides: {'hidden_size': 128} shapes the model built from config" in err
+    assert "model.config_overrides={} drops a config file's" in err
+    main(["config", "--config", str(path), f"model.path={tmp_path}", "model.config_overrides={}"])
+    assert "model.config_overrides" not in capsys.readouterr().err  # refused later, for the empty model directory

@@ -52,7 +52,8 @@ def check_config_overrides(cfg) -> None:
     if m.path is not None:
         raise ConfigError(f"{KEY}: {show(m.config_overrides)} shapes the model built from config, but model.path="
                           f"{m.path!r} is set (its config.json defines the model); expected no overrides with "
-                          "model.path (edit a copy of its config.json instead)")
+                          "model.path (model.config_overrides={} drops a config file's; or edit a copy of its "
+                          "config.json)")
     cls = _config_class(m.arch)
     known = cls().to_dict()
     for field, value in m.config_overrides.items():
@@ -60,7 +61,8 @@ def check_config_overrides(cfg) -> None:
             raise ConfigError(f"{KEY}.{field}: set from the tokenizer (fields {', '.join(FROM_TOKENIZER)}); "
                               "expected it left out")
         if field not in known or field.startswith("_") or field == "transformers_version":
-            raise ConfigError(f"{KEY}.{field}: not a field of {cls.__name__} (model.arch={m.arch}){suggest(field, known)}")
+            raise ConfigError(f"{KEY}.{field}: not a field of {cls.__name__} (model.arch={m.arch})"
+                              f"{suggest(field, known)}")
         if not _type_ok(known[field], value):
             raise ConfigError(f"{KEY}.{field}: expected {type(known[field]).__name__} like {cls.__name__}'s default "
                               f"{show(known[field])}, got {type(value).__name__} {show(value)}")
