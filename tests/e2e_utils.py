@@ -19,13 +19,16 @@ FAST = ["trainer.total_steps=2", "rollout.batch_size=8", "actor.mini_batch_size=
 
 def merged(*groups) -> list:
     """``key=value`` overrides from ``groups``, a later group's key replacing an earlier one's in place (verl-ds
-    refuses a key given twice on its command line)."""
+    refuses a key given twice on its command line). A ``model.path`` drops the built model's
+    ``model.config_overrides.*`` (verl-ds refuses them with a model directory)."""
     out: dict = {}
     for group in groups:
         for item in group:
             key = item.split("=", 1)[0]
             out.pop(key, None)
             out[key] = item
+    if "model.path" in out:
+        out = {k: v for k, v in out.items() if not k.startswith("model.config_overrides")}
     return list(out.values())
 
 
