@@ -134,7 +134,8 @@ def check(res: dict, world: int) -> None:
         assert r["base_partitioned"] == (stage == "3")
         assert "value_head.weight" in r["trainable_critic"] and "value_head.bias" in r["trainable_critic"]
         assert all(".lora_" in n or n.startswith("value_head.") for n in r["trainable_critic"])
-        assert len(r["trainable_critic"]) == 2 + 2 * 7 * 2  # head + 2 layers x 7 linear layers x (A, B)
+        # head + 2 layers x the actor's 3 target modules (q_proj, v_proj, down_proj) x (A, B): the critic takes them
+        assert len(r["trainable_critic"]) == 2 + 2 * 3 * 2
         ref_vs_base, policy_vs_base = zip(*r["ref_vs_base"])
         assert max(ref_vs_base) < 1e-5, r["ref_vs_base"]  # the reference is the base model, before and after updates
         assert policy_vs_base[0] < 1e-5 and min(policy_vs_base[1:]) > 1e-3, r["ref_vs_base"]  # B = 0 at the start
