@@ -19,13 +19,15 @@ FAST = ["trainer.total_steps=2", "rollout.batch_size=8", "actor.mini_batch_size=
 
 def merged(*groups) -> list:
     """``key=value`` overrides from ``groups``, a later group's key replacing an earlier one's in place (verl-ds
-    refuses a key given twice on its command line). A ``model.path`` drops the built model's
-    ``model.config_overrides.*`` (verl-ds refuses them with a model directory)."""
+    refuses a key given twice on its command line, or a mapping and a key inside it: ``model.config_overrides={...}``
+    replaces an earlier ``model.config_overrides.hidden_size=...`` and the other way round). A ``model.path`` drops
+    the built model's ``model.config_overrides*`` (verl-ds refuses them with a model directory)."""
     out: dict = {}
     for group in groups:
         for item in group:
             key = item.split("=", 1)[0]
-            out.pop(key, None)
+            out = {k: v for k, v in out.items() if k != key and not k.startswith(key + ".")
+                   and not key.startswith(k + ".")}
             out[key] = item
     if "model.path" in out:
         out = {k: v for k, v in out.items() if not k.startswith("model.config_overrides")}
