@@ -6,7 +6,7 @@ then runs sampled episodes of the built-in task with verl_ds.agent.episodes.run_
 rate, the share of calls that are well formed, copy the question's expression, and whose episode then answers
 with the tool's result, and the score::
 
-    python benchmarks/agent_warmup.py --env calc --steps 300 -o model.hidden_size=96
+    python benchmarks/agent_warmup.py --env calc --steps 300 -o model.config_overrides.hidden_size=96
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from verl_ds.agent.registry import make_environment  # noqa: E402
 from verl_ds.agent.tiny import build_agent_tokenizer, builtin_rows  # noqa: E402
 from verl_ds.agent.tools import parse_tool_calls  # noqa: E402
 from verl_ds.agent.warmup import sft_warmup  # noqa: E402
+from verl_ds.config import tiny_model_fields  # noqa: E402
 
 
 class PlainEngine(torch.nn.Module):
@@ -161,7 +162,7 @@ def main(argv=None):
         print(f"warmup env={args.env} params={n_params} steps={args.steps} loss_first={sum(losses[:k]) / k:.3f} "
               f"loss_last={sum(losses[-k:]) / k:.3f} seconds={warm_s:.1f}")
     limits = EpisodeLimits(max_turns=args.max_turns, max_turn_tokens=args.max_turn_tokens,
-                           max_context_tokens=cfg.model.max_position_embeddings)
+                           max_context_tokens=tiny_model_fields(cfg)["max_position_embeddings"])
     start = time.time()
     stats, trajs = evaluate(model, tok, args.env, args.episodes, 10_000 + args.seed, limits)
     print(f"sampled episodes={args.episodes} " + " ".join(

@@ -49,8 +49,8 @@ def run(out: str, overrides: list, nproc: int = 2) -> list:
                 "PYTHONWARNINGS": "ignore"})
     head = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                  f"--nproc_per_node={nproc}", f"--master_port={port}"]
-    cmd = [*head, TRAIN, f"trainer.output_dir={out}", "trainer.progress_bar=false", "trainer.plot=false",
-           "trainer.export_hf=false", "trainer.resume=none", *overrides]
+    cmd = [*head, TRAIN, f"trainer.output_dir={out}", "trainer.loggers=[]",
+           "trainer.export=none", "trainer.resume=none", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     job = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=16", "actor.mini_batch_size=64",
            "actor.micro_batch_size=16", f"rollout.max_new_tokens={args.max_new_tokens}",
-           f"trainer.total_steps={args.steps}", "model.max_position_embeddings=128", "trainer.val_every=0"]
+           f"trainer.total_steps={args.steps}", "model.config_overrides.max_position_embeddings=128", "trainer.val_every=0"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; 2 ranks, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', '1')}")
     res = {}

@@ -34,14 +34,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = {
     "default job (h64 L2)": [],
-    "larger tiny model (h256 L4)": ["model.hidden_size=256", "model.intermediate_size=768", "model.num_layers=4",
-                                    "model.num_heads=8", "model.num_kv_heads=4"],
+    "larger tiny model (h256 L4)": ["model.config_overrides.hidden_size=256", "model.config_overrides.intermediate_size=768", "model.config_overrides.num_hidden_layers=4",
+                                    "model.config_overrides.num_attention_heads=8", "model.config_overrides.num_key_value_heads=4"],
 }
 LORA_MODEL = "larger tiny model (h256 L4)"
 LORA = {"full fine-tuning": [], "LoRA r=8 (actor + critic)": ["actor.lora_rank=8", "critic.lora_rank=8"]}
 ENGINE_PROMPTS, ENGINE_N = 32, 4  # samples per step: ENGINE_PROMPTS * ENGINE_N
-ENGINE_MODEL = ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_layers=8", "model.num_heads=8",
-                "model.num_kv_heads=4", f"rollout.batch_size={ENGINE_PROMPTS}", f"rollout.n={ENGINE_N}",
+ENGINE_MODEL = ["model.config_overrides.hidden_size=512", "model.config_overrides.intermediate_size=1376", "model.config_overrides.num_hidden_layers=8", "model.config_overrides.num_attention_heads=8",
+                "model.config_overrides.num_key_value_heads=4", f"rollout.batch_size={ENGINE_PROMPTS}", f"rollout.n={ENGINE_N}",
                 "rollout.max_new_tokens=64", "algo.adv_estimator=grpo",
                 f"actor.mini_batch_size={ENGINE_PROMPTS * ENGINE_N}", "actor.micro_batch_size=32"]
 PHASES = {"gen": ["timing_s/gen"],
@@ -103,8 +103,8 @@ def run_case(overrides: list, steps: int, nproc: int, threads: int, python: str 
              ) -> tuple[list[dict], dict]:
     """(per-step metrics, {"rss_mib": the largest Python process's peak RSS, "cpu_s": their CPU seconds})."""
     out = tempfile.mkdtemp(prefix="verl_ds_bench_")
-    args = [f"trainer.output_dir={out}", "trainer.resume=none", f"trainer.total_steps={steps}", "trainer.progress_bar=false",
-            "trainer.plot=false", "trainer.export_hf=false", "trainer.val_every=0", *overrides]
+    args = [f"trainer.output_dir={out}", "trainer.resume=none", f"trainer.total_steps={steps}", "trainer.loggers=[]",
+            "trainer.export=none", "trainer.val_every=0", *overrides]
     train = os.path.join(ROOT, "launch", "train.py")
     cmd = [python, train, *args] if nproc == 1 else \
         [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone", train, *args]

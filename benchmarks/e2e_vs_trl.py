@@ -111,7 +111,7 @@ def prepare(work: str, size: str, n_prompts: int, seed: int, regime: str = "defa
 
     spec = REGIMES[regime]
     cfg = load_config(overrides=[f"model.{k}={v}" for k, v in SIZES[size].items()]
-                      + [f"model.max_position_embeddings={spec['context']}"])
+                      + [f"model.config_overrides.max_position_embeddings={spec['context']}"])
     # the built-in task's vocabulary (parity.VOCAB), as the default job uses, or the regime's wide one
     tok = load_tokenizer(cfg) if spec["vocab"] is None else build_tokenizer(wide_vocab(spec["vocab"] - 4))
     model = build_actor_model(cfg, tok)
@@ -254,7 +254,7 @@ def _print_summary(results: dict, floors: dict, stages: list, threads: int) -> N
     print("\nArithmetic floor: the matrix products alone at the measured float32 GEMM rate on "
           f"{threads} thread(s), computing every sample's prompt in every pass (as TRL does), and with each "
           "prompt once per group in the generation, reference and update passes (verl_ds's model.share_prompts and "
-          "rollout.share_prefill), each response's last token left out of the scoring passes (shared response "
+          "rollout.share), each response's last token left out of the scoring passes (shared response "
           "prefixes counted for every sample: verl_ds feeds them once, model.share_response_prefixes):")
     for label, f in floors.items():
         trl_s, ours = results[label, "trl"]["step_s"], results[label, f"verl_ds ZeRO-{stages[0]}"]["step_s"]

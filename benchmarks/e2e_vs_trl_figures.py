@@ -57,7 +57,7 @@ def arithmetic_floor(rows: list[dict], warmup: int, samples: int, matmul_params:
     whose backward adds 4 x params x tokens. Tokens per sample: the prompt and response lengths of verl_ds's
     measured steps; the generation feeds every token but the last sampled one. Unshared (TRL's arithmetic), the
     reference and the update feed every sample's whole prompt and response; with ``shared``
-    (``model.share_prompts`` and ``rollout.share_prefill``) the generation's prefill, the reference and the update
+    (``model.share_prompts`` and ``rollout.share``) the generation's prefill, the reference and the update
     compute each prompt once for its ``n`` samples, and the scoring passes leave out each response's last token
     (it predicts nothing). Attention scores, norms and activations are left out (sequences of ~16 tokens), so no
     implementation doing that arithmetic can run faster. The response tokens that samples of a prompt have in

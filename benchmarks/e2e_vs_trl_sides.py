@@ -42,8 +42,8 @@ def run_verl_ds(job: dict, zero_stage: int, out: str, timeout: float, extra: tup
             f"algo.kl_coef={beta}", "algo.kl_ctrl=fixed", f"algo.use_kl_penalty={str(beta > 0).lower()}",
             "algo.clip_ratio_c=null", "algo.loss_agg_mode=token-mean", "algo.entropy_coef=0.0", "model.dtype=fp32",
             f"deepspeed.zero_stage={zero_stage}", f"trainer.total_steps={job['steps']}", f"trainer.seed={job['seed']}",
-            f"trainer.output_dir={out}", "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false",
-            "trainer.export_hf=false", "trainer.val_every=0"]
+            f"trainer.output_dir={out}", "trainer.resume=none", "trainer.loggers=[]",
+            "trainer.export=none", "trainer.val_every=0"]
     if job.get("log_prob_micro_batch"):  # the no-grad passes in TRL's chunks (else verl_ds's default, 64 samples)
         args.append(f"rollout.log_prob_micro_batch_size={job['log_prob_micro_batch']}")
     given = {o.split("=", 1)[0] for o in extra}  # verl-ds refuses a key given twice: extra replaces the job's

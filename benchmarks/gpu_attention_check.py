@@ -84,10 +84,10 @@ def build(impl: str, size: dict, dtype: str, device: str, vocab: int, max_length
     from verl_ds.models.families import packing_support
     from verl_ds.tokenizer import build_tokenizer
 
-    overrides = ["model.arch=qwen2", f"model.hidden_size={size['hidden']}",
-                 f"model.intermediate_size={2 * size['hidden']}", f"model.num_layers={size['layers']}",
-                 f"model.num_heads={size['heads']}", f"model.num_kv_heads={size['kv_heads']}",
-                 f"model.max_position_embeddings={max_length}", f"model.dtype={dtype}",
+    overrides = ["model.arch=qwen2", f"model.config_overrides.hidden_size={size['hidden']}",
+                 f"model.config_overrides.intermediate_size={2 * size['hidden']}", f"model.config_overrides.num_hidden_layers={size['layers']}",
+                 f"model.config_overrides.num_attention_heads={size['heads']}", f"model.config_overrides.num_key_value_heads={size['kv_heads']}",
+                 f"model.config_overrides.max_position_embeddings={max_length}", f"model.dtype={dtype}",
                  f"trainer.device={device}"]
     if impl is not None:
         overrides.append(f"model.attn_implementation={impl}")

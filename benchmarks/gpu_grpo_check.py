@@ -98,7 +98,7 @@ def job_args(shape: dict, device: str, tok_dir: str, prompts: str, out: str, imp
         "algo.kl_ctrl=fixed", "model.remove_padding=true", "model.share_prompts=true",
         f"model.dtype={'bf16' if device == 'cuda' else 'fp32'}", f"trainer.device={device}",
         f"model.attn_implementation={impl}", f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
-        "trainer.resume=none", "trainer.progress_bar=false", "trainer.plot=false", "trainer.export_hf=false",
+        "trainer.resume=none", "trainer.loggers=[]", "trainer.export=none",
         "trainer.val_every=0"])
 
 

@@ -27,8 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # the tiny Llama of configs/default.yaml on every job (one rank, ZeRO-3 as the defaults)
-MODEL = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "data.max_prompt_length=16",
-         "rollout.max_new_tokens=8", "trainer.progress_bar=false", "trainer.plot=false", "trainer.resume=none"]
+MODEL = ["model.config_overrides.hidden_size=64", "model.config_overrides.intermediate_size=128", "model.config_overrides.num_hidden_layers=2", "data.max_prompt_length=16",
+         "rollout.max_new_tokens=8", "trainer.loggers=[]", "trainer.resume=none"]
 HELD_OUT_SEED = 777  # prompts for the rule scores of the SFT and DPO models: none of the jobs trains on them
 
 
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ppo_scores = run_ppo(out, [f"model.path={sft_model}", f"reward.model_path={rm['export_dir']}",
                                "reward.functions=[]", f"trainer.total_steps={args.ppo_steps}", "trainer.val_every=0",
                                "algo.kl_ctrl=fixed", f"algo.kl_coef={args.kl_coef}",
-                               f"actor.lr={args.ppo_lr}", "trainer.export_hf=false"])
+                               f"actor.lr={args.ppo_lr}", "trainer.export=none"])
     ppo_rise = rise(ppo_scores)
     print(f"ppo: rule score of the sampled responses by step: "
           f"{' '.join(f'{s:.2f}' for s in ppo_scores)}", flush=True)

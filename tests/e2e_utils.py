@@ -14,18 +14,23 @@ TRAIN = os.path.join(ROOT, "launch", "train.py")
 # a short, fast job: tiny model, small batches; tests add their own overrides
 FAST = ["trainer.total_steps=2", "rollout.batch_size=8", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
         "rollout.max_new_tokens=6", "data.num_train_prompts=64", "data.num_val_prompts=8",
-        "trainer.progress_bar=false", "trainer.plot=false", "model.hidden_size=32", "model.intermediate_size=64"]
+        "trainer.loggers=[]", "model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64"]
 
 
 def merged(*groups) -> list:
     """``key=value`` overrides from ``groups``, a later group's key replacing an earlier one's in place (verl-ds
-    refuses a key given twice on its command line)."""
+    refuses a key given twice on its command line, or a mapping and a key inside it: ``model.config_overrides={...}``
+    replaces an earlier ``model.config_overrides.hidden_size=...`` and the other way round). A ``model.path`` drops
+    the built model's ``model.config_overrides*`` (verl-ds refuses them with a model directory)."""
     out: dict = {}
     for group in groups:
         for item in group:
             key = item.split("=", 1)[0]
-            out.pop(key, None)
+            out = {k: v for k, v in out.items() if k != key and not k.startswith(key + ".")
+                   and not key.startswith(k + ".")}
             out[key] = item
+    if "model.path" in out:
+        out = {k: v for k, v in out.items() if not k.startswith("model.config_overrides")}
     return list(out.values())
 
 

@@ -55,10 +55,10 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     tok, train_set, val_set = data.tokenizer, data.train, data.val
     sampler = DistributedPromptSampler(len(train_set), derived.prompts_per_rank, rank, world, seed=cfg.trainer.seed)
 
-    actor_lora = lora_spec(cfg.actor, "actor")
-    if actor_lora is None and cfg.trainer.export_hf and cfg.trainer.export_format == "adapter":
-        raise ConfigError("trainer.export_format=adapter needs actor.lora_rank > 0 (a fully fine-tuned actor has no "
-                          "adapters); use trainer.export_format=merged")
+    actor_lora = lora_spec(cfg, "actor")
+    if actor_lora is None and cfg.trainer.export == "adapter":
+        raise ConfigError("trainer.export=adapter needs actor.lora_rank > 0 (a fully fine-tuned actor has no "
+                          "adapters); use trainer.export=merged")
     roles = ["actor"]
     if has_reference(cfg) and actor_lora is None:  # a LoRA actor is its own reference, adapters off
         roles.append("ref")

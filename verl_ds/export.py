@@ -179,9 +179,14 @@ def export_hf(engine_module, tokenizer, directory: str, max_shard_size: Union[in
 EXPORT_FORMATS = ("merged", "adapter")
 
 
+def export_format(cfg) -> str:
+    """The format ``trainer.export`` asks for: ``adapter``, else ``merged`` (``none`` too, for an explicit export)."""
+    return "adapter" if cfg.trainer.export == "adapter" else "merged"
+
+
 def export_actor(engine_module, tokenizer, directory: str, fmt: str = "merged",
                  base_model_path: Optional[str] = None) -> str:
-    """The trained actor per ``trainer.export_format``: ``merged`` (``export_hf``: a plain HF model; a LoRA actor
+    """The trained actor per ``trainer.export``: ``merged`` (``export_hf``: a plain HF model; a LoRA actor
     with its adapters folded in) or ``adapter`` (``export_adapter``: peft's adapter files
     recording ``base_model_path`` as the base, or with the base written to ``directory/base`` when it is None).
     Every rank must call it; returns ``directory``."""
@@ -204,7 +209,7 @@ def export_adapter(engine_module, tokenizer, directory: str, base_model_path: Op
     module = getattr(engine_module, "module", engine_module)
     if not is_peft_model(module):
         raise TypeError(f"export_adapter: the model has no LoRA adapters ({type(module).__name__}); "
-                        "use trainer.export_format=merged")
+                        "use trainer.export=merged")
     if base_model_path is None:
         base_dir = os.path.join(directory, "base")
         with adapters_off(module):  # the merged weights of a model with its adapters off: the base's

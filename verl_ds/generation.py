@@ -20,7 +20,7 @@ temperature/top-k/top-p warpers (``GenerationMixin._get_logits_processor``).
 The response mask comes from real lengths (up to and including the first EOS), never from ``token != pad``:
 pad == eos is common.
 
-Shared prefill (``share_prefill``, on by default): with ``rollout.n`` samples per prompt the batch holds each
+Shared prefill (``share_prefill``; ``rollout.share`` prefill or decode, the default): with ``rollout.n`` samples per prompt the batch holds each
 prompt n times in a row. The prompt is then run once, whole: its key/value cache is copied to its samples, and
 its last token's logits, the distribution of every sample's first response token, give each sample its first
 token, drawn as ``generate`` would draw it (its logits processors, then softmax and one ``torch.multinomial``
@@ -29,7 +29,7 @@ generate has one step fewer, whose forward would have run the last prompt token 
 drawn are the same (the same logits up to float summation order, the same random numbers). Only on the replica
 or a single rank: under ``synced_gpus`` every rank must run the same forwards.
 
-Shared decoding (``share_decode``, on by default, with the shared prefill): samples of a prompt that have drawn the
+Shared decoding (``share_decode``; ``rollout.share=decode``, the default): samples of a prompt that have drawn the
 same tokens so far are in the same state, so each decoding step runs one row per distinct (prompt, tokens so far)
 among the unfinished samples, not one per sample (``decode_distinct``): the key/value cache holds those rows only,
 re-indexed when rows split or finish, and every sample draws its own next token from its row's logits, all rows in
@@ -113,7 +113,7 @@ class HFRolloutEngine:
         if share_prefill:  # decided once, at start-up: hybrid models' caches do not follow rows (LFM2, Falcon-H1)
             why = shared_generation_refusal(self.lm)
             if why is not None:
-                log.warning("rollout.share_prefill: %s; plain generate is used", why)
+                log.warning("rollout.share: %s; plain generate is used", why)
                 share_prefill = False
         self.share_prefill = share_prefill
         self.share_decode = share_decode and share_prefill

@@ -71,14 +71,14 @@ class MetricsLogger:
 
                 self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
             except ImportError:
-                log.warning("trainer.tensorboard is on but tensorboard is not installed; skipping it")
+                log.warning("trainer.loggers lists tensorboard, but tensorboard is not installed; skipping it")
         if wandb:
             try:
                 import wandb as _wandb
 
                 self._wandb = _wandb.init(project="verl_ds", dir=output_dir, config=config or {}, resume="allow")
             except ImportError:
-                log.warning("trainer.wandb is on but wandb is not installed; skipping it")
+                log.warning("trainer.loggers lists wandb, but wandb is not installed; skipping it")
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines of steps that ran after the checkpoint (they are trained again)."""

@@ -33,7 +33,7 @@ def fit_advice(cfg: Config, mem: dict, capacity: Optional[int], unit: str) -> li
         lines.append(f"  recommended: rollout.gather_params=false (generate with per-token ZeRO-3 gathering, no "
                      f"replica): {_fmt(lean)} per {unit}, {verdict}")
     if lean > capacity:
-        lines.append("  also consider: deepspeed.offload_optimizer=true / offload_param=true, more ranks, a smaller "
+        lines.append("  also consider: deepspeed.offload=[optimizer] or [optimizer,param], more ranks, a smaller "
                      "rollout.batch_size or data.max_prompt_length")
     return lines
 

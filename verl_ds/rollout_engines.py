@@ -64,7 +64,7 @@ def build_hf(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=N
 
     return HFRolloutEngine(actor, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                bos_token_id=tokenizer.bos_token_id, gather_params=cfg.rollout.gather_params,
-               share_prefill=cfg.rollout.share_prefill, share_decode=cfg.rollout.share_decode)
+               share_prefill=cfg.rollout.share != "none", share_decode=cfg.rollout.share == "decode")
 
 
 # ---------------------------------------------------------------------------------------------- vllm
@@ -82,8 +82,12 @@ def _head_dim(cfg: Config) -> tuple[Any, str]:
 
     m = cfg.model
     if m.path is None:
-        return (SimpleNamespace(hidden_size=m.hidden_size, num_attention_heads=m.num_heads, head_dim=None),
-                "model.hidden_size / model.num_heads")
+        from verl_ds.config.model_fields import tiny_model_fields
+
+        f = tiny_model_fields(cfg)
+        return (SimpleNamespace(hidden_size=f["hidden_size"], num_attention_heads=f["num_attention_heads"],
+                                head_dim=f.get("head_dim")),
+                "model.config_overrides hidden_size / num_attention_heads")
     from transformers import AutoConfig
 
     try:

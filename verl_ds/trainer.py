@@ -66,8 +66,8 @@ class Trainer:
         if self.is_main:
             write_run_config(cfg, os.path.join(self.out_dir, "config.yaml"))  # secrets redacted, mode 0600
         vdist.barrier()
-        self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard=cfg.trainer.tensorboard,
-                                     wandb=cfg.trainer.wandb, config=cfg.to_dict())
+        self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard="tensorboard" in cfg.trainer.loggers,
+                                     wandb="wandb" in cfg.trainer.loggers, config=cfg.to_dict())
         self.guard = NonFiniteGuard(cfg.trainer.max_bad_steps, self.out_dir, self.rank, self.world)
         self.c = build(cfg, self.derived, self.rank, self.world, self.out_dir, data=data)
         self.state, self.registry, self.ppo, self.tokenizer = self.c.state, self.c.registry, self.c.ppo, self.c.tokenizer
@@ -155,7 +155,7 @@ class Trainer:
                         b.observation, b.action, b.mask, temperature))
             if self.ppo.needs_critic:
                 with t("values"):
-                    chunks = micro_batch_groups(batch, cfg.critic.micro_batch_size, cfg.critic.max_tokens_per_micro_batch)
+                    chunks = micro_batch_groups(batch, cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch)
                     batch.values = self._no_grad_pass("critic", batch, chunks, lambda m, b: m.get_values(
                         b.observation, b.mask, b.response_width))
         baseline = batch.extras.get("baseline_score")
@@ -169,7 +169,7 @@ class Trainer:
             if self.ppo.needs_critic:
                 with t("update_critic"):
                     metrics.update(self._update("critic", batch, self.ppo.compute_value_loss, cfg.critic.ppo_epochs,
-                                                self.derived.critic_micro_batch, cfg.critic.max_tokens_per_micro_batch)[0])
+                                                cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch)[0])
             with t("update_actor"):
                 actor_metrics, actor_steps = self._update("actor", batch, self.ppo.compute_policy_loss,
                                                           cfg.actor.ppo_epochs, cfg.actor.micro_batch_size,
@@ -326,7 +326,7 @@ class Trainer:
             t0, tokens, fell_back = time.perf_counter(), 0.0, False
             self._last_saved = start or None  # a resumed run with nothing left to do re-saves nothing
             bar = tqdm(total=cfg.trainer.total_steps, initial=start, desc=cfg.algo.adv_estimator, dynamic_ncols=True,
-                       disable=not (self.is_main and cfg.trainer.progress_bar))
+                       disable=not (self.is_main and "progress_bar" in cfg.trainer.loggers))
             while self.state.get("global_step") < cfg.trainer.total_steps:
                 signal_name = self.preemption.stop_requested()  # collective: every rank stops at the same step
                 if signal_name:
@@ -355,7 +355,7 @@ class Trainer:
             bar.close()
             if self._last_saved != self.state.get("global_step"):
                 save_checkpoint(self)
-            export_dir = self.export_hf() if cfg.trainer.export_hf else None
+            export_dir = self.export_hf() if cfg.trainer.export != "none" else None
         except (NonFiniteError, StepFailed):
             # every rank raised at the same point: save what was trained so far before the run ends
             step = self.state.get("global_step")
@@ -369,16 +369,16 @@ class Trainer:
             raise
         # the rows come from <output_dir>/metrics.jsonl, the whole run's (summarize reads it)
         summary = summarize([], self.state.get("global_step"), time.perf_counter() - t0, tokens,
-                            self.out_dir, export_dir, plot=cfg.trainer.plot, write=self.is_main, resumed_from=start)
+                            self.out_dir, export_dir, plot="plot" in cfg.trainer.loggers, write=self.is_main, resumed_from=start)
         self.close()
         return summary
 
     def export_hf(self, directory: Optional[str] = None) -> str:
-        """The trained actor per ``trainer.export_format`` (safetensors written by rank 0), plus the tokenizer."""
-        from verl_ds.export import export_actor
+        """The trained actor per ``trainer.export`` (merged when it is none), written by rank 0, and the tokenizer."""
+        from verl_ds.export import export_actor, export_format
 
         directory = directory or os.path.join(self.out_dir, "hf_actor")
-        export_actor(self.actor_engine.module, self.tokenizer, directory, self.cfg.trainer.export_format,
+        export_actor(self.actor_engine.module, self.tokenizer, directory, export_format(self.cfg),
                      base_model_path=self.cfg.model.path)
         return directory
 

@@ -36,7 +36,7 @@ def _data(tmp_path):
     (["agent.environment=calc", "reward.functions=[]", "algo.overlong_buffer=2"], r"algo.overlong_buffer: .*agent"),
     (["agent.environment=parity_env:ParityHint", "reward.functions=[]"], r"has no built-in data set .*data.train_files"),
     (["agent.environment=calc", "reward.functions=[]", "agent.max_context_tokens=300"],
-     r"agent.max_context_tokens=300 is larger than model.max_position_embeddings=256"),
+     r"agent.max_context_tokens=300 is larger than model.config_overrides.max_position_embeddings=256"),
     (["agent.environment=calc", "reward.functions=[]", "agent.max_context_tokens=8"],
      r"rollout.max_new_tokens: 8 exceeds this run's limit 7 \(agent.max_context_tokens=8 .*less one prompt token"),
     (["agent.environment=calc", "reward.functions=[]", "agent.env_args=[1]"], r"agent.env_args: expected dict"),

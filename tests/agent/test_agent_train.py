@@ -25,8 +25,8 @@ def _config_overrides() -> list:
 
 
 SHORT = [*_config_overrides(), "actor.sft_warmup_steps=150", "rollout.batch_size=4", "actor.mini_batch_size=16",
-         "actor.micro_batch_size=16", "data.num_val_prompts=8", "trainer.val_every=0", "trainer.export_hf=true",
-         "model.hidden_size=128", "model.intermediate_size=256", "rollout.max_new_tokens=24"]
+         "actor.micro_batch_size=16", "data.num_val_prompts=8", "trainer.val_every=0", "trainer.export=merged",
+         "rollout.max_new_tokens=24"]  # the config file's model.config_overrides (hidden 128) replace FAST's
 
 
 def _params(path):

@@ -16,7 +16,7 @@ from verl_ds import safe_state  # noqa: E402
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
 GRPO = ["algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=4", "actor.mini_batch_size=8",
-        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export_hf=false"]
+        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none"]
 # wall-clock measurements differ between any two runs; everything else must not
 CLOCK = ("timing_s/", "perf/throughput", "async/", "time/")
 

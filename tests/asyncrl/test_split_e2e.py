@@ -8,7 +8,7 @@ from e2e_utils import read_metrics, run_train
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
 SPLIT = ["algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=4", "actor.mini_batch_size=8",
-         "actor.micro_batch_size=4", "rollout.mode=one_step_off", "rollout.split_ranks=1", "trainer.export_hf=false"]
+         "actor.micro_batch_size=4", "rollout.mode=one_step_off", "rollout.split_ranks=1", "trainer.export=none"]
 
 
 def test_one_rank_generates_one_step_ahead_and_the_other_trains(tmp_path):

@@ -21,7 +21,8 @@ from verl_ds.engines.zero3 import gathered
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 pl = split_groups(rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]), rollout_ranks=1, timeout_s=120)
 assert pl.weights is None and pl.weight_group is pl.bridge and pl.device == "cpu"  # CPU: the weights take gloo
-cfg = load_config(None, ["model.hidden_size=32", "model.intermediate_size=64", "deepspeed.zero_stage=3",
+cfg = load_config(None, ["model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64",
+                         "deepspeed.zero_stage=3",
                          "rollout.batch_size=4", "actor.mini_batch_size=4", "actor.micro_batch_size=2",
                          "trainer.device=cpu"])
 tok = load_tokenizer(cfg)

@@ -92,7 +92,7 @@ def test_max_new_tokens_is_limited_by_the_built_in_models_context():
     with pytest.raises(StateValidationError) as info:
         state.stage({"max_new_tokens": 1048576})
     assert info.value.errors["max_new_tokens"] == (
-        "1048576 exceeds this run's limit 224 (model.max_position_embeddings=256 - data.max_prompt_length=32: "
+        "1048576 exceeds this run's limit 224 (model.config_overrides.max_position_embeddings=256 - data.max_prompt_length=32: "
         "prompt and response must fit the model's context)")
     with pytest.raises(StateValidationError, match="225 exceeds this run's limit 224"):
         state.update({"max_new_tokens": 225})  # the trainer's own writes too
@@ -194,20 +194,18 @@ def test_zero_value_clip_range_means_no_clipping_everywhere():
     assert load_config(None, ["critic.cliprange_value=0"]).critic.cliprange_value == 0.0
 
 
-def test_batch_arithmetic_with_groups_and_a_critic_micro_batch():
+def test_batch_arithmetic_with_groups():
     cfg = load_config(None, ["rollout.batch_size=8", "rollout.n=4", "actor.mini_batch_size=16",
-                             "actor.micro_batch_size=4", "critic.micro_batch_size=16"])
+                             "actor.micro_batch_size=4"])
     d = validate(cfg, world_size=2)
-    # 8 prompts x 4 = 32 samples; 2 optimizer steps of 16; 8 samples per rank per step
+    # 8 prompts x 4 = 32 samples; 2 optimizer steps of 16; 8 samples per rank per step, 2 micro-batches of 4
     assert (d.prompts_per_rank, d.samples_per_rank, d.mini_batches_per_epoch, d.mini_batch_per_rank) == (4, 16, 2, 8)
-    assert (d.grad_accum, d.critic_micro_batch, d.critic_grad_accum) == (2, 8, 1)  # 16 capped at the 8 per rank
-    d1 = validate(load_config(None, ["critic.micro_batch_size=8"]), world_size=1)
-    assert (d1.critic_micro_batch, d1.critic_grad_accum) == (8, 4)  # 32 per rank / 8
+    assert d.grad_accum == 2
 
 
 def test_new_keys_and_their_defaults():
     cfg = Config()
-    assert (cfg.algo.adv_estimator, cfg.rollout.n, cfg.critic.micro_batch_size, cfg.rollout.log_prob_micro_batch_size) == (
+    assert (cfg.algo.adv_estimator, cfg.rollout.n, cfg.actor.micro_batch_size, cfg.rollout.log_prob_micro_batch_size) == (
         "gae", 1, 16, 64)
     assert (cfg.trainer.checkpoint_digest, cfg.server.swappable_rewards, cfg.server.allow_reward_code,
             cfg.server.reward_model_dir) == ("edges", [], False, None)

@@ -104,7 +104,7 @@ def test_a_field_may_allow_non_finite_values_explicitly():
     ("server.swappable_rewards=[[a]]", r"server.swappable_rewards\[0\]: expected str, got list \['a'\]"),
     ("trainer.checkpoint_digest=some", r"trainer.checkpoint_digest: 'some' is not one of \['edges', 'full'\]"),
     ("rollout.n=0", r"rollout.n: 0 is out of range \[1, inf\)"),
-    ("critic.micro_batch_size=0", r"critic.micro_batch_size: 0 is out of range \[1, inf\)"),
+    ("actor.micro_batch_size=0", r"actor.micro_batch_size: 0 is out of range \[1, inf\)"),
     ("rollout.log_prob_micro_batch_size=0", r"rollout.log_prob_micro_batch_size: 0 is out of range \[1, inf\)"),
     ("algo.adv_estimator=grop", r"algo.adv_estimator: 'grop' is not one of \['gae', 'grpo', .*\]; did you mean 'grpo'"),
     ("server.allow_reward_code=yes please", r"server.allow_reward_code: expected bool \(true/false\), got str"),

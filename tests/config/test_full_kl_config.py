@@ -14,7 +14,7 @@ def test_accepted_in_the_loss_and_refused_in_the_reward_at_startup(capsys, tmp_p
                                           r"algo.kl_placement=loss"):
         validate(load_config(None, ["algo.kl_placement=reward", "algo.kl_kind=full_symmetric"]))
     status = main(["train", "algo.kl_kind=full_symmetric", f"trainer.output_dir={tmp_path}/run",
-                   "trainer.total_steps=1", "trainer.progress_bar=false"])  # gae: auto puts the KL in the reward
+                   "trainer.total_steps=1", "trainer.loggers=[plot]"])  # gae: auto puts the KL in the reward
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("verl_ds: error:")]
     assert status == 2 and len(errors) == 1 and "algo.kl_kind: 'full_symmetric'" in errors[0], err

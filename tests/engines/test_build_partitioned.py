@@ -22,7 +22,7 @@ from verl_ds.engines.zero3 import full_numel, is_partitioned
 stage, sft, reward_path = int(sys.argv[2]), sys.argv[3] == "sft", sys.argv[4]
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")
 rank = vdist.rank()
-cfg = load_config(None, ["model.num_layers=4", "rollout.batch_size=4", "actor.mini_batch_size=4",
+cfg = load_config(None, ["model.config_overrides.num_hidden_layers=4", "rollout.batch_size=4", "actor.mini_batch_size=4",
                          "actor.micro_batch_size=2", f"deepspeed.zero_stage={stage}", "trainer.device=cpu"])
 derived = validate(cfg, vdist.world_size())
 tok = load_tokenizer(cfg)

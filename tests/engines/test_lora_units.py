@@ -49,14 +49,23 @@ def ids(B=3, T=7, seed=2):
 
 def test_config_keys_default_off_and_flat():
     cfg = load_config(overrides=["actor.lora_rank=8", "actor.lora_target_modules=[q_proj, v_proj]"])
-    assert lora.lora_spec(cfg.critic, "critic") is None
-    s = lora.lora_spec(cfg.actor, "actor")
+    assert lora.lora_spec(cfg, "critic") is None
+    s = lora.lora_spec(cfg, "actor")
     assert (s.rank, s.alpha, s.dropout, s.target_modules) == (8, 16.0, 0.0, ("q_proj", "v_proj"))
     assert s.scaling == 2.0
     defaults = load_config()
     assert defaults.actor.lora_target_modules == ["all-linear", "output-head"]
-    assert defaults.critic.lora_target_modules == ["all-linear"]
-    assert load_config().trainer.export_format == "merged"
+    assert load_config().trainer.export == "merged"
+
+
+def test_the_critic_takes_the_actors_lora_arguments_less_the_output_head():
+    cfg = load_config(overrides=["critic.lora_rank=4", "actor.lora_alpha=8", "actor.lora_dropout=0.1"])
+    s = lora.lora_spec(cfg, "critic")  # the actor's default targets are [all-linear, output-head]
+    assert (s.rank, s.alpha, s.dropout, s.target_modules, s.who) == (4, 8.0, 0.1, ("all-linear",), "critic")
+    assert lora.lora_spec(cfg, "actor") is None  # the actor's own rank is 0: full fine-tuning
+    only_head = load_config(overrides=["critic.lora_rank=4", "actor.lora_target_modules=[output-head]"])
+    with pytest.raises(ConfigError, match=r"critic.lora_rank=4: .* actor.lora_target_modules less 'output-head'"):
+        lora.lora_spec(only_head, "critic")
 
 
 @pytest.mark.parametrize("override, key, why", [
@@ -66,7 +75,7 @@ def test_config_keys_default_off_and_flat():
     ("actor.lora_dropout=1.0", "actor.lora_dropout", "out of range"),
     ("actor.lora_target_modules=q_proj", "actor.lora_target_modules", "expected list"),
     ("actor.lora_target_modules=['']", "actor.lora_target_modules", "must not be empty"),
-    ("trainer.export_format=adaptor", "trainer.export_format", "did you mean 'adapter'"),
+    ("trainer.export=adaptor", "trainer.export", "did you mean 'adapter'"),
     ("actor.lora_rnak=8", "actor.lora_rnak", "did you mean 'lora_rank'"),
 ])
 def test_bad_config_values_are_named(override, key, why):
@@ -89,7 +98,7 @@ def test_unknown_target_module_names_the_key_and_suggests():
     with pytest.raises(ConfigError, match="at least one"):
         lora.resolve_target_modules(model, [], "actor")
     lora.resolve_target_modules(model, ["self_attn.q_proj", "lm_head", "embed_tokens"], "actor")  # suffixes are fine
-    with pytest.raises(ConfigError, match="critic.lora_target_modules.*'mlp'"):  # a container is not adaptable
+    with pytest.raises(ConfigError, match=r"actor.lora_target_modules \(the critic's adapters\).*'mlp'"):  # a container is not adaptable
         lora.resolve_target_modules(model, ["mlp"], "critic")
 
 
@@ -148,7 +157,7 @@ def test_output_head_symbol(caplog):
     with pytest.raises(ConfigError, match=r"actor.lora_target_modules: \['output-head'\] leaves no module"):
         lora.resolve_target_modules(tied, ["output-head"], "actor")
     backbone = LlamaModel(tiny_llama().config)  # a critic's backbone: no LM head
-    with pytest.raises(ConfigError, match="critic.lora_target_modules: 'output-head': the critic model has no output"):
+    with pytest.raises(ConfigError, match=r"actor.lora_target_modules \(the critic's adapters\): 'output-head': the critic model has no output"):
         lora.resolve_target_modules(backbone, ["all-linear", "output-head"], "critic")
     wrapped = lora.apply_lora(tiny_llama(), spec(targets=["all-linear", "output-head"]), seed=0)
     assert isinstance(wrapped.get_output_embeddings(), lora._lora_layer_class())

@@ -39,7 +39,7 @@ def gathered(module, trainable):
 for stage in stages:
     r = res[str(stage)] = {}
     cfg = load_config(overrides=[
-        "model.hidden_size=32", "model.intermediate_size=64", "data.num_train_prompts=32", "data.num_val_prompts=8",
+        "model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64", "data.num_train_prompts=32", "data.num_val_prompts=8",
         "rollout.batch_size=4", "actor.mini_batch_size=4", f"actor.micro_batch_size={4 // world}",
         f"deepspeed.zero_stage={stage}", f"model.gradient_checkpointing={str(gc).lower()}",
         "actor.lora_rank=4", "actor.lora_alpha=8", "actor.lora_target_modules=[q_proj, v_proj, down_proj]",
@@ -134,7 +134,8 @@ def check(res: dict, world: int) -> None:
         assert r["base_partitioned"] == (stage == "3")
         assert "value_head.weight" in r["trainable_critic"] and "value_head.bias" in r["trainable_critic"]
         assert all(".lora_" in n or n.startswith("value_head.") for n in r["trainable_critic"])
-        assert len(r["trainable_critic"]) == 2 + 2 * 7 * 2  # head + 2 layers x 7 linear layers x (A, B)
+        # head + 2 layers x the actor's 3 target modules (q_proj, v_proj, down_proj) x (A, B): the critic takes them
+        assert len(r["trainable_critic"]) == 2 + 2 * 3 * 2
         ref_vs_base, policy_vs_base = zip(*r["ref_vs_base"])
         assert max(ref_vs_base) < 1e-5, r["ref_vs_base"]  # the reference is the base model, before and after updates
         assert policy_vs_base[0] < 1e-5 and min(policy_vs_base[1:]) > 1e-3, r["ref_vs_base"]  # B = 0 at the start

@@ -17,17 +17,17 @@ def _cfg(*overrides):
     ("cuda", True, 3, "deepspeed_cpu_adam"),
     ("cuda", True, 2, "deepspeed_cpu_adam"),
     ("cuda", False, 3, "torch_adamw"),
-    ("cuda", True, 0, "torch_adamw"),  # stage 0 ignores offload_optimizer
+    ("cuda", True, 0, "torch_adamw"),  # stage 0 ignores an offloaded optimizer
     ("cpu", True, 3, "torch_adamw"),
 ])
 def test_optimizer_choice(device, offload, stage, expected):
-    cfg, _ = _cfg(f"trainer.device={device}", f"deepspeed.offload_optimizer={str(offload).lower()}",
+    cfg, _ = _cfg(f"trainer.device={device}", f"deepspeed.offload={['optimizer'] if offload else []}",
                   f"deepspeed.zero_stage={stage}")
     assert optimizer_name(cfg) == expected and expected in OPTIMIZERS
 
 
 def test_gpu_offload_pins_memory_and_lets_deepspeed_keep_its_cpu_adam():
-    cfg, d = _cfg("deepspeed.offload_optimizer=true", "deepspeed.offload_param=true")
+    cfg, d = _cfg("deepspeed.offload=[optimizer, param]")
     gpu = make_ds_config(cfg, d, "actor", gpu=True)
     zero = gpu["zero_optimization"]
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
@@ -37,14 +37,14 @@ def test_gpu_offload_pins_memory_and_lets_deepspeed_keep_its_cpu_adam():
     assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
     assert cpu["zero_force_ds_cpu_optimizer"] is False  # torch AdamW on a CPU run
     # params offloaded from a GPU with the optimizer on it: torch AdamW, so DeepSpeed must not insist on its own
-    cfg2, d2 = _cfg("deepspeed.offload_param=true")
+    cfg2, d2 = _cfg("deepspeed.offload=[param]")
     assert make_ds_config(cfg2, d2, "actor", gpu=True)["zero_force_ds_cpu_optimizer"] is False
 
 
 def test_device_is_read_from_the_config_when_not_given():
-    cfg, d = _cfg("deepspeed.offload_optimizer=true", "trainer.device=cuda")
+    cfg, d = _cfg("deepspeed.offload=[optimizer]", "trainer.device=cuda")
     assert make_ds_config(cfg, d, "actor")["zero_optimization"]["offload_optimizer"]["pin_memory"] is True
-    cfg, d = _cfg("deepspeed.offload_optimizer=true", "trainer.device=cpu")
+    cfg, d = _cfg("deepspeed.offload=[optimizer]", "trainer.device=cpu")
     assert make_ds_config(cfg, d, "actor")["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
 
 

@@ -21,8 +21,8 @@ from e2e_utils import ROOT, base_env, free_port, read_metrics, run_group, run_tr
 from verl_ds.config import ConfigError, load_config
 from verl_ds.rollout_engines import ROLLOUT_ENGINES, CallSeeds, check_rollout_engine, mix_seed
 from vllm_testutil import VLLM_ERROR, in_main_venv, needs_vllm, run_in_vllm_venv, venv_driver
-MODEL = ["model.hidden_size=256", "model.intermediate_size=512"]  # 4 heads: head_dim 64
-QUIET = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.export_hf=false", "trainer.resume=none"]
+MODEL = ["model.config_overrides.hidden_size=256", "model.config_overrides.intermediate_size=512"]  # 4 heads: head_dim 64
+QUIET = ["trainer.loggers=[]", "trainer.export=none", "trainer.resume=none"]
 
 
 def vllm_env(**extra):
@@ -85,7 +85,7 @@ def test_cpu_limits_are_config_errors():
 
     if not current_platform.is_cpu():
         pytest.skip("the head_dim limits and the missing sleep mode are the CPU backend's")
-    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: model.hidden_size / model.num_heads: .* head_dim=16"):
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm: model.config_overrides hidden_size / num_attention_heads: .* head_dim=16"):
         check_rollout_engine(load_config(None, ["rollout.engine=vllm"]))  # the default tiny model
     with pytest.raises(ConfigError, match="rollout.vllm_sleep=true needs a GPU"):
         check_rollout_engine(load_config(None, ["rollout.engine=vllm", "rollout.vllm_sleep=true", *MODEL]))
@@ -237,7 +237,7 @@ def test_the_tool_task_runs_with_vllm_sampling(tmp_path):
     on the model's tokens only (the environment's tokens are attended, not sampled)."""
     out = str(tmp_path / "calc")
     agent = ["agent.environment=calc", "reward.functions=[]", "agent.max_turns=3", "agent.max_context_tokens=192",
-             "model.max_position_embeddings=256", "actor.sft_warmup_steps=100", "algo.adv_estimator=grpo",
+             "model.config_overrides.max_position_embeddings=256", "actor.sft_warmup_steps=100", "algo.adv_estimator=grpo",
              "rollout.n=4", "rollout.batch_size=4", "actor.mini_batch_size=16", "actor.micro_batch_size=16",
              "rollout.max_new_tokens=24", "algo.kl_coef=0.0", "algo.kl_ctrl=fixed", "trainer.total_steps=2",
              "rollout.temperature=0.7"]

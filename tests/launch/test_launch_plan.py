@@ -114,7 +114,7 @@ def test_reference_memory_hand_computed():
 
 
 def test_estimate_memory_reads_stage_and_offload_from_the_generated_deepspeed_config(tmp_path):
-    cfg = _qwen05_cfg(tmp_path, "deepspeed.zero_stage=2", "deepspeed.offload_optimizer=true")
+    cfg = _qwen05_cfg(tmp_path, "deepspeed.zero_stage=2", "deepspeed.offload=[optimizer]")
     mem = estimate_memory(cfg, validate(cfg, 8), 1, 8)
     assert (mem["actor"].zero_stage, mem["actor"].offload_optimizer) == (2, True)
     assert (mem["ref"].zero_stage, mem["ref"].offload_optimizer) == (0, False)  # ZeRO-3 only with a ZeRO-3 actor
@@ -145,7 +145,7 @@ def test_plan_says_when_the_replica_does_not_fit_and_recommends_per_token_gather
     assert re.search(r"recommended: rollout.gather_params=false .*, fits$", tight, re.M), tight
     assert "fits: " in plan(cfg, 8, memory_gib=1000)
     hopeless = plan(cfg, 8, memory_gib=0.01)
-    assert "still does not fit" in hopeless and "offload_optimizer" in hopeless
+    assert "still does not fit" in hopeless and "deepspeed.offload" in hopeless
     lean = load_config(GPU_CONFIG, [f"model.path={cfg.model.path}", "rollout.gather_params=false"])
     assert "recommended" not in plan(lean, 8, memory_gib=0.01)
     with pytest.raises(ValueError, match=r"memory_gib: expected a positive number of GiB, got -1"):

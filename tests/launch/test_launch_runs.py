@@ -29,7 +29,7 @@ LAUNCHERS = ["torchrun", "deepspeed", "accelerate", "slurm", "slurm_deepspeed"]
 
 
 def job(out) -> list[str]:
-    return ["--config", CONFIG, f"trainer.output_dir={out}", *FAST, "trainer.export_hf=false"]
+    return ["--config", CONFIG, f"trainer.output_dir={out}", *FAST, "trainer.export=none"]
 
 
 def _commands(tmp) -> dict:
@@ -46,12 +46,12 @@ def _commands(tmp) -> dict:
     port = free_port()
     common = dict(SLURM_NTASKS="2", SLURM_NODELIST="localhost", SLURM_JOB_ID="4321", MASTER_PORT=str(port),
                   REPO_DIR=ROOT, CONFIG="configs/default.yaml", OUTPUT_DIR=out["slurm"], PYTHON=sys.executable)
-    cmds["slurm"] = [([os.path.join(ROOT, "slurm", "task.sh"), *FAST, "trainer.export_hf=false"],
+    cmds["slurm"] = [([os.path.join(ROOT, "slurm", "task.sh"), *FAST, "trainer.export=none"],
                       dict(common, SLURM_PROCID=str(r), SLURM_LOCALID=str(r))) for r in range(2)]
     # what srun starts per node in slurm/train_deepspeed.sbatch: one node of 2 slots
     hostfile = tmp / "hostfile"
     hostfile.write_text("localhost slots=2\n")
-    cmds["slurm_deepspeed"] = [([os.path.join(ROOT, "slurm", "deepspeed_node.sh"), *FAST, "trainer.export_hf=false"],
+    cmds["slurm_deepspeed"] = [([os.path.join(ROOT, "slurm", "deepspeed_node.sh"), *FAST, "trainer.export=none"],
                                 dict(SLURM_NODEID="0", HOSTFILE=str(hostfile), MASTER_ADDR="127.0.0.1",
                                      MASTER_PORT=str(free_port()), REPO_DIR=ROOT, CONFIG="configs/default.yaml",
                                      OUTPUT_DIR=out["slurm_deepspeed"]))]
@@ -64,14 +64,14 @@ def _gpu_config_commands(tmp) -> dict:
     model = tiny_qwen_dir(tmp / "tiny-qwen2")
     small = ["trainer.device=cpu", f"model.path={model}", "rollout.batch_size=4", "actor.mini_batch_size=4",
              "actor.micro_batch_size=2", "rollout.max_new_tokens=8", "data.max_prompt_length=48",
-             "trainer.progress_bar=false", "trainer.plot=false"]
+             "trainer.loggers=[]"]
     runs = {}
     for name, config, extra in [
             ("gpu_config", GPU_CONFIG, ["model.dtype=fp32", "trainer.total_steps=2"]),
             ("zero2", os.path.join(ROOT, "configs", "zero2.yaml"), ["trainer.total_steps=1", "data.val_files=null",
-                                                                    "trainer.export_hf=false"]),
+                                                                    "trainer.export=none"]),
             ("zero3_offload", os.path.join(ROOT, "configs", "zero3_offload.yaml"),
-             ["trainer.total_steps=1", "data.val_files=null", "trainer.export_hf=false"])]:
+             ["trainer.total_steps=1", "data.val_files=null", "trainer.export=none"])]:
         out = str(tmp / name)
         runs[name] = ([sys.executable, TRAIN, "--config", config, *small, f"trainer.output_dir={out}", *extra], out)
     return runs

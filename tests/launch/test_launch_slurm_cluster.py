@@ -18,9 +18,9 @@ TRAIN = "slurm/train.sbatch"
 DEEPSPEED = "slurm/train_deepspeed.sbatch"
 # the documented command line (docs/launch.md): 2 ranks of 1 CPU on the one node, no GPU
 SRUN_OPTIONS = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1", "--partition=debug"]
-CPU = ["trainer.device=cpu", "trainer.progress_bar=false"]
+CPU = ["trainer.device=cpu", "trainer.loggers=[]"]
 # for jobs that are stopped early: nothing to export or plot at the end
-QUICK = [*CPU, "trainer.export_hf=false", "trainer.plot=false"]
+QUICK = [*CPU, "trainer.export=none"]
 # The default job (seed 0) raises its train score from 0.29-0.32 (steps 1-2) to 0.61-0.59 (steps 19-20).
 # Not longer: by then its band KL controller has raised kl_coef from 0.004 to ~0.07, and by step 30 to ~1.2,
 # which pulls the score back to ~0.45 (measured on a straight and on a preempted run, identical).

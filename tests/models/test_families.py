@@ -206,7 +206,7 @@ def test_hybrid_models_generate_plainly_with_a_log_line(model_type, caplog):
         with caplog.at_level(logging.WARNING, logger="verl_ds.generation"):
             caplog.clear()
             engine = HFRolloutEngine(lm, pad_token_id=0, eos_token_id=2, gather_params=False, share_prefill=share)
-        said = [r.getMessage() for r in caplog.records if "rollout.share_prefill" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records if "rollout.share:" in r.getMessage()]
         assert len(said) == int(share) and not engine.share_prefill and not engine.share_decode
         if share:
             assert model_type in said[0] and "plain generate is used" in said[0]

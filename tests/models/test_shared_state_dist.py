@@ -86,6 +86,6 @@ def test_sync_two_ranks():
     assert r1["values"]["kl_coef"] == 0.25 and r1["values"]["top_k"] == 17 and r1["values"]["global_step"] == 3
     assert r1["version"] == r0["version"] > 0
     assert r1["from_config"] == r0["from_config"] and r0["from_config"][0]["kl_kind"] == "low_var_kl"
-    assert r0["limit_error"].startswith("57 exceeds this run's limit 56 (model.max_position_embeddings=256 - "
+    assert r0["limit_error"].startswith("57 exceeds this run's limit 56 (model.config_overrides.max_position_embeddings=256 - "
                                         "data.max_prompt_length=200")
 

@@ -70,7 +70,7 @@ def launch(output_dir: str, overrides=(), nproc: int = 2, fault: str | None = No
     os.makedirs(output_dir, exist_ok=True)
     log_dir = os.path.join(os.path.dirname(output_dir.rstrip("/")), "logs")
     os.makedirs(log_dir, exist_ok=True)
-    args = merged([f"trainer.output_dir={output_dir}"], FAST, ["trainer.export_hf=false"], overrides)
+    args = merged([f"trainer.output_dir={output_dir}"], FAST, ["trainer.export=none"], overrides)
     procs, logs = [], []
     for rank in range(nproc):
         env = base_env(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=nproc, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

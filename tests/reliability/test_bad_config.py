@@ -28,7 +28,7 @@ CORPUS = [
     (["trainer.total_steps=0"], 1, r"trainer.total_steps: 0 is out of range \[1, inf\)"),
     (["trainer.max_bad_steps=0"], 1, r"trainer.max_bad_steps: 0 is out of range \[1, inf\)"),
     (["trainer.dist_timeout_s=0"], 1, r"trainer.dist_timeout_s: 0 is out of range \[1, 2592000\]"),
-    (["trainer.progress_bar=1"], 1, r"trainer.progress_bar: expected bool \(true/false\), got int 1"),
+    (["trainer.loggers=progress_bar"], 1, r"trainer.loggers: expected list, got str 'progress_bar'"),
     (["model.dtype=fp16"], 1, r"model.dtype: 'fp16' is not one of \['fp32', 'bf16'\]"),
     (["algo.loss_agg_mode=token_mean"], 1, r"algo.loss_agg_mode: .*did you mean 'token-mean'"),
     (["deepspeed.zero_stage=4"], 1, r"deepspeed.zero_stage: 4 is out of range \[0, 3\]"),
@@ -58,10 +58,10 @@ CORPUS = [
                             r"algo.kl_ctrl=fixed to train without a KL term and without a reference"),
     (["algo.kl_coef=0", "algo.kl_ctrl=adaptive"], 1, r"algo.kl_coef: 0 with algo.kl_ctrl=ziegler would stay 0"),
     (["algo.clip_ratio_c=0.5"], 1, r"algo.clip_ratio_c: 0.5 is out of range \(1.0, inf\)"),
-    (["deepspeed.zero_stage=2", "deepspeed.offload_param=true"], 1, r"deepspeed.offload_param needs deepspeed.zero_stage=3"),
-    (["model.hidden_size=63"], 1, r"model.hidden_size=63 must be divisible by model.num_heads=4"),
-    (["model.num_kv_heads=3"], 1, r"model.num_heads=4 must be divisible by model.num_kv_heads=3"),
-    (["data.max_prompt_length=250"], 1, r"rollout.max_new_tokens: 8 exceeds this run's limit 6 \(model.max_position_embeddings=256 - data.max_prompt_length=250"),
+    (["deepspeed.zero_stage=2", "deepspeed.offload=[param]"], 1, r"deepspeed.offload: param needs deepspeed.zero_stage=3"),
+    (["model.config_overrides.hidden_size=63"], 1, r"model.config_overrides: hidden_size=63 must be divisible by num_attention_heads=4"),
+    (["model.config_overrides.num_key_value_heads=3"], 1, r"model.config_overrides: num_attention_heads=4 must be divisible by num_key_value_heads=3"),
+    (["data.max_prompt_length=250"], 1, r"rollout.max_new_tokens: 8 exceeds this run's limit 6 \(model.config_overrides.max_position_embeddings=256 - data.max_prompt_length=250"),
     (["reward.functions=[]"], 1, r"configure at least one of reward.functions or reward.model_path"),
     (["reward.functions=[{weight: 2}]"], 1, r"reward.functions\[0\]: expected a name or \{name, weight, per_token\}"),
     (["trainer.resume=/no/such/dir"], 1, r"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory"),
@@ -169,10 +169,10 @@ CLI_CORPUS = [
     (["trainer.seed=-1"], r"trainer.seed: -1 is out of range \[0, 4294967295\]"),
     (["trainer.seed=18446744073709551616"], r"trainer.seed: 18446744073709551616 is out of range \[0, 4294967295\]"),
     (["model.init_seed=-1"], r"model.init_seed: -1 is out of range \[0, 4294967295\]"),
-    (["model.hidden_size=1099511627776"], r"model.hidden_size: 1099511627776 is out of range \[1, 65536\]"),
-    (["model.num_layers=100000"], r"model.num_layers: 100000 is out of range \[1, 1024\]"),
-    (["model.hidden_size=65536", "model.num_layers=1024"],  # in range, but 1.3e13 parameters: 200 TiB to train
-     r"model.hidden_size=65536, model.intermediate_size=128, model.num_layers=1024: the model built from config has "
+    (["model.config_overrides.hidden_size=1099511627776"], r"model.config_overrides.hidden_size: 1099511627776 is out of range \[1, 65536\]"),
+    (["model.config_overrides.num_hidden_layers=100000"], r"model.config_overrides.num_hidden_layers: 100000 is out of range \[1, 1024\]"),
+    (["model.config_overrides.hidden_size=65536", "model.config_overrides.num_hidden_layers=1024"],  # in range, but 1.3e13 parameters: 200 TiB to train
+     r"model.config_overrides: hidden_size=65536, intermediate_size=128, num_hidden_layers=1024: the model built from config has "
      r"at least 1.32e\+13 parameters; training it on the CPU needs at least 16 bytes each .* more than this "
      r"machine's \d+ GiB of memory"),
     (["trainer.dist_timeout_s=1000000000000000"],

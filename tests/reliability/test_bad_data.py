@@ -123,7 +123,7 @@ def test_a_run_over_a_file_with_bad_rows_trains_and_reports_the_counts(tmp_path)
     build_tokenizer(pad_is_eos=True).save_pretrained(str(tok_dir))
     proc = run_train(str(out), [f"data.train_files={data}", "data.passthrough_keys=[target]",
                                 f"data.max_prompt_length={MAX_PROMPT}", f"model.tokenizer_path={tok_dir}",
-                                "trainer.export_hf=false"])
+                                "trainer.export=none"])
     expected = Counter(reason for _, reason in BAD_ROWS)
     report = json.load(open(out / "data_report.json"))["train"]
     assert report["problems"] == dict(expected)

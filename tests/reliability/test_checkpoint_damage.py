@@ -20,8 +20,8 @@ from verl_ds.checkpoint import verify
 
 pytestmark = pytest.mark.slow  # real training runs
 
-COMMON = ["trainer.export_hf=false", "trainer.val_every=0", "trainer.checkpoint_digest=full"]
-BIG = ["model.hidden_size=128", "model.intermediate_size=512"]  # optimizer shards of ~6 MB: a middle the edges miss
+COMMON = ["trainer.export=none", "trainer.val_every=0", "trainer.checkpoint_digest=full"]
+BIG = ["model.config_overrides.hidden_size=128", "model.config_overrides.intermediate_size=512"]  # optimizer shards of ~6 MB: a middle the edges miss
 SKIP_METRICS = ("timing_s/", "perf/")
 
 

@@ -53,7 +53,7 @@ def test_their_neighbours_in_range_pass(tmp_path):
 
 def test_the_command_exits_2_naming_the_key(tmp_path):
     proc = subprocess.run([sys.executable, TRAIN, *merged([f"trainer.output_dir={tmp_path}/run"], FAST,
-                                                          ["trainer.total_steps=1", "trainer.export_hf=false",
+                                                          ["trainer.total_steps=1", "trainer.export=none",
                                                            "actor.weight_decay=1e308"])],  # short, should it start at all
                           cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from reliability_testutil import metric_steps
 from verl_ds.checkpoint import verify
 from verl_ds.runtime import PreemptionHandler
 
-COMMON = ["trainer.export_hf=false", "trainer.val_every=0"]
+COMMON = ["trainer.export=none", "trainer.val_every=0"]
 START_TIMEOUT = 600
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # a real two-rank training run
 
 def test_a_failed_draw_on_one_rank_skips_the_step_on_both(tmp_path):
     out = str(tmp_path / "run")
-    proc = run_train(out, ["trainer.total_steps=3", "trainer.max_bad_steps=2", "trainer.export_hf=false"], nproc=2,
+    proc = run_train(out, ["trainer.total_steps=3", "trainer.max_bad_steps=2", "trainer.export=none"], nproc=2,
                      env=base_env(**{FAULT_ENV: "nan_logits_at_step=2:rank=1:phase=sampling"}))
     assert "NaN logits (sample 0, response position 0, sampling forward) at step 2, rank 1" in proc.stderr
     rows = {m["step"]: m for m in read_metrics(out) if "training/global_step" in m}

@@ -132,7 +132,7 @@ def probe(tmp_path_factory):
     result = d / "result.json"
     overrides = [f"model.path={model}", f"trainer.output_dir={d / 'run'}", "rollout.batch_size=8",
                  "actor.mini_batch_size=4", "actor.micro_batch_size=2", "rollout.max_new_tokens=12",
-                 "data.num_train_prompts=64", "data.num_val_prompts=8", "trainer.progress_bar=false"]
+                 "data.num_train_prompts=64", "data.num_val_prompts=8", "trainer.loggers=[plot]"]
     proc = subprocess.run([sys.executable, os.path.join(HERE, "probe_trainer.py"), str(result), str(rewards), *overrides],
                           cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

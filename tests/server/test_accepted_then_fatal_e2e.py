@@ -18,7 +18,7 @@ from server_testutil import TOKEN, call
 pytestmark = pytest.mark.slow  # real training runs
 
 CONST = 0.123  # no parity score is this, so the swapped reward is unmistakable
-COMMON = ["trainer.val_every=0", "trainer.export_hf=false", "algo.kl_coef=0", "algo.kl_ctrl=fixed"]
+COMMON = ["trainer.val_every=0", "trainer.export=none", "algo.kl_coef=0", "algo.kl_ctrl=fixed"]
 
 
 def _lines(path: str) -> list[dict]:

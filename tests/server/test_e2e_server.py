@@ -56,7 +56,7 @@ def live_run(tmp_path_factory):
     reward_file = tmp / "const_reward.py"
     reward_file.write_text(f"def const(prompts, responses, batch):\n    return [{CONST_REWARD}] * len(responses)\n")
     args = merged([f"trainer.output_dir={out}"], FAST, [
-        f"trainer.total_steps={TOTAL_STEPS}", "trainer.val_every=0", "trainer.export_hf=false", "trainer.save_every=0",
+        f"trainer.total_steps={TOTAL_STEPS}", "trainer.val_every=0", "trainer.export=none", "trainer.save_every=0",
         "server.enabled=true", "algo.kl_ctrl=fixed", "algo.kl_coef=0.01", "rollout.temperature=1.0",
         f'server.swappable_rewards=["{reward_file}:const"]'])  # the only code the server may swap in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",

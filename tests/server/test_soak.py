@@ -55,7 +55,7 @@ def _logged_steps(out: str) -> int:
 def test_soak_of_valid_invalid_and_hostile_requests_while_training(tmp_path):
     out = str(tmp_path / "run")
     args = [sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST, [
-        "trainer.total_steps=100000", "trainer.val_every=0", "trainer.export_hf=false", "server.enabled=true",
+        "trainer.total_steps=100000", "trainer.val_every=0", "trainer.export=none", "server.enabled=true",
         "algo.kl_ctrl=fixed", "algo.kl_coef=0.01"])]
     log = open(tmp_path / "train.log", "w")
     proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=log,
@@ -138,7 +138,7 @@ def test_training_goes_on_under_pathological_bodies_and_an_idle_flood(tmp_path):
     out, log_path = str(tmp_path / "run"), tmp_path / "train.log"
     args = [sys.executable, TRAIN, *merged([f"trainer.output_dir={out}"], FAST,
                                           ["trainer.total_steps=100000", "trainer.val_every=0",
-                                           "trainer.export_hf=false", "server.enabled=true"])]
+                                           "trainer.export=none", "server.enabled=true"])]
     log = open(log_path, "w")
     proc = subprocess.Popen(args, cwd=ROOT, env=base_env(VERL_DS_SERVER_TOKEN=TOKEN), stdout=log,
                             stderr=subprocess.STDOUT)

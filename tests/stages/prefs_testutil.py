@@ -21,8 +21,8 @@ PAIRS = [
     {"prompt": "odd : 0 =>", "chosen": "3 5", "rejected": "3 6"},
     {"prompt": "even : 5 =>", "chosen": "0", "rejected": "5 5"},
 ]
-SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "actor.mini_batch_size=8", "actor.micro_batch_size=4",
-         "trainer.progress_bar=false", "rollout.max_new_tokens=8", "trainer.plot=false"]
+SMALL = ["model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64", "actor.mini_batch_size=8", "actor.micro_batch_size=4",
+         "trainer.loggers=[]", "rollout.max_new_tokens=8"]
 
 
 def write_pairs(tmp_path, rows=PAIRS) -> str:

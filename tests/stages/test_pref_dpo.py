@@ -141,7 +141,7 @@ def test_dpo_on_the_rule_ranked_pairs_raises_the_rule_score(tmp_path):
     from verl_ds.dist import detect_launch
     from verl_ds.stages.sft import SFTJob
 
-    common = ["trainer.progress_bar=false", "trainer.plot=false", "data.max_prompt_length=16",
+    common = ["trainer.loggers=[]", "data.max_prompt_length=16",
               "rollout.max_new_tokens=8", "trainer.val_every=0"]
     sft = SFTJob(load_config(None, [*common, f"trainer.output_dir={tmp_path / 'sft'}", "trainer.total_steps=12"]),
                  detect_launch({})).fit()["export_dir"]

@@ -12,8 +12,8 @@ from e2e_utils import ROOT, base_env, free_port, merged, read_metrics, run_group
 
 pytestmark = pytest.mark.slow
 
-FAST = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train_prompts=64", "data.num_val_prompts=8",
-        "actor.mini_batch_size=8", "actor.micro_batch_size=2", "trainer.progress_bar=false", "trainer.plot=false",
+FAST = ["model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64", "data.num_train_prompts=64", "data.num_val_prompts=8",
+        "actor.mini_batch_size=8", "actor.micro_batch_size=2", "trainer.loggers=[]",
         "trainer.total_steps=3", "actor.lr=1e-2"]
 # what must agree step by step (timings differ)
 KEYS = {"rm": ("rm/loss", "rm/accuracy", "rm/margin", "actor/grad_norm", "val/accuracy", "val/loss"),

@@ -93,9 +93,9 @@ def test_learns_the_parity_ranking_on_held_out_pairs(tmp_path):
     from verl_ds.config import load_config
     from verl_ds.dist import detect_launch
 
-    cfg = load_config(None, [f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=30", "trainer.plot=false",
-                             "trainer.progress_bar=false", "data.num_train_prompts=1024", "data.num_val_prompts=128",
-                             "actor.mini_batch_size=32", "actor.micro_batch_size=32", "trainer.export_hf=false"])
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=30", "trainer.loggers=[]",
+                             "data.num_train_prompts=1024", "data.num_val_prompts=128",
+                             "actor.mini_batch_size=32", "actor.micro_batch_size=32", "trainer.export=none"])
     job = RewardModelJob(cfg, detect_launch({}))
     summary = job.fit()
     assert summary["val_start"]["val/accuracy"] < 0.7

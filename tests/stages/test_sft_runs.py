@@ -18,8 +18,8 @@ from verl_ds.tasks import parity
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SFT_CONFIG = os.path.join(ROOT, "configs", "sft.yaml")
 PROBE = os.path.join(os.path.dirname(__file__), "sft_probe.py")
-SMALL = ["model.hidden_size=32", "model.intermediate_size=64", "data.num_train_prompts=64", "data.num_val_prompts=8",
-         "actor.mini_batch_size=8", "actor.micro_batch_size=4", "trainer.progress_bar=false", "trainer.resume=auto"]
+SMALL = ["model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64", "data.num_train_prompts=64", "data.num_val_prompts=8",
+         "actor.mini_batch_size=8", "actor.micro_batch_size=4", "trainer.loggers=[plot]", "trainer.resume=auto"]
 
 
 def fit(out, *overrides, config=None) -> dict:
@@ -166,8 +166,8 @@ def test_every_zero_stage_and_offload_train_the_same(tmp_path):
     nearly the same second (the optimizer's arithmetic is the same; only float summation orders differ)."""
     runs = {}
     for name, overrides in (("z3", []), ("z0", ["deepspeed.zero_stage=0"]), ("z1", ["deepspeed.zero_stage=1"]),
-                            ("z2", ["deepspeed.zero_stage=2"]), ("z3off", ["deepspeed.offload_optimizer=true"])):
-        fit(tmp_path / name, "trainer.total_steps=2", "trainer.export_hf=false", *overrides)
+                            ("z2", ["deepspeed.zero_stage=2"]), ("z3off", ["deepspeed.offload=[optimizer]"])):
+        fit(tmp_path / name, "trainer.total_steps=2", "trainer.export=none", *overrides)
         runs[name] = [r["sft/loss"] for r in rows(tmp_path / name) if "sft/loss" in r]
     for name, losses in runs.items():
         assert losses[0] == pytest.approx(runs["z3"][0], rel=1e-6), name
@@ -209,7 +209,7 @@ def test_sft_under_the_deepspeed_launcher_and_the_slurm_task_script(tmp_path):
     =launch/sft.py): both finish on 2 ranks with the same losses (the same seed, the same global batches)."""
     import subprocess
 
-    args = ["trainer.total_steps=2", "trainer.export_hf=false", *SMALL]
+    args = ["trainer.total_steps=2", "trainer.export=none", *SMALL]
     ds_out, slurm_out = tmp_path / "deepspeed", tmp_path / "slurm"
     procs = [subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
                                "--master_port", str(free_port()), os.path.join(ROOT, "launch", "sft.py"),

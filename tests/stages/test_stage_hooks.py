@@ -44,9 +44,9 @@ class ScoreJob(SFTJob):
 
 @pytest.mark.parametrize("lora", [0, 4])
 def test_a_stage_trains_the_model_its_hook_builds(tmp_path, lora):
-    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "model.hidden_size=32", "model.intermediate_size=64",
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}", "model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64",
                              "data.num_train_prompts=64", "data.num_val_prompts=8", "actor.mini_batch_size=8",
-                             "actor.micro_batch_size=4", "trainer.total_steps=6", "trainer.progress_bar=false",
+                             "actor.micro_batch_size=4", "trainer.total_steps=6", "trainer.loggers=[plot]",
                              "actor.lr=1e-2", f"actor.lora_rank={lora}", "trainer.save_every=3"])
     job = ScoreJob(cfg, detect_launch({}))
     module = job.engine.module

@@ -44,7 +44,7 @@ def test_single_rank_zero3_run_writes_metrics_checkpoint_and_export(tmp_path):
 
 def test_two_ranks_exact_resume(tmp_path):
     """4 steps straight == 2 steps + resume + 2 steps: bitwise-equal parameters and metrics (2 ranks, ZeRO-3)."""
-    common = ["trainer.export_hf=true", "trainer.val_every=0"]
+    common = ["trainer.export=merged", "trainer.val_every=0"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(str(straight), [*common, "trainer.total_steps=4"], nproc=2)
     run_train(str(split), [*common, "trainer.total_steps=2"], nproc=2)
@@ -70,7 +70,7 @@ def test_two_ranks_different_lengths_do_not_hang_with_per_token_gathering(tmp_pa
     ds.write_text(json.dumps({"zero_optimization": {
         "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0, "stage3_max_live_parameters": 0,
         "stage3_param_persistence_threshold": 0}}))
-    run_train(str(out), ["rollout.gather_params=false", f"deepspeed.config_file={ds}", "trainer.export_hf=false",
+    run_train(str(out), ["rollout.gather_params=false", f"deepspeed.config_file={ds}", "trainer.export=none",
                          "rollout.max_new_tokens=12"], nproc=2, timeout=300)
     metrics = [m for m in read_metrics(str(out)) if "rollout/score/mean" in m]
     assert len(metrics) == 2

@@ -7,7 +7,7 @@ from e2e_utils import read_metrics, run_train
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
 # the default job's model and batch sizes (configs/default.yaml), fewer steps
-LEARN = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.export_hf=false", "trainer.val_every=0",
+LEARN = ["trainer.loggers=[]", "trainer.export=none", "trainer.val_every=0",
          "trainer.resume=none", "data.num_val_prompts=8"]
 
 
@@ -25,7 +25,7 @@ def _rise(out: str, k: int) -> float:
 def test_the_default_task_is_learned(tmp_path, name, overrides, steps, margin):
     out = str(tmp_path / name)
     # the e2e helper's FAST overrides shrink the model; put the default job's sizes back
-    run_train(out, [*LEARN, f"trainer.total_steps={steps}", "model.hidden_size=64", "model.intermediate_size=128",
+    run_train(out, [*LEARN, f"trainer.total_steps={steps}", "model.config_overrides.hidden_size=64", "model.config_overrides.intermediate_size=128",
                     "rollout.batch_size=32", "actor.mini_batch_size=32", "actor.micro_batch_size=16",
                     "rollout.max_new_tokens=8", "data.num_train_prompts=4096", *overrides], timeout=900)
     rise = _rise(out, k=5)

@@ -76,7 +76,7 @@ def test_lora_two_ranks_zero3_gradient_checkpointing(tmp_path):
 # GRPO whose update is on-policy (one epoch, one mini-batch: 4 prompts x 4 samples) with the KL in the loss
 ON_POLICY = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=4", "actor.mini_batch_size=16",
              "actor.micro_batch_size=8", "actor.lora_rank=4", "actor.lora_alpha=8", "actor.lr=1e-2",
-             "trainer.total_steps=2", "trainer.val_every=0", "trainer.export_hf=false"]
+             "trainer.total_steps=2", "trainer.val_every=0", "trainer.export=none"]
 
 
 def test_lora_dropout_keeps_the_old_log_prob_pass_of_an_on_policy_update(tmp_path):
@@ -95,14 +95,14 @@ def test_lora_dropout_keeps_the_old_log_prob_pass_of_an_on_policy_update(tmp_pat
 
 
 def test_adapter_export_writes_peft_files_that_load_on_the_base(tmp_path):
-    """trainer.export_format=adapter: peft's adapter files and, for a model built from config, its base beside them;
+    """trainer.export=adapter: peft's adapter files and, for a model built from config, its base beside them;
     the base with the adapters merged differs from the base (the trained adapters are in the files)."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    run_train(str(out), [*LORA, "trainer.total_steps=1", "trainer.export_format=adapter"])
+    run_train(str(out), [*LORA, "trainer.total_steps=1", "trainer.export=adapter"])
     export = out / "hf_actor"
     config = json.loads((export / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((export / "base").resolve())

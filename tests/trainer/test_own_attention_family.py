@@ -28,7 +28,7 @@ def _tiny_bloom(path) -> str:
 def test_bloom_runs_on_padded_batches(tmp_path):
     model = _tiny_bloom(tmp_path / "bloom")
     out = str(tmp_path / "run")
-    proc = run_train(out, [f"model.path={model}", "trainer.export_hf=false"], timeout=600)
+    proc = run_train(out, [f"model.path={model}", "trainer.export=none"], timeout=600)
     log = proc.stdout + proc.stderr
     assert "cannot be packed" in log and "padded batches are used" in log, log[-3000:]
     assert "keeps its own attention on padded batches" in log, log[-3000:]

@@ -56,12 +56,12 @@ def test_resume_keeps_the_checkpointed_kl_controller_and_the_swapped_reward(tmp_
     reward_file.write_text(CONST_REWARD)
     spec = f"{reward_file}:const"
     out = str(tmp_path / "run")
-    common = ["algo.kl_ctrl=band", "trainer.export_hf=false", "trainer.val_every=0", f"server.swappable_rewards=[{spec}]"]
+    common = ["algo.kl_ctrl=band", "trainer.export=none", "trainer.val_every=0", f"server.swappable_rewards=[{spec}]"]
     first, answer = _run_with_request(out, [*common, "trainer.total_steps=3"], "POST", "/v1/models/reward",
                                       {"function": spec})
     assert first.returncode == 0, first.stderr[-4000:]
     assert answer["applies_at_step"] <= 3, answer
-    second = run_train(out, ["algo.kl_ctrl=ziegler", "trainer.total_steps=5", "trainer.export_hf=false",
+    second = run_train(out, ["algo.kl_ctrl=ziegler", "trainer.total_steps=5", "trainer.export=none",
                              "trainer.val_every=0", f"server.swappable_rewards=[{spec}]"])
     log = second.stdout + second.stderr
     assert "resumed from" in log
@@ -82,7 +82,7 @@ def test_hot_changes_after_the_checkpoint_are_replayed_after_a_crash(tmp_path):
     resumes from step 2: from the announced step on it runs with kl_coef 0.2 as the crashed run did, and the audit
     log records the replay."""
     out = str(tmp_path / "run")
-    common = ["algo.kl_ctrl=fixed", "algo.kl_coef=0.01", "trainer.export_hf=false", "trainer.val_every=0"]
+    common = ["algo.kl_ctrl=fixed", "algo.kl_coef=0.01", "trainer.export=none", "trainer.val_every=0"]
     run_train(out, [*common, "trainer.total_steps=2"])
     crashed, answer = _run_with_request(out, [*common, "trainer.total_steps=8"], "PATCH", "/v1/state",
                                         {"kl_coef": 0.2}, env_extra={"VERL_DS_FAULT": "kill_at=step_begin:step=7"})
@@ -104,7 +104,7 @@ def test_non_finite_right_after_resume_falls_back_once_to_the_previous_checkpoin
     """Checkpoints at steps 2 and 4; the resumed run gets NaN logits at steps 5-6 (max_bad_steps=2): instead of
     stopping it falls back once to step 2 and trains on (the injected NaNs were transient); every step is logged once."""
     out = str(tmp_path / "run")
-    common = ["trainer.save_every=2", "trainer.keep_last=3", "trainer.max_bad_steps=2", "trainer.export_hf=false",
+    common = ["trainer.save_every=2", "trainer.keep_last=3", "trainer.max_bad_steps=2", "trainer.export=none",
               "trainer.val_every=0"]
     run_train(out, [*common, "trainer.total_steps=4"])
     proc = run_train(out, [*common, "trainer.total_steps=8"], env=base_env(VERL_DS_FAULT="nan_logits_at_step=5-6"))
@@ -118,7 +118,7 @@ def test_a_run_ended_by_non_finite_values_checkpoints_first(tmp_path):
     """No checkpoint to fall back to: max_bad_steps non-finite steps in a row end the run with NonFiniteError, after a
     checkpoint of the step reached (the bad steps skipped their updates, so the weights are sound)."""
     out = str(tmp_path / "run")
-    proc = run_train(out, ["trainer.total_steps=6", "trainer.max_bad_steps=2", "trainer.export_hf=false",
+    proc = run_train(out, ["trainer.total_steps=6", "trainer.max_bad_steps=2", "trainer.export=none",
                            "trainer.val_every=0"], check=False, env=base_env(VERL_DS_FAULT="nan_logits_at_step=2-3"))
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "NonFiniteError" in log, log[-3000:]
@@ -130,7 +130,7 @@ def test_a_fresh_run_in_a_used_directory_does_not_mix_in_the_old_metrics(tmp_pat
     """trainer.resume=none into a directory with a finished run: the new metrics.jsonl holds the new run only (the
     old one is kept as metrics.jsonl.prev), so the summary covers this run."""
     out = str(tmp_path / "run")
-    common = ["trainer.export_hf=false", "trainer.val_every=0"]
+    common = ["trainer.export=none", "trainer.val_every=0"]
     run_train(out, [*common, "trainer.total_steps=3"])
     run_train(out, [*common, "trainer.total_steps=2", "trainer.resume=none"])
     assert [m["step"] for m in read_metrics(out) if "rollout/score/mean" in m] == [1, 2]
@@ -142,7 +142,7 @@ def test_a_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path):
     """Elastic resume through the trainer: 2 steps on 2 ranks, then steps 3-4 on 1 rank from that checkpoint (the
     engines through DeepSpeed's universal checkpoint, the same global batches split over the new world size)."""
     out = str(tmp_path / "run")
-    common = ["trainer.export_hf=false", "trainer.val_every=0"]
+    common = ["trainer.export=none", "trainer.val_every=0"]
     run_train(out, [*common, "trainer.total_steps=2"], nproc=2)
     proc = run_train(out, [*common, "trainer.total_steps=4"])
     assert "resumed from" in proc.stdout + proc.stderr

@@ -20,10 +20,10 @@ def test_world_not_divisible_by_the_degree_exits_2_naming_the_key(capsys):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model.num_heads=6", "model.num_kv_heads=3", "model.hidden_size=96"],
-     r"model.sequence_parallel_size=2 must divide model.num_heads=6 and model.num_kv_heads=3"),
-    (["model.num_kv_heads=1"],
-     r"model.sequence_parallel_size=2 must divide model.num_heads=4 and model.num_kv_heads=1"),
+    (["model.config_overrides.num_attention_heads=6", "model.config_overrides.num_key_value_heads=3", "model.config_overrides.hidden_size=96"],
+     r"model.sequence_parallel_size=2 must divide num_attention_heads=6 and num_key_value_heads=3 \(of model.config_overrides\)"),
+    (["model.config_overrides.num_key_value_heads=1"],
+     r"model.sequence_parallel_size=2 must divide num_attention_heads=4 and num_key_value_heads=1 \(of model.config_overrides\)"),
     (["model.remove_padding=false"],
      r"model.sequence_parallel_size=2 splits packed rows: it needs model.remove_padding=true"),
 ])
@@ -34,8 +34,8 @@ def test_heads_and_padded_batches_are_refused(overrides, message):
 
 def test_degree_that_fits_validates():
     validate(load_config(None, ["model.sequence_parallel_size=2"]), world_size=2)
-    validate(load_config(None, ["model.sequence_parallel_size=4", "model.num_heads=8", "model.num_kv_heads=4",
-                                "model.hidden_size=64", "actor.micro_batch_size=4"]), world_size=4)
+    validate(load_config(None, ["model.sequence_parallel_size=4", "model.config_overrides.num_attention_heads=8", "model.config_overrides.num_key_value_heads=4",
+                                "model.config_overrides.hidden_size=64", "actor.micro_batch_size=4"]), world_size=4)
 
 
 def test_heads_of_a_model_on_disk_are_checked_at_start_up(tmp_path):

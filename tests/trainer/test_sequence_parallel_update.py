@@ -14,7 +14,7 @@ def _assert_split(result: dict) -> None:
     assert result["split_rows"] and all(2 * local == tokens for local, tokens in result["split_rows"])
 
 
-SP2 = ["model.sequence_parallel_size=2", "actor.micro_batch_size=2", "critic.micro_batch_size=2"]
+SP2 = ["model.sequence_parallel_size=2", "actor.micro_batch_size=2"]
 
 
 def test_ppo_update_with_sequence_parallel_equals_one_rank(probes):

@@ -119,8 +119,8 @@ def main(result_path: str, overrides: list) -> None:
     metrics = ppo.compute_advantage(batch, whiten_fn=vdist.global_masked_whiten)
     advantages = torch.cat(vdist.gather_object(batch.advantages))  # rank order = the global batch's row order
     if ppo.needs_critic:
-        metrics.update(trainer._update("critic", batch, ppo.compute_value_loss, 1, trainer.derived.critic_micro_batch,
-                                       cfg.critic.max_tokens_per_micro_batch)[0])
+        metrics.update(trainer._update("critic", batch, ppo.compute_value_loss, 1, cfg.actor.micro_batch_size,
+                                       cfg.actor.max_tokens_per_micro_batch)[0])
     import verl_ds.trainer as trainer_module
 
     formed = []  # the actor's micro-batches (row indices of each mini-batch), as the trainer forms them

@@ -183,9 +183,11 @@ def check_value(tp, value: Any, spec: Spec, key: str = "") -> tuple[Any, Optiona
             return None, _type_error(tp, value)
         if spec.items is not None:
             for i, item in enumerate(value):
-                _, why = check_value(spec.items, item, Spec("", nonempty=spec.nonempty))
+                _, why = check_value(spec.items, item, Spec("", nonempty=spec.nonempty, choices=spec.choices))
                 if why is not None:
                     return None, f"[{i}]: {why}"
+        if spec.choices is not None and len(set(value)) < len(value):
+            return None, f"lists {show(value)}: expected each value once"
         return list(value), None
     elif base is dict:
         if not isinstance(value, dict):

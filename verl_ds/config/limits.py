@@ -171,14 +171,17 @@ def sequence_tokens(cfg) -> int:
 
 def run_limits(cfg) -> RunLimits:
     """This run's limits: the response must fit every model's context after the longest prompt
-    (``model.max_position_embeddings`` for the built-in model, config.json for ``model.path``,
+    (``max_position_embeddings`` of ``model.config_overrides`` for the built-in model, config.json for ``model.path``,
     ``model.critic_path`` and ``reward.model_path``) and stay where a length-dependent RoPE scaling is fixed
     (``rope_fixed_length``), and the KL placement for the estimator rule."""
     m = cfg.model
     fit = "prompt and response must fit the model's context"
     contexts = []  # (tokens, where, why); on a tie the first listed is named
     if m.path is None:
-        contexts.append((m.max_position_embeddings, "model.max_position_embeddings", fit))
+        from .model_fields import tiny_model_fields
+
+        contexts.append((tiny_model_fields(cfg)["max_position_embeddings"], "model.config_overrides.max_position_embeddings",
+                         fit))
     for key, path in (("model.path", m.path), ("model.critic_path", m.critic_path),
                       ("reward.model_path", cfg.reward.model_path)):
         rope = rope_fixed_length(path) if path else None

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import yaml
 
 from .fields import ConfigError, check_value, show, spec_of, suggest, type_name
+from .folded import FOLDED_KEYS, folded_message
 from .schema import REMOVED_KEYS, Config, iter_fields
 
 MAX_DEPTH = 64  # a config is 3 levels deep; 64 leaves room for data in lists and refuses hostile nesting
@@ -118,6 +119,8 @@ def _build(cls, data, prefix: str):
     kwargs = {}
     for key, value in data.items():
         if key not in by_name:
+            if prefix + str(key) in FOLDED_KEYS:
+                raise ConfigError(folded_message(prefix + str(key), value))
             if prefix + str(key) in REMOVED_KEYS:
                 raise ConfigError(f"{prefix}{key}: this key was removed; {REMOVED_KEYS[prefix + str(key)]}")
             raise ConfigError(f"unknown config key {show(prefix + str(key))}{suggest(str(key), by_name)} "

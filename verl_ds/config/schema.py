@@ -65,18 +65,17 @@ def _algos(name: str):
     return names
 
 
+LOGGERS = ("progress_bar", "plot", "tensorboard", "wandb")
+OFFLOADS = ("optimizer", "param")
+
+
 @dataclass
 class ModelConfig:
-    path: Optional[str] = _f(None, "Local HF causal LM directory for the actor (and ref/critic backbone). None: build a tiny model from the fields below.", nonempty=True)
+    path: Optional[str] = _f(None, "Local HF causal LM directory for the actor (and ref/critic backbone). None: build a tiny model from `arch` and `config_overrides`.", nonempty=True)
     critic_path: Optional[str] = _f(None, "Local HF directory for the critic backbone; None: same as `path` (or the tiny config).", nonempty=True)
     tokenizer_path: Optional[str] = _f(None, "Local tokenizer directory; None: the model path's tokenizer, or the built-in word-level tokenizer.", nonempty=True)
     arch: Literal["llama", "qwen2"] = _f("llama", "Architecture of the model built from config when `path` is None.")
-    hidden_size: int = _f(64, "Hidden size of the model built from config.", min=1, max=1 << 16)
-    intermediate_size: int = _f(128, "MLP size of the model built from config.", min=1, max=1 << 18)
-    num_layers: int = _f(2, "Layers of the model built from config.", min=1, max=1 << 10)
-    num_heads: int = _f(4, "Attention heads of the model built from config.", min=1, max=1 << 10)
-    num_kv_heads: int = _f(2, "Key/value heads of the model built from config.", min=1, max=1 << 10)
-    max_position_embeddings: int = _f(256, "Context length of the model built from config (prompt + response must fit).", min=8, max=1 << 20)
+    config_overrides: dict = _f({}, "HF config fields set on the model config (verl's override_config), e.g. {num_hidden_layers: 4, hidden_size: 128} or model.config_overrides.hidden_size=128 on the command line. The model built from config (`path` None) starts from Llama/Qwen2 fields hidden_size 64, intermediate_size 128, num_hidden_layers 2, num_attention_heads 4, num_key_value_heads 2, max_position_embeddings 256; a model from `path` (and ref, and the critic unless `critic_path` is set) gets them on its config.json (shape fields must match the checkpoint). A field the family's config does not have is refused; vocab_size and the special token ids come from the tokenizer.")
     dtype: Literal["fp32", "bf16"] = _f("fp32", "Parameter / compute dtype of actor, critic and reference engines.")
     gradient_checkpointing: bool = _f(False, "Activation checkpointing in actor and critic (HF gradient_checkpointing_enable).")
     remove_padding: bool = _f(True, "Pack each micro-batch's real tokens into one row (position ids restart per sequence, attention never crosses sequences) for log-prob, value and update forwards, each response's last token read as a label only (its output would predict nothing); models whose attention cannot do it fall back to padded batches, with a log line.")
@@ -112,8 +111,7 @@ class RolloutConfig:
     log_prob_micro_batch_size: int = _f(64, "Samples per rank in one no-grad forward (old/ref log-probs, values, reward-model scores, validation).", min=1)
     log_prob_max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one no-grad forward (old/ref log-probs; shared prompts count once, as in actor.max_tokens_per_micro_batch); null: log_prob_micro_batch_size samples. Micro-batches are formed by total tokens, the same count on every rank.", min=1)
     gather_params: bool = _f(True, "Gather the actor's ZeRO-3 parameters once per generate call into a replica (fast); False: per-token gathering under synced_gpus.")
-    share_prefill: bool = _f(True, "HF engine: the n samples of a prompt share one prefill (the prompt runs once, its key/value cache is copied to each sample and each sample's first token is drawn from its last logits, so generate takes one step fewer; not under gather_params=false on several ranks); the same tokens.")
-    share_decode: bool = _f(True, "HF engine, with share_prefill: each decoding step runs one row per distinct (prompt, tokens so far) among the unfinished samples instead of one per sample (samples that drew the same tokens share a key/value cache row until they differ; finished samples run nothing); the same tokens.")
+    share: Literal["decode", "prefill", "none"] = _f("decode", "HF engine: what the n samples of a prompt share while generating (the same tokens either way). prefill: one prefill per prompt (the prompt runs once, its key/value cache is copied to each sample and each sample's first token is drawn from its last logits, so generate takes one step fewer; not under gather_params=false on several ranks). decode: that, and each decoding step runs one row per distinct (prompt, tokens so far) among the unfinished samples instead of one per sample (samples that drew the same tokens share a cache row until they differ; finished samples run nothing). none: plain generate.")
     engine: Literal["hf", "vllm"] = _f("hf", "Rollout engine: hf (HF generate on the actor, see gather_params) or vllm (a colocated in-process vLLM engine per rank, weights synced from the actor after every update; install with scripts/install_vllm.sh, see docs/vllm.md).")
     vllm_dtype: Literal["auto", "fp32", "bf16", "fp16"] = _f("auto", "vLLM's weight and compute dtype; auto: model.dtype. A dtype other than the trainer's makes the rollout slightly off-policy (see is_correction).")
     vllm_gpu_memory_utilization: float = _f(0.5, "vLLM on a GPU: the fraction of the GPU's memory vLLM may take for its weights and KV cache (it reserves it up front; leave room for the DeepSpeed engines). Unused on CPU, where vllm_kv_cache_bytes sizes the cache.", gt=0.0, max=1.0)
@@ -136,9 +134,9 @@ class ActorConfig:
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
     ppo_epochs: int = _f(1, "Passes over each rollout batch.", min=1)
     mini_batch_size: int = _f(32, "Samples per optimizer step, summed over ranks; divides rollout.batch_size * rollout.n.", min=1)
-    micro_batch_size: int = _f(16, "Samples per forward/backward on one rank (gradient accumulation fills the mini-batch).", min=1)
+    micro_batch_size: int = _f(16, "Samples per forward/backward on one rank, actor and critic (gradient accumulation fills the mini-batch); must divide the per-rank mini-batch.", min=1)
     reuse_on_policy_log_probs: bool = _f(True, "When every actor update is on-policy (actor.ppo_epochs=1, one mini-batch per step), no KL term is in the reward, the update's forward is the log-prob pass's (no dropout acts: actor.lora_dropout > 0 keeps the pass) and rollout.engine=hf, skip the old-log-prob forward: the loss's old log-probs are its own, detached (the ratio is exactly 1), as TRL's GRPOTrainer does.")
-    max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one actor forward/backward (prompt + response tokens; with model.share_prompts a prompt counts once and its samples stay in one micro-batch while they fit); null: micro_batch_size samples. Micro-batches are formed by total tokens and balanced, the same count on every rank; the loss stays the exact global token mean.", min=1)
+    max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one actor forward/backward (prompt + response tokens; with model.share_prompts a prompt counts once and its samples stay in one micro-batch while they fit); null: micro_batch_size samples. Micro-batches are formed by total tokens and balanced, the same count on every rank; the loss stays the exact global token mean. The critic's value and update forwards use the same budget.", min=1)
     sft_warmup_steps: int = _f(0, "Supervised warm-up steps on the task's reference responses before PPO (built-in task only).", min=0)
     lora_rank: int = _f(0, "LoRA rank of the actor's adapters (peft, pip install 'verl_ds[lora]'); 0: full fine-tuning. With LoRA only the adapters train, and no reference model is built: the reference is the actor with its adapters off. Adapters learn more slowly per step: raise actor.lr (2e-3 on the built-in task, 5x full fine-tuning's; 5e-3 and 1e-2 learn faster, then collapse).", min=0)
     lora_alpha: float = _f(16.0, "LoRA alpha: the adapters' product B A is scaled by lora_alpha / lora_rank.", gt=0.0)
@@ -152,12 +150,7 @@ class CriticConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay.", min=0.0, max=1.0)
     grad_clip: float = _f(1.0, "Gradient clipping by global norm (0 disables).", min=0.0)
     ppo_epochs: int = _f(1, "Critic passes over each rollout batch.", min=1)
-    micro_batch_size: int = _f(16, "Samples per critic forward/backward on one rank (values and updates); capped at the per-rank mini-batch, which it must divide.", min=1)
-    max_tokens_per_micro_batch: Optional[int] = _f(None, "Token budget of one critic forward/backward (as actor.max_tokens_per_micro_batch); null: micro_batch_size samples.", min=1)
-    lora_rank: int = _f(0, "LoRA rank of adapters on the critic's backbone (peft); 0: the whole critic trains. The value head always trains.", min=0)
-    lora_alpha: float = _f(16.0, "Critic LoRA alpha (scale lora_alpha / lora_rank).", gt=0.0)
-    lora_dropout: float = _f(0.0, "Dropout on the critic adapters' input, in the update's forwards only.", min=0.0, lt=1.0)
-    lora_target_modules: list = _f(["all-linear"], "Critic backbone modules given adapters (as actor.lora_target_modules).", items=str, nonempty=True)
+    lora_rank: int = _f(0, "LoRA rank of adapters on the critic's backbone (peft); 0: the whole critic trains. Alpha, dropout and target modules are the actor's (actor.lora_*; output-head does not apply: the value head always trains whole).", min=0)
     cliprange_value: float = _f(0.5, "Value-loss clip range around the old values; 0 means no value clipping (the plain squared error).", min=0.0, max=1e6, hot="cliprange_value")
 
 
@@ -215,9 +208,16 @@ class DPOConfig:
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = _f(3, "ZeRO stage of actor and critic (0-3); the reference (an inference engine) is ZeRO-3 when this is 3, else unpartitioned (as DeepSpeed-Chat).", min=0, max=3)
-    offload_optimizer: bool = _f(False, "Offload optimizer state to CPU.")
-    offload_param: bool = _f(False, "Offload parameters to CPU (ZeRO-3 only).")
+    offload: list = _f([], "What DeepSpeed offloads to CPU memory: optimizer (optimizer states), param (parameters, ZeRO-3 only); [] for nothing.", items=str, choices=OFFLOADS)
     config_file: Optional[str] = _f(None, "A DeepSpeed JSON object whose entries override the generated ones (batch sizes stay derived).", nonempty=True)
+
+    @property
+    def offload_optimizer(self) -> bool:
+        return "optimizer" in self.offload
+
+    @property
+    def offload_param(self) -> bool:
+        return "param" in self.offload
 
 
 @dataclass
@@ -232,12 +232,8 @@ class TrainerConfig:
     val_every: int = _f(0, "Greedy validation on the held-out prompts every N steps (0: start and end only).", min=0)
     val_n: int = _f(1, "Validation samples per prompt: >1 adds sampled val/mean@n, val/pass@1 and val/pass@n (unbiased, Chen et al. 2021) to the greedy score.", min=1)
     val_pass_threshold: float = _f(1.0, "A validation sample counts as correct for pass@k when its score is at least this.")
-    export_hf: bool = _f(True, "Export the trained actor with save_pretrained (safetensors) at the end.")
-    export_format: Literal["merged", "adapter"] = _f("merged", "With actor.lora_rank > 0: merged (the adapters folded into the weights: a plain HF model for AutoModelForCausalLM) or adapter (peft's adapter files, for PeftModel.from_pretrained on the base; a model built from config also gets its base in hf_actor/base).")
-    progress_bar: bool = _f(True, "Show a tqdm progress bar on rank 0.")
-    plot: bool = _f(True, "Write reward_curve.png at the end (needs matplotlib).")
-    tensorboard: bool = _f(False, "Also log to TensorBoard (if installed).")
-    wandb: bool = _f(False, "Also log to Weights & Biases (if installed).")
+    export: Literal["merged", "adapter", "none"] = _f("merged", "HF export of the trained actor at the end (save_pretrained, safetensors): merged (with actor.lora_rank > 0 the adapters folded into the weights: a plain HF model for AutoModelForCausalLM), adapter (LoRA only: peft's adapter files, for PeftModel.from_pretrained on the base; a model built from config also gets its base in hf_actor/base) or none.")
+    loggers: list = _f(["progress_bar", "plot"], "Where progress goes besides metrics.jsonl (always written): progress_bar (tqdm on rank 0), plot (reward_curve.png at the end, needs matplotlib), tensorboard, wandb (each if installed); [] for none.", items=str, choices=LOGGERS)
     dist_timeout_s: int = _f(300, "Collective timeout: a dead rank makes the others fail after this long.", min=1, max=MAX_DIST_TIMEOUT_S)
     max_bad_steps: int = _f(3, "Stop after this many consecutive steps with a non-finite loss or gradient.", min=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "Device for the engines (auto: cuda when available; cuda without CUDA is refused).")

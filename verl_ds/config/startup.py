@@ -10,6 +10,7 @@ import socket
 from typing import Optional
 
 from .fields import ConfigError
+from .model_fields import tiny_model_fields
 from .ports import check_bind
 from .schema import TOKEN_ENV, Config
 from .validate import Derived, validate
@@ -126,9 +127,10 @@ def _check_resume(cfg: Config) -> None:
 def _built_model_params(cfg: Config) -> int:
     """Parameters of the decoder layers of the model built from config (llama / qwen2 shapes; the embeddings,
     which depend on the tokenizer, left out: a lower bound)."""
-    m = cfg.model
-    h, kv = m.hidden_size, m.hidden_size // m.num_heads * m.num_kv_heads
-    return m.num_layers * (2 * h * h + 2 * h * kv + 3 * h * m.intermediate_size + 2 * h)
+    f = tiny_model_fields(cfg)
+    h = f["hidden_size"]
+    kv = h // f["num_attention_heads"] * f["num_key_value_heads"]
+    return f["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * f["intermediate_size"] + 2 * h)
 
 
 def _physical_memory() -> Optional[int]:
@@ -148,9 +150,10 @@ def _check_built_model_fits(cfg: Config) -> None:
     params = _built_model_params(cfg)
     need = 16 * params
     if need > total:
-        m = cfg.model
-        raise ConfigError(f"model.hidden_size={m.hidden_size}, model.intermediate_size={m.intermediate_size}, "
-                          f"model.num_layers={m.num_layers}: the model built from config has at least {params:.3g} "
+        f = tiny_model_fields(cfg)
+        raise ConfigError(f"model.config_overrides: hidden_size={f['hidden_size']}, intermediate_size="
+                          f"{f['intermediate_size']}, num_hidden_layers={f['num_hidden_layers']}: the model built "
+                          f"from config has at least {params:.3g} "
                           f"parameters; training it on the CPU needs at least 16 bytes each (fp32 weights, gradients, "
                           f"Adam's two moments) = {need / 2**30:.0f} GiB, more than this machine's "
                           f"{total / 2**30:.0f} GiB of memory; expected a smaller model (or model.path)")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from .deepspeed import check_deepspeed_file
 from .fields import ConfigError, show
 from .limits import kl_placement_rule, resolve_kl_kind, resolve_kl_placement, run_limits
+from .model_fields import check_config_overrides, tiny_model_fields
 from .schema import MAX_REWARD_WEIGHT, Config, hot_fields
 
 # SharedState key -> the config key that sets its value at step 0
@@ -26,8 +27,6 @@ class Derived:
     mini_batch_per_rank: int  # samples per rank per optimizer step
     grad_accum: int  # actor micro-batches per optimizer step
     samples_per_rank: int = 0
-    critic_micro_batch: int = 0  # critic.micro_batch_size capped at the per-rank mini-batch
-    critic_grad_accum: int = 0
     kl_kind: str = "k1"  # algo.kl_kind with 'auto' resolved for the KL placement
     kl_placement: str = "reward"  # algo.kl_placement with 'auto' resolved for the advantage estimator
 
@@ -49,14 +48,9 @@ def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
     if per_rank % a.micro_batch_size:
         raise ConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the per-rank mini-batch "
                           f"actor.mini_batch_size/world_size = {a.mini_batch_size}/{world_size} = {per_rank}")
-    critic_micro = min(cfg.critic.micro_batch_size, per_rank)
-    if per_rank % critic_micro:
-        raise ConfigError(f"critic.micro_batch_size={cfg.critic.micro_batch_size} must divide the per-rank mini-batch "
-                          f"actor.mini_batch_size/world_size = {a.mini_batch_size}/{world_size} = {per_rank}")
     return Derived(world_size=world_size, prompts_per_rank=r.batch_size // world_size,
                    mini_batches_per_epoch=samples // a.mini_batch_size, mini_batch_per_rank=per_rank,
                    grad_accum=per_rank // a.micro_batch_size, samples_per_rank=samples // world_size,
-                   critic_micro_batch=critic_micro, critic_grad_accum=per_rank // critic_micro,
                    kl_kind=resolve_kl_kind(cfg.algo.kl_kind, kl_placement_of(cfg)), kl_placement=kl_placement_of(cfg))
 
 
@@ -70,9 +64,11 @@ def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
                           f"sequence-parallel groups = world)")
     if not m.remove_padding:
         raise ConfigError(f"{key}={sp} splits packed rows: it needs model.remove_padding=true")
-    if m.path is None and (m.num_heads % sp or m.num_kv_heads % sp):
-        raise ConfigError(f"{key}={sp} must divide model.num_heads={m.num_heads} and model.num_kv_heads="
-                          f"{m.num_kv_heads}: each rank attends heads/{sp} of them")
+    f = tiny_model_fields(cfg)
+    heads, kv = f["num_attention_heads"], f["num_key_value_heads"]
+    if m.path is None and (heads % sp or kv % sp):
+        raise ConfigError(f"{key}={sp} must divide num_attention_heads={heads} and num_key_value_heads={kv} (of "
+                          f"model.config_overrides): each rank attends heads/{sp} of them")
 
 
 def kl_placement_of(cfg: Config) -> str:
@@ -157,7 +153,8 @@ def _check_agent(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"agent.environment={a.environment!r} has no built-in data set (only "
                           f"{list(BUILTIN_AGENT_TASKS)} do); set data.train_files to rows its reset takes")
     m = cfg.model
-    found = (m.max_position_embeddings, "model.max_position_embeddings") if m.path is None else context_length(m.path)
+    found = ((tiny_model_fields(cfg)["max_position_embeddings"], "model.config_overrides.max_position_embeddings")
+             if m.path is None else context_length(m.path))
     if found is not None and a.max_context_tokens > found[0]:
         raise ConfigError(f"agent.max_context_tokens={a.max_context_tokens} is larger than {found[1]}={found[0]}: "
                           "a trajectory must fit the model's context")
@@ -225,13 +222,8 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
         raise TypeError(f"validate expects a Config (from load_config), got {type(cfg).__name__}")
     derived = _batch_arithmetic(cfg, world_size)
     if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
-        raise ConfigError(f"deepspeed.offload_param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}")
-    m = cfg.model
-    if m.path is None:
-        if m.hidden_size % m.num_heads:
-            raise ConfigError(f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}")
-        if m.num_heads % m.num_kv_heads:
-            raise ConfigError(f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
+        raise ConfigError(f"deepspeed.offload: param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}")
+    check_config_overrides(cfg)
     _check_sequence_parallel(cfg, world_size)
     _check_estimator(cfg)
     _check_kl_controller(cfg)

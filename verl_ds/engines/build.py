@@ -19,6 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from verl_ds.config import Config, ConfigError, Derived
+from verl_ds.config.model_fields import tiny_model_fields
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
 from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
 from verl_ds.engines.zero3 import (copy_param, copy_params, full_shape, has_partitioned_params,
@@ -72,13 +73,10 @@ def load_tokenizer(cfg: Config):
 def _tiny_lm_config(cfg: Config, tok):
     from transformers import LlamaConfig, Qwen2Config
 
-    m = cfg.model
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[m.arch]
-    return cls(vocab_size=len(tok), hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-               num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-               max_position_embeddings=m.max_position_embeddings, pad_token_id=tok.pad_token_id,
-               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False,
-               attention_dropout=0.0)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.model.arch]
+    fields = {"tie_word_embeddings": False, "attention_dropout": 0.0, **tiny_model_fields(cfg)}
+    return cls(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+               eos_token_id=tok.eos_token_id, **fields)
 
 
 def _dtype(cfg: Config) -> torch.dtype:
@@ -294,7 +292,7 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
     unknown = sorted(set(roles) - {"actor", "ref", "critic"})
     if unknown:
         raise ValueError(f"build_engines: unknown roles {unknown}; expected a subset of ('actor', 'ref', 'critic')")
-    actor_lora, critic_lora = lora_spec(cfg.actor, "actor"), lora_spec(cfg.critic, "critic")
+    actor_lora, critic_lora = lora_spec(cfg, "actor"), lora_spec(cfg, "critic")
     if actor_lora is not None and "ref" in roles:
         raise ValueError("build_engines: with actor.lora_rank > 0 no reference engine is built (the reference is "
                          "the actor with its adapters off: verl_ds.engines.lora.adapters_off)")

@@ -37,7 +37,7 @@ LORA_SEED_OFFSET = {"actor": 101, "critic": 102}  # adapter init seeds: model.in
 
 @dataclass(frozen=True)
 class LoraSpec:
-    """The LoRA keys of one role (``actor.lora_*`` or ``critic.lora_*``)."""
+    """The LoRA settings of one role (``actor.lora_*``; the critic's rank is ``critic.lora_rank``)."""
     rank: int
     alpha: float
     dropout: float
@@ -49,14 +49,23 @@ class LoraSpec:
         return self.alpha / self.rank
 
 
-def lora_spec(section, who: str) -> Optional[LoraSpec]:
-    """The LoraSpec of a config section (``cfg.actor`` / ``cfg.critic``), or None when ``lora_rank`` is 0."""
-    rank = int(getattr(section, "lora_rank", 0) or 0)
+def lora_spec(cfg, who: str) -> Optional[LoraSpec]:
+    """The LoraSpec of ``who`` ("actor" or "critic") in ``cfg``, or None when its ``lora_rank`` is 0. The critic
+    takes the actor's alpha, dropout and target modules (one set of LoRA arguments, as OpenRLHF), less
+    ``output-head``: its backbone has no LM head, and its value head always trains whole."""
+    rank = int(getattr(getattr(cfg, who), "lora_rank", 0) or 0)
     if rank == 0:
         return None
-    targets = tuple(getattr(section, "lora_target_modules", (ALL_LINEAR,)))  # [] is refused when resolved
-    return LoraSpec(rank=rank, alpha=float(section.lora_alpha), dropout=float(section.lora_dropout),
-                    target_modules=targets, who=who)
+    a = cfg.actor
+    targets = tuple(a.lora_target_modules)  # [] is refused when resolved
+    if who == "critic":
+        targets = tuple(t for t in targets if t != OUTPUT_HEAD)
+        if not targets:
+            raise ConfigError(f"critic.lora_rank={rank}: the critic's adapters go on actor.lora_target_modules less "
+                              f"'{OUTPUT_HEAD}', and {list(a.lora_target_modules)} leaves none; add module names "
+                              f"or '{ALL_LINEAR}' to actor.lora_target_modules (or set critic.lora_rank=0)")
+    return LoraSpec(rank=rank, alpha=float(a.lora_alpha), dropout=float(a.lora_dropout), target_modules=targets,
+                    who=who)
 
 
 def _require_peft():
@@ -83,12 +92,12 @@ def adaptable_module_names(model: torch.nn.Module) -> list:
 
 
 def resolve_target_modules(model: torch.nn.Module, targets, who: str) -> list:
-    """The module names peft should adapt (it matches a name or a dotted suffix), from ``{who}.lora_target_modules``:
+    """The module names peft should adapt (it matches a name or a dotted suffix), from ``actor.lora_target_modules``:
     ``all-linear`` expands to the leaf names of every Linear/Conv1D layer except the output head (peft's meaning),
     ``output-head`` to the output head's name (skipped, with a warning, when it is tied to the input embedding).
     A name that matches nothing is a ConfigError naming the key, with close names and the model's adaptable ones;
     so is a tied module named explicitly (an adapter there cannot be merged into a plain model)."""
-    key = f"{who}.lora_target_modules"
+    key = "actor.lora_target_modules" + (" (the critic's adapters)" if who == "critic" else "")
     targets = list(targets)
     if not targets:
         raise ConfigError(f"{key}: expected at least one module name (or ['{ALL_LINEAR}']), got []")
@@ -177,13 +186,13 @@ def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int, task_type: Opt
         try:
             wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
         except ValueError as exc:  # e.g. a target of a kind LoRA cannot wrap
-            raise ConfigError(f"{spec.who}.lora_target_modules={list(spec.target_modules)}: peft refused them: "
+            raise ConfigError(f"actor.lora_target_modules={list(spec.target_modules)}: peft refused them: "
                               f"{str(exc).splitlines()[0]}") from None
     LoraLayer = _lora_layer_class()
     tied = _tied_modules(wrapped)
     for name, module in wrapped.named_modules():  # a suffix may also have matched a tied module
         if isinstance(module, LoraLayer) and f"{name}.base_layer" in tied:
-            raise ConfigError(f"{spec.who}.lora_target_modules={list(spec.target_modules)} adapts {name!r}, whose "
+            raise ConfigError(f"actor.lora_target_modules={list(spec.target_modules)} adapts {name!r}, whose "
                               f"weight is tied to {tied[f'{name}.base_layer']}: an adapter there cannot be merged "
                               "into a plain model; leave it out")
     for module in wrapped.modules():

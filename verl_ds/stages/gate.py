@@ -19,7 +19,7 @@ def stage_view(cfg: Config) -> Config:
     the RL job's checks (context length, batch arithmetic, paths, device, resume, run directory) apply as they are."""
     view = copy.deepcopy(cfg)
     view.rollout = RolloutConfig(batch_size=cfg.actor.mini_batch_size, max_new_tokens=cfg.rollout.max_new_tokens)
-    view.critic = CriticConfig(micro_batch_size=cfg.actor.micro_batch_size)
+    view.critic = CriticConfig()
     view.algo, view.agent, view.reward, view.server = AlgoConfig(), AgentConfig(), RewardConfig(), ServerConfig()
     view.actor.ppo_epochs = 1
     return view

@@ -82,8 +82,8 @@ class StageJob:
         if self.is_main:
             write_run_config(cfg, os.path.join(self.out_dir, "config.yaml"))
         vdist.barrier()
-        self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard=cfg.trainer.tensorboard,
-                                     wandb=cfg.trainer.wandb, config=cfg.to_dict())
+        self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard="tensorboard" in cfg.trainer.loggers,
+                                     wandb="wandb" in cfg.trainer.loggers, config=cfg.to_dict())
         data = type(self).load_data(cfg) if data is None else data
         self.tokenizer, self.train_set, self.val_set = data
         if self.is_main:
@@ -131,10 +131,10 @@ class StageJob:
         raise NotImplementedError
 
     def export(self, directory: str) -> str:
-        """The trained model in HF format (``trainer.export_format``), the tokenizer with it."""
-        from verl_ds.export import export_actor
+        """The trained model in HF format (``trainer.export``), the tokenizer with it."""
+        from verl_ds.export import export_actor, export_format
 
-        export_actor(self.engine.module, self.tokenizer, directory, self.cfg.trainer.export_format,
+        export_actor(self.engine.module, self.tokenizer, directory, export_format(self.cfg),
                      base_model_path=self.cfg.model.path)
         return directory
 
@@ -155,10 +155,10 @@ class StageJob:
         from verl_ds.engines.lora import LORA_SEED_OFFSET, OUTPUT_HEAD, apply_lora, lora_spec
 
         cfg, roles = self.cfg, tuple(self.engine_roles())
-        lora = lora_spec(cfg.actor, "actor")
-        if lora is None and cfg.trainer.export_hf and cfg.trainer.export_format == "adapter":
-            raise ConfigError("trainer.export_format=adapter needs actor.lora_rank > 0 (a fully fine-tuned model has "
-                              "no adapters); use trainer.export_format=merged")
+        lora = lora_spec(cfg, "actor")
+        if lora is None and cfg.trainer.export == "adapter":
+            raise ConfigError("trainer.export=adapter needs actor.lora_rank > 0 (a fully fine-tuned model has "
+                              "no adapters); use trainer.export=merged")
         model = self.build_model(make_ds_config(cfg, self.derived, "actor", gpu=uses_gpu(cfg)))
         if model is None:
             return build_engines(cfg, self.derived, self.tokenizer, roles=roles)
@@ -320,7 +320,7 @@ class StageJob:
                 if first:
                     self.metrics.log(0, first)
             bar = tqdm(total=cfg.trainer.total_steps, initial=start, desc=self.name, dynamic_ncols=True,
-                       disable=not (self.is_main and cfg.trainer.progress_bar))
+                       disable=not (self.is_main and "progress_bar" in cfg.trainer.loggers))
             while self.step < cfg.trainer.total_steps:
                 signal_name = self.preemption.stop_requested()  # collective: every rank stops at the same step
                 if signal_name:
@@ -345,7 +345,7 @@ class StageJob:
             bar.close()
             if self._last_saved != self.step:
                 self.save_checkpoint()
-            export_dir = self.export(os.path.join(self.out_dir, self.export_name)) if cfg.trainer.export_hf else None
+            export_dir = self.export(os.path.join(self.out_dir, self.export_name)) if cfg.trainer.export != "none" else None
         except BaseException:
             self.close()
             raise
