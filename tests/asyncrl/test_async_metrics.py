@@ -64,7 +64,7 @@ def test_a_step_of_two_generation_calls_logs_the_mean_reward_of_the_samples_it_t
     path.write_text(REWARD)
     overrides = merged([f"trainer.output_dir={tmp_path / 'run'}"], FAST, [
         "algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=2", "actor.mini_batch_size=4",
-        "actor.micro_batch_size=2", "trainer.val_every=0", "trainer.export_hf=false", "trainer.device=cpu",
+        "actor.micro_batch_size=2", "trainer.val_every=0", "trainer.export=none", "trainer.device=cpu",
         "rollout.mode=streaming", "rollout.max_staleness=1", f"reward.functions=[{path}:score]"])
     (res,) = run_ranks(WORKER, 1, tmp_path, args=(json.dumps(overrides), order), timeout=800)
     m = res["metrics"]

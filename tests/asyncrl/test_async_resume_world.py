@@ -32,7 +32,7 @@ def test_resume_at_another_world_size_trains_the_saved_runs_next_batches(tmp_pat
     path = tmp_path / "fingerprint.py"
     path.write_text(FINGERPRINT)
     common = ["algo.adv_estimator=grpo", "rollout.n=2", f"rollout.batch_size={PER_STEP}", "actor.mini_batch_size=8",
-              "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export_hf=false", "rollout.mode=streaming",
+              "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none", "rollout.mode=streaming",
               "rollout.max_staleness=2", "rollout.max_new_tokens=12", f"reward.functions=[{path}:score]",
               "trainer.save_every=2", "trainer.keep_last=3", "trainer.total_steps=5"]
     first, second = str(tmp_path / "first"), str(tmp_path / "second")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # a real 2-rank training run
 
 CONST = 0.123  # the parity reward never scores a batch this
 SPLIT = ["algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=4", "actor.mini_batch_size=8",
-         "actor.micro_batch_size=4", "rollout.mode=one_step_off", "rollout.split_ranks=1", "trainer.export_hf=false",
+         "actor.micro_batch_size=4", "rollout.mode=one_step_off", "rollout.split_ranks=1", "trainer.export=none",
          "trainer.val_every=0", "trainer.save_every=0", "trainer.total_steps=400", "server.enabled=true",
          "server.allow_reward_code=true"]
 

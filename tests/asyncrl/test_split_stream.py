@@ -9,7 +9,7 @@ from e2e_utils import read_metrics, run_train
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
 GRPO = ["algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=4", "actor.mini_batch_size=8",
-        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export_hf=false"]
+        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none"]
 SPLIT = ["rollout.mode=streaming", "rollout.split_ranks=1"]
 CLOCK = ("timing_s/", "perf/throughput", "async/", "time/")  # wall-clock figures, and the async bookkeeping
 

@@ -54,7 +54,7 @@ class _Streamer:
         self.gate = WeightGate(step, mid_response=True, timeout=self.wait_s, name=f"generation rank {placement.rank}")
         self.engine = HFRolloutEngine(g.model, pad_token_id=g.tok.pad_token_id, eos_token_id=g.tok.eos_token_id,
                                       bos_token_id=g.tok.bos_token_id, gather_params=False,
-                                      share_prefill=r.share_prefill, share_decode=r.share_decode)
+                                      share_prefill=r.share != "none", share_decode=r.share == "decode")
         self.engine.step_hook = self.gate.hook
         self.actor = PolicyModel(g.model, state=g.state, rollout_engine=self.engine, tokenizer=g.tok)
         self.inflight = {t: [] for t in g.served}  # [index, version at its start] drawn, not yet queued
