@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.asyncrl.producer import make_async_rollout
+from verl_ds.asyncrl.split import make_async_rollout
 from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, check_startup, write_run_config

@@ -31,6 +31,12 @@ from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score, sample
 log = logging.getLogger(__name__)
 
 
+def taken_metrics(groups: list) -> dict:
+    """The reward metrics of the groups a step trains on, from their per-sample values (not the generation call's)."""
+    keys = dict.fromkeys(k for g in groups for k in g.per_sample)
+    return sample_means({k: torch.cat([g.per_sample[k] for g in groups if k in g.per_sample]) for k in keys})
+
+
 class WeightGate:
     """Who may touch the replica's weights: the generation thread holds ``cond`` while it generates; the trainer's
     ``update`` raises ``want``, then takes ``cond`` when the generation thread lets go of it, at its next decoding
@@ -126,9 +132,7 @@ class AsyncRollout:
         batch.group_index = torch.arange(len(groups), device=batch.action.device).repeat_interleave(n)
         busy, self._busy_mark = self.busy_s - self._busy_mark, self.busy_s  # generate time since the last step
         # the reward metrics of the samples taken, which may come from several generation calls
-        keys = dict.fromkeys(k for g in groups for k in g.per_sample)
-        taken = {k: torch.cat([g.per_sample[k] for g in groups if k in g.per_sample]) for k in keys}
-        metrics = {**sample_means(taken), **metrics, "async/gen_busy_s": torch.tensor(busy)}
+        metrics = {**taken_metrics(groups), **metrics, "async/gen_busy_s": torch.tensor(busy)}
         return Rollout(batch=batch, responses=[r for g in groups for r in g.responses], metrics=metrics)
 
     def refresh(self) -> None:
@@ -293,14 +297,4 @@ class AsyncRollout:
         self.trainer.c.sampler.load_state_dict(mine["sampler"])
 
 
-def make_async_rollout(trainer) -> Optional[AsyncRollout]:
-    """The trainer's rollouts for an asynchronous ``rollout.mode``: from generation ranks (split placement,
-    ``verl_ds.asyncrl.split``) or a generation thread; None for ``sync``."""
-    if trainer.cfg.rollout.split_ranks:
-        from verl_ds.asyncrl.split import RemoteRollout, current
-
-        return RemoteRollout(trainer, current())
-    return None if trainer.cfg.rollout.mode == "sync" else AsyncRollout(trainer)
-
-
-__all__ = ["AsyncRollout", "WeightGate", "make_async_rollout", "ProducerError"]
+__all__ = ["AsyncRollout", "WeightGate", "ProducerError"]

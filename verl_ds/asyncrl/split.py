@@ -19,18 +19,17 @@ training ranks' receive fail within ``trainer.dist_timeout_s`` (the bridge's tim
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from types import SimpleNamespace
 
 import torch
 
+from verl_ds.asyncrl.bridge import _REQUEST, _STOP, _WEIGHTS, _control, _recv_obj, send_rollout
 from verl_ds.asyncrl.placement import Placement, receive_weights, send_weights
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, collect
 
 log = logging.getLogger(__name__)
-_STOP, _WEIGHTS, _REQUEST = 0, 1, 2
 _current: dict = {}  # the process's Placement, set by ``verl-ds train`` before the Trainer is built
 
 
@@ -40,33 +39,6 @@ def set_current(placement: Placement) -> None:
 
 def current():
     return _current.get("placement")
-
-
-def _send_obj(bridge, obj, dst: int) -> None:
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)  # the job's own ranks only
-    bridge.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0).wait()
-    bridge.send([data], dst, 1).wait()
-
-
-def _recv_obj(bridge, src: int):
-    n = torch.zeros(1, dtype=torch.int64)
-    bridge.recv([n], src, 0).wait()
-    data = torch.empty(int(n), dtype=torch.uint8)
-    bridge.recv([data], src, 1).wait()
-    return pickle.loads(data.numpy().tobytes())
-
-
-def _control(bridge, cmd: int = _STOP, code: int = 0, payload=None):
-    """Broadcast (cmd, code) and a small object from training rank 0; returns them on every rank."""
-    head = torch.tensor([cmd, code], dtype=torch.int64)
-    bridge.broadcast(head, 0).wait()
-    size = torch.tensor([0 if payload is None else len(pickle.dumps(payload))], dtype=torch.int64)
-    bridge.broadcast(size, 0).wait()
-    data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8) if payload is not None else \
-        torch.empty(int(size), dtype=torch.uint8)
-    if int(size):
-        bridge.broadcast(data, 0).wait()
-    return int(head[0]), int(head[1]), pickle.loads(data.numpy().tobytes()) if int(size) else None
 
 
 class RemoteRollout:
@@ -171,14 +143,6 @@ def _setup(cfg, placement: Placement, data) -> SimpleNamespace:
     return g
 
 
-def send_rollout(placement: Placement, ro: Rollout, dst: int) -> None:
-    """One training rank's scored batch, as plain host data over the gloo bridge: fields, extras, texts, metrics."""
-    b = ro.batch.to("cpu")
-    metrics = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in ro.metrics.items()}
-    _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
-                                 "responses": ro.responses, "metrics": metrics}, dst)
-
-
 def run_generation_rank(cfg, placement: Placement, data) -> int:
     """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
     returns the exit code the training ranks sent. ``rollout.mode=streaming``: ``verl_ds.asyncrl.split_stream``."""
@@ -242,3 +206,13 @@ def start(cfg, launch, data):
     deepspeed.init_distributed(dist_backend=weight_backend(device))
     set_current(pl)
     return dataclasses.replace(launch, world_size=pl.n_train), None
+
+
+def make_async_rollout(trainer):
+    """The trainer's rollouts for an asynchronous ``rollout.mode``: from generation ranks (split placement,
+    ``verl_ds.asyncrl.split``) or a generation thread; None for ``sync``."""
+    if trainer.cfg.rollout.split_ranks:
+        return RemoteRollout(trainer, current())
+    from verl_ds.asyncrl.producer import AsyncRollout
+
+    return None if trainer.cfg.rollout.mode == "sync" else AsyncRollout(trainer)

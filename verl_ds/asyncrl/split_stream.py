@@ -29,9 +29,9 @@ import time
 import torch
 
 from verl_ds.asyncrl.placement import Placement, receive_weights
-from verl_ds.asyncrl.producer import AsyncRollout, WeightGate
+from verl_ds.asyncrl.producer import AsyncRollout, WeightGate, taken_metrics
 from verl_ds.asyncrl.queue import SampleQueue
-from verl_ds.asyncrl.split import _REQUEST, _STOP, _WEIGHTS, _control, send_rollout
+from verl_ds.asyncrl.bridge import _REQUEST, _STOP, _WEIGHTS, _control, send_rollout
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score
 
@@ -97,7 +97,7 @@ class _Streamer:
                                                   on_stale=lambda grp, t=t: self.redo[t].append(grp.index))
             self.gate.poke(lambda t=t, n=len(groups): self.consumed.__setitem__(t, self.consumed[t] + n))
             busy, self.busy_mark = self.busy_s - self.busy_mark, self.busy_s
-            metrics = {**groups[-1].metrics, **metrics, "async/gen_busy_s": torch.tensor(busy),
+            metrics = {**taken_metrics(groups), **metrics, "async/gen_busy_s": torch.tensor(busy),
                        "async/state_version": torch.tensor(float(self.g.state.version))}
             send_rollout(self.pl, self._batch(groups, metrics), t)
 
