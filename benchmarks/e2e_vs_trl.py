@@ -45,6 +45,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)  # verl_ds from this checkout, installed or not
 
+# the shapes above by their HF config field names (model.config_overrides)
+HF_FIELD = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
 
 def _sibling(name: str):
     """benchmarks/<name>.py as the module ``name``, by its path (a test loads this script without benchmarks/ on
@@ -110,7 +113,7 @@ def prepare(work: str, size: str, n_prompts: int, seed: int, regime: str = "defa
     from verl_ds.tokenizer import build_tokenizer
 
     spec = REGIMES[regime]
-    cfg = load_config(overrides=[f"model.{k}={v}" for k, v in SIZES[size].items()]
+    cfg = load_config(overrides=[f"model.config_overrides.{HF_FIELD.get(k, k)}={v}" for k, v in SIZES[size].items()]
                       + [f"model.config_overrides.max_position_embeddings={spec['context']}"])
     # the built-in task's vocabulary (parity.VOCAB), as the default job uses, or the regime's wide one
     tok = load_tokenizer(cfg) if spec["vocab"] is None else build_tokenizer(wide_vocab(spec["vocab"] - 4))

@@ -50,6 +50,9 @@ SHAPES = {  # model.* keys; prompts: context digits of the parity prompts; job: 
 }
 PHASES = ("gen", "ref", "update_actor")
 
+# the shapes above by their HF config field names (model.config_overrides)
+HF_FIELD = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
 
 def config_problem(impls: list[str]) -> str | None:
     """Why this tree's config refuses ``model.attn_implementation`` with one of ``impls``, or None."""
@@ -89,7 +92,7 @@ def prepare(work: str, shape: dict, seed: int = 0) -> tuple[str, str]:
 def job_args(shape: dict, device: str, tok_dir: str, prompts: str, out: str, impl: str, steps: int) -> list[str]:
     """launch/train.py overrides of one run."""
     samples = shape["prompts"] * shape["n"]
-    return (["model.arch=qwen2"] + [f"model.{k}={v}" for k, v in shape["model"].items()] + [
+    return (["model.arch=qwen2"] + [f"model.config_overrides.{HF_FIELD.get(k, k)}={v}" for k, v in shape["model"].items()] + [
         f"model.tokenizer_path={tok_dir}", f"data.train_files={prompts}",
         f"data.max_prompt_length={shape['max_prompt_length']}", f"rollout.batch_size={shape['prompts']}",
         f"rollout.n={shape['n']}", f"rollout.max_new_tokens={shape['max_new_tokens']}",
