@@ -102,6 +102,10 @@ def test_yaml_and_command_line_overrides_merge(tmp_path):
     (["model.config_overrides.hidden_size=64.0"], r"model.config_overrides.hidden_size: expected int .* got float"),
     (["model.config_overrides.vocab_size=10"], r"model.config_overrides.vocab_size: set from the tokenizer"),
     (["model.config_overrides.num_hidden_layers=0"], r"model.config_overrides.num_hidden_layers: 0 is out of range"),
+    (["model.config_overrides.hidden_size=36", "model.config_overrides.num_attention_heads=8"],
+     r"model.config_overrides: hidden_size=36 must be divisible by num_attention_heads=8"),
+    (["model.config_overrides.num_attention_heads=4", "model.config_overrides.num_key_value_heads=3"],
+     r"model.config_overrides: num_attention_heads=4 must be divisible by num_key_value_heads=3"),
     (["model.path=/tmp", "model.config_overrides.hidden_size=32"], r"model.config_overrides: .* model.path='/tmp' "
                                                                    r"is set"),
 ])
