@@ -24,8 +24,14 @@ def check_rows(functions: list, datasets, who: str = "reward swap") -> None:
                              f"{bad[first]}); this data set was checked against the configured reward only")
 
 
-def check_swap_rows(request: dict, datasets) -> dict:
-    """``check_rows`` for the shipped functions of a validated swap request (no user code runs); returns it."""
+def check_swap_rows(request: dict, datasets, mode: str = "sync") -> dict:
+    """``check_rows`` for the shipped functions of a validated swap request (no user code runs); returns it.
+    ``mode``: the run's ``rollout.mode``; an asynchronous one refuses a reward model, as its config check does."""
+    if mode != "sync" and request.get("model_path") is not None:
+        raise ValueError(f"reward swap: model_path is refused with rollout.mode={mode}: a reward model's forward is a "
+                         "collective, and this run scores in its generation thread or on its generation ranks, "
+                         "outside the training ranks' collectives; swap in reward functions, or train with "
+                         "rollout.mode=sync")
     shipped = [(f["name"], REWARD_FNS[f["name"]]) for f in request["functions"]
                if f["name"] in REWARD_FNS and not f["per_token"]]
     check_rows(shipped, datasets)

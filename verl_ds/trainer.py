@@ -76,7 +76,7 @@ class Trainer:
         data = (self.c.train_set, self.c.val_set)  # a swapped-in reward must score every row, as at start-up
         self.boundary = StepBoundary(self.state, self.out_dir, reward_spec=spec, install=self._install_reward,
                                      # the server checked the HTTP policy already
-                                     check_swap=lambda s: check_swap_rows(parse_reward_swap(s), data),
+                                     check_swap=lambda s: check_swap_rows(parse_reward_swap(s), data, cfg.rollout.mode),
                                      build_reward=lambda s: build_reward(cfg, self.tokenizer, self.derived, s["functions"],
                                                                          s.get("model_path"), s.get("model_weight"),
                                                                          state=self.state),
