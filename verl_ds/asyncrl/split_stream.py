@@ -93,13 +93,16 @@ class _Streamer:
         self.gate.update(version=step)  # a skipped step changed no weights but counts
         bound, policy = int(self.g.state.get("max_staleness")), self.cfg.rollout.stale_samples
         for t in self.g.served:
+            # a kept group joins ``consumed`` as it leaves the queue, under the queue's lock: counted apart, the
+            # generation thread could see it in neither, take its batch as still due and start it early
             groups, metrics = self.queues[t].take(self.per_step, self.gate.version, bound, policy, self.wait_s,
-                                                  on_stale=lambda grp, t=t: self.redo[t].append(grp.index))
-            self.gate.poke(lambda t=t, n=len(groups): self.consumed.__setitem__(t, self.consumed[t] + n))
+                                                  on_stale=lambda grp, t=t: self.redo[t].append(grp.index),
+                                                  on_kept=lambda grp, t=t: self._took(t))
             busy, self.busy_mark = self.busy_s - self.busy_mark, self.busy_s
             metrics = {**taken_metrics(groups), **metrics, "async/gen_busy_s": torch.tensor(busy),
                        "async/state_version": torch.tensor(float(self.g.state.version))}
             send_rollout(self.pl, self._batch(groups, metrics), t)
+        self.gate.poke(lambda: None)  # wakes the generation thread: prompts handed back for regeneration may start
 
     def _batch(self, groups: list, metrics: dict) -> Rollout:
         from verl_ds.batch import RolloutBatch
@@ -121,9 +124,13 @@ class _Streamer:
         self.thread.join(timeout=10)
 
     # ------------------------------------------------------------------ the generation thread
+    def _took(self, t: int) -> None:
+        self.consumed[t] += 1
+
     def _due(self, t: int) -> int:
         """The step a batch for training rank ``t`` started now would be trained at."""
-        return (self.consumed[t] + len(self.queues[t]) + len(self.inflight[t])) // self.per_step
+        with self.queues[t].lock:
+            return (self.consumed[t] + len(self.queues[t]) + len(self.inflight[t])) // self.per_step
 
     def _next(self):
         """The served rank whose next batch may start now (the earliest due), or None."""
