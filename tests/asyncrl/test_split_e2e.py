@@ -3,7 +3,7 @@ one step ahead; the weights go to rank 1 after every update over the bridge grou
 stops the trainer with a message naming it."""
 import pytest
 
-from e2e_utils import read_metrics, run_train
+from e2e_utils import merged, read_metrics, run_train
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
@@ -32,11 +32,14 @@ def score(prompts, responses, batch):
 '''
 
 
-def test_a_failing_generation_rank_stops_the_trainer_naming_it(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=streaming", "rollout.max_staleness=1"]],
+                         ids=["one_step_off", "streaming"])
+def test_a_failing_generation_rank_stops_the_trainer_naming_it(tmp_path, mode):
     path = tmp_path / "faulty.py"
     path.write_text(FAULTY)
-    proc = run_train(str(tmp_path / "run"), [*SPLIT, f"reward.functions=[{path}:score]", "trainer.dist_timeout_s=60",
-                                             "trainer.total_steps=3"], nproc=2, timeout=900, check=False)
+    proc = run_train(str(tmp_path / "run"), merged(SPLIT, mode, [f"reward.functions=[{path}:score]",
+                                                                 "trainer.dist_timeout_s=60", "trainer.total_steps=3"]),
+                     nproc=2, timeout=900, check=False)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "RuntimeError: reward server unreachable" in text  # the generation rank's own traceback
