@@ -2,13 +2,19 @@
 generation rank's queues, prompts in flight and to redo, samplers and RNG streams travel through the training ranks'
 checkpoint in the colocated format, so the resumed steps train the prompts the uninterrupted run trained at those
 steps and, where the saved queue held a whole step, its very samples; also at another world size (2 training ranks
-to 1) and from a colocated streaming checkpoint."""
+to 1) and from a colocated streaming checkpoint; SIGUSR1 to every task checkpoints the queues; with max_staleness 0
+two training ranks per generation rank are the synchronous 2-rank run bit for bit, also resumed."""
 import os
+import signal
+import sys
 
 import pytest
+import torch
 
-from e2e_utils import read_metrics, run_train
-from verl_ds import safe_state
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "reliability"))
+from e2e_utils import read_metrics, run_train  # noqa: E402
+from reliability_testutil import launch, metric_steps  # noqa: E402
+from verl_ds import safe_state  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
@@ -67,3 +73,56 @@ def test_a_resumed_split_streaming_run_trains_the_saved_queue_and_prompts_next(t
     assert queued >= 1, [len(r["queue"]) for r in state["ranks"]]
     for step in range(3, 3 + min(queued, 3)):
         assert got[step]["response_length/mean"] == pytest.approx(expected[step]["response_length/mean"], rel=1e-6)
+
+
+def test_usr1_to_every_task_checkpoints_the_generation_ranks_queues_and_every_rank_exits_75(tmp_path):
+    out = str(tmp_path / "run")
+    stream = ["algo.adv_estimator=grpo", "rollout.n=2", f"rollout.batch_size={PER_STEP}", "actor.mini_batch_size=8",
+              "actor.micro_batch_size=4", "trainer.val_every=0", "rollout.mode=streaming", "rollout.max_staleness=2",
+              "rollout.max_new_tokens=12", *SPLIT]
+    job = launch(out, [*stream, "trainer.total_steps=200"], nproc=3, log_name="usr1")
+    job.wait_for(lambda: 2 in metric_steps(out), 900, "step 2 in metrics.jsonl")
+    for rank in range(3):  # as Slurm signals every task of the step, the generation rank included
+        job.signal(rank, signal.SIGUSR1)
+    assert job.wait(600) == [75, 75, 75], job.tail()
+    ckpts = os.path.join(out, "checkpoints")
+    s = int(open(os.path.join(ckpts, "latest")).read().split("_")[-1])
+    state = safe_state.load(os.path.join(ckpts, f"global_step_{s}", "trainer_state.json"))["async"]
+    assert state["mode"] == "streaming" and state["world_size"] == 2 and len(state["ranks"]) == 2
+    per_rank = PER_STEP // 2
+    for rank in state["ranks"]:
+        assert len(rank["queue"]) + len(rank["inflight"]) >= per_rank, "the generation rank ran ahead"
+        assert rank["rng"]["torch"].dtype == torch.uint8  # each training rank's stream on the generation rank
+    assert not torch.equal(state["ranks"][0]["rng"]["torch"], state["ranks"][1]["rng"]["torch"])
+    job = launch(out, [*stream, f"trainer.total_steps={s + 1}"], nproc=3, log_name="resume")
+    assert job.wait(900) == [0, 0, 0], job.tail()
+    row = _rows(out)[s + 1]
+    if all(len(r["queue"]) >= per_rank for r in state["ranks"]):  # the resumed step trains the saved samples
+        means = [sum(float(g["fields"]["response_length"].float().mean()) for g in r["queue"][:per_rank]) / per_rank
+                 for r in state["ranks"]]
+        assert row["response_length/mean"] == pytest.approx(sum(means) / 2, rel=1e-6)
+
+
+GRPO = ["algo.adv_estimator=grpo", "rollout.n=2", f"rollout.batch_size={PER_STEP}", "actor.mini_batch_size=8",
+        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none"]
+CLOCK = ("timing_s/", "perf/throughput", "async/", "time/")  # wall-clock figures, and the async bookkeeping
+
+
+def _trained(out: str) -> dict:
+    return {s: {k: v for k, v in r.items() if not k.startswith(CLOCK)} for s, r in _rows(out).items()}
+
+
+@pytest.mark.timeout(2400)
+def test_max_staleness_0_with_two_trainers_per_generation_rank_is_the_synchronous_run_also_after_a_resume(tmp_path):
+    common = [*GRPO, "trainer.total_steps=4", "trainer.save_every=2", "rollout.max_staleness=0"]
+    split = ["rollout.mode=streaming", *SPLIT]
+    sync, whole, part = (str(tmp_path / n) for n in ("sync", "whole", "part"))
+    run_train(sync, common, nproc=2, timeout=900)
+    run_train(whole, [*common, *split], nproc=3, timeout=900)
+    expected = _trained(sync)
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert _trained(whole) == expected  # each trainer's own RNG stream on the generation rank: equal floats
+    run_train(part, [*common, *split, "trainer.total_steps=2"], nproc=3, timeout=900)
+    run_train(part, [*common, *split, "trainer.resume=auto"], nproc=3, timeout=900)
+    resumed = _trained(part)
+    assert {s: resumed[s] for s in (3, 4)} == {s: expected[s] for s in (3, 4)}  # the streams come back too

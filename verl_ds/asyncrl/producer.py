@@ -140,8 +140,8 @@ class AsyncRollout:
         while the generation thread waits at a decoding step (streaming) or after its batch (one_step_off)."""
         self.gate.update(refresh=self.engine.refresh)
 
-    def close(self) -> None:
-        """Stop the generation thread (its batch in flight is abandoned)."""
+    def close(self, code: int = 0) -> None:
+        """Stop the generation thread (its batch in flight is abandoned; ``code``: as ``RemoteRollout.close``)."""
         self._stop = True
         self.queue.close()
         if self.gate.cond.acquire(timeout=1.0):  # a hung generation thread holds it: nothing to wake then
