@@ -34,8 +34,9 @@ def _rows(out: str) -> dict:
 
 
 @pytest.mark.timeout(2400)
-@pytest.mark.parametrize("saved, resumed", [((2, SPLIT), (2, SPLIT)), ((3, SPLIT), (2, SPLIT)), ((1, []), (2, SPLIT))],
-                         ids=["split-same-world", "split-2-trainers-to-1", "colocated-to-split"])
+@pytest.mark.parametrize("saved, resumed", [((2, SPLIT), (2, SPLIT)), ((3, SPLIT), (2, SPLIT)), ((1, []), (2, SPLIT)),
+                                            ((2, SPLIT), (1, []))],
+                         ids=["split-same-world", "split-2-trainers-to-1", "colocated-to-split", "split-to-colocated"])
 def test_a_resumed_split_streaming_run_trains_the_saved_queue_and_prompts_next(tmp_path, saved, resumed):
     path = tmp_path / "fingerprint.py"
     path.write_text(FINGERPRINT)
@@ -126,3 +127,19 @@ def test_max_staleness_0_with_two_trainers_per_generation_rank_is_the_synchronou
     run_train(part, [*common, *split, "trainer.resume=auto"], nproc=3, timeout=900)
     resumed = _trained(part)
     assert {s: resumed[s] for s in (3, 4)} == {s: expected[s] for s in (3, 4)}  # the streams come back too
+
+
+def test_a_queue_one_step_off_on_split_ranks_cannot_restore_is_refused_naming_the_keys(tmp_path):
+    common = [*GRPO, "trainer.save_every=2", "rollout.max_staleness=2"]
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    run_train(first, [*common, "rollout.mode=streaming", "trainer.total_steps=2"], nproc=1, timeout=900)
+    step_dir = os.path.join(first, "checkpoints", "global_step_2")
+    held = safe_state.load(os.path.join(step_dir, "trainer_state.json"))["async"]["ranks"][0]
+    assert held["queue"] or held["inflight"]  # what one_step_off on split ranks would silently lose
+    proc = run_train(second, [*common, "rollout.mode=one_step_off", *SPLIT, "trainer.total_steps=3",
+                              f"trainer.resume={step_dir}"], nproc=2, timeout=900, check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text[-3000:]
+    assert ("CheckpointError: resume: the checkpoint holds queued groups or prompts in flight (saved with "
+            "rollout.mode=streaming), which rollout.mode=one_step_off with rollout.split_ranks=1 cannot restore") in text
+    assert not os.path.exists(os.path.join(second, "checkpoints", "global_step_3"))

@@ -78,7 +78,9 @@ def restore_part(remote, state: dict):
     if tr.cfg.rollout.mode != "streaming":
         held = len(mine["queue"]) + len(mine["redo"])
         if vdist.any_rank(held > 0):
-            raise ValueError(f"resume: the checkpoint holds queued groups or prompts in flight (saved with "
+            from verl_ds.checkpoint import CheckpointError
+
+            raise CheckpointError(f"resume: the checkpoint holds queued groups or prompts in flight (saved with "
                              f"rollout.mode={state.get('mode')}), which rollout.mode={tr.cfg.rollout.mode} with "
                              f"rollout.split_ranks={tr.cfg.rollout.split_ranks} cannot restore: resume with "
                              f"rollout.mode=streaming, or without rollout.split_ranks")
