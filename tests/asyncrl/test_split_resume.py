@@ -143,3 +143,36 @@ def test_a_queue_one_step_off_on_split_ranks_cannot_restore_is_refused_naming_th
     assert ("CheckpointError: resume: the checkpoint holds queued groups or prompts in flight (saved with "
             "rollout.mode=streaming), which rollout.mode=one_step_off with rollout.split_ranks=1 cannot restore") in text
     assert not os.path.exists(os.path.join(second, "checkpoints", "global_step_3"))
+
+
+LATER_FAULT = '''
+import os
+
+calls = []
+
+def score(prompts, responses, batch):
+    if os.environ["RANK"] == "2" and any(responses):  # the start-up check scores empty responses: let it pass
+        calls.append(1)
+        if len(calls) > 4:  # 2 batches for each of 2 training ranks, then the generation rank fails
+            raise RuntimeError("reward server unreachable")
+    return [0.0] * len(responses)
+'''
+
+
+def test_a_failed_generation_rank_leaves_the_trainers_data_position_in_the_faults_checkpoint(tmp_path):
+    path = tmp_path / "faulty.py"
+    path.write_text(LATER_FAULT)
+    out = str(tmp_path / "run")
+    proc = run_train(out, [*GRPO, *SPLIT, "rollout.mode=streaming", "rollout.max_staleness=0",
+                           f"reward.functions=[{path}:score]", "trainer.dist_timeout_s=60", "trainer.total_steps=4"],
+                     nproc=3, timeout=900, check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "RuntimeError: reward server unreachable" in text, text[-3000:]
+    assert "the generation ranks' queues cannot be saved (a generation rank failed)" in text, text[-3000:]
+    ckpts = os.path.join(out, "checkpoints")
+    latest = open(os.path.join(ckpts, "latest")).read().strip()  # the fault's checkpoint: the steps trained
+    saved = safe_state.load(os.path.join(ckpts, latest, "trainer_state.json"))
+    assert 1 <= saved["global_step"] < 4 and len(saved["async"]["ranks"]) == 2
+    for rank in saved["async"]["ranks"]:  # nothing queued survived; generation resumes where the trainers stand
+        assert rank["queue"] == [] and rank["inflight"] == [] and rank["redo"] == []
+        assert rank["sampler"] == saved["sampler"]
