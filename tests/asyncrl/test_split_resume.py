@@ -141,7 +141,8 @@ def test_a_queue_one_step_off_on_split_ranks_cannot_restore_is_refused_naming_th
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-3000:]
     assert ("CheckpointError: resume: the checkpoint holds queued groups or prompts in flight (saved with "
-            "rollout.mode=streaming), which rollout.mode=one_step_off with rollout.split_ranks=1 cannot restore") in text
+            "rollout.mode=streaming), which rollout.mode=one_step_off with rollout.split_ranks=1 cannot "
+            "restore") in text
     assert not os.path.exists(os.path.join(second, "checkpoints", "global_step_3"))
 
 

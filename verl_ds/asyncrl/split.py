@@ -13,9 +13,9 @@ Per step, over the bridge group, in this order on every rank (so that no rank wa
 
 Generation ranks draw each training rank's prompts from that rank's sampler slice, starting where the training
 rank's checkpointed sampler stands (sent at start): a resumed run generates the batches the uninterrupted run would
-have (one_step_off: the batch in flight at a checkpoint is generated again; streaming: the queues travel through the
-checkpoint, ``verl_ds.asyncrl.split_state``, control ``[save]`` in the order above). A generation rank that dies or hangs makes the
-training ranks' receive fail within ``trainer.dist_timeout_s`` (the bridge's timeout), naming it.
+have (one_step_off: the batch in flight at a checkpoint is generated again; streaming: the queues travel through
+the checkpoint, ``verl_ds.asyncrl.split_state``, a control [save] in the order above). A generation rank that dies
+or hangs makes the training ranks' receive fail within ``trainer.dist_timeout_s`` (the bridge's timeout), naming it.
 """
 from __future__ import annotations
 

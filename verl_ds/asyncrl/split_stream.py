@@ -17,9 +17,9 @@ Two threads on a generation rank, so that no rank ever waits on a different coll
 
 Each served training rank has its own torch RNG stream on the generation rank, seeded as that trainer's own and
 swapped in to generate its batches, so with ``max_staleness: 0`` a batch is the one the synchronous run samples. A
-checkpoint holds the queues, prompts in flight and to redo, samplers and RNG streams (``split_state``). A generation thread that raises closes the
-queues: the next request's ``take`` raises on the main thread, which ends the process; the training ranks' receive
-then fails naming the rank (``split.RemoteRollout``).
+checkpoint holds the queues, prompts in flight and to redo, samplers and RNG streams (``split_state``). A generation
+thread that raises closes the queues: the next request's ``take`` raises on the main thread, which ends the
+process; the training ranks' receive then fails naming the rank (``split.RemoteRollout``).
 """
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ class _Streamer:
         self.gate.update(version=step)  # a skipped step changed no weights but counts
         bound, policy = int(self.g.state.get("max_staleness")), self.cfg.rollout.stale_samples
         for t in self.g.served:
-            # a taken group joins consumed as it leaves the queue (under its lock): _due never sees it in neither, which
-            # would start the next batch a step early, with weights one version older (then stale)
+            # a taken group joins consumed as it leaves the queue (under its lock): a _due that saw it in neither would
+            # start the next batch a step early, with weights one version older (then stale)
             groups, metrics = self.queues[t].take(self.per_step, self.gate.version, bound, policy, self.wait_s,
                                                   on_stale=lambda grp, t=t: self.redo[t].append(grp.index),
                                                   on_kept=lambda grp, t=t: self._took(t))
@@ -176,8 +176,9 @@ class _Streamer:
     def _saved(self):
         """A served rank whose next item to redo is a saved group with room in its queue, or None."""
         for t in self.g.served:
-            with self.queues[t].lock:
-                if self.redo[t] and isinstance(self.redo[t][0], Group) and len(self.queues[t]) < self.queues[t].capacity:
+            q = self.queues[t]
+            with q.lock:
+                if self.redo[t] and isinstance(self.redo[t][0], Group) and len(q) < q.capacity:
                     return t
         return None
 
