@@ -3,7 +3,7 @@ world size in the order the saved run would have trained them. The expected step
 world size 1 (its global batches are the same at every world size)."""
 import pytest
 
-from verl_ds.asyncrl.reshard import reshard
+from verl_ds.asyncrl.reshard import rank_part, reshard
 from verl_ds.sampler import DistributedPromptSampler
 
 N, G = 20, 4  # prompts, global batch
@@ -80,3 +80,28 @@ def test_a_global_batch_the_new_world_cannot_split_is_refused():
              {"queue": [], "inflight": [], "redo": [], "sampler": _sampler(1, 2, 2)}]
     with pytest.raises(ValueError, match="global batches of 4 prompts, which 3 ranks cannot split evenly"):
         reshard(ranks, 3)
+
+
+def test_rank_part_at_the_saved_world_size_generates_the_prompts_in_flight_first():
+    b = _global_batches(4)
+    rng = {"torch": "saved stream"}
+    ranks = [{"queue": [_group(b[2][0])], "inflight": [[b[2][1], 2]], "redo": [b[1][3]], "sampler": _sampler(0, 2, 3),
+              "rng": rng},
+             {"queue": [], "inflight": [[b[2][2], 2], [b[2][3], 3]], "redo": [], "sampler": _sampler(1, 2, 3)}]
+    state = {"mode": "streaming", "world_size": 2, "ranks": ranks}
+    part, notes = rank_part(state, 2, 0)
+    assert notes == []
+    assert part["queue"] == [_group(b[2][0])] and part["inflight"] == []  # in flight: to generate again, once
+    assert part["redo"] == [b[2][1], b[1][3]] and part["sampler"] == _sampler(0, 2, 3) and part["rng"] == rng
+    part, _ = rank_part(state, 2, 1)
+    assert part["redo"] == [b[2][2], b[2][3]] and "rng" not in part
+
+
+def test_rank_part_at_another_world_size_is_that_ranks_share_of_the_reshard():
+    b = _global_batches(4)
+    ranks = [{"queue": [_group(b[2][0])], "inflight": [[b[2][1], 2]], "redo": [], "sampler": _sampler(0, 2, 3),
+              "rng": {"torch": "rank 0's stream"}},
+             {"queue": [], "inflight": [[b[2][2], 2], [b[2][3], 3]], "redo": [], "sampler": _sampler(1, 2, 3)}]
+    part, notes = rank_part({"mode": "streaming", "world_size": 2, "ranks": ranks}, 1, 0)
+    assert _flat(part) == b[2] and "rng" not in part  # the saved streams belong to the saved ranks' slices
+    assert "dealt to 1" in notes[0]

@@ -9,7 +9,7 @@ import torch
 from verl_ds.asyncrl.placement import Placement
 from verl_ds.rollout import Rollout
 
-_STOP, _WEIGHTS, _REQUEST = 0, 1, 2
+_STOP, _WEIGHTS, _REQUEST, _SAVE = 0, 1, 2, 3  # _SAVE: streaming's queues into a checkpoint (split_state)
 
 
 def _send_obj(bridge, obj, dst: int) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from verl_ds import dist as vdist
 from verl_ds.asyncrl.queue import Group, ProducerError, SampleQueue
-from verl_ds.asyncrl.reshard import reshard
+from verl_ds.asyncrl.reshard import rank_part
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score, sample_means
 
@@ -140,8 +140,8 @@ class AsyncRollout:
         while the generation thread waits at a decoding step (streaming) or after its batch (one_step_off)."""
         self.gate.update(refresh=self.engine.refresh)
 
-    def close(self) -> None:
-        """Stop the generation thread (its batch in flight is abandoned)."""
+    def close(self, code: int = 0) -> None:
+        """Stop the generation thread (its batch in flight is abandoned; ``code``: as ``RemoteRollout.close``)."""
         self._stop = True
         self.queue.close()
         if self.gate.cond.acquire(timeout=1.0):  # a hung generation thread holds it: nothing to wake then
@@ -283,15 +283,14 @@ class AsyncRollout:
         prompts that were in flight, generated again with the restored weights. Saved by another world size: every
         saved rank's groups and prompts are dealt to this run's ranks in the order the saved run would have
         trained them (``verl_ds.asyncrl.reshard``), so the next global batches are made of the same prompts."""
-        device, world = self.trainer.actor_engine.device, vdist.world_size()
-        if len(state["ranks"]) != world:
-            parts, notes = reshard(state["ranks"], world, drop_last=self.trainer.c.sampler.drop_last)
-            for k, line in enumerate(notes if vdist.rank() == 0 else ()):
-                (log.info if k == 0 else log.warning)("resume: %s", line)
-            mine = parts[vdist.rank()]
-        else:
-            mine = state["ranks"][vdist.rank()]
-            mine = {**mine, "redo": [int(i) for i, _ in mine["inflight"]] + list(mine["redo"])}
+        device = self.trainer.actor_engine.device
+        if "ranks" not in state:  # a split run's checkpoint from before its queues were saved: nothing to restore
+            log.warning("resume: the checkpoint holds no rollout queues (%s); generating from the data position",
+                        state.get("mode"))
+            return
+        mine, notes = rank_part(state, vdist.world_size(), vdist.rank(), drop_last=self.trainer.c.sampler.drop_last)
+        for k, line in enumerate(notes if vdist.rank() == 0 else ()):
+            (log.info if k == 0 else log.warning)("resume: %s", line)
         self.queue.restore(mine["queue"], device=device)
         self._todo = [Group.from_state(x, device) if isinstance(x, dict) else int(x) for x in mine["redo"]]
         self.trainer.c.sampler.load_state_dict(mine["sampler"])

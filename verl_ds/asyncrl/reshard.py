@@ -78,3 +78,16 @@ def reshard(ranks: list, world: int, drop_last: bool = True) -> tuple[list, list
                     f"kept with their samples, {len(sequence) - groups} prompt(s) to generate, then global batch "
                     f"{top} of the sampler")
     return out, notes
+
+
+def rank_part(state: dict, world: int, rank: int, drop_last: bool = True) -> tuple[dict, list]:
+    """This rank's part of an asynchronous rollout checkpoint (``{"ranks": [...], ...}``, colocated or split; the
+    same format): at the saved world size the rank's own state with its prompts in flight moved to the head of ``redo``,
+    at another one its share through ``reshard``. Returns ({"queue", "redo", "sampler"} and, when saved at this
+    world size, the rank's ``rng`` if any; the notes to log)."""
+    ranks = state["ranks"]
+    if len(ranks) != world:
+        parts, notes = reshard(ranks, world, drop_last=drop_last)
+        return parts[rank], notes
+    mine = ranks[rank]
+    return {**mine, "inflight": [], "redo": [int(i) for i, _ in mine["inflight"]] + list(mine["redo"])}, []

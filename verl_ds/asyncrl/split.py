@@ -13,8 +13,9 @@ Per step, over the bridge group, in this order on every rank (so that no rank wa
 
 Generation ranks draw each training rank's prompts from that rank's sampler slice, starting where the training
 rank's checkpointed sampler stands (sent at start): a resumed run generates the batches the uninterrupted run would
-have (the batch in flight at a checkpoint is generated again). A generation rank that dies or hangs makes the
-training ranks' receive fail within ``trainer.dist_timeout_s`` (the bridge's timeout), naming it.
+have (one_step_off: the batch in flight at a checkpoint is generated again; streaming: the queues travel through
+the checkpoint, ``verl_ds.asyncrl.split_state``, a control [save] in the order above). A generation rank that dies
+or hangs makes the training ranks' receive fail within ``trainer.dist_timeout_s`` (the bridge's timeout), naming it.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 
 from verl_ds.asyncrl.bridge import _REQUEST, _STOP, _WEIGHTS, _control, _recv_obj, send_rollout
 from verl_ds.asyncrl.placement import Placement, receive_weights, send_weights
+from verl_ds.asyncrl.split_state import gather_states, restore_part, send_part
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, collect
 
@@ -48,6 +50,7 @@ class RemoteRollout:
         self.trainer, self.pl = trainer, placement
         self.src = placement.n_train + trainer.rank % (placement.world - placement.n_train)
         self._started, self._closed = False, False
+        self._restore, self._broken = None, False  # the part to send at the start (a resume); the bridge failed
 
     def _payload(self) -> dict:
         tr = self.trainer
@@ -65,6 +68,7 @@ class RemoteRollout:
             try:
                 if not self._started:  # the generation ranks start from this run's weights and data position
                     self._send()
+                    send_part(self)  # streaming: the generation rank's queues as of the checkpoint (split_state)
                     self._started = True
                 self.trainer.c.sampler.next_batch()  # in step with what was generated for this rank (checkpoints)
                 _control(self.pl.bridge, _REQUEST, payload=self._payload())  # the batch made ahead; start the next
@@ -72,6 +76,7 @@ class RemoteRollout:
             except RuntimeError as exc:  # gloo: the peer closed the connection, or the bridge's timeout passed
                 from verl_ds.asyncrl.queue import ProducerError
 
+                self._broken = True
                 raise ProducerError(f"generation rank {self.src} (rollout.split_ranks) sent no batch: it died, hangs "
                                     f"or failed (its log says why): {str(exc).splitlines()[0]}") from None
         from verl_ds.batch import RolloutBatch
@@ -87,10 +92,13 @@ class RemoteRollout:
         self.sync_s = time.perf_counter() - t0
 
     def state_dict(self) -> dict:
-        return {"mode": "split"}
+        """Every training rank's queue, prompts in flight and to redo, sampler and RNG on the generation ranks, in
+        the colocated format (a collective of every rank: ``verl_ds.asyncrl.split_state``)."""
+        return gather_states(self)
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        """Keep this rank's part of ``state`` (at this world size, or dealt by ``reshard``) for the generation rank."""
+        self._restore = restore_part(self, state)
 
     def close(self, code: int = 0) -> None:
         """Tell the generation ranks to stop (every training rank calls it, at the end or on a failure)."""
@@ -151,6 +159,10 @@ def _setup(cfg, placement: Placement, data) -> SimpleNamespace:
 def run_generation_rank(cfg, placement: Placement, data) -> int:
     """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
     returns the exit code the training ranks sent. ``rollout.mode=streaming``: ``verl_ds.asyncrl.split_stream``."""
+    from verl_ds.runtime.preemption import PreemptionHandler
+
+    # a preemption signal sent to every task: the training ranks checkpoint (with this rank's queues) and stop it
+    PreemptionHandler().install()
     g = _setup(cfg, placement, data)
     cmd, code, msg = _control(placement.bridge)  # the first weights and the data position
     if cmd == _STOP:

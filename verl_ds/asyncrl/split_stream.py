@@ -15,10 +15,11 @@ Two threads on a generation rank, so that no rank ever waits on a different coll
   versions after the weights it starts with (``max_staleness: 0``: only once its step was requested, with that
   step's weights), and puts its groups into that rank's bounded queue, blocking while it is full (back-pressure).
 
-The generation rank samples with the RNG seed of the (first) training rank it serves, so with ``max_staleness: 0``
-and one training rank a batch is the one the synchronous run samples. A generation thread that raises closes the
-queues: the next request's ``take`` raises on the main thread, which ends the process; the training ranks' receive
-then fails naming the rank (``split.RemoteRollout``).
+Each served training rank has its own torch RNG stream on the generation rank, seeded as that trainer's own and
+swapped in to generate its batches, so with ``max_staleness: 0`` a batch is the one the synchronous run samples. A
+checkpoint holds the queues, prompts in flight and to redo, samplers and RNG streams (``split_state``). A generation
+thread that raises closes the queues: the next request's ``take`` raises on the main thread, which ends the
+process; the training ranks' receive then fails naming the rank (``split.RemoteRollout``).
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ import torch
 
 from verl_ds.asyncrl.placement import Placement, receive_weights
 from verl_ds.asyncrl.producer import AsyncRollout, WeightGate, taken_metrics
-from verl_ds.asyncrl.queue import SampleQueue
-from verl_ds.asyncrl.bridge import _REQUEST, _STOP, _WEIGHTS, _control, send_rollout
+from verl_ds.asyncrl.queue import Group, SampleQueue
+from verl_ds.asyncrl import split_state
+from verl_ds.asyncrl.bridge import _REQUEST, _SAVE, _STOP, _WEIGHTS, _control, send_rollout
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score
 
@@ -59,6 +61,7 @@ class _Streamer:
         self.actor = PolicyModel(g.model, state=g.state, rollout_engine=self.engine, tokenizer=g.tok)
         self.inflight = {t: [] for t in g.served}  # [index, version at its start] drawn, not yet queued
         self.redo = {t: [] for t in g.served}  # indices handed back by take (rollout.stale_samples=regenerate)
+        self.rng = {}  # each served rank's torch RNG stream (split_state.rng_now), swapped in to generate its batch
         self.consumed = {t: step * self.per_step for t in g.served}
         self.requested, self.stop, self.busy_s, self.busy_mark = step, False, 0.0, 0.0
         self.thread = threading.Thread(target=self._run, name=f"verl-ds-split-rollout-rank{placement.rank}",
@@ -68,7 +71,11 @@ class _Streamer:
     def serve(self) -> int:
         from verl_ds import dist as vdist
 
-        vdist.seed_everything(self.cfg.trainer.seed * 1000 + self.g.served[0])  # the trainer's own stream (above)
+        for t in self.g.served:  # each trainer's own stream (verl_ds.trainer), unless a resume restored it
+            if t not in self.rng:
+                torch.manual_seed(self.cfg.trainer.seed * 1000 + t)
+                self.rng[t] = split_state.rng_now(self.pl.device)
+        vdist.seed_everything(self.cfg.trainer.seed * 1000 + self.g.served[0])  # python's, numpy's
         self.thread.start()
         try:
             while True:
@@ -79,6 +86,8 @@ class _Streamer:
                     self.gate.update(refresh=lambda: (self.g.follow(msg), receive_weights(self.g.model, self.pl)))
                 elif cmd == _REQUEST:
                     self._answer(msg)
+                elif cmd == _SAVE:
+                    split_state.save(self)
         finally:
             self._close()
 
@@ -135,7 +144,7 @@ class _Streamer:
     def _next(self):
         """The served rank whose next batch may start now (the earliest due), or None."""
         s = int(self.g.state.get("max_staleness"))
-        ready = [(self._due(t), t) for t in self.g.served]
+        ready = [(self._due(t), t) for t in self.g.served if not (self.redo[t] and isinstance(self.redo[t][0], Group))]
         ready = [(due, t) for due, t in ready if due - s <= self.gate.version and (s > 0 or self.requested >= due)]
         return min(ready)[1] if ready else None
 
@@ -144,9 +153,13 @@ class _Streamer:
         try:
             while not self.stop:
                 with self.gate.cond:
-                    self.gate.cond.wait_for(lambda: self.stop or self._next() is not None)
+                    self.gate.cond.wait_for(lambda: self.stop or self._saved() is not None or self._next() is not None)
                     if self.stop:
                         break
+                    t = self._saved()
+                    if t is not None:  # a group restored by a resume at another world size: queued in its turn
+                        self.queues[t].put(self.redo[t][0], on_put=lambda grp, t=t: self.redo[t].pop(0))
+                        continue
                     t = self._next()
                     t0 = time.perf_counter()
                     ro, indices = self._generate(t)
@@ -160,6 +173,15 @@ class _Streamer:
             for q in self.queues.values():
                 q.close(exc)
 
+    def _saved(self):
+        """A served rank whose next item to redo is a saved group with room in its queue, or None."""
+        for t in self.g.served:
+            q = self.queues[t]
+            with q.lock:
+                if self.redo[t] and isinstance(self.redo[t][0], Group) and len(q) < q.capacity:
+                    return t
+        return None
+
     def _landed(self, t: int, group) -> None:
         for k, (index, _) in enumerate(self.inflight[t]):
             if index == group.index:
@@ -169,17 +191,21 @@ class _Streamer:
     def _generate(self, t: int):
         g, algo = self.g, self.cfg.algo
         with self.queues[t].lock:
-            if self.redo[t]:
-                indices, self.redo[t] = self.redo[t][:self.per_step], self.redo[t][self.per_step:]
+            if self.redo[t]:  # up to per_step prompts, up to a saved group
+                k = next((j for j, x in enumerate(self.redo[t][:self.per_step]) if isinstance(x, Group)),
+                         min(self.per_step, len(self.redo[t])))
+                indices, self.redo[t] = self.redo[t][:k], self.redo[t][k:]
             else:
                 indices = list(g.samplers[t].next_batch())
             self.inflight[t].extend([i, self.gate.version] for i in indices)
         prompts = g.prompts(indices)
         hot = g.state.snapshot()
         sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+        split_state.rng_set(self.rng[t], self.pl.device)  # only this thread draws: training rank t's stream
         ro = collect(lambda: prompts, self.actor, g.reward, g.tok, sampling=sampling, n=self.cfg.rollout.n,
                      timings=Timings(), overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
                      rollout_fn=self._sample)
+        self.rng[t] = split_state.rng_now(self.pl.device)
         return ro, indices
 
     def _sample(self, actor, reward, tokenizer, prompts, **kw) -> Rollout:
@@ -195,4 +221,8 @@ def serve_streaming(placement: Placement, g, msg: dict) -> int:
     and data position, its weights following): returns the exit code the training ranks sent."""
     g.follow(msg)
     receive_weights(g.model, placement)
-    return _Streamer(placement, g, msg).serve()
+    streamer = _Streamer(placement, g, msg)
+    for t, part in split_state.receive_parts(placement, g.served).items():  # a resume: the checkpointed queues
+        if part is not None:
+            split_state.restore(streamer, t, part)
+    return streamer.serve()

@@ -79,6 +79,8 @@ def stop_for_preemption(trainer, signal_name: str) -> None:
     if step > 0 and trainer._last_saved != step:
         save_checkpoint(trainer)
     saved = os.path.join(trainer.ckpt_root, f"global_step_{step}") if step > 0 else None
+    if getattr(trainer, "asyncrl", None) is not None:  # split placement: the generation ranks exit 75 as well
+        trainer.asyncrl.close(PREEMPTED_EXIT_CODE)
     trainer.close()
     exc = Preempted(signal_name, step, saved)
     if trainer.is_main or trainer.preemption.received:

@@ -1,0 +1,132 @@
+"""Checkpoints of streaming on split ranks (``rollout.split_ranks`` > 0): the generation ranks' queues travel into
+the training ranks' checkpoint, in the format of the colocated ``AsyncRollout.state_dict`` (``{"mode",
+"world_size", "ranks": [one state per training rank]}``), so ``verl_ds.asyncrl.reshard`` deals them out at another
+world size and a colocated checkpoint resumes on split ranks (and the reverse) unchanged.
+
+Saving (a collective of every rank, in the bridge order of ``verl_ds.asyncrl.split``): training rank 0 broadcasts
+``_SAVE``; a generation rank pauses its generation thread at a decoding step (``WeightGate.poke``), snapshots each
+served training rank's queued groups, prompts in flight with the version they started at, prompts to redo, sampler
+position and torch RNG stream, and sends each to its training rank; the training ranks gather them. Resuming: after
+the first weights, each training rank sends its part (None on a fresh start) to its generation rank, which loads it
+before its generation thread starts. RNG streams follow ``verl_ds.checkpoint``'s rule for a rank's RNG: rank r
+takes saved rank r's stream; a rank without one (a colocated checkpoint, whose trainers drew from their own stream;
+more ranks than saved) the training rank's own as restored (the stream a synchronous run continues).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from verl_ds import dist as vdist
+from verl_ds.asyncrl.bridge import _SAVE, _control, _recv_obj, _send_obj
+from verl_ds.asyncrl.queue import Group
+from verl_ds.asyncrl.reshard import rank_part
+
+log = logging.getLogger(__name__)
+
+
+def rng_now(device) -> dict:
+    """The torch RNG state a generation on ``device`` draws from (CPU, and the CUDA device's when on one)."""
+    out = {"torch": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def rng_set(state: dict, device) -> None:
+    torch.set_rng_state(state["torch"].to(torch.uint8).cpu())
+    if "cuda" in state and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].to(torch.uint8).cpu(), device)
+
+
+def _empty(sampler) -> dict:
+    return {"queue": [], "inflight": [], "redo": [], "sampler": sampler.state_dict()}
+
+
+# ---------------------------------------------------------------------- the training ranks' side (RemoteRollout)
+
+def gather_states(remote) -> dict:
+    """Every training rank's queue state from the generation ranks (a collective of every rank of the job)."""
+    tr, mode = remote.trainer, remote.trainer.cfg.rollout.mode
+    if mode != "streaming" or not remote._started:
+        # one_step_off: the batch made ahead is made again from the trainer's data position; not started yet (a
+        # failure right after a resume): the restored part, unchanged
+        mine = remote._restore or _empty(tr.c.sampler)
+        mine = {"inflight": [], **mine}
+    elif vdist.any_rank(remote._broken):  # a generation rank failed: the bridge is gone
+        log.warning("checkpoint: the generation ranks' queues cannot be saved (a generation rank failed): the resume "
+                    "generates again from the trainers' data position (prompts handed back for regeneration are lost)")
+        mine = _empty(tr.c.sampler)
+    else:
+        _control(remote.pl.bridge, _SAVE)
+        mine = _recv_obj(remote.pl.bridge, remote.src)
+    return {"mode": mode, "world_size": vdist.world_size(), "placement": "split", "ranks": vdist.gather_object(mine)}
+
+
+def restore_part(remote, state: dict):
+    """This training rank's part of ``state`` (any asynchronous rollout checkpoint), to be sent to its generation
+    rank at the start; None when there is nothing to restore (a checkpoint from before queues were saved)."""
+    tr = remote.trainer
+    if "ranks" not in state:
+        log.warning("resume: the checkpoint holds no rollout queues (%s); generating from the data position",
+                    state.get("mode"))
+        return None
+    mine, notes = rank_part(state, vdist.world_size(), vdist.rank(), drop_last=tr.c.sampler.drop_last)
+    for k, line in enumerate(notes if vdist.rank() == 0 else ()):
+        (log.info if k == 0 else log.warning)("resume: %s", line)
+    if tr.cfg.rollout.mode != "streaming":
+        held = len(mine["queue"]) + len(mine["redo"])
+        if vdist.any_rank(held > 0):
+            from verl_ds.checkpoint import CheckpointError
+
+            raise CheckpointError(f"resume: the checkpoint holds queued groups or prompts in flight (saved with "
+                             f"rollout.mode={state.get('mode')}), which rollout.mode={tr.cfg.rollout.mode} with "
+                             f"rollout.split_ranks={tr.cfg.rollout.split_ranks} cannot restore: resume with "
+                             f"rollout.mode=streaming, or without rollout.split_ranks")
+        return None  # the generation ranks start from the trainers' data position
+    if "rng" not in mine:  # as verl_ds.checkpoint restores RNGs: saved rank r's stream, else this rank's own
+        saved = state["ranks"][vdist.rank()].get("rng") if vdist.rank() < len(state["ranks"]) else None
+        mine = {**mine, "rng": saved if saved is not None else rng_now(tr.actor_engine.device)}
+    return mine
+
+
+def send_part(remote) -> None:
+    """At the start (after the first weights): this rank's restored part, or None, to its generation rank."""
+    if remote.trainer.cfg.rollout.mode == "streaming":
+        _send_obj(remote.pl.bridge, remote._restore, remote.src)
+
+
+# ---------------------------------------------------------------------- the generation rank's side (_Streamer)
+
+def receive_parts(placement, served: list) -> dict:
+    """Each served training rank's restored part (None: a fresh start), in the order they are sent."""
+    return {t: _recv_obj(placement.bridge, t) for t in served}
+
+
+def snapshot(streamer, t: int) -> dict:
+    """Training rank ``t``'s state (call with the generation thread paused: ``WeightGate.poke``)."""
+    q = streamer.queues[t]
+    with q.lock:  # queued and in flight together: a group landing now is in one or the other
+        return {"queue": q.snapshot(), "inflight": [list(x) for x in streamer.inflight[t]],
+                "redo": [x.to_state() if isinstance(x, Group) else int(x) for x in streamer.redo[t]],
+                "sampler": streamer.g.samplers[t].state_dict(), "rng": dict(streamer.rng[t])}
+
+
+def restore(streamer, t: int, part: dict) -> None:
+    """Load training rank ``t``'s part (before the generation thread starts): its queued groups first, then its
+    prompts (in flight at the save, or to redo) and saved groups in their turn, then its sampler."""
+    device = streamer.pl.device
+    streamer.queues[t].restore(part["queue"], device=device)
+    streamer.redo[t] = [Group.from_state(x, device) if isinstance(x, dict) else int(x) for x in part["redo"]]
+    streamer.g.samplers[t].load_state_dict(part["sampler"])
+    if part.get("rng") is not None:
+        streamer.rng[t] = part["rng"]
+
+
+def save(streamer) -> None:
+    """``_SAVE`` on a generation rank: snapshot every served rank at a decoding step, send each its state."""
+    states = {}
+    streamer.gate.poke(lambda: states.update({t: snapshot(streamer, t) for t in streamer.g.served}))
+    for t in streamer.g.served:
+        _send_obj(streamer.pl.bridge, states[t], t)
