@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -84,7 +85,7 @@ def figures(rows: list, warmup: int) -> dict:
             "score_last": statistics.mean(r["rollout/score/mean"] for r in rows[-5:]),
             "len_mean": statistics.mean(r["response_length/mean"] for r in m),
             "clip_ratio": statistics.mean(r["response_length/clip_ratio"] for r in m),
-            "gen_s": statistics.median(r.get("async/gen_busy_s", 0.0) for r in m),
+            "gen_s": statistics.mean(r.get("async/gen_busy_s", 0.0) for r in m),  # a batch counts at its end
             "phases": {k[len("timing_s/"):]: statistics.median(r.get(k, 0.0) for r in m) for k in m[0]
                        if k.startswith("timing_s/") and k != "timing_s/step"}}
 
@@ -126,9 +127,10 @@ def project(sync: dict, max_new: int, split: dict = None) -> str:
         on2 = (G + T) / max(Gs, Ts + W)
         best = min(range(1, 8), key=lambda g: max(Gs / g, Ts / (8 - g)))
         ratio = 2 * (G + T) / 8 / max(Gs / best, Ts / (8 - best))
-        lines.append(f"measured per step (split streaming, median, the whole batch on one rank each): generation "
-                     f"rank Gs={Gs:.3f}s ({Gs / (2 * G):.2f} x 2G), training rank Ts={Ts:.3f}s ({Ts / (2 * T):.2f} x "
-                     f"2T) + weight sync W={W:.3f}s: on 2 ranks at most (G+T)/max(Gs, Ts+W) = {on2:.2f}x; 8 GPUs, "
+        lines.append(f"measured per step (split streaming, the whole batch on one rank each; Gs mean, the rest "
+                     f"median): generation rank Gs={Gs:.3f}s ({Gs / (2 * G):.2f} x 2G), training rank "
+                     f"Ts={Ts:.3f}s ({Ts / (2 * T):.2f} x 2T) + weight sync W={W:.3f}s: on 2 ranks at most "
+                     f"(G+T)/max(Gs, Ts+W) = {on2:.2f}x; 8 GPUs, "
                      f"{best} generate + {8 - best} train: 2(G+T)/8 / max(Gs/{best}, Ts/{8 - best}) = {ratio:.2f}x "
                      f"(weight sync not counted)")
     return "\n".join(lines)
@@ -161,10 +163,11 @@ def main(argv=None) -> None:
         ap.error(f"--only: unknown mode(s) {', '.join(unknown)}; expected some of {', '.join(MODES)}")
     job = ["algo.adv_estimator=grpo", "rollout.n=4", "rollout.batch_size=16", "actor.mini_batch_size=64",
            "actor.micro_batch_size=16", f"rollout.max_new_tokens={args.max_new_tokens}",
-           f"trainer.total_steps={args.steps}", "model.config_overrides.max_position_embeddings=128", "trainer.val_every=0"]
+           f"trainer.total_steps={args.steps}", "model.config_overrides.max_position_embeddings=128",
+           "trainer.val_every=0"]
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; 2 ranks, OMP_NUM_THREADS="
           f"{os.environ.get('OMP_NUM_THREADS', '1')}", flush=True)
-    res = {}
+    res, walls = {}, {}
     if args.learning_only:
         with tempfile.TemporaryDirectory() as tmp:
             return learning(tmp, [int(s) for s in args.seeds.split(",")], args.modes.split(","))
@@ -172,8 +175,10 @@ def main(argv=None) -> None:
         for rep in range(args.repeats):
             for mode in only:
                 extra = MODES[mode]
+                t0 = time.perf_counter()
                 rows = run(os.path.join(tmp, f"{mode}{rep}"), [*job, *extra, *(OFF_POLICY if extra else [])])
                 f = figures(rows, args.warmup)
+                walls.setdefault(mode, []).append(time.perf_counter() - t0)
                 if mode not in res or f["tokens_per_s"] > res[mode]["tokens_per_s"]:
                     res[mode] = f
         base = res["sync"]["tokens_per_s"]
@@ -186,6 +191,9 @@ def main(argv=None) -> None:
                 print(f"{mode} phases (median s): " + ", ".join(f"{k} {v:.3f}" for k, v in
                                                               sorted(res[mode]["phases"].items())))
         print(project(res["sync"], args.max_new_tokens, res.get(HEADLINE)))
+        print("wall per run (launch to exit, s): " + ", ".join(f"{m} " + "/".join(f"{w:.0f}" for w in ws)
+                                                                for m, ws in walls.items()) +
+              f"; load average now {os.getloadavg()[0]:.2f}")
         if args.learning:
             learning(tmp, [int(s) for s in args.seeds.split(",")], args.modes.split(","))
     print(" ".join(f"{mode}_speedup={f['tokens_per_s'] / base:.2f}" for mode, f in res.items() if mode != "sync"))
