@@ -11,8 +11,9 @@ generation thread on each rank's replica samples the next batches while the rank
 streaming with ``max_staleness`` 1 and 2. Split streaming S=2 is the issue's "streaming on split ranks": the final
 line's ``streaming_speedup``.
 
-Per mode it prints generated tokens per second over the measured steps (after ``--warmup``) and its ratio to the
-synchronous run, the median step, each rank's busy share of the step (colocated: the training and the generation
+Per mode it prints generated tokens per second over the measured steps (after ``--warmup``, the fastest of
+``--repeats`` runs) and its ratio to the synchronous run's (fastest over fastest, and per repeat: the runs of one
+repeat see similar load from the machine's other jobs), the median step, each rank's busy share of the step (colocated: the training and the generation
 (thread) of every rank; split: the training rank's step minus its wait for samples, and the generation rank's
 ``async/gen_busy_s``), the mean staleness and the final score (mean ``rollout/score/mean`` of the last 5 steps);
 then the per-phase profiles of sync and split streaming and the 8-GPU projections from them, the ratios, and last
@@ -136,6 +137,11 @@ def project(sync: dict, max_new: int, split: dict = None) -> str:
     return "\n".join(lines)
 
 
+def paired(reps: dict, mode: str) -> list:
+    """Tokens/s of ``mode`` over sync's in the same repeat (runs minutes apart see similar load from other jobs)."""
+    return [f["tokens_per_s"] / s["tokens_per_s"] for f, s in zip(reps[mode], reps["sync"])]
+
+
 def busy(mode: str, f: dict) -> str:
     """Each rank's busy share of the step, in words."""
     if mode.startswith("split"):
@@ -171,20 +177,25 @@ def main(argv=None) -> None:
     if args.learning_only:
         with tempfile.TemporaryDirectory() as tmp:
             return learning(tmp, [int(s) for s in args.seeds.split(",")], args.modes.split(","))
+    reps = {m: [] for m in only}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
-            for mode in only:
+            # every other repeat in reverse: each mode runs as often just after sync as long after it
+            for mode in (only if rep % 2 == 0 else only[::-1]):
                 extra = MODES[mode]
                 t0 = time.perf_counter()
                 rows = run(os.path.join(tmp, f"{mode}{rep}"), [*job, *extra, *(OFF_POLICY if extra else [])])
                 f = figures(rows, args.warmup)
                 walls.setdefault(mode, []).append(time.perf_counter() - t0)
+                reps[mode].append(f)
                 if mode not in res or f["tokens_per_s"] > res[mode]["tokens_per_s"]:
                     res[mode] = f
         base = res["sync"]["tokens_per_s"]
-        for mode, f in res.items():
-            print(f"{mode:18s} tokens/s {f['tokens_per_s']:8.1f} ({f['tokens_per_s'] / base:.2f}x)  step "
-                  f"{f['step_s']:.3f}s  {busy(mode, f)}  staleness {f['staleness']:.2f}  score_last "
+        for mode in only:
+            f = res[mode]
+            pairs = "/".join(f"{r:.2f}" for r in paired(reps, mode))
+            print(f"{mode:18s} tokens/s {f['tokens_per_s']:8.1f} ({f['tokens_per_s'] / base:.2f}x; per repeat "
+                  f"{pairs})  step {f['step_s']:.3f}s  {busy(mode, f)}  staleness {f['staleness']:.2f}  score_last "
                   f"{f['score_last']:.3f}  length {f['len_mean']:.1f} (clipped {f['clip_ratio']:.0%})")
         for mode in ("sync", HEADLINE):
             if mode in res:

@@ -52,6 +52,13 @@ def test_split_figures_busy_shares_staleness_and_projection_by_hand():
     assert "at most (G+T)/max(Gs, Ts+W) = 1.11x" in text and "5 generate + 3 train" in text and "= 1.39x" in text
 
 
+def test_paired_ratios_are_per_repeat():
+    b = load_benchmark("async_rl")
+    reps = {"sync": [{"tokens_per_s": 100.0}, {"tokens_per_s": 50.0}],
+            "split_streaming_S2": [{"tokens_per_s": 120.0}, {"tokens_per_s": 100.0}]}
+    assert b.paired(reps, "split_streaming_S2") == [1.2, 2.0]  # best over best would say 120 / 100
+
+
 def test_unknown_mode_is_refused_naming_it(capsys):
     b = load_benchmark("async_rl")
     with pytest.raises(SystemExit) as exc:
