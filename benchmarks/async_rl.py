@@ -14,10 +14,11 @@ line's ``streaming_speedup``.
 Per mode it prints generated tokens per second over the measured steps (after ``--warmup``, the fastest of
 ``--repeats`` runs) and its ratio to the synchronous run's (fastest over fastest, and per repeat: the runs of one
 repeat see similar load from the machine's other jobs), the median step, each rank's busy share of the step
-(colocated: the training and the generation (thread) of every rank; split: the training rank's step minus its wait for samples, and the generation rank's
-``async/gen_busy_s``), the mean staleness and the final score (mean ``rollout/score/mean`` of the last 5 steps);
-then the per-phase profiles of sync and split streaming and the 8-GPU projections from them, the ratios, and last
-the line ``async_rl streaming_speedup=<x> one_step_off_speedup=<y> score_last_diff=<z>`` (split streaming's final
+(colocated: the training and the generation (thread) of every rank; split: the training rank's step minus its
+wait for samples, and the generation rank's ``async/gen_busy_s``), the mean staleness and the final score (mean
+``rollout/score/mean`` of the last 5 steps); then the per-phase profiles of sync and split streaming and the 8-GPU
+projections from them, the ratios, and last the line
+``async_rl streaming_speedup=<x> one_step_off_speedup=<y> score_last_diff=<z>`` (split streaming's final
 score minus the synchronous one).
 
     python benchmarks/async_rl.py                     # ~6-12 min on 2 loaded CPU cores (2 runs per mode)
