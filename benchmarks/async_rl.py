@@ -21,7 +21,7 @@ projections from them, the ratios, and last the line
 ``async_rl streaming_speedup=<x> one_step_off_speedup=<y> score_last_diff=<z>`` (split streaming's final
 score minus the synchronous one).
 
-    python benchmarks/async_rl.py                     # ~6-12 min on 2 loaded CPU cores (2 runs per mode)
+    python benchmarks/async_rl.py                     # ~4-6 min on 2 loaded CPU cores (2 runs per mode)
     python benchmarks/async_rl.py --only split_streaming_S1,split_streaming_S2   # sync and these
     python benchmarks/async_rl.py --learning          # + the default task, sync vs streaming S=1, 2, seeds 0-2
 """
