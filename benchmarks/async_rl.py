@@ -108,7 +108,8 @@ def project(sync: dict, max_new: int, split: dict = None) -> str:
     assumed to scale linearly with the GPUs it gets. A lock-step batch decodes for as many steps as its longest
     response; a streaming generator with partial rollouts keeps its batch full, ~``tail`` = mean / limit of that.
     With ``split`` (a split streaming run's figures): the same from its measured whole-batch phases, the generation
-    rank's Gs (``async/gen_busy_s``) and the training rank's Ts (step minus its wait and the weight sync)."""
+    rank's Gs (``async/gen_busy_s``) and the training rank's Ts (its phases but the wait for samples and the
+    weight sync)."""
     p = sync["phases"]
     G = p.get("gen", 0.0) + p.get("reward", 0.0)
     T = sum(v for k, v in p.items() if k not in ("gen", "reward", "boundary"))
