@@ -32,7 +32,8 @@ def _control(bridge, cmd: int = _STOP, code: int = 0, payload=None):
     bridge.broadcast(head, 0).wait()
     size = torch.tensor([0 if payload is None else len(pickle.dumps(payload))], dtype=torch.int64)
     bridge.broadcast(size, 0).wait()
-    data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8) if payload is not None else \
+    # only rank 0's payload is sent: another rank's own (same step, maybe pickled to another length) would not fit
+    data = torch.frombuffer(bytearray(pickle.dumps(payload)), dtype=torch.uint8) if bridge.rank() == 0 else \
         torch.empty(int(size), dtype=torch.uint8)
     if int(size):
         bridge.broadcast(data, 0).wait()

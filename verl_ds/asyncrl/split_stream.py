@@ -95,19 +95,19 @@ class _Streamer:
         """Step k's batches: the trainers' state, then each served rank's admitted groups."""
         step = int(msg["step"])
 
-        def boundary():
+        def boundary():  # one pause of the generation thread (each costs the trainers up to a decoding step)
             self.g.follow(msg)
             self.requested = step
+            self.gate.version = max(self.gate.version, step)  # a skipped step changed no weights but counts
         self.gate.poke(boundary)
-        self.gate.update(version=step)  # a skipped step changed no weights but counts
         bound, policy = int(self.g.state.get("max_staleness")), self.cfg.rollout.stale_samples
+        busy, self.busy_mark = self.busy_s - self.busy_mark, self.busy_s  # this rank's, reported to each served
         for t in self.g.served:
             # a kept group joins ``consumed`` as it leaves the queue, under the queue's lock: counted apart, the
             # generation thread could see it in neither, take its batch as still due and start it early
             groups, metrics = self.queues[t].take(self.per_step, self.gate.version, bound, policy, self.wait_s,
                                                   on_stale=lambda grp, t=t: self.redo[t].append(grp.index),
                                                   on_kept=lambda grp, t=t: self._took(t))
-            busy, self.busy_mark = self.busy_s - self.busy_mark, self.busy_s
             metrics = {**taken_metrics(groups), **metrics, "async/gen_busy_s": torch.tensor(busy),
                        "async/state_version": torch.tensor(float(self.g.state.version))}
             send_rollout(self.pl, self._batch(groups, metrics), t)
