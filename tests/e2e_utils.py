@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "launch", "train.py")
@@ -83,3 +84,17 @@ def run_group(cmd: list, env: dict, timeout: float) -> subprocess.CompletedProce
 def read_metrics(output_dir: str) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def wait_until(proc, predicate, what: str, log: str, timeout: float = 600.0):
+    """``predicate()``'s first truthy value, polled while the background run ``proc`` (its output in ``log``) lives;
+    AssertionError with the log's tail when the run ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n{open(log).read()[-6000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}:\n{open(log).read()[-6000:]}")

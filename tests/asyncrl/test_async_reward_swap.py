@@ -7,11 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, merged, read_metrics
+from e2e_utils import FAST, ROOT, TRAIN, base_env, merged, read_metrics, wait_until
 from server_testutil import TOKEN, call
 
 pytestmark = pytest.mark.slow  # a real training run
@@ -21,18 +20,6 @@ def _steps(out: str) -> list:
     if not os.path.isfile(os.path.join(out, "metrics.jsonl")):
         return []
     return [m["step"] for m in read_metrics(out) if "training/global_step" in m]
-
-
-def _wait(proc, predicate, what: str, log: str, timeout: float = 300.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n{open(log).read()[-6000:]}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}:\n{open(log).read()[-6000:]}")
 
 
 def test_a_reward_model_swap_is_refused_when_staged_in_a_streaming_run(tmp_path):
@@ -51,14 +38,14 @@ def test_a_reward_model_swap_is_refused_when_staged_in_a_streaming_run(tmp_path)
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url_file = os.path.join(out, "server_url.txt")
-        url = _wait(proc, lambda: os.path.isfile(url_file) and open(url_file).read().strip(), "the server URL", log)
-        _wait(proc, lambda: _steps(out), "step 1", log)
+        url = wait_until(proc, lambda: os.path.isfile(url_file) and open(url_file).read().strip(), "the server URL", log)
+        wait_until(proc, lambda: _steps(out), "step 1", log)
         r = call(url, "POST", "/v1/models/reward", {"model_path": str(rm)}, token=TOKEN)
         assert r.status == 400, (r.status, r.json)
         assert r.json["error"].startswith("reward swap: model_path is refused with rollout.mode=streaming: a reward "
                                           "model's forward is a collective"), r.json
         seen = len(_steps(out))
-        _wait(proc, lambda: len(_steps(out)) >= seen + 2, "two more steps", log)  # the run goes on, nothing staged
+        wait_until(proc, lambda: len(_steps(out)) >= seen + 2, "two more steps", log)  # the run goes on, nothing staged
         audit = os.path.join(out, "state_changes.jsonl")
         assert not os.path.isfile(audit) or all(json.loads(x)["key"] != "reward" for x in open(audit))
     finally:

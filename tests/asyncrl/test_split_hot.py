@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, merged, read_metrics
+from e2e_utils import FAST, ROOT, TRAIN, base_env, free_port, merged, read_metrics, wait_until
 from server_testutil import TOKEN, call
 
 pytestmark = pytest.mark.slow  # a real 2-rank training run
@@ -28,18 +27,6 @@ def _rows(out: str) -> dict:
     return {m["step"]: m for m in read_metrics(out) if "training/global_step" in m}
 
 
-def _wait(proc, predicate, what: str, log: str, timeout: float = 600.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}:\n{open(log).read()[-6000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}:\n{open(log).read()[-6000:]}")
-
-
 def _start(out: str, log: str, overrides=()):
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", TRAIN,
             *merged([f"trainer.output_dir={out}"], FAST, SPLIT, list(overrides))]
@@ -48,7 +35,7 @@ def _start(out: str, log: str, overrides=()):
                                 stderr=subprocess.STDOUT, start_new_session=True)
     url_file = os.path.join(out, "server_url.txt")
     try:
-        url = _wait(proc, lambda: os.path.isfile(url_file) and open(url_file).read().strip(), "the server URL", log)
+        url = wait_until(proc, lambda: os.path.isfile(url_file) and open(url_file).read().strip(), "the server URL", log)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -61,13 +48,13 @@ def test_a_patch_and_a_reward_swap_reach_the_generation_rank_at_their_step(tmp_p
     out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
     proc, url = _start(out, log)
     try:
-        _wait(proc, lambda: _rows(out), "step 1 was logged", log)
+        wait_until(proc, lambda: _rows(out), "step 1 was logged", log)
         patch = call(url, "PATCH", "/v1/state", {"max_new_tokens": 2, "temperature": 0.5}, token=TOKEN)
         swap = call(url, "POST", "/v1/models/reward", {"function": f"{tmp_path}/const.py:const"}, token=TOKEN)
         assert patch.status == 202 and swap.status == 202, (patch, swap)
         at_patch, at_swap = patch.json["applies_at_step"], swap.json["applies_at_step"]
         last = max(at_patch, at_swap) + 2  # the batch made during step s is trained at s + 1
-        _wait(proc, lambda: last in _rows(out), f"step {last} was logged", log)
+        wait_until(proc, lambda: last in _rows(out), f"step {last} was logged", log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the rows needed are written; the run has 400 steps to go
@@ -96,11 +83,11 @@ def test_a_lowered_max_staleness_reaches_the_streaming_generation_rank_at_its_st
     out, log = str(tmp_path / "run"), str(tmp_path / "run.log")
     proc, url = _start(out, log, ["rollout.mode=streaming", "rollout.max_staleness=1"])
     try:
-        _wait(proc, lambda: len(_rows(out)) >= 2, "step 2 was logged", log)
+        wait_until(proc, lambda: len(_rows(out)) >= 2, "step 2 was logged", log)
         patch = call(url, "PATCH", "/v1/state", {"max_staleness": 0}, token=TOKEN)
         assert patch.status == 202, patch
         at = patch.json["applies_at_step"]
-        _wait(proc, lambda: at + 2 in _rows(out), f"step {at + 2} was logged", log)
+        wait_until(proc, lambda: at + 2 in _rows(out), f"step {at + 2} was logged", log)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -12,25 +12,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "reliability"))
-from e2e_utils import read_metrics, run_train  # noqa: E402
+from e2e_utils import run_train  # noqa: E402
+from resume_testutil import PER_STEP, assert_resumed_like_saved, rows, streaming_run  # noqa: E402
 from reliability_testutil import launch, metric_steps  # noqa: E402
 from verl_ds import safe_state  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
-# every prompt scores its own number: a step's mean score (over every rank's samples) tells which prompts it trained
-FINGERPRINT = '''
-import zlib
-
-def score(prompts, responses, batch):
-    return [zlib.crc32(p.encode()) % 1000 / 1000 for p in prompts]
-'''
-PER_STEP = 4  # rollout.batch_size: prompts per global batch
 SPLIT = ["rollout.split_ranks=1"]
-
-
-def _rows(out: str) -> dict:
-    return {r["step"]: r for r in read_metrics(out) if "training/global_step" in r}
 
 
 @pytest.mark.timeout(2400)
@@ -38,13 +27,7 @@ def _rows(out: str) -> dict:
                                             ((2, SPLIT), (1, []))],
                          ids=["split-same-world", "split-2-trainers-to-1", "colocated-to-split", "split-to-colocated"])
 def test_a_resumed_split_streaming_run_trains_the_saved_queue_and_prompts_next(tmp_path, saved, resumed):
-    path = tmp_path / "fingerprint.py"
-    path.write_text(FINGERPRINT)
-    common = ["algo.adv_estimator=grpo", "rollout.n=2", f"rollout.batch_size={PER_STEP}", "actor.mini_batch_size=8",
-              "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none", "rollout.mode=streaming",
-              "rollout.max_staleness=2", "rollout.stale_samples=regenerate", "rollout.max_new_tokens=12",
-              f"reward.functions=[{path}:score]", "trainer.save_every=2", "trainer.keep_last=3",
-              "trainer.total_steps=5"]
+    common = streaming_run(tmp_path)
     (saved_nproc, saved_split), (resumed_nproc, resumed_split) = saved, resumed
     saved_trainers = saved_nproc - len(saved_split)
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
@@ -62,18 +45,7 @@ def test_a_resumed_split_streaming_run_trains_the_saved_queue_and_prompts_next(t
                      timeout=900)
     if saved_trainers != resumed_nproc - len(resumed_split):
         assert "dealt to 1" in proc.stdout + proc.stderr
-    expected, got = _rows(first), _rows(second)
-    assert sorted(got) == [3, 4, 5]
-    # no group outlived the bound in either run (else the saved run's order depended on thread timing)
-    assert all(r["async/stale_groups"] == 0 for r in [*expected.values(), *got.values()])
-    for step in (3, 4, 5):  # the same prompts: the queued and in-flight ones, then the sampler's next batches
-        for key in ("rollout/score/mean", "prompt_length/mean"):
-            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
-    # a step for which every saved rank had its whole share queued trains those very samples
-    queued = min(len(r["queue"]) for r in state["ranks"]) // per_rank
-    assert queued >= 1, [len(r["queue"]) for r in state["ranks"]]
-    for step in range(3, 3 + min(queued, 3)):
-        assert got[step]["response_length/mean"] == pytest.approx(expected[step]["response_length/mean"], rel=1e-6)
+    assert_resumed_like_saved(first, second, state, per_rank, require_queued=True)
 
 
 def test_usr1_to_every_task_checkpoints_the_generation_ranks_queues_and_every_rank_exits_75(tmp_path):
@@ -97,7 +69,7 @@ def test_usr1_to_every_task_checkpoints_the_generation_ranks_queues_and_every_ra
     assert not torch.equal(state["ranks"][0]["rng"]["torch"], state["ranks"][1]["rng"]["torch"])
     job = launch(out, [*stream, f"trainer.total_steps={s + 1}"], nproc=3, log_name="resume")
     assert job.wait(900) == [0, 0, 0], job.tail()
-    row = _rows(out)[s + 1]
+    row = rows(out)[s + 1]
     if all(len(r["queue"]) >= per_rank for r in state["ranks"]):  # the resumed step trains the saved samples
         means = [sum(float(g["fields"]["response_length"].float().mean()) for g in r["queue"][:per_rank]) / per_rank
                  for r in state["ranks"]]
@@ -110,7 +82,7 @@ CLOCK = ("timing_s/", "perf/throughput", "async/", "time/")  # wall-clock figure
 
 
 def _trained(out: str) -> dict:
-    return {s: {k: v for k, v in r.items() if not k.startswith(CLOCK)} for s, r in _rows(out).items()}
+    return {s: {k: v for k, v in r.items() if not k.startswith(CLOCK)} for s, r in rows(out).items()}
 
 
 @pytest.mark.timeout(2400)
