@@ -79,6 +79,7 @@ def build(impl: str, size: dict, dtype: str, device: str, vocab: int, max_length
     """(model, packing support) for ``model.attn_implementation=<impl>``, built and probed as the trainer does; Linear
     and embedding weights drawn with std ``std`` so that which tokens attend to which moves the log-probs well past
     the dtype's rounding."""
+    from verl_ds.attention_layout import resolve_attn_implementation
     from verl_ds.config import load_config
     from verl_ds.engines.build import build_actor_model
     from verl_ds.models.families import packing_support
@@ -99,7 +100,10 @@ def build(impl: str, size: dict, dtype: str, device: str, vocab: int, max_length
             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
                 m.weight.mul_(std / model.config.initializer_range)
     model = model.to(device)
-    support = packing_support(model, max_length, share=True)
+    # the implementation the trainer would pack rows with (builder._packing_decision): without it the probe switches
+    # the model to the per-sequence loop whatever was asked
+    implementation = resolve_attn_implementation(cfg.model.attn_implementation, torch.device(device).type)
+    support = packing_support(model, max_length, share=True, implementation=implementation)
     return model, support
 
 

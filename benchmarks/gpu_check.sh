@@ -55,11 +55,11 @@ part() {  # part NAME CAP command...: run it under its timeout, tee its output, 
     printf -v "rc_$name" '%s' "$rc"
 }
 
-part kernel_tests 140 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --durations=8
+part kernel_tests 80 "$PY" -m pytest -q -p no:cacheprovider tests/kernels --durations=8
 sweep=(); [ "${SWEEP:-0}" = 1 ] && sweep=(--sweep)
-part kernel_speed 60 "$PY" benchmarks/kernel_speed.py --backward "${sweep[@]}" --json "$OUT_DIR/kernel_speed.json"
-part attention 120 "$PY" benchmarks/gpu_attention_check.py --device cuda --json "$OUT_DIR/attention.json"
-part grpo 260 "$PY" benchmarks/gpu_grpo_check.py --device cuda --timeout 125 --out "$OUT_DIR"
+part kernel_speed 70 "$PY" benchmarks/kernel_speed.py --backward "${sweep[@]}" --json "$OUT_DIR/kernel_speed.json"
+part attention 130 "$PY" benchmarks/gpu_attention_check.py --device cuda --json "$OUT_DIR/attention.json"
+part grpo 330 "$PY" benchmarks/gpu_grpo_check.py --device cuda --timeout 200 --out "$OUT_DIR"
 
 total=$(( $(date +%s) - start ))
 echo "gpu_check parts: kernel_tests=$rc_kernel_tests kernel_speed=$rc_kernel_speed attention=$rc_attention" \

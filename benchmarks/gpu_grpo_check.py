@@ -131,6 +131,22 @@ def worker(result: str, args: list[str]) -> int:
     return rc
 
 
+def _tail(path: str, chars: int) -> str:
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        return fh.read()[-chars:]
+
+
+def _logged_steps(out: str) -> str:
+    """Each logged step's time and phases, for a run that did not finish."""
+    try:
+        with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
+            rows = [m for m in map(json.loads, fh) if "timing_s/step" in m]
+    except OSError:
+        return "none"
+    return "; ".join(f"{r['timing_s/step']:.2f} s (" + ", ".join(f"{p} {r.get(f'timing_s/{p}', 0.0):.2f}"
+                                                                   for p in PHASES) + ")" for r in rows) or "none"
+
+
 def run_one(impl: str, a, shape: dict, tok_dir: str, prompts: str, work: str) -> dict:
     """One run in its own process; its per-step rows and peak memory."""
     out = os.path.join(work, f"run_{impl}")
@@ -142,12 +158,18 @@ def run_one(impl: str, a, shape: dict, tok_dir: str, prompts: str, work: str) ->
                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if a.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
+    log_path = os.path.join(work, f"log_{impl}.txt")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout)
+    with open(log_path, "w", encoding="utf-8") as log_fh:  # a file, not a pipe: what a killed run printed is kept
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log_fh, stderr=subprocess.STDOUT,
+                                timeout=a.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = f"none: stopped after {a.timeout:.0f} s (--timeout)"
     wall = time.perf_counter() - t0
-    if proc.returncode != 0 or not os.path.exists(result):
-        raise SystemExit(f"gpu_grpo_check: the {impl} run failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n"
-                         f"{proc.stderr[-4000:]}")
+    if rc != 0 or not os.path.exists(result):
+        raise SystemExit(f"gpu_grpo_check: the {impl} run failed (exit {rc}); steps logged: "
+                         f"{_logged_steps(out)}; its output ends:\n{_tail(log_path, 5000)}")
     with open(result, encoding="utf-8") as fh:
         res = json.load(fh)
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as fh:
@@ -176,6 +198,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3, help="trainer.total_steps of each run (the first is not timed)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="one more launch/train.py override for both runs (repeatable)")
+    p.add_argument("--only", choices=("loop", "impl"), default=None,
+                   help="run one side only (its figures, no ratio): e.g. the other side's time ran out")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--out", default=None, help="write grpo_check.json here (a directory)")
     a = p.parse_args(argv)
@@ -201,7 +225,7 @@ def main(argv=None) -> int:
               f"~{sum(shape['context']) // 2 + 3}-token prompts, {shape['max_new_tokens']} new tokens, "
               f"{a.steps} steps, {a.device}", flush=True)
         runs = {}
-        for impl in (a.loop, a.impl):
+        for impl in (a.loop, a.impl) if a.only is None else ((a.loop, a.impl)[a.only == "impl"],):
             r = runs[impl] = run_one(impl, a, shape, tok_dir, prompts, work)
             print(f"  {impl:20s} {r['step_s']:7.2f} s/step (gen {r['gen']:.2f}, ref {r['ref']:.2f}, update "
                   f"{r['update_actor']:.2f}; steps {', '.join(f'{s:.2f}' for s in r['steps'])}), "
@@ -209,6 +233,9 @@ def main(argv=None) -> int:
                   f"{r['wall_s']:.0f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    if a.only is not None:
+        print(f"gpu_grpo_check: --only {a.only}: no ratio")
+        return 0
     loop, new = runs[a.loop], runs[a.impl]
     figures = {"attention_step_ratio": new["step_s"] / loop["step_s"],
                "scoring_ratio": (new["ref"] + new["update_actor"]) / max(loop["ref"] + loop["update_actor"], 1e-9),

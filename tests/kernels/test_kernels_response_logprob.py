@@ -6,7 +6,7 @@ storage) shows the forward allocates nothing of the logits' size and the backwar
 while today's path copies the sliced logits in the forward."""
 import pytest
 import torch
-from kernel_refs import GRAD_TOL, TOL, assert_close, ref_logprob_entropy
+from kernel_refs import DEVICE, GRAD_TOL, TOL, assert_close, ref_logprob_entropy
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -47,8 +47,8 @@ def _triton(monkeypatch):
 
 
 def _inputs(B=3, R=5, V=1003, dtype=torch.float32):
-    logits = (torch.randn(B, R + 1, V) * 3).to(dtype)
-    labels = torch.randint(0, V, (B, R))
+    logits = (torch.randn(B, R + 1, V, device=DEVICE) * 3).to(dtype)
+    labels = torch.randint(0, V, (B, R), device=DEVICE)
     return logits, labels
 
 
@@ -56,7 +56,7 @@ def _inputs(B=3, R=5, V=1003, dtype=torch.float32):
 @pytest.mark.parametrize("entropy", [True, False])
 def test_equals_todays_path_and_the_float64_reference(dtype, entropy):
     logits, labels = _inputs(dtype=dtype)
-    w_lp, w_ent = torch.randn(labels.shape), torch.randn(labels.shape)
+    w_lp, w_ent = torch.randn(labels.shape, device=DEVICE), torch.randn(labels.shape, device=DEVICE)
     x = logits.clone().requires_grad_()
     lp, ent = response_logprobs(x, labels, temperature=0.8, compute_entropy=entropy)
     ((w_lp * lp).sum() + ((w_ent * ent).sum() if entropy else 0)).backward()
@@ -95,7 +95,7 @@ def test_no_logits_sized_allocation():
 
 def test_a_slice_along_positions_is_read_in_place_too():
     logits, labels = _inputs(B=2, R=4, V=997)
-    longer = torch.cat([torch.randn(2, 3, 997), logits], dim=1).requires_grad_()
+    longer = torch.cat([torch.randn(2, 3, 997, device=DEVICE), logits], dim=1).requires_grad_()
     with NewStorages() as fwd:
         lp, _ = response_logprobs(longer[:, -5:], labels)
     assert max(fwd.sizes) < longer.numel() * 4 // 100
@@ -114,4 +114,4 @@ def test_a_slice_along_positions_is_read_in_place_too():
 ])
 def test_bad_input_says_what_is_wrong(logits, labels, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        response_logprobs(logits, labels)
+        response_logprobs(logits.to(DEVICE), labels.to(DEVICE))
