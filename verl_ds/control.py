@@ -125,6 +125,13 @@ class StepBoundary:
         st.sync()
         return st.get("global_step")
 
+    def uncross(self, step: int) -> None:
+        """Undo ``cross`` into ``step``, which failed before any update (collective): the step count goes back (the
+        values it applied stay in SharedState, and in its audit)."""
+        if self.is_main:
+            self.state.set("global_step", step - 1)
+        self.state.sync()
+
     def _swap(self, request: dict, restore: bool = False) -> bool:
         """Build, try and install a swap on every rank (collective); roll it back everywhere when any rank fails."""
         spec = self._spec(request)

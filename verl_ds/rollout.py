@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from verl_ds import dist as vdist
 from verl_ds.batch import RolloutBatch
 from verl_ds.batch_layout import FLOAT_FIELDS
 from verl_ds.metrics import Timings
@@ -119,7 +120,6 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
       dropped groups (zero advantage under group estimators), counted in ``rollout/groups_filled``.
     """
     from verl_ds import algos
-    from verl_ds import dist as vdist
 
     kept, dropped, metrics, rounds, target = [], [], {}, 0, None
     shaping = overlong is not None and overlong[0] > 0
@@ -170,3 +170,15 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
     responses = list(batch.extras.pop("response_text"))
     # dynamic sampling keeps some rows of several rounds: its per-sample values are not carried
     return Rollout(batch=batch, responses=responses, metrics=metrics, per_sample={} if dynamic else parts)
+
+
+def sampler_mismatch(batch) -> dict:
+    """|sampler - trainer log-prob| over the response tokens (mean; max over all ranks'), {} without that pass."""
+    if batch.old_log_probs is None:
+        return {}
+    rm = batch.response_mask
+    diff = (batch.rollout_log_probs - batch.old_log_probs).abs() * rm  # vLLM, bf16, KV-cache numerics
+    top = diff.max().to(vdist.comm_device(), torch.float64)
+    if vdist.world_size() > 1:  # the largest over every rank's tokens, not a mean of per-rank maxima
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
+    return {"rollout/log_prob_diff_mean": diff.sum() / rm.sum(), "rollout/log_prob_diff_max": top}

@@ -39,7 +39,7 @@ from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
 from verl_ds.reward_trial import check_swap_rows, trial
 from verl_ds.reward_spec import parse_reward_swap
-from verl_ds.rollout import SamplingError, collect, rollout_and_score
+from verl_ds.rollout import SamplingError, collect, rollout_and_score, sampler_mismatch
 from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
                              raise_if_any_rank_failed)
 from verl_ds.runtime.preemption import stop_for_preemption
@@ -124,6 +124,7 @@ class Trainer:
         hot = self.state.snapshot()
         rollout, error, algo = None, None, cfg.algo
         sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
+        data_position = None if hasattr(self.asyncrl, "unwind") else self.c.sampler.state_dict()  # see _abandon
         try:
             rollout = self.asyncrl.next_rollout(step, t) if self.asyncrl else collect(  # rollout.mode (asyncrl)
                 self._prompts, self.registry.get("actor"), self.registry.get("reward"), tok, sampling=sampling,
@@ -134,7 +135,11 @@ class Trainer:
             self.guard.sampling_error = str(exc)
         except Exception as exc:  # e.g. a reward function failing on one rank: every rank must stop together
             error = exc
-        raise_if_any_rank_failed(error, f"step {step} failed before any update")
+        try:
+            raise_if_any_rank_failed(error, f"step {step} failed before any update")
+        except StepFailed:  # the fault's checkpoint is of the step before, and resumes with this step's prompts
+            self._abandon(step, data_position)
+            raise
         if vdist.any_rank(rollout is None):
             self.guard.check_batch(None, planned_updates=self._planned_updates())  # the draw failed: no batch
             return {**self.guard.end_step(step, None), "training/global_step": step}
@@ -184,7 +189,7 @@ class Trainer:
                     metrics.update(self._update_kl_controller(batch))
         rm = batch.response_mask
         metrics.update({
-            **self._sampler_mismatch(batch),
+            **sampler_mismatch(batch),
             "response_length/mean": batch.response_length.float().mean(),
             "response_length/clip_ratio": (~batch.done).float().mean(),
             "prompt_length/mean": batch.prompt_length.float().mean(),
@@ -206,16 +211,11 @@ class Trainer:
         items = [self.c.train_set[i] for i in self.c.sampler.next_batch()]
         return collate_prompts(items, self.tokenizer.pad_token_id, self.actor_engine.device)
 
-    def _sampler_mismatch(self, batch) -> dict:
-        """|sampler - trainer log-prob| over the response tokens (mean; max over all ranks'), {} without that pass."""
-        if batch.old_log_probs is None:
-            return {}
-        rm = batch.response_mask
-        diff = (batch.rollout_log_probs - batch.old_log_probs).abs() * rm  # vLLM, bf16, KV-cache numerics
-        top = diff.max().to(vdist.comm_device(), torch.float64)
-        if self.world > 1:  # the largest over every rank's tokens, not a mean of per-rank maxima
-            torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
-        return {"rollout/log_prob_diff_mean": diff.sum() / rm.sum(), "rollout/log_prob_diff_max": top}
+    def _abandon(self, step: int, data_position) -> None:
+        """Undo a step that failed before any update (collective): its count, and its prompts go back (the sampler
+        rewound; a colocated generation thread draws ahead from it, so its taken groups go back instead)."""
+        self.boundary.uncross(step)
+        self.c.sampler.load_state_dict(data_position) if data_position else self.asyncrl.unwind()
 
     def _on_policy_shortcut(self, hot: dict) -> bool:
         """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch),

@@ -136,3 +136,24 @@ def test_a_weight_update_lands_between_decoding_steps_of_a_real_generate():
     assert gate.version == 1 and len(v) == 12
     assert v[:3] == [0, 0, 0] and v[4:] == [1] * 8  # the update landed at the 4th step's boundary at the latest
     assert v == sorted(v)
+
+
+def test_a_take_that_fails_part_way_puts_what_it_had_taken_back_at_the_front():
+    """2 of 3 groups taken when the producer fails: ProducerError, and the 2 are back, first, in their order (a
+    checkpoint written after the failure holds them); give_back of a later failed step does the same."""
+    q = SampleQueue(capacity=4, name="rank 0")
+    for i in (0, 1):
+        q.put(_group(i, 0, 3))
+    counted, returned = [], []
+    threading.Timer(0.2, lambda: q.close(RuntimeError("reward function exploded"))).start()
+    with pytest.raises(ProducerError, match="generation stopped .*reward function exploded"):
+        q.take(3, 0, 0, "drop", 5, on_kept=lambda g: counted.append(g.index),
+               on_returned=lambda gs: returned.extend(g.index for g in gs))
+    assert counted == [0, 1] and returned == [0, 1]
+    assert [s["index"] for s in q.snapshot()] == [0, 1]
+    r = SampleQueue(capacity=2)
+    for i in (5, 6, 7):
+        r.restore([_group(i, 0, 3).to_state()])
+    taken, _ = r.take(2, 0, 0, "drop", 5)
+    r.give_back(taken)
+    assert [s["index"] for s in r.snapshot()] == [5, 6, 7]

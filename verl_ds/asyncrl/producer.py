@@ -103,6 +103,7 @@ class AsyncRollout:
         # "regenerate", or in flight at a save) and saved Groups to queue as they are (a resume at another world size)
         self._todo: list = []
         self._consumed = self._requested = 0  # groups trained on so far; the step the trainer waits for
+        self._taken: list = []  # the groups the step in progress took (``unwind``)
         self._thread: Optional[threading.Thread] = None
         self._stop, self.busy_s, self._busy_mark, self.error = False, 0.0, 0.0, None
 
@@ -117,10 +118,13 @@ class AsyncRollout:
             self._start(step)
         self._requested = step
         self.gate.update(version=step)  # a skipped step changed no weights but counts; wakes a waiting producer
+        self._taken = []  # a take that fails hands back its own groups
         with timings("gen_wait"):
             groups, metrics = self.queue.take(self.per_step, self.gate.version, self.staleness_bound(),
                                               self.cfg.rollout.stale_samples, self.wait_s,
-                                              on_stale=lambda g: self._todo.append(g.index), on_kept=self._took)
+                                              on_stale=lambda g: self._todo.append(g.index), on_kept=self._took,
+                                              on_returned=self._untook)
+        self._taken = groups
         self.gate.poke(lambda: None)  # as before: the generation thread at a decoding step or between batches
         pad = self.trainer.tokenizer.pad_token_id
         width = max(g.batch.prompt_width for g in groups)
@@ -176,6 +180,15 @@ class AsyncRollout:
 
     def _took(self, group: Group) -> None:
         self._consumed += 1  # under the queue's lock, as the group leaves the queue: ``_due`` never misses it
+
+    def _untook(self, groups: list) -> None:
+        self._consumed -= len(groups)
+
+    def unwind(self) -> None:
+        """The step failed before training what it took: its groups go back to the front of the queue, so the
+        fault's checkpoint holds them (every rank calls this; a rank whose take failed got its groups back then)."""
+        taken, self._taken = self._taken, []
+        self.queue.give_back(taken, self._untook)
 
     def _due(self) -> int:
         """The step a batch started now would be trained at (no group dropped in between)."""

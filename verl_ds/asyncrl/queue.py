@@ -103,26 +103,33 @@ class SampleQueue:
 
     def take(self, k: int, version: int, max_staleness: int, policy: str, timeout: float,
              on_stale: Optional[Callable[[Group], None]] = None,
-             on_kept: Optional[Callable[[Group], None]] = None) -> tuple[list, dict]:
+             on_kept: Optional[Callable[[Group], None]] = None,
+             on_returned: Optional[Callable[[list], None]] = None) -> tuple[list, dict]:
         """``k`` admitted groups in arrival order and this call's metrics. A group whose oldest token is more than
         ``max_staleness`` versions behind ``version`` is not admitted: it is dropped, or (policy "regenerate")
         passed to ``on_stale`` (under the queue's lock) to be generated again; ``on_kept`` gets each admitted group
         under the lock, as it leaves the queue. Waits at most ``timeout`` seconds for the next group; then
-        ProducerError naming this queue."""
+        ProducerError naming this queue, with the groups admitted so far back at the front (``on_returned`` gets
+        them, under the lock): a checkpoint written after the failure still holds them."""
         if policy not in STALE_POLICIES:
             raise ValueError(f"SampleQueue.take: policy must be one of {STALE_POLICIES}, got {policy!r}")
         kept, stale, staleness = [], [], []
+
+        def fail(message: str):
+            self.give_back(kept, on_returned)
+            return ProducerError(message)
+
         with self._cond:
             while len(kept) < k:
                 deadline = time.monotonic() + timeout
                 while not self._items:
                     if self._closed:
-                        raise ProducerError(f"{self.name}: generation stopped before the step's samples were ready: "
-                                            f"{self._error or 'the producer was closed'}")
+                        raise fail(f"{self.name}: generation stopped before the step's samples were ready: "
+                                   f"{self._error or 'the producer was closed'}")
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise ProducerError(f"{self.name}: no sample from the rollout producer for {timeout:.0f} s "
-                                            f"(half of trainer.dist_timeout_s); it hangs or is far too slow")
+                        raise fail(f"{self.name}: no sample from the rollout producer for {timeout:.0f} s "
+                                   f"(half of trainer.dist_timeout_s); it hangs or is far too slow")
                     self._cond.wait(left)
                 group = self._items.popleft()
                 age = version - group.oldest()
@@ -153,6 +160,15 @@ class SampleQueue:
         for s in range(max_staleness + 1):  # the histogram of the admitted groups' staleness, 0..max_staleness
             out[f"async/staleness_hist/{s}"] = torch.tensor(float(sum(1 for a in staleness if a == s)))
         return out
+
+    def give_back(self, groups: list, on_returned: Optional[Callable[[list], None]] = None) -> None:
+        """Put taken ``groups`` back at the front, in their order (a step that failed before training them; may
+        exceed the capacity once); ``on_returned(groups)`` runs under the lock."""
+        with self._cond:
+            self._items.extendleft(reversed(groups))
+            if on_returned is not None and groups:
+                on_returned(groups)
+            self._cond.notify_all()
 
     def close(self, error: Optional[BaseException] = None) -> None:
         """Stop the queue: blocked ``put``/``take`` calls return (with ProducerError)."""
