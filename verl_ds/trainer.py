@@ -165,8 +165,7 @@ class Trainer:
                         b.observation, b.mask, b.response_width))
         baseline = batch.extras.get("baseline_score")
         with t("adv"):
-            metrics = {**rollout.metrics, **self.ppo.compute_advantage(
-                batch, whiten_fn=vdist.global_masked_whiten,
+            metrics = {**rollout.metrics, **self.ppo.compute_advantage(batch, whiten_fn=vdist.global_masked_whiten,
                 baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
         # a non-finite value on any rank skips the update on every rank
         if not self.guard.check_batch(batch, planned_updates=self._planned_updates()):
@@ -211,11 +210,13 @@ class Trainer:
         items = [self.c.train_set[i] for i in self.c.sampler.next_batch()]
         return collate_prompts(items, self.tokenizer.pad_token_id, self.actor_engine.device)
 
-    def _abandon(self, step: int, data_position) -> None:
-        """Undo a step that failed before any update (collective): its count, and its prompts go back (the sampler
-        rewound; a colocated generation thread draws ahead from it, so its taken groups go back instead)."""
+    def _abandon(self, step: int, data_position: Optional[dict]) -> None:
+        """Undo a step that failed before any update (collective): its count, and its prompts go back."""
         self.boundary.uncross(step)
-        self.c.sampler.load_state_dict(data_position) if data_position else self.asyncrl.unwind()
+        if data_position is None:  # a colocated generation thread draws ahead from the sampler: its groups go back
+            self.asyncrl.unwind()
+        else:
+            self.c.sampler.load_state_dict(data_position)
 
     def _on_policy_shortcut(self, hot: dict) -> bool:
         """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch),
@@ -356,8 +357,7 @@ class Trainer:
             if self._last_saved != self.state.get("global_step"):
                 save_checkpoint(self)
             export_dir = self.export_hf() if cfg.trainer.export != "none" else None
-        except (NonFiniteError, StepFailed):
-            # every rank raised at the same point: save what was trained so far before the run ends
+        except (NonFiniteError, StepFailed):  # every rank raised here: save what was trained so far, then end
             step = self.state.get("global_step")
             if step > 0 and self._last_saved != step:
                 log.error("the run is ending on a fault at step %d: checkpoint %s written first", step,

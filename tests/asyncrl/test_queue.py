@@ -152,8 +152,7 @@ def test_a_take_that_fails_part_way_puts_what_it_had_taken_back_at_the_front():
     assert counted == [0, 1] and returned == [0, 1]
     assert [s["index"] for s in q.snapshot()] == [0, 1]
     r = SampleQueue(capacity=2)
-    for i in (5, 6, 7):
-        r.restore([_group(i, 0, 3).to_state()])
+    r.restore([_group(i, 0, 3).to_state() for i in (5, 6, 7)])
     taken, _ = r.take(2, 0, 0, "drop", 5)
     r.give_back(taken)
     assert [s["index"] for s in r.snapshot()] == [5, 6, 7]
