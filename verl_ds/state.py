@@ -61,7 +61,7 @@ class StateKey:
 
     def check(self, value: Any) -> tuple[Any, str | None]:
         """Return (normalised value, None) or (None, reason why the value is refused)."""
-        return check_value(self.annotation, value, self.spec, key=self.name)
+        return check_value(self.annotation, value, self.spec)
 
     def schema(self) -> dict:
         return {

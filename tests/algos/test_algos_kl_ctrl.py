@@ -17,7 +17,7 @@ def _run(ctrl, kls, n=None):
     return [ctrl.update(kl, n) for kl in kls]
 
 
-def test_multiplicative_sequence_by_hand():
+def test_band_sequence_by_hand():
     ctrl = BandKLController(0.1, target_kl=0.02)
     # band: > 0.03 raises x1.5, < 0.01 lowers x0.8, otherwise unchanged
     kls = [0.05, 0.05, 0.02, 0.0301, 0.03, 0.01, 0.0099, 0.0, 0.02]
@@ -29,13 +29,13 @@ def test_multiplicative_sequence_by_hand():
     assert ctrl.value == pytest.approx(expected[-1])
 
 
-def test_multiplicative_clamps_and_custom_factors():
+def test_band_clamps_and_custom_factors():
     ctrl = BandKLController(0.1, 1.0, up=2.0, down=0.5, min_coef=0.02, max_coef=0.5)
     assert _run(ctrl, [10, 10, 10, 10]) == pytest.approx([0.2, 0.4, 0.5, 0.5])
     assert _run(ctrl, [0, 0, 0, 0, 0]) == pytest.approx([0.25, 0.125, 0.0625, 0.03125, 0.02])
 
 
-def test_adaptive_ziegler_sequence():
+def test_ziegler_sequence():
     ctrl = ZieglerKLController(0.2, target_kl=6.0, horizon=10000)
     kls = [6.0, 9.0, 3.0, 12.0, 0.0, 6.6]
     n = 256
@@ -55,8 +55,8 @@ def test_fixed_controller_never_moves():
     assert _run(ctrl, [0.0, 1.0, 100.0], 8) == [0.05, 0.05, 0.05]
 
 
-@pytest.mark.parametrize("kind,kwargs", [("multiplicative", {}), ("adaptive", {}), ("fixed", {}),
-                                         ("bangbang", {"up": 1.2}), ("ziegler", {}), ("band", {"down": 0.5})])
+@pytest.mark.parametrize("kind,kwargs", [("fixed", {}), ("ziegler", {}), ("band", {}), ("band", {"up": 1.2}),
+                                         ("band", {"down": 0.5})])
 def test_state_dict_round_trip_resumes_exactly(kind, kwargs):
     a = make_kl_controller(kind, 0.1, 0.05, horizon=500, **kwargs)
     _run(a, [0.2, 0.01, 0.08], 64)
@@ -68,23 +68,21 @@ def test_state_dict_round_trip_resumes_exactly(kind, kwargs):
 
 def test_factory_kinds_and_tensor_inputs():
     assert isinstance(make_kl_controller("fixed", 0.1, None), FixedKLController)
-    assert isinstance(make_kl_controller("adaptive", 0.1, 0.05), ZieglerKLController)
-    m = make_kl_controller("multiplicative", 0.1, 0.05, min_coef=0.01)
+    assert isinstance(make_kl_controller("ziegler", 0.1, 0.05), ZieglerKLController)
+    m = make_kl_controller("band", 0.1, 0.05, min_coef=0.01)
     assert isinstance(m, BandKLController) and m.min_coef == 0.01
     assert m.update(torch.tensor(1.0), 4) == pytest.approx(0.15)  # a 0-d tensor KL is accepted
 
 
 def test_controller_errors():
-    with pytest.raises(ValueError, match=r"unknown KL controller kind 'pid'; valid kinds: fixed, ziegler, band "
-                                         r"\(deprecated aliases: constant, adaptive, proportional, multiplicative, "
-                                         r"bangbang\)"):
+    with pytest.raises(ValueError, match=r"unknown KL controller kind 'pid'; valid kinds: fixed, ziegler, band;"):
         make_kl_controller("pid", 0.1, 0.05)
     with pytest.raises(ValueError, match="the ziegler KL controller needs target_kl"):
-        make_kl_controller("adaptive", 0.1)
+        make_kl_controller("ziegler", 0.1)
     with pytest.raises(ValueError, match="the band KL controller needs target_kl"):
         make_kl_controller("band", 0.1)
     with pytest.raises(TypeError, match="unexpected arguments for the 'ziegler' KL controller: up"):
-        make_kl_controller("adaptive", 0.1, 0.05, up=2.0)
+        make_kl_controller("ziegler", 0.1, 0.05, up=2.0)
     with pytest.raises(ValueError, match="target_kl must be > 0, got 0.0"):
         BandKLController(0.1, 0.0)
     with pytest.raises(ValueError, match="init_kl_coef must be >= 0, got -0.1"):
@@ -106,7 +104,7 @@ def test_controller_errors():
     with pytest.raises(ValueError, match="state is for a 'pid' KL controller, this one is 'ziegler'"):
         ctrl.load_state_dict({"kind": "pid", "value": 0.3})
     with pytest.raises(ValueError, match="lacks target_kl, horizon"):
-        ctrl.load_state_dict({"kind": "adaptive", "value": 0.3})
+        ctrl.load_state_dict({"kind": "ziegler", "value": 0.3})
 
 
 def test_band_by_name_is_the_documented_rule():
@@ -119,15 +117,12 @@ def test_band_by_name_is_the_documented_rule():
     assert not hasattr(verl_ds.algos, "AdaptiveKLController") and not hasattr(verl_ds.algos, "MultiplicativeKLController")
 
 
-def test_state_saved_under_an_old_name_loads():
-    old_state = {"kind": "adaptive", "value": 0.3, "target_kl": 0.05, "horizon": 500}  # a pre-rename checkpoint
+def test_state_saved_under_an_old_name_is_refused():
     ctrl = make_kl_controller("ziegler", 0.1, 0.05)
-    ctrl.load_state_dict(old_state)
-    assert ctrl.value == 0.3 and ctrl.horizon == 500 and ctrl.state_dict()["kind"] == "ziegler"
-    band = make_kl_controller("band", 0.1, 0.05)
-    band.load_state_dict({"kind": "multiplicative", "value": 0.2, "target_kl": 0.05, "up": 1.5, "down": 0.8,
-                          "min_coef": 0.0, "max_coef": math.inf})
-    assert band.value == 0.2
+    # adaptive / multiplicative were renamed ziegler / band before 0.x aliases were dropped: no silent mapping
+    with pytest.raises(ValueError, match="state is for a 'adaptive' KL controller, this one is 'ziegler'"):
+        ctrl.load_state_dict({"kind": "adaptive", "value": 0.3, "target_kl": 0.05, "horizon": 500})
+    assert ctrl.value == 0.1
 
 
 def test_observed_kl_is_the_token_mean_not_the_mean_of_sequence_means():

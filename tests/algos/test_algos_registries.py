@@ -1,5 +1,4 @@
 """Registries of verl_ds.algos: advantage estimators, KL estimators, loss aggregation, KL controllers."""
-import logging
 
 import pytest
 import torch
@@ -44,29 +43,19 @@ def test_registry_aliases_duplicates_unknown_and_views():
     def alpha():
         return 1
 
-    reg.register("beta", deprecated_aliases=("old_beta",))(len)
+    reg.register("beta")(len)
     assert reg.get("a") is alpha and reg.entry("alpha").meta == {"colour": "red"}
     assert view == ("alpha", "a", "beta") and "a" in view and list(view) == ["alpha", "a", "beta"]
     assert reg.names(aliases=False) == ("alpha", "beta")
-    assert reg.names(deprecated=True) == ("alpha", "a", "beta", "old_beta")
     with pytest.raises(ValueError, match=r"widget 'a' is already registered \(.*alpha\)"):
         reg.register("a")(len)
-    with pytest.raises(ValueError, match=r"unknown widget 'alpah'; valid widgets: alpha, a, beta \(deprecated "
-                                         r"aliases: old_beta\); did you mean 'alpha'\?"):
+    with pytest.raises(ValueError, match=r"unknown widget 'alpah'; valid widgets: alpha, a, beta; did you mean "
+                                         r"'alpha'\?"):
         reg.get("alpah")
     with pytest.raises(ValueError, match="unknown widget None; valid widgets"):
         reg.get(None)
     reg.unregister("alpha")
     assert view == ("beta",) and "a" not in view  # the view is live
-
-
-def test_deprecated_alias_warns_once(caplog):
-    reg = Registry("widget", "widgets")
-    reg.register("new", deprecated_aliases=("old",))(len)
-    with caplog.at_level(logging.WARNING, logger="verl_ds.algos"):
-        assert reg.get("old") is len and reg.get("old") is len and reg.get("new") is len
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["widget 'old' is deprecated; use 'new' (same behaviour)"]
 
 
 # --- advantage estimators --------------------------------------------------------------------------
@@ -180,17 +169,12 @@ def test_loss_agg_view_and_custom_mode():
 
 # --- KL controllers --------------------------------------------------------------------------------
 
-def test_kl_controller_names_and_deprecated_aliases(caplog):
+def test_kl_controller_names():
     assert tuple(KL_CTRL_KINDS) == ("fixed", "ziegler", "band")
-    for old, cls in (("multiplicative", BandKLController), ("adaptive", ZieglerKLController)):
-        KL_CONTROLLERS._warned.discard(old)  # earlier tests in this process may have used the alias
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="verl_ds.algos"):
-            a = make_kl_controller(old, 0.1, 0.05)
-            b = make_kl_controller(old, 0.1, 0.05)
-        assert type(a) is cls and type(b) is cls and a.name == cls.name
-        assert [r.getMessage() for r in caplog.records] == [
-            f"KL controller kind {old!r} is deprecated; use {cls.name!r} (same behaviour)"]
+    for name, cls in (("band", BandKLController), ("ziegler", ZieglerKLController)):
+        assert type(make_kl_controller(name, 0.1, 0.05)) is cls
+    with pytest.raises(ValueError, match=r"unknown KL controller kind 'adaptive'; valid kinds: fixed, ziegler, band"):
+        make_kl_controller("adaptive", 0.1, 0.05)  # the pre-0.x names are gone
 
 
 def test_register_a_custom_kl_controller():

@@ -167,15 +167,14 @@ def test_a_zero_gradient_estimator_in_the_loss_is_refused_in_config_and_hot_path
     assert reward_state.stage({"kl_kind": kind})["staged"] == {"kl_kind": kind}  # fine in the reward
 
 
-def test_kl_controller_names_and_their_deprecated_aliases(caplog):
+def test_kl_controller_names_old_names_refused():
     assert load_config().algo.kl_ctrl == "band"
-    with caplog.at_level(logging.WARNING, logger="verl_ds.config"):
-        assert load_config(None, ["algo.kl_ctrl=adaptive"]).algo.kl_ctrl == "ziegler"
-        assert load_config(None, ["algo.kl_ctrl=multiplicative"]).algo.kl_ctrl == "band"
-    lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["algo.kl_ctrl: 'adaptive' is a deprecated name; use 'ziegler' (the same thing)",
-                     "algo.kl_ctrl: 'multiplicative' is a deprecated name; use 'band' (the same thing)"]
-    assert SharedState(rank=0).stage({"kl_ctrl_type": "adaptive"})["staged"] == {"kl_ctrl_type": "ziegler"}
+    # the pre-0.x names (adaptive = ziegler, multiplicative = band) are gone: refused with the valid names
+    for old in ("adaptive", "multiplicative"):
+        with pytest.raises(ConfigError, match=rf"algo.kl_ctrl: '{old}' is not one of \['fixed', 'band', 'ziegler'\]"):
+            load_config(None, [f"algo.kl_ctrl={old}"])
+    with pytest.raises(StateValidationError, match=r"kl_ctrl_type.*'adaptive' is not one of"):
+        SharedState(rank=0).stage({"kl_ctrl_type": "adaptive"})
     with pytest.raises(ConfigError, match=r"algo.kl_ctrl: 'pid' is not one of \['fixed', 'band', 'ziegler'\]"):
         load_config(None, ["algo.kl_ctrl=pid"])
 

@@ -65,8 +65,9 @@ def test_state_dict_restores_the_saved_controller_kind():
     fresh.update(None, {"observed_kl": 0.5, "n_samples": 1000})
     assert fresh.state["kl_coef"] == pytest.approx(0.102 * 1.02)
     old = {"kl_controller": {"kind": "adaptive", "value": 0.3, "target_kl": 0.05, "horizon": 10000}}
-    fresh.load_state_dict(old)  # a checkpoint written under the deprecated name
-    assert fresh.kl_controller.name == "ziegler" and fresh.kl_controller.value == 0.3
+    with pytest.raises(ValueError, match=r"unknown KL controller kind 'adaptive'; valid kinds: fixed, ziegler, band"):
+        fresh.load_state_dict(old)  # a pre-0.x name: refused by name, the controller unchanged
+    assert fresh.kl_controller.name == "ziegler" and fresh.kl_controller.value == pytest.approx(0.102 * 1.02)
     with pytest.raises(KeyError, match=r"unknown keys \['bogus'\]"):
         fresh.load_state_dict({"bogus": 1})
 

@@ -7,8 +7,6 @@
     ziegler  Ziegler et al. 2019 (arXiv:1909.08593) proportional controller:
              e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n_samples / horizon
 
-The old names (``adaptive``, ``multiplicative``, ...) are deprecated aliases, one warning each in the log.
-
 Observed KL. ``current_kl`` is the TOKEN MEAN of the trainer's per-token KL over every rank's response tokens
 (:func:`observed_kl`); verl feeds the batch mean of each sequence's token mean instead, which changes with how the
 batch is split over ranks. ``n_samples`` is global too, or the Ziegler controller moves dp_size times too slowly.
@@ -25,14 +23,14 @@ from ._checks import as_bool_mask, check_float_tensor
 from .registry import Registry
 
 KL_CONTROLLERS = Registry("KL controller kind", "kinds")
-KL_CTRL_KINDS = KL_CONTROLLERS.view()  # fixed, band, ziegler (the deprecated aliases are accepted too)
+KL_CTRL_KINDS = KL_CONTROLLERS.view()  # fixed, band, ziegler
 
 
-def register_kl_controller(name: str, *, aliases: tuple = (), deprecated_aliases: tuple = ()):
+def register_kl_controller(name: str, *, aliases: tuple = ()):
     """Class decorator adding a KL controller ``cls(init_kl_coef, target_kl, horizon, **kwargs)``; sets
     ``cls.name`` to ``name`` (the kind its state_dict records)."""
     def add(cls):
-        KL_CONTROLLERS.register(name, aliases=aliases, deprecated_aliases=deprecated_aliases)(cls)
+        KL_CONTROLLERS.register(name, aliases=aliases)(cls)
         cls.name = name
         return cls
     return add
@@ -88,11 +86,7 @@ class _KLController:
         if not isinstance(state, dict):
             raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
         kind = state.get("kind")
-        try:  # states saved under an old name (adaptive, multiplicative) still load
-            same = isinstance(kind, str) and KL_CONTROLLERS.canonical(kind) == self.name
-        except ValueError:
-            same = False
-        if not same:
+        if kind != self.name:
             raise ValueError(f"state is for a {kind!r} KL controller, this one is {self.name!r}")
         missing = [k for k in ("value", *self._fields) if k not in state]
         if missing:
@@ -106,7 +100,7 @@ class _KLController:
         return f"{type(self).__name__}({args})"
 
 
-@register_kl_controller("fixed", deprecated_aliases=("constant",))
+@register_kl_controller("fixed")
 class FixedKLController(_KLController):
     """A constant coefficient; ``update`` checks its input and changes nothing."""
 
@@ -122,7 +116,7 @@ class FixedKLController(_KLController):
         return self.value
 
 
-@register_kl_controller("ziegler", deprecated_aliases=("adaptive", "proportional"))
+@register_kl_controller("ziegler")
 class ZieglerKLController(_KLController):
     """Ziegler et al. 2019 (arXiv:1909.08593) proportional controller, as in verl/OpenRLHF/TRL:
     e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n_samples / horizon."""
@@ -150,7 +144,7 @@ class ZieglerKLController(_KLController):
         return self.value
 
 
-@register_kl_controller("band", deprecated_aliases=("multiplicative", "bangbang"))
+@register_kl_controller("band")
 class BandKLController(_KLController):
     """Keeps the KL inside a band around the target: after each update, KL > 1.5 * target:
     coef *= up; KL < 0.5 * target: coef *= down; otherwise unchanged; clamped to [min_coef, max_coef]."""

@@ -1,20 +1,16 @@
 """Name -> implementation registries for the swappable numerics (KL estimators, loss aggregation modes,
 KL controllers, advantage estimators), so callers look a part up by name instead of an if-chain.
 
-Each entry has a canonical name, optional aliases, optional deprecated aliases (accepted with one
-``logging`` warning per alias and process) and free-form metadata. Registering a name twice raises;
+Each entry has a canonical name, optional aliases and free-form metadata. Registering a name twice raises;
 an unknown name raises ValueError listing the valid names and the closest matches.
 """
 from __future__ import annotations
 
 import difflib
-import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
-
-_log = logging.getLogger("verl_ds.algos")
 
 
 @dataclass(frozen=True)
@@ -35,22 +31,19 @@ class Registry:
         self.what, self.noun = what, noun
         self._entries: dict[str, Entry] = {}
         self._alias: dict[str, str] = {}  # alias -> canonical name
-        self._deprecated: dict[str, str] = {}  # deprecated alias -> canonical name
         self._order: list[str] = []  # canonical names and their plain aliases, in registration order
-        self._warned: set[str] = set()
         self._lock = threading.Lock()
 
-    def register(self, name: str, *, aliases: tuple = (), deprecated_aliases: tuple = (),
-                 **meta) -> Callable[[Any], Any]:
+    def register(self, name: str, *, aliases: tuple = (), **meta) -> Callable[[Any], Any]:
         """Decorator registering ``fn`` under ``name`` (plus aliases) with ``meta``; returns ``fn`` unchanged."""
-        for n in (name, *aliases, *deprecated_aliases):
+        for n in (name, *aliases):
             if not isinstance(n, str) or not n:
                 raise TypeError(f"{self.what} names must be non-empty strings, got {n!r}")
 
         def add(fn):
             with self._lock:
-                for n in (name, *aliases, *deprecated_aliases):
-                    if n in self._entries or n in self._alias or n in self._deprecated:
+                for n in (name, *aliases):
+                    if n in self._entries or n in self._alias:
                         owner = self._entries[self._canonical_locked(n)].fn
                         owner = getattr(owner, "fn", owner)  # a wrapper that keeps the function in .fn
                         where = f"{getattr(owner, '__module__', '?')}.{getattr(owner, '__qualname__', '?')}"
@@ -60,8 +53,6 @@ class Registry:
                 for a in aliases:
                     self._alias[a] = name
                     self._order.append(a)
-                for a in deprecated_aliases:
-                    self._deprecated[a] = name
             return fn
         return add
 
@@ -72,36 +63,24 @@ class Registry:
                 raise ValueError(f"{self.what} {name!r} is not registered "
                                  f"(canonical names: {', '.join(self._entries)})")
             del self._entries[name]
-            for table in (self._alias, self._deprecated):
-                for alias in [a for a, target in table.items() if target == name]:
-                    del table[alias]
+            for alias in [a for a, target in self._alias.items() if target == name]:
+                del self._alias[alias]
             self._order = [n for n in self._order if n in self._entries or n in self._alias]
 
     def _canonical_locked(self, name: str) -> str:
         if name in self._entries:
             return name
-        return self._alias.get(name) or self._deprecated[name]
+        return self._alias[name]
 
     def canonical(self, name) -> str:
-        """The canonical name for ``name`` (an alias resolves; a deprecated alias logs one warning)."""
+        """The canonical name for ``name`` (an alias resolves to its entry's name)."""
         with self._lock:
             if isinstance(name, str) and (name in self._entries or name in self._alias):
                 return self._canonical_locked(name)
-            if isinstance(name, str) and name in self._deprecated:
-                target = self._deprecated[name]
-                first = name not in self._warned
-                self._warned.add(name)
-            else:
-                valid, deprecated = tuple(self._order), tuple(self._deprecated)
-                target = None
-        if target is not None:
-            if first:
-                _log.warning("%s %r is deprecated; use %r (same behaviour)", self.what, name, target)
-            return target
-        close = difflib.get_close_matches(str(name), valid + deprecated, n=3, cutoff=0.5)
-        old = f" (deprecated aliases: {', '.join(deprecated)})" if deprecated else ""
+            valid = tuple(self._order)
+        close = difflib.get_close_matches(str(name), valid, n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
-        raise ValueError(f"unknown {self.what} {name!r}; valid {self.noun}: {', '.join(valid)}{old}{hint}")
+        raise ValueError(f"unknown {self.what} {name!r}; valid {self.noun}: {', '.join(valid)}{hint}")
 
     def entry(self, name) -> Entry:
         """The :class:`Entry` registered under ``name`` (or one of its aliases)."""
@@ -113,25 +92,24 @@ class Registry:
         """The implementation registered under ``name`` (or one of its aliases)."""
         return self.entry(name).fn
 
-    def names(self, *, aliases: bool = True, deprecated: bool = False) -> tuple:
+    def names(self, *, aliases: bool = True) -> tuple:
         """Registered names in registration order, each canonical name followed by its aliases."""
         with self._lock:
-            out = tuple(self._order) if aliases else tuple(self._entries)
-            return out + (tuple(self._deprecated) if deprecated else ())
+            return tuple(self._order) if aliases else tuple(self._entries)
 
-    def view(self, *, aliases: bool = True, deprecated: bool = False) -> "NamesView":
+    def view(self, *, aliases: bool = True) -> "NamesView":
         """A live read-only sequence of :meth:`names` (entries registered later show up in it)."""
-        return NamesView(self, aliases=aliases, deprecated=deprecated)
+        return NamesView(self, aliases=aliases)
 
 
 class NamesView(Sequence):
     """A tuple-like live view of a registry's names (``in``, iteration, indexing, ``==`` a tuple)."""
 
-    def __init__(self, registry: Registry, *, aliases: bool, deprecated: bool):
-        self._registry, self._aliases, self._deprecated = registry, aliases, deprecated
+    def __init__(self, registry: Registry, *, aliases: bool):
+        self._registry, self._aliases = registry, aliases
 
     def _names(self) -> tuple:
-        return self._registry.names(aliases=self._aliases, deprecated=self._deprecated)
+        return self._registry.names(aliases=self._aliases)
 
     def __getitem__(self, i):
         return self._names()[i]

@@ -12,8 +12,6 @@ def _allowed(tp, spec) -> str:
     if choices is not None:
         shown = tuple(spec.config_only) + tuple(choices)
         text = ", ".join(f"`{c}`" for c in shown)
-        if spec.aliases:
-            text += " (deprecated: " + ", ".join(f"`{old}`=`{new}`" for old, new in spec.aliases) + ")"
         return text
     text = spec.range_text()
     return f"`{text}`" if text else ""

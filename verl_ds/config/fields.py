@@ -1,22 +1,19 @@
 """Field declarations shared by the job config and SharedState: one ``Spec`` per hyper-parameter.
 
 A config field is ``_f(default, help, min=..., max=..., gt=..., lt=..., hot="state_key", ...)``; the same
-``Spec`` (range, choices, aliases, finiteness, help) checks a value loaded from YAML and a value sent to
+``Spec`` (range, choices, finiteness, help) checks a value loaded from YAML and a value sent to
 ``PATCH /v1/state``, so the two can never disagree. ``check_value`` returns ``(value, None)`` or
 ``(None, reason)``; callers prefix the key.
 """
 from __future__ import annotations
 
 import difflib
-import logging
 import math
 import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Union
-
-log = logging.getLogger("verl_ds.config")
 
 
 class ConfigError(ValueError):
@@ -41,8 +38,7 @@ class Spec:
 
     lo/hi: bounds (None: unbounded), inclusive unless lo_open/hi_open. hot: the SharedState key that carries
     the field while training runs (None: fixed for the run). choices: allowed strings (a tuple, or a callable
-    returning one for registries that fill at import). aliases: deprecated name -> current name, accepted with
-    a warning. config_only: choices the config resolves before the run (never held by SharedState).
+    returning one for registries that fill at import). config_only: choices the config resolves before the run (never held by SharedState).
     finite: refuse NaN/inf. nonempty: refuse ''. items: the type of a list's items. secret: redacted on output.
     """
 
@@ -53,7 +49,6 @@ class Spec:
     hi_open: bool = False
     hot: Optional[str] = None
     choices: Union[tuple, Callable[[], tuple], None] = None
-    aliases: tuple = ()  # ((old, new), ...): a tuple keeps the Spec hashable and frozen
     config_only: tuple = ()
     finite: bool = True
     nonempty: bool = False
@@ -82,8 +77,6 @@ def _f(default, help: str, *, min=None, max=None, gt=None, lt=None, **kw):
     """A dataclass field with its Spec: ``min``/``max`` are inclusive bounds, ``gt``/``lt`` exclusive ones."""
     if min is not None and gt is not None or max is not None and lt is not None:
         raise TypeError("give either min or gt, and either max or lt")
-    if "aliases" in kw:
-        kw["aliases"] = tuple(sorted(kw["aliases"].items()))
     spec = Spec(help, lo=gt if gt is not None else min, lo_open=gt is not None,
                 hi=lt if lt is not None else max, hi_open=lt is not None, **kw)
     if isinstance(default, (list, dict)):
@@ -149,11 +142,10 @@ def _type_error(tp, value) -> str:
     return f"expected {want}, got {type(value).__name__} {show(value)}"
 
 
-def check_value(tp, value: Any, spec: Spec, key: str = "") -> tuple[Any, Optional[str]]:
+def check_value(tp, value: Any, spec: Spec) -> tuple[Any, Optional[str]]:
     """Check ``value`` against annotation ``tp`` and ``spec``: ``(normalised value, None)`` or ``(None, reason)``.
 
-    Ints are accepted for floats (stored as float); nothing else converts. Deprecated aliases are
-    replaced by their current name with a warning in the log naming ``key``.
+    Ints are accepted for floats (stored as float); nothing else converts.
     """
     if value is None:
         return (None, None) if nullable(tp) else (None, f"expected {type_name(base_type(tp))}, got None")
@@ -197,10 +189,6 @@ def check_value(tp, value: Any, spec: Spec, key: str = "") -> tuple[Any, Optiona
             return None, f"expected string keys, got {type(bad).__name__} {show(bad)}"
         return dict(value), None
     if isinstance(value, str):
-        aliases = dict(spec.aliases)
-        if value in aliases:
-            log.warning("%s: %r is a deprecated name; use %r (the same thing)", key or "value", value, aliases[value])
-            value = aliases[value]
         allowed = choices_of(tp, spec)
         if allowed is not None:
             allowed = tuple(spec.config_only) + tuple(allowed)

@@ -130,7 +130,7 @@ def _build(cls, data, prefix: str):
             kwargs[key] = _build(tp, value if value is not None else {}, f"{prefix}{key}.")
             continue
         spec = spec_of(by_name[key])
-        checked, why = check_value(tp, value, spec, key=prefix + key)
+        checked, why = check_value(tp, value, spec)
         if why is not None and spec.secret:  # by key, whatever the value's type: 12345678 is a token too
             raise ConfigError(f"{prefix}{key}: expected {type_name(tp)}, got {type(value).__name__} (the value is "
                               "not shown: the key is a secret)")

@@ -163,7 +163,7 @@ class AlgoConfig:
     use_kl_penalty: bool = _f(True, "Apply the KL penalty at all (it is off when kl_coef is 0 with the fixed controller).", hot="use_kl_penalty")
     kl_kind: str = _f("auto", "KL estimator: k1|kl, abs, k2|mse, k3|low_var_kl, symmetric (per token, from the sampled tokens' log-probs), or full_symmetric: the exact 0.5 (KL(pi||ref) + KL(ref||pi)) over the whole vocabulary at each response position, loss placement only (the reference's final hidden states are recomputed in the update; the KL controller sees the symmetric estimate); auto = k1 in the reward, low_var_kl in the loss (k1 in the loss has a zero-mean gradient and is refused).", choices=_algos("KL_KINDS"), config_only=("auto",), hot="kl_kind")
     kl_coef: float = _f(0.01, "KL coefficient beta (the KL controller rewrites it after each update).", min=0.0, max=1e3, hot="kl_coef")
-    kl_ctrl: Literal["fixed", "band", "ziegler"] = _f("band", "KL controller: fixed; band (coef x1.5 when KL > 1.5 target, x0.8 when KL < 0.5 target); ziegler (Ziegler et al. 2019, proportional). Old names adaptive=ziegler, multiplicative=band.", aliases={"adaptive": "ziegler", "multiplicative": "band"}, hot="kl_ctrl_type")
+    kl_ctrl: Literal["fixed", "band", "ziegler"] = _f("band", "KL controller: fixed; band (coef x1.5 when KL > 1.5 target, x0.8 when KL < 0.5 target); ziegler (Ziegler et al. 2019, proportional).", hot="kl_ctrl_type")
     target_kl: float = _f(0.1, "Target per-token KL (nats) of the band and ziegler controllers.", gt=0.0, max=1e3, hot="target_kl")
     kl_horizon: int = _f(10000, "Horizon of the ziegler controller.", min=1)
     clip_ratio_low: float = _f(0.2, "PPO ratio clip below 1 (epsilon_low; 1 - epsilon_low must stay > 0).", min=0.0, lt=1.0, hot="clip_ratio_low")
