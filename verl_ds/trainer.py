@@ -362,10 +362,10 @@ class Trainer:
             if step > 0 and self._last_saved != step:
                 log.error("the run is ending on a fault at step %d: checkpoint %s written first", step,
                           save_checkpoint(self))
-            self.close()
+            self.close(code=1)
             raise
         except BaseException:
-            self.close()
+            self.close(code=1)
             raise
         # the rows come from <output_dir>/metrics.jsonl, the whole run's (summarize reads it)
         summary = summarize([], self.state.get("global_step"), time.perf_counter() - t0, tokens,
@@ -382,10 +382,10 @@ class Trainer:
                      base_model_path=self.cfg.model.path)
         return directory
 
-    def close(self) -> None:
-        """Stop the generation thread, control server and rollout engine; flush loggers (idempotent, also on failure)."""
+    def close(self, code: int = 0) -> None:
+        """Stop async generation (split ranks exit with ``code``), server, rollout engine; flush logs (idempotent)."""
         self.preemption.uninstall()
-        getattr(self.asyncrl, "close", lambda: None)()  # before the engine below: the generation thread may be using it
+        getattr(self.asyncrl, "close", lambda code: None)(code)  # first: the generation thread may use the engine
         close_sampler = getattr(self.registry.get("actor").rollout_engine, "close", None)
         if close_sampler is not None:  # vLLM's shutdown destroys its groups: before vdist.shutdown() ends ours
             close_sampler()

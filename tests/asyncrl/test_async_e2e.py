@@ -107,3 +107,15 @@ def test_a_failing_or_hung_generation_thread_stops_every_rank_naming_it(tmp_path
         assert want in text, job.tail()
     if fault == "hang":  # start-up included; the wait itself is half the timeout
         assert time.monotonic() - t0 < 600
+
+
+def test_a_failed_trainer_stops_the_split_generation_rank_with_its_failure_status(tmp_path):
+    # the logits turn non-finite on the training rank at step 2: both ranks exit 1, so a launcher that reads each
+    # task's status (srun, a per-rank wrapper) sees the job failed from every rank (the generation rank exited 0)
+    out = str(tmp_path / "run")
+    job = launch(out, [*GRPO, "rollout.mode=one_step_off", "rollout.split_ranks=1", "trainer.total_steps=4",
+                       "trainer.max_bad_steps=1"],
+                 fault="nan_logits_at_step=2:phase=update", log_name="split_nan")
+    assert job.wait(900) == [1, 1], job.tail()
+    assert "NonFiniteError" in job.text(0), job.tail()
+    assert "the training ranks stopped with exit code 1; generation rank 1 exits with it" in job.text(1), job.tail()

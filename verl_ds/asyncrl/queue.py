@@ -178,10 +178,6 @@ class SampleQueue:
                 self._error = f"{type(error).__name__}: {error}"
             self._cond.notify_all()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def snapshot(self) -> list:
         """The queued groups' states, oldest first (call under ``lock`` for a consistent view with the producer)."""
         with self._cond:

@@ -216,7 +216,11 @@ def start(cfg, launch, data):
     pl = split_groups(launch.rank, launch.world_size, launch.master_addr, launch.master_port,
                       cfg.rollout.split_ranks, cfg.trainer.dist_timeout_s, device=device)
     if pl.role == "rollout":
-        return launch, run_generation_rank(cfg, pl, data)
+        code = run_generation_rank(cfg, pl, data)
+        if code:  # the training ranks failed or were preempted: the job's launcher sees it from every rank
+            log.warning("split placement: the training ranks stopped with exit code %d; generation rank %d exits "
+                        "with it", code, launch.rank)
+        return launch, code
     import deepspeed
 
     # DeepSpeed's comm on the training ranks' group, made above (nccl on CUDA)
