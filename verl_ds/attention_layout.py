@@ -12,8 +12,9 @@ position: its place in its own (prompt + response) sequence. Then one rule cover
                         and position(q) - position(kv) < window   (sliding-window layers only)
 
 which is exactly each sequence run alone: the tokens on a token's path are its own sequence's earlier tokens, and the
-window counts them in its own positions. The CPU path evaluates it on each block's grid (``dense``), FlexAttention
-reads it as a ``BlockMask`` (``block_mask``), both built once per micro-batch and cached on the layout.
+window counts them in its own positions. The CPU path evaluates it on each tree's grid (``dense``) or, where that
+grid is mostly masked, on each segment's path (``branches``); FlexAttention reads it as a ``BlockMask``
+(``block_mask``); each is built once per micro-batch and cached on the layout.
 """
 from __future__ import annotations
 
@@ -121,6 +122,43 @@ class AttentionLayout:
             idx = torch.arange(start, end, device=self.device)
             self._cache[key] = self.may_attend(idx[:, None], idx[None, :], window)
         return self._cache[key]
+
+    def branches(self, tree: int, window: Optional[int] = None) -> Optional[tuple]:
+        """How the sdpa path attends tree ``tree`` (an index into ``trees``) without its dense (L, L) grid: None when
+        that grid is at most twice the arithmetic of the plan below, else (root_end, q_idx (m, Q), kv_idx (m, K),
+        mask (m, Q, K), rows): the root attends on its own (``dense`` or causal), each other segment's tokens
+        (padded to Q by repeating its last one) attend to the tokens on its path (ancestors, then its own; padded to K,
+        masked) in one batched call, and ``rows`` picks the real query rows of the (m * Q) outputs in packed order.
+        A prompt shared by long, diverse responses costs L^2 dense, about n times what its sequences cost apart."""
+        key = ("branches", tree, window)
+        if key not in self._cache:
+            self._cache[key] = self._branches(tree, window)
+        return self._cache[key]
+
+    def _branches(self, tree: int, window: Optional[int]) -> Optional[tuple]:
+        start, end, count = self.trees[tree]
+        root = bisect.bisect_left(self.starts, start)
+        if count < 2:
+            return None
+        spans, paths = [], []
+        for s in range(root + 1, root + count):
+            chain, u = [], s
+            while u >= 0:
+                chain.append(u)
+                u = self.parents[u]
+            spans.append(range(self.starts[s], self.starts[s + 1]))
+            paths.append([t for u in reversed(chain) for t in range(self.starts[u], self.starts[u + 1])])
+        root_len, m = self.starts[root + 1] - start, len(spans)
+        Q, K = max(map(len, spans)), max(map(len, paths))
+        if 2 * (root_len ** 2 + m * Q * K) > (end - start) ** 2:
+            return None
+        q_idx = torch.tensor([list(r) + [r[-1]] * (Q - len(r)) for r in spans])
+        kv_idx = torch.tensor([p + [p[0]] * (K - len(p)) for p in paths])
+        kv_real = torch.arange(K)[None, :] < torch.tensor([len(p) for p in paths])[:, None]
+        rows = torch.cat([torch.arange(len(r)) + i * Q for i, r in enumerate(spans)])
+        q_idx, kv_idx = q_idx.to(self.device), kv_idx.to(self.device)
+        mask = self.may_attend(q_idx[:, :, None], kv_idx[:, None, :], window) & kv_real.to(self.device)[:, None, :]
+        return self.starts[root + 1], q_idx, kv_idx, mask, rows.to(self.device)
 
     def block_mask(self, window: Optional[int] = None):
         """FlexAttention's ``BlockMask`` of ``may_attend`` over the whole row, cached (one per window)."""

@@ -45,6 +45,27 @@ def test_a_prefix_tree_by_hand():
                                 [0, 0, 0, 0, 0, 0, 1]]
 
 
+def test_branches_by_hand():
+    """Prompt [0, 1, 2] with responses of 6, 5 and 7 own tokens: its dense grid is 21 x 21 = 441 score entries, the
+    branch plan 3 x 3 (the prompt) + 3 x 7 x 10 (each response padded to 7 queries on its path padded to 10 keys) =
+    219, at most half, so the plan is taken; the prompt's tree of the first test (36 entries against 4 + 4 x 1 x 4 =
+    20) keeps its grid."""
+    layout = AttentionLayout.from_runs([(0, 3, -1, 0), (3, 6, 2, 3), (9, 5, 2, 3), (14, 7, 2, 3)])
+    root_end, q_idx, kv_idx, mask, rows = layout.branches(0)
+    assert root_end == 3
+    assert q_idx.tolist() == [[3, 4, 5, 6, 7, 8, 8], [9, 10, 11, 12, 13, 13, 13], [14, 15, 16, 17, 18, 19, 20]]
+    assert kv_idx.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 8, 0], [0, 1, 2, 9, 10, 11, 12, 13, 0, 0],
+                               [0, 1, 2, 14, 15, 16, 17, 18, 19, 20]]
+    # response k's i-th query: the prompt and its own first i + 1 tokens; a repeated query row repeats its mask row
+    want = [[[1] * (3 + min(i, n - 1) + 1) + [0] * (10 - 3 - min(i, n - 1) - 1) for i in range(7)] for n in (6, 5, 7)]
+    assert mask.int().tolist() == want
+    assert rows.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 14, 15, 16, 17, 18, 19, 20]
+    # a window of 2 (positions 3.. in each response): the first response token sees the prompt's last and itself
+    assert layout.branches(0, 2)[3][0, 0].int().tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
+    small = AttentionLayout.from_runs([(0, 2, -1, 0), (2, 2, 1, 2), (4, 1, 2, 3), (5, 1, 1, 2), (6, 1, -1, 0)])
+    assert small.branches(0) is None and small.branches(1) is None
+
+
 def test_plain_packing_is_block_diagonal_and_causal():
     layout = AttentionLayout.sequences([3, 1, 2])
     assert layout.tensors[2] is None  # no ancestry table: the same segment is the whole rule

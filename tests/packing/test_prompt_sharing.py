@@ -203,3 +203,30 @@ def test_groups_are_attended_tree_by_tree():
     ref, _, _ = per_sequence_reference(lm, None, obs, mask, 4, 1.0)
     rmask = mask[:, -4:]
     torch.testing.assert_close(lp.double() * rmask, ref.detach() * rmask, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind,window", [("llama", None), ("qwen2", None), ("qwen2", 4)])
+@pytest.mark.parametrize("prefixes", [False, True])
+def test_long_responses_to_a_short_prompt_attend_branch_by_branch(kind, window, prefixes):
+    """Where a tree's (L, L) grid is mostly masked (a 2-token prompt, four 9-12-token responses: the regime of long,
+    diverse responses), verl_ds_varlen_sdpa attends the prompt alone and then its responses in one batched call,
+    each on its own path: 2 sdpa calls for that tree per layer, and still each sequence alone (log-probs, entropies,
+    gradients), with shared response prefixes (a deeper tree) and a sliding window too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = {} if window is None else dict(use_sliding_window=True, sliding_window=window, max_window_layers=0,
+                                         layer_types=["sliding_attention", "full_attention"])
+    lm = tiny_lm(kind, seed=2, **cfg)
+    g = torch.Generator().manual_seed(5)
+    tokens = [lambda n: torch.randint(3, 151, (n,), generator=g).tolist()][0]
+    pa, pb = tokens(2), tokens(3)
+    r0 = tokens(12)
+    responses = [r0, r0[:3] + tokens(8), tokens(11), tokens(10), tokens(4)]  # r0 and r1 share 3 leading tokens
+    obs, mask = grouped_batch([pa, pa, pa, pa, pb], responses, P=3, R=12)
+    shared = check_against_each_sequence(lm, obs, mask, 12, False, share_prefixes=prefixes)
+    assert len(shared.layout.trees) == 2 and shared.layout.branches(0, window) is not None
+    assert shared.layout.branches(1, window) is None  # prompt b with one response: one causal sequence
+    with profile(activities=[ProfilerActivity.CPU]) as prof, torch.no_grad():
+        packed_logprobs(lm, shared, 12)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+    assert calls == (2 + 1) * lm.config.num_hidden_layers

@@ -9,7 +9,9 @@ its ``AttentionLayout`` from the ``verl_ds_attention_layout`` keyword, through o
   backward), and was slower: a 300-token row of 10 sequences, 4 heads of 16, forward 0.14 s against 0.01-0.08 s for
   the loop below (2 shared cores).
 - ``verl_ds_varlen_sdpa`` (the CPU path): sdpa on each tree of the row (a sequence, or a prompt with its responses)
-  in turn, causal without a mask for one sequence, else with the layout's mask on the tree's grid.
+  in turn, causal without a mask for one sequence, else with the layout's mask on the tree's grid, or, where that
+  grid is mostly masked (long responses to a short prompt), the prompt alone and then its responses batched, each on
+  its own path (``AttentionLayout.branches``).
 
 Padded batches (an attention mask given) take the plain sdpa path with sdpa's mask, unchanged.
 """
@@ -142,15 +144,26 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
                                       **kwargs)
     window = kwargs.get("sliding_window")
     kw = {k: v for k, v in kwargs.items() if k != "is_causal"}
-    outs = []
-    for start, end, segments in layout.trees:  # one causal sequence within the window: no mask
+
+    def sdpa(start, end, segments=1):  # one causal sequence within the window: no mask
         mask = layout.dense(start, end, window)[None, None] if segments > 1 or end - start > (window or end) else None
         whole = start == 0 and end == query.shape[2]
         q, k, v = (query, key, value) if whole else (query[:, :, start:end], key[:, :, start:end],
                                                       value[:, :, start:end])
-        out, _ = sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
-                                        is_causal=mask is None, **kw)
-        outs.append(out)
+        return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
+                                      is_causal=mask is None, **kw)[0]
+
+    outs = []
+    for i, (start, end, segments) in enumerate(layout.trees):
+        plan = layout.branches(i, window) if segments > 1 else None
+        if plan is None:
+            outs.append(sdpa(start, end, segments))
+            continue
+        root_end, q_idx, kv_idx, mask, rows = plan  # the root alone, then every other segment on its path, batched
+        q, k, v = (t[0][:, idx].transpose(0, 1) for t, idx in ((query, q_idx), (key, kv_idx), (value, kv_idx)))
+        out, _ = sdpa_attention_forward(module, q, k, v, mask[:, None], dropout=dropout, scaling=scaling,
+                                        is_causal=False, **kw)
+        outs += [sdpa(start, root_end), out.flatten(0, 1)[rows][None]]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
