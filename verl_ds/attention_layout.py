@@ -123,22 +123,30 @@ class AttentionLayout:
             self._cache[key] = self.may_attend(idx[:, None], idx[None, :], window)
         return self._cache[key]
 
-    def branches(self, tree: int, window: Optional[int] = None) -> Optional[tuple]:
-        """How the sdpa path attends tree ``tree`` (an index into ``trees``) without its dense (L, L) grid: None when
-        that grid is at most twice the arithmetic of the plan below, else (root_end, q_idx (m, Q), kv_idx (m, K),
-        mask (m, Q, K), rows): the root attends on its own (``dense`` or causal), each other segment's tokens
-        (padded to Q by repeating its last one) attend to the tokens on its path (ancestors, then its own; padded to K,
-        masked) in one batched call, and ``rows`` picks the real query rows of the (m * Q) outputs in packed order.
-        A prompt shared by long, diverse responses costs L^2 dense, about n times what its sequences cost apart."""
-        key = ("branches", tree, window)
+    def branches(self, tree: int, window: Optional[int] = None, min_saved: float = 0) -> Optional[tuple]:
+        """How the sdpa path may attend tree ``tree`` (an index into ``trees``) without its dense (L, L) grid:
+        (root_end, q_idx (m, Q), kv_idx (m, K), mask (m, Q, K), rows): the root attends on its own (``dense`` or
+        causal), each other segment's tokens (padded to Q by repeating its last one) attend to the tokens on its path
+        (ancestors, then its own; padded to K, masked) in one batched call, and ``rows`` picks the real query rows of
+        the (m * Q) outputs in packed order. None when that saves fewer than ``min_saved`` of the grid's L^2 score
+        entries (root^2 + m * Q * K are left). A prompt shared by n long, diverse responses costs about n times the
+        score entries of its sequences apart on the grid; a short answer's tree costs little either way."""
+        key = ("branches", tree, window, min_saved)
         if key not in self._cache:
-            self._cache[key] = self._branches(tree, window)
+            self._cache[key] = self._branches(tree, window, min_saved)
         return self._cache[key]
 
-    def _branches(self, tree: int, window: Optional[int]) -> Optional[tuple]:
+    def _branches(self, tree: int, window: Optional[int], min_saved: float) -> Optional[tuple]:
         start, end, count = self.trees[tree]
         root = bisect.bisect_left(self.starts, start)
         if count < 2:
+            return None
+        lengths = [self.starts[s + 1] - self.starts[s] for s in range(root, root + count)]
+        depth_tokens = list(lengths)  # tokens on each segment's path
+        for s in range(root + 1, root + count):
+            depth_tokens[s - root] += depth_tokens[self.parents[s] - root]
+        Q, K = max(lengths[1:]), max(depth_tokens[1:])
+        if (end - start) ** 2 - (lengths[0] ** 2 + (count - 1) * Q * K) < max(min_saved, 1):
             return None
         spans, paths = [], []
         for s in range(root + 1, root + count):
@@ -148,10 +156,6 @@ class AttentionLayout:
                 u = self.parents[u]
             spans.append(range(self.starts[s], self.starts[s + 1]))
             paths.append([t for u in reversed(chain) for t in range(self.starts[u], self.starts[u + 1])])
-        root_len, m = self.starts[root + 1] - start, len(spans)
-        Q, K = max(map(len, spans)), max(map(len, paths))
-        if 2 * (root_len ** 2 + m * Q * K) > (end - start) ** 2:
-            return None
         q_idx = torch.tensor([list(r) + [r[-1]] * (Q - len(r)) for r in spans])
         kv_idx = torch.tensor([p + [p[0]] * (K - len(p)) for p in paths])
         kv_real = torch.arange(K)[None, :] < torch.tensor([len(p) for p in paths])[:, None]

@@ -48,9 +48,10 @@ def test_a_prefix_tree_by_hand():
 def test_branches_by_hand():
     """Prompt [0, 1, 2] with responses of 6, 5 and 7 own tokens: its dense grid is 21 x 21 = 441 score entries, the
     branch plan 3 x 3 (the prompt) + 3 x 7 x 10 (each response padded to 7 queries on its path padded to 10 keys) =
-    219, at most half, so the plan is taken; the prompt's tree of the first test (36 entries against 4 + 4 x 1 x 4 =
-    20) keeps its grid."""
+    219, so it saves 222 entries: taken when at least that many are asked for. The tree of the first test saves
+    36 - (4 + 4 x 1 x 4) = 16; a single sequence has no plan."""
     layout = AttentionLayout.from_runs([(0, 3, -1, 0), (3, 6, 2, 3), (9, 5, 2, 3), (14, 7, 2, 3)])
+    assert layout.branches(0, min_saved=223) is None and layout.branches(0, min_saved=222) is not None
     root_end, q_idx, kv_idx, mask, rows = layout.branches(0)
     assert root_end == 3
     assert q_idx.tolist() == [[3, 4, 5, 6, 7, 8, 8], [9, 10, 11, 12, 13, 13, 13], [14, 15, 16, 17, 18, 19, 20]]
@@ -63,7 +64,8 @@ def test_branches_by_hand():
     # a window of 2 (positions 3.. in each response): the first response token sees the prompt's last and itself
     assert layout.branches(0, 2)[3][0, 0].int().tolist() == [0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
     small = AttentionLayout.from_runs([(0, 2, -1, 0), (2, 2, 1, 2), (4, 1, 2, 3), (5, 1, 1, 2), (6, 1, -1, 0)])
-    assert small.branches(0) is None and small.branches(1) is None
+    assert small.branches(0, min_saved=17) is None and small.branches(0, min_saved=16) is not None
+    assert small.branches(1) is None  # one token, one segment
 
 
 def test_plain_packing_is_block_diagonal_and_causal():

@@ -10,8 +10,8 @@ its ``AttentionLayout`` from the ``verl_ds_attention_layout`` keyword, through o
   the loop below (2 shared cores).
 - ``verl_ds_varlen_sdpa`` (the CPU path): sdpa on each tree of the row (a sequence, or a prompt with its responses)
   in turn, causal without a mask for one sequence, else with the layout's mask on the tree's grid, or, where that
-  grid is mostly masked (long responses to a short prompt), the prompt alone and then its responses batched, each on
-  its own path (``AttentionLayout.branches``).
+  grid's masked part is a tenth of the layer's arithmetic (long responses to a short prompt), the prompt alone and
+  then its responses batched, each on its own path (``AttentionLayout.branches``).
 
 Padded batches (an attention mask given) take the plain sdpa path with sdpa's mask, unchanged.
 """
@@ -153,9 +153,12 @@ def varlen_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return sdpa_attention_forward(module, q, k, v, mask, dropout=dropout, scaling=scaling,
                                       is_causal=mask is None, **kw)[0]
 
+    # the branch plan's second call and gathers pay where the grid's masked score entries (4 * hidden FLOP each: QK and
+    # AV) are a tenth of the arithmetic of the tree's tokens in the rest of the layer (about 24 * hidden^2 each)
+    hidden = query.shape[1] * query.shape[3]
     outs = []
     for i, (start, end, segments) in enumerate(layout.trees):
-        plan = layout.branches(i, window) if segments > 1 else None
+        plan = layout.branches(i, window, min_saved=0.6 * (end - start) * hidden) if segments > 1 else None
         if plan is None:
             outs.append(sdpa(start, end, segments))
             continue
