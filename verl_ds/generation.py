@@ -375,10 +375,9 @@ def _shared_generation_refusal(model: Any) -> Optional[str]:
 
 
 def _shared_generation_runs(model: Any) -> None:
-    """Run the shared prefill on three rows (two the same prompt, one left-padded), then ``generate`` from it and
-    ``decode_distinct`` from it, two tokens each: raises where a family's cache cannot be shared (DeepSeek-V4's).
-    Only that it runs: the structural checks and tests/models/test_families.py say whether it draws what generate
-    draws (a token comparison here would flip on near ties in bf16)."""
+    """Run the shared prefill on three rows (two the same prompt, one left-padded), then ``generate`` and
+    ``decode_distinct`` from it: raises where a family's cache cannot be shared (DeepSeek-V4's). Only that it runs:
+    the structural checks and tests/models/test_families.py say whether it draws what generate draws."""
     from transformers import GenerationConfig
 
     inner = unwrap_module(model)
@@ -394,7 +393,8 @@ def _shared_generation_runs(model: Any) -> None:
             continue
         first = pre.logits.argmax(-1)
         ids1, mask1 = torch.cat([ids, first[:, None]], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-        if expand:
-            inner.generate(input_ids=ids1, attention_mask=mask1, generation_config=config, **pre.cache)
-        else:
-            decode_distinct(inner, pre, ids1, mask1, SampledTokenStats(1.0), config)
+        with only_this_generation_config(inner, config):  # a checkpoint's stop_strings must not fail the probe
+            if expand:
+                inner.generate(input_ids=ids1, attention_mask=mask1, generation_config=config, **pre.cache)
+            else:
+                decode_distinct(inner, pre, ids1, mask1, SampledTokenStats(1.0), config)
