@@ -57,7 +57,9 @@ def assert_same_run(a, b, stage, steps, exact: bool):
         if exact:
             assert torch.equal(wa[name], wb[name]), name
         else:
-            torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4, msg=name)
+            # Adam divides by sqrt(v): for a weight whose gradient is near 0, the last-bit difference of a sum over
+            # two ranks moves its step by up to ~1e-3 of lr (1e-2 here); 1.4e-5 seen on a 2-core AMD EPYC
+            torch.testing.assert_close(wa[name], wb[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("stage", ["rm", "dpo"])
