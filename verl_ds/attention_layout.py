@@ -148,14 +148,11 @@ class AttentionLayout:
         Q, K = max(lengths[1:]), max(depth_tokens[1:])
         if (end - start) ** 2 - (lengths[0] ** 2 + (count - 1) * Q * K) < max(min_saved, 1):
             return None
-        spans, paths = [], []
+        spans = [range(self.starts[s], self.starts[s + 1]) for s in range(root, root + count)]
+        paths = [list(spans[0])]  # a parent comes before its children: its path is complete when they extend it
         for s in range(root + 1, root + count):
-            chain, u = [], s
-            while u >= 0:
-                chain.append(u)
-                u = self.parents[u]
-            spans.append(range(self.starts[s], self.starts[s + 1]))
-            paths.append([t for u in reversed(chain) for t in range(self.starts[u], self.starts[u + 1])])
+            paths.append(paths[self.parents[s] - root] + list(spans[s - root]))
+        spans, paths = spans[1:], paths[1:]
         q_idx = torch.tensor([list(r) + [r[-1]] * (Q - len(r)) for r in spans])
         kv_idx = torch.tensor([p + [p[0]] * (K - len(p)) for p in paths])
         kv_real = torch.arange(K)[None, :] < torch.tensor([len(p) for p in paths])[:, None]
