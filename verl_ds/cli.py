@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import traceback
 import warnings
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")
@@ -206,6 +207,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """Run a command; a rank of a multi-rank run that fails or is preempted exits with its status here."""
+    try:
+        code = _main(argv)
+    except SystemExit as exc:  # Preempted (75) and sys.exit below the command
+        if not _multi_rank():
+            raise
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr, flush=True)
+    except BaseException as exc:  # an unexplained error: its traceback and the interpreter's status
+        if not _multi_rank():
+            raise
+        traceback.print_exc()
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+    return sys.modules["verl_ds.dist"].end_failed_process(code) if code and _multi_rank() else code
+
+
+def _multi_rank() -> bool:
+    vdist = sys.modules.get("verl_ds.dist")  # not imported: no process group (``state`` never imports torch)
+    return vdist is not None and vdist.multi_rank_process()
+
+
+def _main(argv) -> int:
     _quiet_environment()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["state"]:  # the HTTP client parses its own flags (--url, --token, --help)

@@ -144,6 +144,11 @@ def init_distributed(info: LaunchInfo, timeout_s: int, device: str) -> None:
     deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s),
                                rank=info.rank, world_size=info.world_size, auto_mpi_discovery=False)
     atexit.register(_destroy_at_exit)
+    global _multi_rank
+    _multi_rank = info.world_size > 1
+
+
+_multi_rank = False  # set by init_distributed: this process is one rank of several (its exit goes by os._exit)
 
 
 def _destroy_at_exit() -> None:
@@ -180,6 +185,22 @@ def exit_after_shutdown(code: int, world: int) -> int:
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+def multi_rank_process() -> bool:
+    """Whether this process started torch.distributed as one rank of several."""
+    return _multi_rank
+
+
+def end_failed_process(code: int) -> int:
+    """A rank of a multi-rank run that stops on an error, a preemption (75) or a failure status ends here with
+    ``code``: the interpreter's exit handlers run (they end the process group, as at a normal exit), then
+    ``exit_after_shutdown``. Left to the interpreter's own exit, the C++ thread teardown sometimes aborted such a rank
+    (exit -6 instead of its status, so a preempted job was not requeued). A single process returns ``code``."""
+    if not _multi_rank:
+        return code
+    atexit._run_exitfuncs()  # what the interpreter would run at exit; the C++ finalisation is what os._exit skips
+    return exit_after_shutdown(code, 2)
 
 
 def world_size() -> int:

@@ -21,20 +21,39 @@ def free_port() -> int:
 
 EXIT_ABORT = "terminate called without an active exception"
 
+# Appended to every worker: a rank that reaches the end of its script ends like a finished verl_ds run (a barrier,
+# the group destroyed, streams flushed, ``os._exit``), not in the interpreter's C++ thread teardown, which now and
+# then aborted a rank (``EXIT_ABORT``) after its result was written (``verl_ds.dist.exit_after_shutdown``).
+WORKER_END = """
 
-def run_ranks(script: str, world: int, tmp_path, args=(), timeout: int = 600, env_extra=None) -> list:
+import gc as _gc, logging as _logging, os as _os, sys as _sys
+import torch.distributed as _dist
+if _dist.is_initialized():
+    _dist.barrier()
+    _dist.destroy_process_group()
+_gc.collect()  # closes result files opened inline in a reference cycle
+_logging.shutdown()
+_sys.stdout.flush()
+_sys.stderr.flush()
+_os._exit(0)
+"""
+
+
+def run_ranks(script: str, world: int, tmp_path, args=(), timeout: int = 600, env_extra=None,
+              end: bool = True) -> list:
     """Write ``script`` to a file, start ``world`` ranks on it, wait, return the ranks' results (list of dicts).
 
     argv: [result pattern with %d for the rank, *args]. A failing rank fails the test with every rank's output.
-    One launch is retried once, and only when every rank wrote its result and a rank then aborted in the C++ thread
-    teardown at interpreter exit (``EXIT_ABORT``, SIGABRT): seen once in many loaded CI runs, never alone; the
-    retried launch's results are the ones checked.
+    A rank that reaches the end of the script ends through ``WORKER_END`` (``end=False``: through the interpreter's
+    own exit, for a test of that exit). One launch is retried once, and only when every rank wrote its result and a
+    rank then aborted in the C++ thread teardown at interpreter exit (``EXIT_ABORT``, SIGABRT: a worker that ends
+    with ``sys.exit`` still can); the retried launch's results are the ones checked.
     """
     try:
-        return _run_ranks(script, world, tmp_path, args, timeout, env_extra)
+        return _run_ranks(script + WORKER_END * end, world, tmp_path, args, timeout, env_extra)
     except _AbortedAtExit as exc:
         print(f"run_ranks: retrying once: {exc}", file=sys.stderr)
-        return _run_ranks(script, world, tmp_path, args, timeout, env_extra, retry=False)
+        return _run_ranks(script + WORKER_END * end, world, tmp_path, args, timeout, env_extra, retry=False)
 
 
 class _AbortedAtExit(AssertionError):
