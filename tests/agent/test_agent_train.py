@@ -24,7 +24,7 @@ def _config_overrides() -> list:
             for section, keys in cfg.items() for key, value in keys.items() if key != "output_dir"]
 
 
-SHORT = [*_config_overrides(), "actor.sft_warmup_steps=150", "rollout.batch_size=4", "actor.mini_batch_size=16",
+SHORT = [*_config_overrides(), "actor.sft_warmup_steps=40", "rollout.batch_size=4", "actor.mini_batch_size=16",
          "actor.micro_batch_size=16", "data.num_val_prompts=8", "trainer.val_every=0", "trainer.export=merged",
          "rollout.max_new_tokens=24"]  # the config file's model.config_overrides (hidden 128) replace FAST's
 
