@@ -213,19 +213,22 @@ def main(argv=None) -> int:
     except SystemExit as exc:  # Preempted (75) and sys.exit below the command
         if not _multi_rank():
             raise
-        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-        if not isinstance(exc.code, int) and exc.code is not None:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message"): printed, status 1, as the interpreter does
             print(exc.code, file=sys.stderr, flush=True)
+            code = 1
     except BaseException as exc:  # an unexplained error: its traceback and the interpreter's status
         if not _multi_rank():
             raise
         traceback.print_exc()
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-    return sys.modules["verl_ds.dist"].end_failed_process(code) if code and _multi_rank() else code
+    vdist = sys.modules.get("verl_ds.dist")  # not imported: no process group (``state`` never imports torch)
+    return vdist.end_failed_process(code) if code and vdist is not None else code
 
 
 def _multi_rank() -> bool:
-    vdist = sys.modules.get("verl_ds.dist")  # not imported: no process group (``state`` never imports torch)
+    vdist = sys.modules.get("verl_ds.dist")
     return vdist is not None and vdist.multi_rank_process()
 
 

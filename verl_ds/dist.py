@@ -173,8 +173,11 @@ def exit_after_shutdown(code: int, world: int) -> int:
     finalisation ("terminate called without an active exception", exit -6) after its work was done and reported,
     which the launcher reports as a failed job; ``os._exit`` skips that teardown (pytorch/pytorch#179291 describes
     the crash). A single process (tests call ``main()`` in-process) returns ``code``."""
-    if world <= 1:
-        return code
+    return code if world <= 1 else _leave(code)
+
+
+def _leave(code: int) -> int:
+    """Flush logs and streams, then ``os._exit(code)``: no interpreter teardown."""
     import logging
     import sys
 
@@ -194,13 +197,14 @@ def multi_rank_process() -> bool:
 
 def end_failed_process(code: int) -> int:
     """A rank of a multi-rank run that stops on an error, a preemption (75) or a failure status ends here with
-    ``code``: the interpreter's exit handlers run (they end the process group, as at a normal exit), then
-    ``exit_after_shutdown``. Left to the interpreter's own exit, the C++ thread teardown sometimes aborted such a rank
-    (exit -6 instead of its status, so a preempted job was not requeued). A single process returns ``code``."""
+    ``code``: the interpreter's exit handlers run (they end the process group, as at a normal exit), then it leaves
+    as ``exit_after_shutdown`` does. Left to the interpreter's own exit, the C++ thread teardown sometimes aborted
+    such a rank (exit -6 instead of its status, so a preempted job was not requeued). A single process returns
+    ``code``."""
     if not _multi_rank:
         return code
     atexit._run_exitfuncs()  # what the interpreter would run at exit; the C++ finalisation is what os._exit skips
-    return exit_after_shutdown(code, 2)
+    return _leave(code)
 
 
 def world_size() -> int:

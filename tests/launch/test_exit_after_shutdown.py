@@ -51,6 +51,8 @@ def command(argv):
         raise Preempted("SIGUSR1", 3, None)
     if how == "error":
         raise RuntimeError("an unexplained error")
+    if how == "message":
+        sys.exit("stopped with a message")
     return 2  # an explained failure (main printed its line)
 
 cli._main = command  # the command's body; main's ending is under test
@@ -59,11 +61,12 @@ print("not reached", code)
 '''
 
 
-@pytest.mark.parametrize("how,code", [("preempted", 75), ("error", 1), ("returned", 2)])
+@pytest.mark.parametrize("how,code", [("preempted", 75), ("error", 1), ("message", 1), ("returned", 2)])
 def test_a_failed_rank_of_two_exits_with_its_status_after_the_exit_handlers(tmp_path, how, code):
     """cli.main on a rank of a multi-rank run: a preemption, an error or a failure status ends the process with that
-    status through ``end_failed_process``: the interpreter's exit handlers run (verl_ds's ends the group), the C++
-    finalisation (where such a rank sometimes aborted with -6) does not."""
+    status through ``end_failed_process`` (``sys.exit("...")``: the message and 1, as the interpreter gives). The
+    interpreter's exit handlers run (verl_ds's ends the group); the C++ finalisation (where such a rank sometimes
+    aborted with -6) does not."""
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", FAILING_RANK, str(tmp_path / f"rank{r}.json"), how],
@@ -75,3 +78,4 @@ def test_a_failed_rank_of_two_exits_with_its_status_after_the_exit_handlers(tmp_
         assert "not reached" not in out
         assert json.loads((tmp_path / f"rank{r}.json").read_text()) == {"initialized_at_exit": False}
         assert ("RuntimeError: an unexplained error" in err) is (how == "error")
+        assert ("stopped with a message" in err) is (how == "message")

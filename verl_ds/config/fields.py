@@ -39,7 +39,8 @@ class Spec:
     lo/hi: bounds (None: unbounded), inclusive unless lo_open/hi_open. hot: the SharedState key that carries
     the field while training runs (None: fixed for the run). choices: allowed strings (a tuple, or a callable
     returning one for registries that fill at import). config_only: choices the config resolves before the run
-    (never held by SharedState). finite: refuse NaN/inf. nonempty: refuse ''. items: the type of a list's items. secret: redacted on output.
+    (never held by SharedState). finite: refuse NaN/inf. nonempty: refuse ''. items: the type of a list's items.
+    secret: redacted on output.
     """
 
     help: str
