@@ -144,8 +144,9 @@ def _whiten_loop(x, mask, eps):
 
 
 def reinforce_pp_loop(rewards, mask, gamma):
-    """verl's REINFORCE++ one token at a time: G_t = r_t + gamma * G_(t+1), the running return reset to
-    0 at a masked token; advantages whitened (eps 1e-8) over the valid tokens. Returns (adv, returns)."""
+    """verl's REINFORCE++ one token at a time, as fixed in verl-project/verl#7300: a valid token sets
+    G = r_t + gamma * G and returns it; a masked token (a tool's observation, padding) returns 0 and passes
+    G on unchanged (no discount across it); advantages whitened (eps 1e-8) over the valid tokens."""
     rows = []
     for row, mrow in zip(rewards.tolist(), mask.tolist()):
         out, running = [0.0] * len(row), 0.0
@@ -153,8 +154,6 @@ def reinforce_pp_loop(rewards, mask, gamma):
             if mrow[t]:
                 running = row[t] + gamma * running
                 out[t] = running
-            else:
-                running = 0.0
         rows.append(out)
     returns = torch.tensor(rows, dtype=torch.float64).view(rewards.shape)
     return _whiten_loop(returns, mask, 1e-8), returns

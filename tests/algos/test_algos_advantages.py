@@ -74,7 +74,7 @@ def test_group_estimators_match_loops(b, width, n_groups, seed):
 def test_reinforce_pp_matches_loop(gamma, b, width, seed):
     g = torch.Generator().manual_seed(seed)
     rewards = torch.randn(b, width, generator=g)
-    mask = torch.rand(b, width, generator=g) > 0.25  # masked tokens inside rows too: the return restarts
+    mask = torch.rand(b, width, generator=g) > 0.25  # masked tokens inside rows too: the return carries over
     mask[0, 0] = mask[-1, -1] = True
     adv, ret = compute_reinforce_pp_advantage(rewards, mask, gamma)
     adv_ref, ret_ref = reinforce_pp_loop(rewards, mask, gamma)
@@ -163,15 +163,32 @@ def test_reinforce_pp_hand_case():
     rewards = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
     mask = torch.tensor([[True, True, True], [True, False, True]])
     _, ret = compute_reinforce_pp_advantage(rewards, mask, 0.5)
-    # row 0: 3, 2 + 0.5 * 3, 1 + 0.5 * 3.5; row 1: the masked token restarts the return
-    torch.testing.assert_close(ret, torch.tensor([[2.75, 3.5, 3.0], [1.0, 0.0, 3.0]]))
+    # row 0: 3, 2 + 0.5 * 3, 1 + 0.5 * 3.5; row 1: the masked token passes the return on undiscounted
+    torch.testing.assert_close(ret, torch.tensor([[2.75, 3.5, 3.0], [2.5, 0.0, 3.0]]))
     adv, _ = compute_reinforce_pp_advantage(rewards, mask, 0.5)
-    vals = [2.75, 3.5, 3.0, 1.0, 3.0]
+    vals = [2.75, 3.5, 3.0, 2.5, 3.0]
     mean = sum(vals) / 5
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / 4 + 1e-8)
-    expected = [[(2.75 - mean) / std, (3.5 - mean) / std, (3.0 - mean) / std], [(1.0 - mean) / std, 0.0,
+    expected = [[(2.75 - mean) / std, (3.5 - mean) / std, (3.0 - mean) / std], [(2.5 - mean) / std, 0.0,
                                                                                (3.0 - mean) / std]]
     torch.testing.assert_close(adv, torch.tensor(expected))
+
+
+def test_reinforce_pp_multi_turn_outcome_reaches_every_turn():
+    # two assistant turns around a tool observation (masked), the outcome reward on the last turn
+    mask = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    rewards = torch.zeros(2, 4)
+    rewards[0, 3] = rewards[1, 2] = 1.0
+    adv, ret = compute_reinforce_pp_advantage(rewards, mask, 1.0)
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 0.0]]))
+    assert (adv[~mask] == 0).all()
+    # verl-project/verl#7300's gamma case: the observation span costs no discount step
+    _, ret = compute_reinforce_pp_advantage(torch.tensor([[0.0, 0.0, 0.0, 0.0, 2.0, 0.0]]),
+                                            torch.tensor([[1, 1, 0, 0, 1, 0]], dtype=torch.bool), 0.5)
+    torch.testing.assert_close(ret, torch.tensor([[0.5, 1.0, 0.0, 0.0, 2.0, 0.0]]))
+    # a reward on a masked token is not the model's and never enters the return
+    _, ret = compute_reinforce_pp_advantage(torch.tensor([[0.0, 5.0, 1.0]]), torch.tensor([[1, 0, 1]]).bool(), 1.0)
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 1.0]]))
 
 
 def test_reinforce_pp_baseline_hand_case():

@@ -16,8 +16,9 @@ inputs are never modified. Semantics follow verl's ``verl/trainer/ppo/core_algos
                                   to seq-mean-token-sum-norm (token sums over a constant)
     rloo                          Ahmadian et al. 2024 (arXiv:2402.14740): A_i = s_i - mean of the OTHER
                                   samples of the group; a group of one has baseline 0 (verl's loop version)
-    reinforce_plus_plus           Hu 2025 (arXiv:2501.03262): G_t = r_t + gamma G_(t+1), restarting after a
-                                  masked token (verl's "reset after EOS"); A = whiten(G) over the valid tokens
+    reinforce_plus_plus           Hu 2025 (arXiv:2501.03262): G_t = r_t + gamma G_(t+1) over the valid tokens,
+                                  a masked span (a tool's observation) carried through undiscounted (verl's
+                                  fix, verl-project/verl#7300); A = whiten(G) over the valid tokens
     reinforce_plus_plus_baseline  the same paper: A = whiten(s_i - mean_g) over the valid tokens (eps 1e-8)
     remax                         Li et al. 2023 (arXiv:2310.10505): G_t = sum_(t'>=t) r_t', A = G_t - b_i
                                   with b_i the score of the greedy response to the same prompt
@@ -36,7 +37,7 @@ from typing import Callable
 import torch
 
 from ._checks import as_bool_mask, check_float_tensor, check_positive_number, check_unit_interval
-from .gae import _scan_compact, compute_gae
+from .gae import compute_gae, compute_gae_torch
 from .groups import group_count_mean_std, group_inverse, group_sums
 from .masked import LOSS_AGGREGATIONS, masked_whiten
 from .registry import Registry
@@ -88,30 +89,21 @@ def compute_rloo_advantage(token_rewards: torch.Tensor, response_mask: torch.Ten
 
 
 def _discounted_returns(r: torch.Tensor, m: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma m_(t+1) G_(t+1) on valid tokens, 0 elsewhere; (B, R) float64.
-
-    D = the discounted reverse cumsum over the whole row (one scan, no loop over t); a valid run
-    [t, e) then has G_t = D_t - gamma^(e - t) D_e, e the first masked position after t (or R)."""
-    b, width = r.shape
-    if width == 0:
-        return r.clone()
-    d = _scan_compact(r.flip(1), gamma).flip(1)  # r.flip copies: r is never written
-    d = torch.nn.functional.pad(d, (0, 1))  # D_R = 0
-    pos = torch.arange(width + 1, device=r.device).expand(b, width + 1)
-    masked_at = torch.where(torch.nn.functional.pad(~m, (0, 1), value=True), pos, width)
-    stop = masked_at.flip(1).cummin(dim=1).values.flip(1)[:, :width]  # first masked position >= t
-    decay = torch.pow(torch.full((), gamma, dtype=_F64, device=r.device), (stop - pos[:, :width]).to(_F64))
-    g = d[:, :width] - decay * d.gather(1, stop)
-    return torch.where(m, g, torch.zeros((), dtype=_F64, device=r.device))
+    """G_t = r_t + gamma G_(next valid token) on valid tokens, 0 elsewhere; (B, R) float32. A masked span
+    inside a row (a tool's observation) passes G on with no discount step, as verl's fix does
+    (verl-project/verl#7300), so an outcome reward on the last turn reaches every turn: it is GAE with
+    values 0 and lam 1, whose compact scan already bridges masked spans."""
+    g, _ = compute_gae_torch(r, torch.zeros_like(r), m, gamma, 1.0)
+    return torch.where(m, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
 def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
                                    *, whiten_fn: Callable | None = None):
-    """REINFORCE++: discounted returns (gamma in [0, 1]) restarting after each masked token, whitened over the
+    """REINFORCE++: discounted returns (gamma in [0, 1]) carried through masked spans, whitened over the
     valid tokens; ``whiten_fn(x, response_mask)`` replaces the local :func:`masked_whiten` (eps 1e-8, as verl)."""
     gamma = check_unit_interval(gamma, "gamma")
     r, m = _prepare(token_rewards, response_mask)
-    returns = _discounted_returns(r, m, gamma).to(torch.float32)
+    returns = _discounted_returns(r, m, gamma)
     adv = (whiten_fn or masked_whiten)(returns, m)
     return torch.where(m, adv.to(torch.float32), torch.zeros((), device=adv.device)), returns
 
