@@ -1,6 +1,7 @@
 """verl_ds.agent.tools: the call formats parsed from hand-written turns, every failure returned as a message, the
 schemas a chat template takes, and the calc / python tools against hand-computed results."""
 import json
+import os
 
 import pytest
 
@@ -50,6 +51,27 @@ def test_mistral_list_of_calls():
                               '{"name": "weather", "arguments": {"city": "Lima"}}]', "mistral")
     assert parsed.content == "Sure." and [c.name for c in parsed.calls] == ["calc", "weather"]
     assert parse_tool_calls("no call here", "mistral") == parse_tool_calls("no call here", "llama3_json")
+
+
+DEEP, HUGE = "[" * 100_000 + "]" * 100_000, "9" * 5000
+
+
+@pytest.mark.parametrize("turn, fmt", [
+    ('<tool_call>{{"name": "calc", "arguments": {{"expression": {}}}}}</tool_call>', "hermes"),
+    ('<tool_call>{{"name": "calc", "arguments": {}}}</tool_call>', "hermes"),
+    ('<tool_call>{{"name": "calc", "arguments": "{{\\"expression\\": {}}}"}}</tool_call>', "hermes"),  # as a string
+    ('<|python_tag|>{{"name": "calc", "parameters": {{"expression": {}}}}}', "llama3_json"),
+    ('[{}]', "llama3_json"),
+    ('[TOOL_CALLS][{{"name": "calc", "arguments": {{"expression": {}}}}}]', "mistral"),
+    ('[TOOL_CALLS]{}', "mistral"),
+], ids=["hermes", "hermes arguments", "hermes arguments string", "llama3_json", "llama3_json list", "mistral",
+        "mistral list"])
+@pytest.mark.parametrize("payload", [DEEP, HUGE], ids=["nested 100000 deep", "5000 digits"])
+def test_json_too_deep_or_too_long_for_python_is_an_error_not_an_exception(turn, fmt, payload):
+    """json.loads raises RecursionError / ValueError (not JSONDecodeError) on these: still the model's error."""
+    parsed = parse_tool_calls(turn.format(payload), fmt)
+    assert parsed.calls == () and len(parsed.errors) == 1, parsed.errors
+    assert ("RecursionError" if payload is DEEP else "ValueError") in parsed.errors[0]
 
 
 def test_unknown_format_is_named():
@@ -112,7 +134,7 @@ def test_calc_refuses_what_is_not_small_arithmetic(expression):
 def test_python_tool_prints_or_reports():
     assert python("print(sum(i * i for i in range(10)))").strip() == "285"
     assert python("import sys\nsys.exit('no answer')") == "[error] no answer"
-    assert python("open('/etc/evil', 'w')").startswith("[refused]")
+    assert python("open('/etc/evil', 'w')").startswith(("[refused]", "[error]")) and not os.path.exists("/etc/evil")
 
 
 def test_without_reasoning_keeps_what_follows_the_last_think_block():

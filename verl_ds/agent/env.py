@@ -20,14 +20,18 @@ and is named in the config by its registered name or as ``package.module:Class``
 """
 from __future__ import annotations
 
+import threading
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from verl_ds.agent.tools import TOOL_CALL_FORMATS, ToolSet, parse_tool_calls, without_reasoning
+from verl_ds.agent.tools import TOOL_CALL_FORMATS, ToolResult, ToolSet, parse_tool_calls, without_reasoning
 
-__all__ = ["Environment", "Step", "ToolEnvironment", "register_environment", "ENVIRONMENTS"]
+__all__ = ["Environment", "Step", "StepBudget", "step_budget", "ToolEnvironment", "register_environment",
+           "ENVIRONMENTS"]
 
 ENVIRONMENTS: dict[str, type] = {}
+_BUDGET: ContextVar = ContextVar("verl_ds_step_budget", default=None)
 
 
 @dataclass
@@ -38,6 +42,29 @@ class Step:
     reward: float = 0.0
     done: bool = False
     info: dict = field(default_factory=dict)
+
+
+@dataclass
+class StepBudget:
+    """What the rollout allows the running step: ``tool_calls`` it may still run (calls past it are not run; the
+    trajectory then ends as ``max_tool_calls``), and ``cancelled``, set once the step has timed out or the run
+    stops: Python cannot stop the step's thread, so a step that runs several calls checks it before each."""
+    tool_calls: int
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+def step_budget() -> StepBudget:
+    """The running reset's or step's budget (``run_episodes`` sets it); outside an episode, no limit."""
+    return _BUDGET.get() or StepBudget(tool_calls=1 << 62)
+
+
+def run_in_budget(budget: StepBudget, fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` with ``step_budget()`` returning ``budget`` in it (in this thread only)."""
+    token = _BUDGET.set(budget)
+    try:
+        return fn(*args)
+    finally:
+        _BUDGET.reset(token)
 
 
 class Environment:
@@ -73,7 +100,8 @@ def register_environment(name: str) -> Callable[[type], type]:
 class ToolEnvironment(Environment):
     """The model calls tools until it answers: each turn with tool calls gets one ``tool`` message per call (a
     malformed call gets its error as one); a turn without calls is the final answer, scored by ``score``. A turn's
-    reasoning (``<think>...</think>``, Qwen3) is neither parsed for calls nor scored."""
+    reasoning (``<think>...</think>``, Qwen3) is neither parsed for calls nor scored. Calls past the episode's
+    budget, or after its step timed out, are not run (``step_budget``)."""
     tool_format = "hermes"
 
     def __init__(self, tools: ToolSet, tool_format: str | None = None):
@@ -91,7 +119,15 @@ class ToolEnvironment(Environment):
         parsed = parse_tool_calls(answer, self.tool_format)
         if not parsed.calls and not parsed.errors:
             return Step([], reward=self.score(answer), done=True, info={"tool_calls": 0, "tool_errors": 0})
-        results = [self.tools.run(call) for call in parsed.calls]
+        budget, results = step_budget(), []
+        for call in parsed.calls:
+            if budget.cancelled.is_set():
+                break
+            if len(results) >= budget.tool_calls:
+                why = "not run: the episode's tool call budget (max_tool_calls) is spent"
+                results.append(ToolResult(call.name, f"Error: {why}", why, call.id))
+            else:
+                results.append(self.tools.run(call))
         messages = [{"role": "tool", "name": r.name, "tool_call_id": r.call_id, "content": r.content} for r in results]
         messages += [{"role": "tool", "name": "error", "content": f"Error: {e}"} for e in parsed.errors]
         errors = len(parsed.errors) + sum(r.error is not None for r in results)

@@ -4,12 +4,17 @@ call, then one environment step each in a worker pool; finished ones drop out.
 A trajectory is its first prompt's ids and one growing token list after it: each model turn's ids exactly as
 sampled (``model_mask`` 1, their sampling log-probs kept when the engine gives them), then the chat template's
 delta for the environment's answer (``model_mask`` 0). The limits end an episode with a reason, never an
-exception: ``max_turns`` model turns, ``max_tool_calls`` calls, ``max_context_tokens`` for prompt and turns
-together (a turn starts only if ``max_turn_tokens`` more fit), a turn cut by ``max_turn_tokens`` (no stop token), an environment step that raises, returns something
-other than a Step, or takes more than ``step_timeout_s`` (its thread is abandoned: Python cannot stop it).
+exception: ``max_turns`` model turns, ``max_tool_calls`` calls (a step runs only the calls left in the budget,
+``env.step_budget``), ``max_context_tokens`` for prompt and turns together (a turn starts only if
+``max_turn_tokens`` more fit), a turn cut by ``max_turn_tokens`` (no stop token), an environment reset or step
+that raises (SystemExit and KeyboardInterrupt included), returns a malformed Step (a reward that is not finite,
+``done`` not a bool, ``info`` not a dict of counts), or takes more than ``step_timeout_s`` (its thread is
+abandoned, Python cannot stop it; its budget is cancelled, so it starts no more tool calls).
 """
 from __future__ import annotations
 
+import math
+import numbers
 import queue
 import threading
 import time
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from verl_ds.agent.chat_tokens import ChatTokens
-from verl_ds.agent.env import Environment, Step
+from verl_ds.agent.env import Environment, Step, StepBudget, run_in_budget
 
 __all__ = ["EpisodeLimits", "Trajectory", "run_episodes", "END_REASONS", "engine_turns"]
 
@@ -123,8 +128,10 @@ class _DaemonPool:
                 continue
             try:
                 fut.set_result(fn(*args))
-            except BaseException as e:  # noqa: BLE001 (the environment's failure, handed to the caller)
+            except Exception as e:  # the environment's failure, handed to the caller
                 fut.set_exception(e)
+            except BaseException as e:  # noqa: BLE001 (raised by the environment: see _Escaped)
+                fut.set_exception(_Escaped(e))
 
     def shutdown(self) -> None:
         for fut in self._pending:
@@ -133,24 +140,43 @@ class _DaemonPool:
             self._tasks.put(None)
 
 
-def _timed(fn, *args):
+class _Escaped(Exception):
+    """A SystemExit or KeyboardInterrupt raised by the environment in a worker thread: its own failure, which ends
+    its trajectory. A real Ctrl-C is never one: Python runs signal handlers in the main thread only, so it is raised
+    there, while the main thread waits on the steps, and stops the run."""
+
+    def __init__(self, original: BaseException):
+        super().__init__(type(original).__name__ + (f": {original}" if str(original) else ""))
+
+
+def _raised(e: BaseException) -> str:
+    return str(e) if isinstance(e, _Escaped) else f"{type(e).__name__}: {e}"
+
+
+def _timed(budget: StepBudget, fn, *args):
     start = time.monotonic()
-    return fn(*args), time.monotonic() - start
+    return run_in_budget(budget, fn, *args), time.monotonic() - start
 
 
 def _call_all(pool: _DaemonPool, calls: list, timeout_s: float) -> list:
-    """Run ``calls`` ((fn, arg), ...) in ``pool``; each -> (result, seconds) or an Exception / FutureTimeout."""
-    futures = [pool.submit(_timed, fn, arg) for fn, arg in calls]
+    """Run ``calls`` ((fn, arg, budget), ...) in ``pool``; each -> (result, seconds) or an Exception /
+    FutureTimeout. Every budget is cancelled on the way out: a step still running (timed out, or the run
+    interrupted) starts no more tool calls."""
+    futures = [pool.submit(_timed, budget, fn, arg) for fn, arg, budget in calls]
     deadline = time.monotonic() + timeout_s
     out = []
-    for fut in futures:
-        try:
-            out.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
-        except FutureTimeout as e:
-            out.append(e)
-        except Exception as e:  # the environment's own failure: the trajectory ends, the run goes on
-            out.append(e)
-    return out
+    try:
+        for fut in futures:
+            try:
+                out.append(fut.result(timeout=max(0.0, deadline - time.monotonic())))
+            except FutureTimeout as e:
+                out.append(e)
+            except Exception as e:  # the environment's own failure: the trajectory ends, the run goes on
+                out.append(e)
+        return out
+    finally:
+        for _, _, budget in calls:
+            budget.cancelled.set()
 
 
 def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environment], samples: Sequence[dict],
@@ -161,11 +187,13 @@ def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environm
     pool = _DaemonPool(max(1, min(workers, len(envs))))
     try:
         trajs = []
-        for (env, sample), got in zip(zip(envs, samples), _call_all(pool, [(e.reset, s) for e, s in zip(envs, samples)],
-                                                                    limits.step_timeout_s)):
+        resets = [(e.reset, s, StepBudget(limits.max_tool_calls)) for e, s in zip(envs, samples)]
+        for got in _call_all(pool, resets, limits.step_timeout_s):
             traj = Trajectory(prompt_ids=[])
-            if isinstance(got, BaseException):
-                traj.finish("env_timeout" if isinstance(got, FutureTimeout) else "env_error", f"reset: {got!r}")
+            if isinstance(got, FutureTimeout):
+                traj.finish("env_timeout", f"reset took more than {limits.step_timeout_s} s")
+            elif isinstance(got, BaseException):
+                traj.finish("env_error", f"reset raised {_raised(got)}")
             else:
                 traj.env_seconds = got[1]
                 try:
@@ -189,11 +217,12 @@ def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environm
                 t.append(ids, sampled=True, log_probs=log_probs)
                 t.turns += 1
                 if chat.ended(ids):
-                    stepping.append((t, env.step, chat.tokenizer.decode(ids[:-1])))
+                    budget = StepBudget(max(0, limits.max_tool_calls - t.tool_calls))
+                    stepping.append((t, env.step, chat.tokenizer.decode(ids[:-1]), budget))
                 else:
                     t.finish("turn_length", f"turn {t.turns} reached {len(ids)} tokens without a stop token")
-            results = _call_all(pool, [(step, text) for _, step, text in stepping], limits.step_timeout_s)
-            for (t, _, _), got in zip(stepping, results):
+            results = _call_all(pool, [call for _, *call in stepping], limits.step_timeout_s)
+            for (t, *_), got in zip(stepping, results):
                 _advance(t, got, chat, limits)
     finally:
         pool.shutdown()
@@ -203,13 +232,12 @@ def _advance(t: Trajectory, got, chat: ChatTokens, limits: EpisodeLimits) -> Non
     if isinstance(got, FutureTimeout):
         return t.finish("env_timeout", f"step of turn {t.turns} took more than {limits.step_timeout_s} s")
     if isinstance(got, BaseException):
-        return t.finish("env_error", f"step of turn {t.turns} raised {type(got).__name__}: {got}")
+        return t.finish("env_error", f"step of turn {t.turns} raised {_raised(got)}")
     step, seconds = got
     t.env_seconds += seconds
-    if not isinstance(step, Step) or not isinstance(step.messages, list) or isinstance(step.reward, bool) \
-            or not isinstance(step.reward, (int, float)) or step.reward != step.reward:
-        return t.finish("env_error", f"step of turn {t.turns} returned {step!r:.200}, expected a Step with a list of "
-                                     f"messages and a finite reward")
+    problem = _malformed(step)
+    if problem:
+        return t.finish("env_error", f"step of turn {t.turns} returned {problem}")
     t.reward += float(step.reward)
     t.tool_calls += int(step.info.get("tool_calls", 0))
     t.tool_errors += int(step.info.get("tool_errors", 0))
@@ -226,3 +254,30 @@ def _advance(t: Trajectory, got, chat: ChatTokens, limits: EpisodeLimits) -> Non
     if len(t.prompt_ids) + len(t.ids) + len(delta) >= limits.max_context_tokens:
         return t.finish("context", f"turn {t.turns}'s answer would pass {limits.max_context_tokens} tokens")
     t.append(delta, sampled=False)
+
+
+def _malformed(step) -> str:
+    """What makes ``step`` unusable, in words ("" when it is a well-formed Step): one bad field would otherwise
+    raise here and lose the whole batch, or reach the trainer (an infinite reward)."""
+    if not isinstance(step, Step):
+        return f"{step!r:.200}, expected a Step with a list of messages and a finite reward"
+    if not isinstance(step.messages, list):
+        return f"messages {step.messages!r:.200}, expected a list"
+    if isinstance(step.reward, bool) or not isinstance(step.reward, numbers.Real) or not _finite(step.reward):
+        return f"reward {step.reward!r:.200}, expected a finite number"
+    if not isinstance(step.done, bool):
+        return f"done={step.done!r:.200}, expected True or False"
+    if not isinstance(step.info, dict):
+        return f"info {step.info!r:.200}, expected a dict"
+    for key in ("tool_calls", "tool_errors"):
+        count = step.info.get(key, 0)
+        if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 0:
+            return f"info[{key!r}]={count!r:.200}, expected a count (an int >= 0)"
+    return ""
+
+
+def _finite(x: numbers.Real) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int past a float's range
+        return False

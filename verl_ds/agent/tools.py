@@ -86,29 +86,42 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ParsedTurn:
     raise ValueError(f"tool call format {fmt!r} is unknown; expected one of {', '.join(TOOL_CALL_FORMATS)}")
 
 
+def _loads(text: str):
+    """``text`` as JSON -> (value, "") or (None, what is wrong). Model output is hostile: besides bad syntax,
+    nesting past the recursion limit (RecursionError) and integers past Python's digit limit (ValueError) are
+    JSON that ``json.loads`` refuses, and each is the model's error, never the trainer's."""
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as e:
+        return None, f"{e.msg} at character {e.pos}"
+    except (ValueError, RecursionError) as e:
+        return None, f"{type(e).__name__}: {str(e)[:120]}"
+
+
 def _json_list(body: str) -> list:
     """A JSON list body -> its items re-encoded one by one (so each is judged alone); anything else -> [body]."""
-    try:
-        value = json.loads(body)
-    except json.JSONDecodeError:
+    value, error = _loads(body)
+    if error or not isinstance(value, list):
         return [body]
-    return [json.dumps(v) for v in value] if isinstance(value, list) else [body]
+    try:
+        return [json.dumps(v) for v in value]
+    except (ValueError, RecursionError):  # an item nested too deep to write back: judged (and refused) as a whole
+        return [body]
 
 
 def _calls(bodies: list, args_key: str, content: str, errors: list) -> ParsedTurn:
     calls = []
     for i, body in enumerate(bodies):
-        try:
-            value = json.loads(body)
-        except json.JSONDecodeError as e:
-            errors.append(f"tool call {i} is not valid JSON ({e.msg} at character {e.pos}): {body.strip()[:200]}")
+        value, error = _loads(body)
+        if error:
+            errors.append(f"tool call {i} is not valid JSON ({error}): {body.strip()[:200]}")
             continue
         args = value.get(args_key, value.get("arguments", {})) if isinstance(value, dict) else None
         if isinstance(args, str):  # some models send the arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = None
+            args, error = _loads(args)
+            if error:
+                errors.append(f"tool call {i}'s arguments are a string that is not valid JSON ({error})")
+                continue
         if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(args, dict):
             errors.append(f"tool call {i} must be an object with a string \"name\" and an object \"{args_key}\", "
                           f"got: {body.strip()[:200]}")
@@ -228,7 +241,7 @@ def calc(expression: str) -> str:
 
 
 def python(code: str) -> str:
-    """Run a Python program in a sandbox (no network, no files outside its directory, 10 s) and return its output.
+    """Run a Python program in a sandbox (no network, a private scratch directory, 10 s) and return its output.
 
     Args:
         code: The program; what it prints is the result.
