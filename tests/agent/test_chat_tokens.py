@@ -99,3 +99,51 @@ def test_templates_that_cannot_be_extended_are_refused():
     tok.chat_template = tok.chat_template.replace("m.content + '<|im_end|>", "m.content + '[END]")
     with pytest.raises(TemplateError, match="starts with none of the stop tokens"):
         ChatTokens(tok)
+
+
+# --- a real checkpoint's byte-level tokenizer and template (SmolLM2-135M-Instruct, ChatML) ----------------------
+
+REAL_CONVERSATION = [
+    {"role": "user", "content": "What is 4821 * 37? Use the tool."},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "calc", "arguments": {"expression": "4821 * 37"}}\n'
+                                     '</tool_call>'},
+    {"role": "tool", "content": "178377"},
+    {"role": "assistant", "content": "Let me check again:  4821*37\n\n"},
+    {"role": "tool", "content": "  178377\n"},
+    {"role": "user", "content": "So? 😊 café"},
+    {"role": "assistant", "content": "178377"},
+    {"role": "user", "content": "Thanks"},
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from real_templates import smollm2_tokenizer
+
+    return smollm2_tokenizer()
+
+
+def test_incremental_equals_apply_chat_template_with_a_real_tokenizer(smollm2):
+    chat = ChatTokens(smollm2)
+    assert chat.end_id == smollm2.convert_tokens_to_ids("<|im_end|>") == smollm2.eos_token_id
+    for end in range(2, len(REAL_CONVERSATION) + 1):
+        msgs = REAL_CONVERSATION[:end]
+        if msgs[-1]["role"] == "assistant":
+            continue
+        whole = smollm2.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert chat.incremental(msgs) == list(whole["input_ids"]), end
+        assert not chat.rewrites_history(msgs)
+
+
+def test_warmup_mask_is_trls_generation_tagged_mask_with_a_real_tokenizer(smollm2):
+    # the agent warm-up trains what a rollout samples: each assistant turn's content and <|im_end|>, not the
+    # template's newline after it nor the environment's messages
+    from real_templates import generation_tagged_mask
+    from verl_ds.agent.warmup import demonstration_tokens
+
+    conversation = REAL_CONVERSATION[:-1]  # a demonstration ends with the model's last turn
+    ids, mask = demonstration_tokens(ChatTokens(smollm2), conversation)
+    trl_ids, trl_mask = generation_tagged_mask(smollm2, conversation)
+    n = len(ids)
+    assert ids == trl_ids[:n] and mask == trl_mask[:n]
+    assert smollm2.decode(trl_ids[n:]) == "\n" and not any(trl_mask[n:])  # the template's closing newline
