@@ -8,12 +8,16 @@ This run's limits (``verl_ds.config.run_limits(cfg)``) are checked on every writ
 Rank 0 is the only writer; at every step boundary the trainer calls ``apply_staged()`` (rank 0 applies the
 hot updates queued by the HTTP thread) and then ``sync()``, which broadcasts rank 0's values to every rank,
 so all ranks train with identical hyper-parameters. Values are plain python scalars: ``snapshot()`` and
-``state_dict()`` are JSON as they are.
+``state_dict()`` are JSON as they are. ``save(path)``/``load(path)``: the progress snapshot on disk, the same JSON
+object a checkpoint's ``trainer_state.json`` holds under ``shared_state`` (``load`` also reads that file, or its
+``global_step_<N>`` directory).
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
+import os
 import threading
 import time
 import uuid
@@ -23,7 +27,8 @@ from typing import Any, Callable, Optional
 from verl_ds.config import Config, RunLimits, Spec, check_value, hot_fields, initial_state
 from verl_ds.config.fields import base_type, choices_of, nullable
 
-__all__ = ["StateKey", "SharedState", "StateValidationError", "UnknownStateKeyError", "STATE_KEYS", "HOT_KEYS"]
+__all__ = ["StateKey", "SharedState", "StateValidationError", "UnknownStateKeyError", "SnapshotError", "STATE_KEYS",
+           "HOT_KEYS"]
 
 _TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str"}
 _FORMAT = 1  # version of the state_dict / JSON layout
@@ -118,6 +123,10 @@ class UnknownStateKeyError(KeyError):
 
     def __str__(self):  # KeyError would repr() the message
         return str(self.args[0])
+
+
+class SnapshotError(ValueError):
+    """A file that is not a SharedState snapshot (or a checkpoint holding one); the message names the path."""
 
 
 def _unknown_key_message(key: Any) -> str:
@@ -341,6 +350,40 @@ class SharedState:
         with self._lock:
             self._values = {**defaults, **clean}
             self._version = version
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Write ``state_dict()`` to ``path`` as JSON, atomically (temp file, fsync, rename: a crash leaves the old
+        file or the new one, never half of one); returns the path. A checkpoint holds the same object."""
+        from verl_ds.checkpoint_manifest import fsync_write
+
+        path = os.path.abspath(os.fspath(path))
+        fsync_write(path, (json.dumps(self.state_dict(), indent=1, sort_keys=True) + "\n").encode())
+        return path
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore from a file ``save`` wrote, a checkpoint's ``trainer_state.json`` or its ``global_step_<N>``
+        directory (validated as ``load_state_dict``); SnapshotError naming the path when it is none of these."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "trainer_state.json")
+        expected = ('expected a SharedState snapshot {"format": 1, "version": <int>, "values": {<key>: <value>}} '
+                    "(SharedState.save) or a checkpoint's trainer_state.json holding one under \"shared_state\"")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                raw = json.load(fh)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SnapshotError(f"SharedState.load: {path}: {type(exc).__name__}: {exc}; {expected}") from None
+        sd = raw.get("shared_state", raw) if isinstance(raw, dict) else raw
+        if not isinstance(sd, dict) or not isinstance(sd.get("values"), dict):
+            found = f"an object with keys {sorted(sd)[:8]}" if isinstance(sd, dict) else type(sd).__name__
+            raise SnapshotError(f"SharedState.load: {path} holds {found}; {expected}")
+        if sd.get("format", _FORMAT) != _FORMAT:
+            raise SnapshotError(f"SharedState.load: {path} is snapshot format {sd.get('format')!r}; this version "
+                                f"reads format {_FORMAT}")
+        try:
+            self.load_state_dict(sd)
+        except ValueError as exc:  # StateValidationError included: a value out of range, an unknown key
+            raise SnapshotError(f"SharedState.load: {path}: {exc}") from None
 
     def __repr__(self) -> str:
         return f"SharedState(rank={self.rank}, version={self.version}, values={self.snapshot()})"
