@@ -31,6 +31,9 @@ def sample_means(per_sample: dict) -> dict:
     return {k: v.float().mean() for k, v in per_sample.items()}
 
 
+_PART = "per_sample:"  # ``collect``'s extras key prefix of a per-sample metric's values
+
+
 class SamplingError(RuntimeError):
     """Sampling failed (typically non-finite logits: ``torch.multinomial`` refuses NaN/Inf probabilities)."""
 
@@ -133,7 +136,8 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
         parts = dict(ro.per_sample)
         if shaping:
             parts["reward/overlong_penalty/mean"] = _add_overlong_penalty(b, sampling["max_new_tokens"], overlong)
-            metrics["reward/overlong_penalty/mean"] = parts["reward/overlong_penalty/mean"].mean()
+        for k, v in parts.items():  # each sample's values ride with its row through the rounds' selection below
+            b.extras[_PART + k] = v.tolist()
         if greedy_baseline:
             with timings("gen_baseline"):
                 base = rollout_fn(actor, reward, tokenizer, prompts, greedy=True,
@@ -168,8 +172,11 @@ def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, t
                         "rollout/groups_dropped": torch.tensor(float(sum(len(d) for d in dropped) // n)),
                         "rollout/groups_filled": torch.tensor(float(filled))})
     responses = list(batch.extras.pop("response_text"))
-    # dynamic sampling keeps some rows of several rounds: its per-sample values are not carried
-    return Rollout(batch=batch, responses=responses, metrics=metrics, per_sample={} if dynamic else parts)
+    # the reward metrics of the rows trained (dynamic sampling keeps rows of several rounds, not the last round's)
+    parts = {k[len(_PART):]: torch.tensor(batch.extras.pop(k), device=batch.scores.device)
+             for k in [k for k in batch.extras if k.startswith(_PART)]}
+    metrics.update(sample_means(parts))
+    return Rollout(batch=batch, responses=responses, metrics=metrics, per_sample=parts)
 
 
 def sampler_mismatch(batch) -> dict:

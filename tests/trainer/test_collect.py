@@ -157,3 +157,24 @@ def test_remax_baseline_gets_the_overlong_penalty_its_samples_get(parts):
         expected.append(1.0 + _overlong(length, buffer, factor))
     assert any(e != 1.0 for e in expected)  # a penalised greedy response: the test can tell shaped from unshaped
     assert ro.batch.extras["baseline_score"] == pytest.approx([s for s in expected for _ in range(N)], abs=1e-6)
+
+
+def test_reward_metrics_are_those_of_the_rows_trained_not_of_the_last_round(parts):
+    """Dynamic sampling keeps groups of two rounds and drops others: the step's reward metrics are the means over
+    the rows it trains (they were the last round's, all its groups, dropped ones included)."""
+    tok, _, policy = parts
+    buffer, factor = SAMPLING["max_new_tokens"], 0.5
+
+    def score(prompts, responses, batch):  # round 0: group 0 [0, 0, 0, 1], groups 1-2 all 0; round 1: [1, 1, 1, 0]
+        if prompts[0].startswith("0|"):
+            return [float(i == N - 1) for i in range(len(prompts))]
+        return [float(i % N != N - 1) for i in range(len(prompts))]
+
+    ro = collect(rounds_of_prompts(tok), policy, reward_of(score), tok, sampling=SAMPLING, n=N, timings=Timings(),
+                 dynamic=True, max_rounds=2, overlong=(buffer, factor))
+    assert [p[0] for p in ro.batch.extras["prompt"][::N]] == ["0", "1", "1"]  # round 0's group 0, round 1's 0 and 1
+    penalties = [_overlong(length, buffer, factor) for length in ro.batch.response_length.tolist()]
+    assert float(ro.metrics["reward/test_reward/mean"]) == pytest.approx((0.25 + 0.75 + 0.75) / 3)
+    assert float(ro.metrics["reward/test_reward/mean"]) == pytest.approx(
+        float(ro.batch.scores.sum(-1).mean()) - sum(penalties) / len(penalties), abs=1e-6)
+    assert float(ro.metrics["reward/overlong_penalty/mean"]) == pytest.approx(sum(penalties) / len(penalties))
