@@ -36,8 +36,9 @@ _BUDGET: ContextVar = ContextVar("verl_ds_step_budget", default=None)
 
 @dataclass
 class Step:
-    """One environment step: the ``messages`` to append (role ``tool`` or ``user``), its ``reward`` (a
-    trajectory's score is the sum of its steps'), ``done`` when the episode is over, and ``info`` for metrics."""
+    """One environment step: the ``messages`` to append (role ``tool`` or ``user``), its ``reward`` (finite; a
+    trajectory's score is the sum of its steps'), ``done`` (a bool) when the episode is over, and ``info`` for
+    metrics (a dict; ``tool_calls`` and ``tool_errors`` are counts). Anything else ends the trajectory (env_error)."""
     messages: list
     reward: float = 0.0
     done: bool = False
