@@ -182,7 +182,9 @@ def load_data(cfg: Config) -> PromptData:
     from verl_ds.data import PromptDataset
     from verl_ds.rewards import unscorable_rows
     from verl_ds.tasks import parity
+    from verl_ds.verifiable import set_math_verify_timeout
 
+    set_math_verify_timeout(cfg.reward.math_verify_timeout_s)  # the start-up check below parses the references
     tok = load_tokenizer(cfg)
     common = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
                   overlong=cfg.data.overlong, apply_chat_template=cfg.data.apply_chat_template,
@@ -251,8 +253,10 @@ def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] =
     (a DeepSpeed inference engine: building one is a collective). Defaults: the config's ``reward`` section."""
     from verl_ds.models import RewardModel
     from verl_ds.rewards import resolve_reward_fn
+    from verl_ds.verifiable import set_math_verify_timeout
 
     rc = cfg.reward
+    set_math_verify_timeout(rc.math_verify_timeout_s)
     if functions is None:
         functions, model_path, model_weight = rc.functions, rc.model_path, rc.model_weight
     scorer = build_reward_engine(cfg, derived, model_path) if model_path is not None else None

@@ -1,13 +1,17 @@
 """Verifiable (rule-based) rewards for reasoning tasks: is the final answer right (``math_verify``, with Hugging
 Face's math-verify, https://github.com/huggingface/Math-Verify), is the format right (``format``, as in
 DeepSeek-R1-style training). Shipped in ``verl_ds.rewards.REWARD_FNS``; thread-safe, so a reward model may score
-samples from a thread pool.
+samples from a thread pool. Model text is hostile input: each check is bounded (math-verify runs in worker
+processes killed past a timeout, the format regex runs in linear time).
 """
 from __future__ import annotations
 
+import importlib.util
+import math
 import re
-import threading
 from typing import Callable
+
+from verl_ds.verify_pool import WorkerPool
 
 # One <think> block with some non-space content first; then answer text (no more think tags) whose
 # first \boxed{ opens a non-empty, closed box; anything but a think tag may follow (e.g. a closing
@@ -20,20 +24,34 @@ DEFAULT_FORMAT_PATTERN = (
     r"(?:(?!</?think>).)*"  # the rest, without think tags
 )
 
-# math-verify parses with ANTLR and sympy, whose caches are not documented as thread-safe: one call at a
-# time. Its own timeout uses SIGALRM, which Python allows on the main thread only, so off the main thread
-# the calls run without it (the answers parsed are the short tails the extractor picks).
-_MATH_LOCK = threading.Lock()
-_MATH_TIMEOUT_S = 5
+DEFAULT_MATH_TIMEOUT_S = 5.0  # reward.math_verify_timeout_s's default; a benign answer takes well under a second
+_math_timeout_s = DEFAULT_MATH_TIMEOUT_S
+_POOL = WorkerPool()  # workers start on the first check
 
 
-def _math_verify():
-    try:
-        from math_verify import parse, verify
-    except ImportError as e:
+class Scores(list):
+    """A reward function's scores (a list of floats, one per response) with per-sample side metrics: the
+    RewardModel reports ``metrics[key]`` (one float per response) as ``reward/<function>/<key>``, averaged over the
+    step's samples like the scores."""
+
+    def __init__(self, scores, metrics: dict | None = None):
+        super().__init__(scores)
+        self.metrics = dict(metrics or {})
+
+
+def set_math_verify_timeout(seconds: float) -> None:
+    """Seconds one ``math_verify`` check may take (``reward.math_verify_timeout_s``); past it its worker process is
+    killed and the answer scores 0."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise ValueError(f"math_verify timeout: expected a finite number of seconds > 0, got {seconds!r}")
+    global _math_timeout_s
+    _math_timeout_s = float(seconds)
+
+
+def _require_math_verify() -> None:
+    if importlib.util.find_spec("math_verify") is None:  # the workers import it; say what to install here
         raise ImportError("the math_verify reward needs the math-verify package: pip install 'verl_ds[math]' "
-                          f"(or pip install math-verify); importing it failed: {e}") from e
-    return parse, verify
+                          "(or pip install math-verify)")
 
 
 def check_lists(who: str, prompts, responses) -> None:
@@ -73,33 +91,37 @@ def _final_part(response: str) -> str:
     return response.rsplit("</think>", 1)[1] if "</think>" in response else response
 
 
-def math_answer_reward(prompts: list, responses: list, batch) -> list[float]:
+def math_answer_reward(prompts: list, responses: list, batch) -> Scores:
     """1.0 where the response's final answer is mathematically equal to ``batch.extras["answer"]``, else 0.0.
 
     The answer is extracted by math-verify from the text after the last ``</think>`` (a final
     ``\\boxed{}`` first, then the last LaTeX or plain expression); a response without one scores 0. The
     reference may be LaTeX or plain (``\\frac{1}{2}``, ``1/2``, ``0.5``, ``1,234``, GSM8K ``... #### 72``);
-    one that cannot be parsed raises ValueError naming the sample."""
+    one that cannot be parsed raises ValueError naming the sample. Each check runs in a worker process: one
+    that takes over the timeout (:func:`set_math_verify_timeout`) scores 0 and counts in the side metric
+    ``timed_out`` (1.0 for that sample)."""
     who = "math_verify"
     check_lists(who, prompts, responses)
     answers = extras_field(who, responses, batch, "answer", "answers")
-    parse, verify = _math_verify()
-    timeout = _MATH_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    rewards = []
+    _require_math_verify()
+    timeout = _math_timeout_s
+    rewards, timed_out = [], []
     for i, (response, answer) in enumerate(zip(responses, answers)):
         gold_text = _gold_text(answer)
         if not gold_text:
             raise ValueError(f"{who}: sample {i}: the answer field is empty ({answer!r:.80})")
-        with _MATH_LOCK:
-            # wrapped in \boxed{} the extractor takes the whole reference as one expression
-            gold = parse(f"\\boxed{{{gold_text}}}", parsing_timeout=timeout) or parse(gold_text,
-                                                                                   parsing_timeout=timeout)
-            if not gold:
-                raise ValueError(f"{who}: sample {i}: the answer field {answer!r:.80} could not be parsed as math")
-            pred = parse(_final_part(response), parsing_timeout=timeout)
-            correct = bool(pred) and bool(verify(gold, pred, timeout_seconds=timeout))
-        rewards.append(1.0 if correct else 0.0)
-    return rewards
+        reply = _POOL.ask({"gold": gold_text, "pred": _final_part(response)}, timeout)
+        if reply is None:  # the answer, or the reference? A reference that cannot be parsed in time is bad data
+            reply = _POOL.ask({"gold": gold_text, "pred": None}, timeout)
+            if reply is None:
+                raise ValueError(f"{who}: sample {i}: parsing the answer field {answer!r:.80} took over "
+                                 f"{timeout:g} s (reward.math_verify_timeout_s)")
+            reply["correct"] = None
+        if not reply["gold"]:
+            raise ValueError(f"{who}: sample {i}: the answer field {answer!r:.80} could not be parsed as math")
+        rewards.append(1.0 if reply["correct"] else 0.0)
+        timed_out.append(1.0 if reply["correct"] is None else 0.0)
+    return Scores(rewards, {"timed_out": timed_out})
 
 
 def make_format_reward(pattern: str, flags: int = re.DOTALL) -> Callable[[list, list, object], list]:

@@ -95,6 +95,17 @@ def test_exact_match_cases(response, answer, expected):
     assert gsm8k.exact_match_reward(["q"], [response], RewardBatch({"answer": [answer]})) == [expected]
 
 
+@pytest.mark.parametrize("response", [
+    "#### " + "1" * 5000,  # int() of over 4300 digits raised ValueError (sys.int_max_str_digits): the step failed
+    "7 " + "9" * 1_000_000,  # int() of it held the GIL for most of a minute, then raised the same
+    "#### 1." + "0" * 100_000,
+    "#### 0." + "0" * 700 + "1",
+])
+def test_exact_match_on_hostile_numbers(response):
+    assert gsm8k.exact_match_reward(["q"], [response], RewardBatch({"answer": ["72"]})) == [0.0]
+    assert gsm8k.normalize_number("9" * 600) == "9" * 600 and gsm8k.normalize_number("9" * 601) is None
+
+
 def test_exact_match_through_the_builtin_tokenizer():
     tok = build_tokenizer()
     decoded = tok.decode(tok("He has 108 cookies . #### 108")["input_ids"])
@@ -104,6 +115,7 @@ def test_exact_match_through_the_builtin_tokenizer():
 @pytest.mark.parametrize("text, expected", [
     ("1,234", "1234"), ("$5", "5"), ("+3", "3"), ("10.500", "10.5"), ("100", "100"), ("1e2", "100"),
     ("abc", None), (None, None), (True, None), ("nan", None), ("inf", None), (7, "7"), (2.0, "2"),
+    ("1e599", "1" + "0" * 599), ("1e600", None), ("1e-600", None),  # a billion-digit int() is never tried
 ])
 def test_normalize_number(text, expected):
     assert gsm8k.normalize_number(text) == expected

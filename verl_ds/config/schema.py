@@ -194,6 +194,7 @@ class RewardConfig:
     model_path: Optional[str] = _f(None, "Local HF sequence-classification reward model (1 label), scored at the last real token.", nonempty=True)
     model_weight: float = _f(1.0, "Weight of the neural reward in the sum.", min=-MAX_REWARD_WEIGHT, max=MAX_REWARD_WEIGHT)
     num_workers: int = _f(1, "Threads scoring chunks of the batch with the reward functions (rule rewards can be slow; functions must be thread-safe).", min=1)
+    math_verify_timeout_s: float = _f(5.0, "Seconds one math_verify check may take in its worker process; past it the worker is killed and the answer scores 0 (counted in reward/math_verify/timed_out).", gt=0.0, max=3600.0)
     eos_reward: Literal["zero", "keep"] = _f("zero", "Per-token rewards at the EOS position: zeroed or kept.")
 
 

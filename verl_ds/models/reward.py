@@ -22,6 +22,7 @@ import torch.nn as nn
 from verl_ds.models.base import RewardRole, last_token_index, unwrap_module
 from verl_ds.rows import check_batch, position_ids_from_mask
 from verl_ds.state import SharedState
+from verl_ds.verifiable import Scores
 
 __all__ = ["RewardModel", "RewardFunctionError", "EOS_REWARD_MODES"]
 
@@ -231,6 +232,8 @@ class RewardModel(RewardRole):
                 mat = place(_to_seq_scores(raw, entry.name, B))
             total += entry.weight * mat
             parts[f"reward/{entry.name}/mean"] = mat.sum(-1)
+            for key, values in _side_metrics(raw, entry.name, B).items():
+                parts[f"reward/{entry.name}/{key}"] = values.to(device)
         if per_sample is not None:
             per_sample.update(parts)
         return total, {k: v.mean() for k, v in parts.items()}
@@ -248,8 +251,10 @@ class RewardModel(RewardRole):
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward") as pool:
             parts = list(pool.map(lambda lh: self._call(entry, prompts[lh[0]:lh[1]], responses[lh[0]:lh[1]],
                                                         batch.select(slice(lh[0], lh[1])), offset=lh[0]), bounds))
-        out = []
+        out, side = [], {}
         for (lo, hi), part in zip(bounds, parts):
+            for key, values in _side_metrics(part, entry.name, hi - lo).items():
+                side.setdefault(key, []).append(values)
             if isinstance(part, torch.Tensor):
                 part = list(part.unbind(0)) if part.dim() > 0 else [part]
             part = list(part) if not isinstance(part, (str, bytes)) and hasattr(part, "__iter__") else part
@@ -258,7 +263,9 @@ class RewardModel(RewardRole):
                 raise RewardFunctionError(entry.name, f"returned {got} value(s) for a chunk of {hi - lo} samples "
                                                       f"(rows {lo}..{hi - 1}); expected one per sample")
             out.extend(part)
-        return out
+        if side and len(next(iter(side.values()))) != len(parts):
+            raise RewardFunctionError(entry.name, "returned side metrics for some chunks of the batch only")
+        return Scores(out, {k: torch.cat(v).tolist() for k, v in side.items()}) if side else out
 
     @staticmethod
     def _call(entry: _RewardFn, prompts: list, responses: list, batch: Any, offset: int = 0) -> Any:
@@ -297,6 +304,21 @@ class RewardModel(RewardRole):
         with self._lock:
             self._fns = tuple(_RewardFn(f.name, f.fn, _check_weight(fns[f.name]["weight"], f.name), f.per_token)
                               if f.name in fns else f for f in self._fns)
+
+
+def _side_metrics(raw: Any, name: str, B: int) -> dict[str, torch.Tensor]:
+    """{key: (B,) float32} of a function's ``Scores.metrics`` (per-sample values beside its scores), else {}."""
+    if not isinstance(raw, Scores):
+        return {}
+    out = {}
+    for key, values in raw.metrics.items():
+        if not isinstance(key, str) or not key or "/" in key or not isinstance(values, (list, tuple)) \
+                or len(values) != B:
+            raise RewardFunctionError(name, f"side metric {key!r}: expected a name without '/' and a list of {B} "
+                                            f"floats, one per sample")
+        out[key] = _check_finite(torch.tensor([_number(x, name, i) for i, x in enumerate(values)],
+                                              dtype=torch.float64).float(), f"{name} side metric {key!r}")
+    return out
 
 
 def _number(x: Any, name: str, index: int) -> float:

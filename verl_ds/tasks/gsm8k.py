@@ -17,6 +17,7 @@ MINI_PATH = os.path.join(os.path.dirname(__file__), "data", "gsm8k_mini.jsonl")
 INSTRUCTION = "Answer with #### and the final number."
 # A thousands-grouped number ("1,234") or plain digits, optional sign and decimals.
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+MAX_DIGITS = 600  # a number with more digits (or a smaller or larger exponent) is not an answer
 
 
 def load_mini(path: str = MINI_PATH) -> list[dict]:
@@ -32,7 +33,7 @@ def with_instruction(question: str) -> str:
 
 def normalize_number(text) -> str | None:
     """Canonical form of a number: no commas, '$' or '+', no trailing zeros ('1,200.50' -> '1200.5',
-    '7.0' -> '7', '-0' -> '0'); None when `text` is not a number."""
+    '7.0' -> '7', '-0' -> '0'); None when `text` is not a number or has over MAX_DIGITS digits."""
     if isinstance(text, bool) or text is None:
         return None
     text = str(text).strip().replace(",", "").lstrip("$").rstrip(".")
@@ -40,7 +41,9 @@ def normalize_number(text) -> str | None:
         value = Decimal(text)
     except InvalidOperation:
         return None
-    if not value.is_finite():
+    # model text is hostile: int() of a 5,000-digit number raises (sys.int_max_str_digits), of a million digits
+    # takes most of a minute; no answer is that long
+    if not value.is_finite() or abs(value.adjusted()) >= MAX_DIGITS:  # adjusted(): digits before the point - 1
         return None
     if value == value.to_integral_value():
         return str(int(value))
