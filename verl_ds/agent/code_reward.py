@@ -1,5 +1,10 @@
-"""The ``code_tests`` reward: the response's last fenced Python block, run in the sandbox with the row's tests
-appended; 1.0 when the program exits cleanly (every assert held), else 0.0.
+"""The ``code_tests`` reward: the response's last fenced Python block, run in the sandbox, then the row's tests in
+its namespace; 1.0 only when the sandbox's harness saw the last test statement finish (a signed line on a channel
+of its own, ``verl_ds.agent.sandbox_runner``), else 0.0: an exit of any kind before that (``sys.exit(0)``,
+``os._exit(0)``, ``raise SystemExit(0)``, a signal) scores 0, whatever the exit status.
+
+Assert-based tests check only what they assert: an answer returning an object whose ``__eq__`` always returns
+True passes ``assert f(x) == y`` (docs/agents.md).
 
 The data set gives the tests per row in a ``tests`` field (Python statements, e.g. ``assert add(2, 3) == 5``),
 as code benchmarks do (MBPP's ``test_list``, HumanEval's ``check``). The programs run in parallel threads, each
@@ -30,7 +35,7 @@ def _score(code: str | None, tests) -> float:
     if code is None:
         return 0.0
     tests = "\n".join(tests) if isinstance(tests, (list, tuple)) else str(tests)
-    return float(run_python(code + "\n\n" + tests + "\n", LIMITS).ok)
+    return float(run_python(code, LIMITS, tests=tests + "\n").tests_passed is True)
 
 
 def code_tests_reward(prompts: list, responses: list, batch) -> list[float]:

@@ -186,6 +186,7 @@ class AgentConfig:
     max_tool_calls: int = _f(8, "Tool calls per trajectory at most; one more ends it.", min=1, max=1 << 16)
     max_context_tokens: int = _f(256, "Tokens of a trajectory at most (its first prompt, model turns and environment answers); a turn starts only while rollout.max_new_tokens more fit.", min=2, max=1 << 20)
     step_timeout_s: float = _f(10.0, "Seconds an environment's reset or step may take; a slower one ends its trajectory (env_timeout).", gt=0.0, max=86400.0)
+    allow_weak_sandbox: bool = _f(False, "Run model-written code (the python tool, the code_tests reward) even where bubblewrap cannot sandbox it; then only rlimits, Landlock where the kernel has it and an audit hook the code can remove stand between it and the trainer's files, processes and secrets. false: such a run is refused at start-up (docs/agents.md).")
 
 
 @dataclass

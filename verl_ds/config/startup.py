@@ -1,12 +1,14 @@
 """The start-up gate: every check that can refuse a job before torch.distributed is initialised or any model is
 built. ``check_startup(cfg, world_size)`` runs ``validate`` and then looks at the machine: model, tokenizer, data
-and reward paths, reward functions, the run directory, the checkpoint to resume, the device, and the control
-server's exposure. Each problem is one ConfigError naming the key, what was expected and what was found."""
+and reward paths, reward functions, the sandbox for model-written code, the run directory, the checkpoint to
+resume, the device, and the control server's exposure. Each problem is one ConfigError naming the key, what was
+expected and what was found."""
 from __future__ import annotations
 
 import ipaddress
 import os
 import socket
+import sys
 from typing import Optional
 
 from .fields import ConfigError
@@ -96,6 +98,44 @@ def _check_reward_code(cfg: Config) -> None:
             resolve_reward_fn(name)
         except (ValueError, TypeError, ImportError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
+
+
+def _model_code_users(cfg: Config) -> list[str]:
+    """The keys whose setting runs model-written code: the code_tests reward, an environment with the python tool."""
+    from verl_ds.agent.code_reward import code_tests_reward
+    from verl_ds.rewards import resolve_reward_fn
+
+    names = [(f"reward.functions[{i}]", s if isinstance(s, str) else s.get("name"))
+             for i, s in enumerate(cfg.reward.functions)]
+    names += [(f"server.swappable_rewards[{i}]", s) for i, s in enumerate(cfg.server.swappable_rewards)]
+    users = [f"{where}={name}" for where, name in names if resolve_reward_fn(name) is code_tests_reward]
+    if cfg.agent.environment is not None:
+        from verl_ds.agent.registry import make_environment
+        from verl_ds.agent.tools import python
+
+        try:
+            tools = getattr(make_environment(cfg.agent.environment, cfg.agent.env_args), "tools", None)
+        except Exception:  # noqa: BLE001 - a broken environment is refused where it is built, with its own message
+            tools = None
+        if python in getattr(tools, "tools", ()):
+            users.append(f"agent.environment={cfg.agent.environment} (its python tool)")
+    return users
+
+
+def _check_sandbox(cfg: Config, rank: int) -> None:
+    """A run that executes model-written code needs the bubblewrap sandbox, or agent.allow_weak_sandbox; the
+    isolation in force is printed once (rank 0)."""
+    users = _model_code_users(cfg)
+    if not users:
+        return
+    from verl_ds.agent.sandbox import SandboxUnavailable, require_sandbox
+
+    try:
+        line = require_sandbox(cfg.agent.allow_weak_sandbox)
+    except SandboxUnavailable as exc:
+        raise ConfigError(f"agent.allow_weak_sandbox: {', '.join(users)} runs model-written code; {exc}") from None
+    if rank == 0:
+        print(f"verl_ds: sandbox for model-written code ({', '.join(users)}): {line}", file=sys.stderr, flush=True)
 
 
 def _check_output_dir(out: str) -> None:
@@ -244,7 +284,7 @@ def _check_server(cfg: Config, rank: int) -> None:
 
 def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
     """Everything that can refuse the job before anything is built: ``validate(cfg, world_size)``, then paths,
-    reward functions, the run directory (created), the checkpoint to resume, the device and the server (on
+    reward functions, the sandbox, the run directory (created), the checkpoint to resume, the device and the server (on
     ``rank`` 0, that its address can be bound). Returns the Derived sizes; raises ConfigError naming the key."""
     derived = validate(cfg, world_size)
     _check_device(cfg)
@@ -254,6 +294,7 @@ def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
     _check_data_file("data.train_files", cfg.data.train_files)
     _check_data_file("data.val_files", cfg.data.val_files)
     _check_reward_code(cfg)
+    _check_sandbox(cfg, rank)
     _check_server(cfg, rank)
     _check_resume(cfg)
     _check_output_dir(cfg.trainer.output_dir)
