@@ -133,6 +133,7 @@ class WorkerPool:
         self._live: set[_Worker] = set()
         self._starting = 0
         self._cv = threading.Condition()
+        self._pid = os.getpid()  # a forked child must neither use nor kill its parent's workers
         atexit.register(self.close)
 
     def ask(self, request: dict, timeout_s: float) -> dict | None:
@@ -156,6 +157,8 @@ class WorkerPool:
 
     def _acquire(self) -> _Worker:
         with self._cv:
+            if self._pid != os.getpid():
+                self._idle, self._live, self._starting, self._pid = [], set(), 0, os.getpid()
             while not self._idle and len(self._live) + self._starting >= self.max_workers:
                 self._cv.wait()
             if self._idle:
@@ -180,6 +183,8 @@ class WorkerPool:
     def close(self) -> None:
         """Kill every worker (busy ones too: their ``ask`` returns None)."""
         with self._cv:
+            if self._pid != os.getpid():
+                return
             workers, self._idle = list(self._live), []
             self._live.clear()
         for worker in workers:

@@ -188,7 +188,8 @@ class RewardModel(RewardRole):
     def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str],
                         per_sample: Optional[dict] = None):
         """Token-level scores (B, R) float32 of a RolloutBatch and metrics ``reward/<name>/mean`` (unweighted
-        per-sample sums averaged); batch-mode scores go on column response_length - 1. ``per_sample``, a dict,
+        per-sample sums averaged; ``reward/<name>/<key>`` for a function's ``Scores.metrics``, e.g. math_verify's
+        ``timed_out``); batch-mode scores go on column response_length - 1. ``per_sample``, a dict,
         receives each metric's (B,) per-sample sums (``verl_ds.rollout.sample_means`` averages a subset)."""
         who = "RewardModel.compute_rewards"
         fns = self._fns
