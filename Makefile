@@ -26,6 +26,7 @@ test: install install-vllm
 bench: install
 	.venv/bin/python benchmarks/numerics.py
 
-# SFT -> reward model -> PPO on the learned reward model, and DPO as the alternative last step (docs/stages.md)
+# SFT -> reward model -> PPO on the learned reward model, and DPO as the alternative last step (docs/stages.md);
+# PIPELINE_ARGS: scripts/pipeline.py's flags (tests/stages/test_pipeline.py runs a short one: --sft-steps 2 ...)
 pipeline: install
-	.venv/bin/python scripts/pipeline.py
+	.venv/bin/python scripts/pipeline.py $(PIPELINE_ARGS)

@@ -26,16 +26,19 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# the tiny Llama of configs/default.yaml on every job (one rank, ZeRO-3 as the defaults)
-MODEL = ["model.config_overrides.hidden_size=64", "model.config_overrides.intermediate_size=128", "model.config_overrides.num_hidden_layers=2", "data.max_prompt_length=16",
-         "rollout.max_new_tokens=8", "trainer.loggers=[]", "trainer.resume=none"]
+# every job: one rank, ZeRO-3 as the defaults, the default job's lengths
+COMMON = ["data.max_prompt_length=16", "rollout.max_new_tokens=8", "trainer.loggers=[]", "trainer.resume=none"]
+# the tiny Llama of configs/default.yaml, built from config by the SFT job only: the later jobs start from its export
+# (model.path), whose config.json defines the model (verl-ds refuses model.config_overrides with model.path)
+SHAPE = ["model.config_overrides.hidden_size=64", "model.config_overrides.intermediate_size=128",
+         "model.config_overrides.num_hidden_layers=2"]
 HELD_OUT_SEED = 777  # prompts for the rule scores of the SFT and DPO models: none of the jobs trains on them
 
 
 def config(out: str, name: str, overrides: list):
     from verl_ds.config import load_config
 
-    args = [*MODEL, f"trainer.output_dir={os.path.join(out, name)}", *overrides]
+    args = [*COMMON, f"trainer.output_dir={os.path.join(out, name)}", *overrides]
     print(f"\n== {name}: {' '.join(args)}", flush=True)
     return load_config(None, args)
 
@@ -161,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--ppo-steps", type=int, default=100)
     p.add_argument("--dpo-steps", type=int, default=60)
     p.add_argument("--eval-prompts", type=int, default=512)
+    p.add_argument("--pairs", type=int, default=4096, help="training preference pairs' prompts (RM and DPO)")
+    p.add_argument("--val-pairs", type=int, default=512, help="held-out preference pairs' prompts")
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument("--ppo-lr", type=float, default=1e-3)
     args = p.parse_args(argv)
@@ -171,10 +176,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     out, t0 = args.output_dir, time.perf_counter()
 
-    sft = run_stage("sft", out, [f"trainer.total_steps={args.sft_steps}", "trainer.val_every=0", "actor.lr=1e-3"])
+    sft = run_stage("sft", out, [*SHAPE, f"trainer.total_steps={args.sft_steps}", "trainer.val_every=0",
+                                 "actor.lr=1e-3"])
     sft_model = sft["export_dir"]
-    train_pairs = write_pairs(os.path.join(out, "pairs", "train.jsonl"), sft_model, 4096, seed=1)
-    val_pairs = write_pairs(os.path.join(out, "pairs", "val.jsonl"), sft_model, 512, seed=2)
+    train_pairs = write_pairs(os.path.join(out, "pairs", "train.jsonl"), sft_model, args.pairs, seed=1)
+    val_pairs = write_pairs(os.path.join(out, "pairs", "val.jsonl"), sft_model, args.val_pairs, seed=2)
     data = [f"data.train_files={train_pairs}", f"data.val_files={val_pairs}"]
     rm = run_stage("rm", out, [f"model.path={sft_model}", f"trainer.total_steps={args.rm_steps}", "actor.lr=1e-3",
                                *data])
@@ -199,4 +205,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from verl_ds.cli import explained
+
+    # a job's start-up refusal (a ConfigError) is one "verl_ds: error:" line and exit 2, as the verl-ds commands give
+    sys.exit(explained(main))

@@ -240,6 +240,13 @@ def _main(argv) -> int:
 
         return state_main(argv[1:])
     args = build_parser().parse_args(argv)
+    return explained(lambda: args.func(args))
+
+
+def explained(run) -> int:
+    """``run()``'s status, or one ``verl_ds: error:`` line and its status for an error the package explains (2: a
+    job refused before anything was built; 1: a failure while running); scripts that run jobs in-process (e.g.
+    scripts/pipeline.py) end through here too."""
     from verl_ds.config import ConfigError
     from verl_ds.dist import LaunchError
 
@@ -249,7 +256,7 @@ def _main(argv) -> int:
     from verl_ds.runtime.run_lock import RunDirectoryBusy
 
     try:
-        return args.func(args)
+        return run()
     except (ConfigError, LaunchError, RunDirectoryBusy) as exc:  # caught before any model was built
         print(f"verl_ds: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 2
