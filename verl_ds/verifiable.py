@@ -98,8 +98,8 @@ def math_answer_reward(prompts: list, responses: list, batch) -> Scores:
     ``\\boxed{}`` first, then the last LaTeX or plain expression); a response without one scores 0. The
     reference may be LaTeX or plain (``\\frac{1}{2}``, ``1/2``, ``0.5``, ``1,234``, GSM8K ``... #### 72``);
     one that cannot be parsed raises ValueError naming the sample. Each check runs in a worker process: one
-    that takes over the timeout (:func:`set_math_verify_timeout`) scores 0 and counts in the side metric
-    ``timed_out`` (1.0 for that sample)."""
+    that takes over the timeout (:func:`set_math_verify_timeout`), or ends its worker, scores 0 and counts in the
+    side metric ``timed_out`` (1.0 for that sample)."""
     who = "math_verify"
     check_lists(who, prompts, responses)
     answers = extras_field(who, responses, batch, "answer", "answers")

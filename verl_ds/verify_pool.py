@@ -70,9 +70,14 @@ def main() -> None:
         request = json.loads(line)
         # a backstop if the trainer dies without killing us: the kernel ends a check that runs on and on
         used = sum(resource.getrusage(resource.RUSAGE_SELF)[:2])
-        resource.setrlimit(resource.RLIMIT_CPU, (int(used + 2 * request["cpu_s"]) + 2, resource.RLIM_INFINITY))
+        cpu_hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        cpu_soft = int(used + 2 * request["cpu_s"]) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_soft if cpu_hard == resource.RLIM_INFINITY
+                                                 else min(cpu_soft, cpu_hard), cpu_hard))
         try:
             reply(check(request["gold"], request["pred"]))
+        except MemoryError:  # the address-space cap: the caller sees a dead worker, as after a timeout
+            os._exit(3)
         except Exception as e:  # math-verify catches its own errors; this is a bug worth seeing, not a score
             reply({"error": f"{type(e).__name__}: {e}"})
 
