@@ -34,9 +34,10 @@ def rollout_generation_config(*, max_new_tokens: int, temperature: float, top_k:
     from transformers import GenerationConfig
 
     return GenerationConfig(
-        # top_k <= 0 disables it (our convention, as vLLM's -1); HF's TopKLogitsWarper refuses a negative k
+        # top_k <= 0 disables it (our convention, as vLLM's -1); HF's TopKLogitsWarper refuses a negative k. Greedy
+        # leaves it unset: argmax uses no warper, and transformers warns of any top_k but its default with do_sample off
         do_sample=not greedy, temperature=1.0 if greedy else float(temperature),
-        top_k=0 if greedy or top_k <= 0 else int(top_k), top_p=1.0 if greedy else float(top_p),
+        top_k=None if greedy else max(int(top_k), 0), top_p=1.0 if greedy else float(top_p),
         typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
         no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=0,
         guidance_scale=1.0, renormalize_logits=False, remove_invalid_values=False,
