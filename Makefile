@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make run` (the default PPO job) and `make test` (the test suite).
 # Each installs what it needs first (idempotent): .venv (scripts/bootstrap.sh); `make test` also the vLLM
-# venv .venv-vllm (scripts/install_vllm.sh, ~2 min), where the vLLM tests run.
+# venv .venv-vllm (scripts/install_vllm.sh, ~2 min), where the vLLM tests run, and bubblewrap (the sandbox).
 SHELL := /bin/bash
 export DS_ACCELERATOR := cpu
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.torch_ext
@@ -9,7 +9,7 @@ export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TRANSFORMERS_VERBOSITY := error
 export PYTHONWARNINGS := ignore::FutureWarning
 
-.PHONY: install install-vllm run test bench pipeline
+.PHONY: install install-vllm install-sandbox run test bench pipeline
 
 install:
 	bash scripts/bootstrap.sh
@@ -20,7 +20,11 @@ install-vllm:
 run: install
 	.venv/bin/python launch/train.py
 
-test: install install-vllm
+# bubblewrap, the sandbox of model-written code: apt-get install when missing (root), else a warning (.ci/run)
+install-sandbox:
+	bash .ci/run sandbox
+
+test: install install-vllm install-sandbox
 	.venv/bin/python -m pytest -q tests
 
 bench: install

@@ -31,3 +31,24 @@ def test_missing_tests_are_named():
         code_tests_reward([""], [GOOD], RewardBatch({"answer": ["5"]}))
     with pytest.raises(ValueError, match="code_tests: got 2 rows of tests for 1 responses"):
         code_tests_reward([""], [GOOD], RewardBatch({"tests": ["", ""]}))
+
+
+EXITS = ["sys.exit(0)", "os._exit(0)", "raise SystemExit(0)", "os.kill(os.getpid(), signal.SIGKILL)",
+         "signal.raise_signal(signal.SIGTERM)"]
+
+
+@pytest.mark.parametrize("where", ["function", "module"])
+@pytest.mark.parametrize("exit_", EXITS)
+def test_an_exit_before_the_last_assert_scores_0(exit_, where):
+    body = f"    {exit_}\n    return a - b" if where == "function" else "    return a - b"
+    after = "" if where == "function" else exit_ + "\n"
+    answer = f"```python\nimport os, signal, sys\ndef add(a, b):\n{body}\n{after}```"
+    tests = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0"]
+    assert code_tests_reward([""] * 2, [answer, GOOD], RewardBatch({"tests": [tests] * 2})) == [0.0, 1.0]
+
+
+def test_an_exit_in_the_middle_of_the_tests_scores_0():
+    answer = "```python\nimport sys\ndef add(a, b):\n    if a < 0: sys.exit(0)\n    return a + b\n```"
+    tests = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(1, 1) == 2"]
+    assert code_tests_reward([""], [answer], RewardBatch({"tests": [tests]})) == [0.0]
+

@@ -9,6 +9,7 @@ environment's step rewards) sits on the model's last token, where the estimators
 
 ``agent/retokenization_mismatches`` counts sampled tokens whose id or log-prob in the finished batch differs
 from what the sampler returned: it must stay 0 (token in, token out; nothing is decoded and encoded again).
+``agent/sandbox_runs/{bwrap,weak}`` count the step's sandboxed code runs per backend (``verl_ds.agent.sandbox``).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 from verl_ds.agent.chat_tokens import ChatTokens
 from verl_ds.agent.episodes import END_REASONS, EpisodeLimits, Trajectory, engine_turns, run_episodes
 from verl_ds.agent.registry import make_environment
+from verl_ds.agent.sandbox import call_counts
 from verl_ds.batch import RolloutBatch
 from verl_ds.metrics import Timings
 
@@ -143,6 +145,7 @@ def agent_rollout(spec: AgentSpec, actor, tokenizer, prompts: dict, *, max_new_t
     samples = _samples(prompts)
     group_index = prompts.get("group_index", torch.arange(len(samples)))
     engine = actor.rollout_engine
+    runs_before = call_counts()
     with t("gen"):
         envs = [make_environment(spec.environment, spec.env_args) for _ in samples]
         chat = spec.chat(tokenizer, envs[0])
@@ -157,7 +160,12 @@ def agent_rollout(spec: AgentSpec, actor, tokenizer, prompts: dict, *, max_new_t
         batch.extras = {"prompt": list(prompts["prompts"]), **prompts["extras"],
                         "agent_end": [tr.end for tr in trajs]}
         texts = [tokenizer.decode(tr.ids) for tr in trajs]
-    return Rollout(batch=batch, responses=texts, metrics=episode_metrics(trajs, mismatches))
+    metrics = episode_metrics(trajs, mismatches)
+    runs = call_counts()
+    for backend in ("bwrap", "weak"):  # the isolation model-written code ran under this step
+        runs[backend] = runs.get(backend, 0) - runs_before.get(backend, 0)
+        metrics[f"agent/sandbox_runs/{backend}"] = torch.tensor(float(runs[backend]), dtype=torch.float64)
+    return Rollout(batch=batch, responses=texts, metrics=metrics)
 
 
 def agent_rollout_fn(spec: AgentSpec):

@@ -173,7 +173,9 @@ def _run(code, limits, stdin, max_procs, tests, backend) -> SandboxResult:
     work = os.path.realpath(tempfile.mkdtemp(prefix="verl_ds_sandbox_")) if weak else _bw.WORK
     job = {"dir": work, "cpu_s": int(limits.cpu_s), "memory_bytes": int(limits.memory_mb) << 20,
            "file_bytes": int(limits.max_file_bytes), "open_files": int(limits.max_open_files),
-           "nproc": 0 if uid == 0 else _tasks_of_user(uid) + max_procs + (0 if weak else 2),  # bwrap's 2
+           # RLIMIT_NPROC counts the uid's processes; in bwrap's user namespace (Linux 5.14+) only the sandbox's
+           # own: the runner and its children (+1 in case the namespace's init counts too)
+           "nproc": 0 if uid == 0 else _tasks_of_user(uid) + max_procs if weak else max_procs + 1,
            "max_procs": max_procs, "weak": weak, "code": code, "tests": tests, "nonce": nonce}
     job_fd = _memfd(json.dumps(job).encode())  # never blocks, whatever the code's size; the runner closes it
     seccomp = _bw.no_process_filter() if not weak and max_procs == 1 else None
