@@ -92,3 +92,41 @@ def test_a_bwrap_that_cannot_make_namespaces_is_named(monkeypatch, tmp_path):
     with pytest.raises(sandbox.SandboxUnavailable, match="cannot make a sandbox here: bwrap: No permissions to "
                                                          "create new namespace"):
         sandbox.require_sandbox(False)
+
+
+class CodeResetEnv(ToolEnvironment):
+    """Runs a program in the sandbox at each reset, as an environment that executes code would."""
+
+    def __init__(self):
+        super().__init__(ToolSet([python]))
+
+    def reset(self, sample):
+        assert sandbox.run_python("print(1)").stdout == "1\n"
+        return [{"role": "user", "content": "compute"}]
+
+    def score(self, answer):
+        return 0.0
+
+
+@pytest.mark.skipif(not sandbox._probe()[0], reason=f"no bubblewrap sandbox here: {sandbox._probe()[1]}")
+def test_the_agent_rollout_counts_its_sandbox_runs_per_backend():
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from chat_testutil import chat_tokenizer
+    from verl_ds.agent.rollout import AgentSpec, agent_rollout
+    from verl_ds.generation import HFRolloutEngine
+
+    tok = chat_tokenizer("chatml")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)).eval()
+    engine = HFRolloutEngine(model, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                             gather_params=False)
+    spec = AgentSpec("test_sandbox_startup:CodeResetEnv")
+    out = agent_rollout(spec, SimpleNamespace(rollout_engine=engine), tok, {"prompts": ["a", "b"], "extras": {}},
+                        max_new_tokens=4)
+    assert float(out.metrics["agent/sandbox_runs/bwrap"]) == 2  # one reset per trajectory
+    assert float(out.metrics["agent/sandbox_runs/weak"]) == 0

@@ -39,7 +39,10 @@ __all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python",
 
 STATUSES = ("ok", "error", "refused", "memory", "cpu_time", "timeout", "output_limit", "disk_limit")
 INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
-_RUNNER = open(os.path.join(os.path.dirname(__file__), "sandbox_runner.py")).read()
+with open(os.path.join(os.path.dirname(__file__), "sandbox_runner.py")) as _f:
+    _RUNNER = _f.read()  # passed with -c: nothing of the package needs to be readable inside the sandbox
+_ROOT_NOTE = (" (RLIMIT_NPROC does not bind uid 0: processes are stopped by the seccomp filter at max_procs=1 "
+              "only)")
 _STATE = {"probe": None, "weak_ok": False}
 _LOCK = threading.Lock()
 _CALLS: Counter = Counter()
@@ -112,7 +115,7 @@ def _probe() -> tuple[bool, str]:
                     ok, why = False, f"{path} cannot be run: {exc}"
                 uid = _bw.host_uid()
                 _STATE["probe"] = (ok, f"bubblewrap namespaces (user, pid, mount, net, ipc, uts) via {path}, host "
-                                       f"uid {uid}{'' if uid else ' (RLIMIT_NPROC does not bind it)'}" if ok else why)
+                                       f"uid {uid}{'' if uid else _ROOT_NOTE}" if ok else why)
         return _STATE["probe"]
 
 
@@ -175,7 +178,7 @@ def _run(code, limits, stdin, max_procs, tests, backend) -> SandboxResult:
            "file_bytes": int(limits.max_file_bytes), "open_files": int(limits.max_open_files),
            # RLIMIT_NPROC counts the uid's processes; in bwrap's user namespace (Linux 5.14+) only the sandbox's
            # own: the runner and its children (+1 in case the namespace's init counts too)
-           "nproc": 0 if uid == 0 else _tasks_of_user(uid) + max_procs if weak else max_procs + 1,
+           "nproc": 0 if uid == 0 else (_tasks_of_user(uid) + max_procs if weak else max_procs + 1),
            "max_procs": max_procs, "weak": weak, "code": code, "tests": tests, "nonce": nonce}
     job_fd = _memfd(json.dumps(job).encode())  # never blocks, whatever the code's size; the runner closes it
     seccomp = _bw.no_process_filter() if not weak and max_procs == 1 else None
