@@ -13,6 +13,7 @@ import os
 import resource
 import signal
 import sys
+import traceback
 
 def _limit(kind, value, hard=None):
     try:
@@ -127,12 +128,13 @@ def main():
         if job["tests"] is not None:
             exec(compile(job["tests"], os.path.join(work, "tests.py"), "exec"), scope)
             report("passed")
-    except MemoryError:
-        report("memory")
+    except SystemExit:
         raise
-    except SandboxRefused:
-        report("refused")
-        raise
+    except BaseException as exc:  # noqa: BLE001 - the code's error, told from its own frames on
+        if isinstance(exc, (MemoryError, SandboxRefused)):
+            report("memory" if isinstance(exc, MemoryError) else "refused")
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
