@@ -23,8 +23,8 @@ CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 # The hook removal of the review: find the hook through the garbage collector, give it a body that allows all.
 UNHOOK = """import gc
 for f in [o for o in gc.get_objects() if getattr(o, "__name__", "") == "hook" and hasattr(o, "__code__")]:
-    n = len(f.__code__.co_freevars); ns = {}
-    exec(f"def outer({','.join('v%d' % i for i in range(n))}):\\n def hook(event, args):\\n  return ({','.join('v%d' % i for i in range(n))},)\\n return hook", ns)
+    n = len(f.__code__.co_freevars); ns = {}; names = ','.join('v%d' % i for i in range(n))
+    exec(f"def outer({names}):\\n def hook(event, args):\\n  return ({names},)\\n return hook", ns)
     f.__code__ = ns["outer"](*range(n)).__code__
 import ctypes; print("UNHOOKED", flush=True)
 """
@@ -78,7 +78,8 @@ UNHOOKS = pytest.mark.parametrize("unhook", [False, True], ids=["hooked", "unhoo
 ])
 def test_no_process_outlives_the_call(unhook, how):
     marker = f"outlive_{secrets.token_hex(6)}"
-    code = f"import multiprocessing, os, subprocess, time\nattempt('start', lambda: {how.format(m=marker)})\ntime.sleep(1)"
+    code = (f"import multiprocessing, os, subprocess, time\nattempt('start', lambda: {how.format(m=marker)})\n"
+            "time.sleep(1)")
     r = attack(code, unhook, SandboxLimits(timeout_s=4, cpu_s=4), max_procs=4)
     # the call ends when its program does (multiprocessing's exit waits for its child: then at the timeout)
     assert r.status in ("ok", "timeout"), r
@@ -88,7 +89,8 @@ def test_no_process_outlives_the_call(unhook, how):
     assert _host_processes_with(marker) == [], r
 
 
-@pytest.mark.parametrize("code", ["os.fork()", "subprocess.run(['/bin/true'])", "os.posix_spawn('/bin/true', ['t'], {})"])
+@pytest.mark.parametrize("code", ["os.fork()", "subprocess.run(['/bin/true'])",
+                                  "os.posix_spawn('/bin/true', ['t'], {})"])
 def test_no_process_starts_at_max_procs_1_without_the_hook(code):
     r = attack(f"import os, subprocess\nattempt('fork', lambda: {code})", True)
     assert "REACHED" not in r.stdout and "DENIED fork" in r.stdout, r  # the seccomp filter, even for root
@@ -233,7 +235,8 @@ def test_a_flood_of_files_ends_at_the_cap(unhook):
     ("import sys\nprint('SandboxRefused: sandbox: os.fork is not allowed', file=sys.stderr)\nsys.exit(1)", "error"),
     ("import sys\nprint('MemoryError', file=sys.stderr)\nsys.exit(1)", "error"),
     ("import os\nfor fd in range(3, 12):\n    for word in ('refused', 'memory', 'cpu_time', 'passed'):\n"
-     "        try: os.write(fd, f'x {word}\\n'.encode())\n        except OSError: pass\nraise SystemExit(152)", "error"),
+     "        try: os.write(fd, f'x {word}\\n'.encode())\n        except OSError: pass\n"
+     "raise SystemExit(152)", "error"),
 ])
 def test_the_status_comes_from_the_harness_not_the_output(code, status):
     r = run_python(code, LIMITS, tests="pass")

@@ -244,8 +244,9 @@ def _inodes_used(bwrap_pid: int) -> int | None:
 
 def _collect(proc: subprocess.Popen, stdin: bytes, result_fd: int, limits: SandboxLimits, count_inodes: bool):
     """Read the pipes until the child ends, the deadline passes, the output passes the cap or (``count_inodes``)
-    the work directory holds more than ``max_files`` entries; the child's session is killed in the last cases (and in any case at the end: no straggler survives; bwrap's
-    processes die with their parent, and every process of the PID namespace with them)."""
+    the work directory holds more than ``max_files`` entries; the child's session is killed at the end whatever
+    happened: no straggler survives (bwrap's processes die with their parent, and every process of the PID
+    namespace with them)."""
     deadline = time.monotonic() + limits.timeout_s
     fo, fe = proc.stdout.fileno(), proc.stderr.fileno()
     bufs = {fo: bytearray(), fe: bytearray(), result_fd: bytearray()}

@@ -1,12 +1,13 @@
 """The harness that runs inside the sandbox, before and around the untrusted code (stdlib only: it runs under
 ``python -I -c``, its source passed by ``verl_ds.agent.sandbox``).
 
-It reads its job (limits, code, tests, a per-call nonce) from the fd in argv[1], a memfd it closes before any untrusted code
-runs, so the nonce is in no file, argument or environment variable. It reports on the fd in argv[2] only lines that carry the
-nonce: ``<nonce> start <isolation>`` before the code runs, ``<nonce> memory`` / ``refused`` / ``cpu_time`` when the
-code ended on that error or limit, ``<nonce> passed`` after the last test statement ran. The parent believes nothing else, so
-printing ``SandboxRefused`` or exiting early (``sys.exit(0)``, ``os._exit(0)``, a signal) reports nothing. Code that
-reads this process's memory to find the nonce could still forge a line: no in-process harness can stop that.
+It reads its job (limits, code, tests, a per-call nonce) from the fd in argv[1], a memfd it closes before any
+untrusted code runs, so the nonce is in no file, argument or environment variable. It reports on the fd in argv[2]
+only lines that carry the nonce: ``<nonce> start <isolation>`` before the code runs, ``<nonce> memory`` /
+``refused`` / ``cpu_time`` when the code ended on that error or limit, ``<nonce> passed`` after the last test
+statement ran. The parent believes nothing else, so printing ``SandboxRefused`` or exiting early (``sys.exit(0)``,
+``os._exit(0)``, a signal) reports nothing. Code that reads this process's memory to find the nonce could still
+forge a line: no in-process harness can stop that.
 """
 import json
 import os
