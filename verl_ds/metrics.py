@@ -53,6 +53,22 @@ def reduce_metrics(metrics: dict, op: str = "mean") -> dict:
     return dict(zip(keys, t.tolist()))
 
 
+def sample_means_over_ranks(per_sample: dict) -> dict:
+    """Collective: each per-sample metric's (``Rollout.per_sample``: name -> (n,) values) mean over every rank's
+    samples that have it, the same on every rank, and every rank gets every rank's names (``reduce_metrics`` pairs
+    values by sorted name: a name only some ranks have, e.g. from groups scored before a reward swap that the
+    asynchronous generation threads of two ranks crossed at different batches, would pair with another's)."""
+    from verl_ds.dist import all_reduce_sum, gather_object
+
+    keys = sorted(set().union(*gather_object(sorted(per_sample))))
+    if not keys:
+        return {}
+    local = [(per_sample[k].detach().to("cpu", torch.float64).sum(), float(per_sample[k].numel()))
+             if k in per_sample else (torch.zeros((), dtype=torch.float64), 0.0) for k in keys]
+    sums = all_reduce_sum(torch.stack([torch.stack([s, torch.tensor(n, dtype=torch.float64)]) for s, n in local]))
+    return {k: sums[i, 0] / sums[i, 1] for i, k in enumerate(keys)}
+
+
 class MetricsLogger:
     """Rank 0 writes one JSON line per step to ``metrics.jsonl`` and keeps the latest values for /metrics."""
 

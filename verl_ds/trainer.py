@@ -32,7 +32,7 @@ from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, check_startup, write_run_config
 from verl_ds.control import StepBoundary, start_control_server
-from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics
+from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics, sample_means_over_ranks
 from verl_ds.models.ppo import LOSS_SHARE_METRICS
 from verl_ds.models.sequence_parallel import turns
 from verl_ds.packing import micro_batch_groups
@@ -109,8 +109,7 @@ class Trainer:
 
     def _planned_updates(self) -> int:
         """Optimizer steps a step makes: mini-batches x epochs, for the actor and (with one) the critic."""
-        cfg = self.cfg
-        epochs = cfg.actor.ppo_epochs + cfg.critic.ppo_epochs * self.ppo.needs_critic
+        epochs = self.cfg.actor.ppo_epochs + self.cfg.critic.ppo_epochs * self.ppo.needs_critic
         return self.derived.mini_batches_per_epoch * epochs
 
     def train_step(self) -> dict:
@@ -164,8 +163,9 @@ class Trainer:
                     batch.values = self._no_grad_pass("critic", batch, chunks, lambda m, b: m.get_values(
                         b.observation, b.mask, b.response_width))
         baseline = batch.extras.get("baseline_score")
-        with t("adv"):
-            metrics = {**rollout.metrics, **self.ppo.compute_advantage(batch, whiten_fn=vdist.global_masked_whiten,
+        with t("adv"):  # the reward metrics of the rows trained, over every rank's (also across a reward swap)
+            metrics = {**rollout.metrics, **sample_means_over_ranks(rollout.per_sample), **self.ppo.compute_advantage(
+                batch, whiten_fn=vdist.global_masked_whiten,
                 baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
         # a non-finite value on any rank skips the update on every rank
         if not self.guard.check_batch(batch, planned_updates=self._planned_updates()):

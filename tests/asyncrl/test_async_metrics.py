@@ -72,3 +72,52 @@ def test_a_step_of_two_generation_calls_logs_the_mean_reward_of_the_samples_it_t
     assert m["training/global_step"] == 2
     assert m["reward/score/mean"] == pytest.approx(0.625, abs=1e-7)
     assert m["rollout/score/mean"] == pytest.approx(0.625, abs=1e-7)
+
+
+SWAP_WORKER = r'''
+import json, sys
+import torch
+from verl_ds import dist as vdist
+from verl_ds.asyncrl.producer import taken_samples
+from verl_ds.asyncrl.queue import Group
+from verl_ds.metrics import reduce_metrics, sample_means_over_ranks
+from verl_ds.rollout import Rollout
+
+vdist.init_distributed(vdist.detect_launch(), 60, "cpu")
+rank = vdist.rank()
+
+
+def group(values: dict) -> Group:  # the per-sample reward values of one prompt's 2 samples
+    return Group(batch=None, responses=[], index=0, versions=torch.zeros(2, 1, dtype=torch.int64),
+                 per_sample={k: torch.tensor(v) for k, v in values.items()})
+
+
+# the groups each rank's step takes; rank 1's generation thread crossed the reward swap one batch earlier
+cases = {"mixed": [[{"reward/parity/mean": [1.0, 0.0]}, {"reward/parity/mean": [1.0, 1.0]}],
+                   [{"reward/parity/mean": [0.0, 0.0]}, {"reward/swapped/mean": [0.5, 1.0]}]],
+         "one_each": [[{"reward/parity/mean": [1.0, 1.0]}], [{"reward/swapped/mean": [0.25, 0.25]}]]}
+out = {}
+for name, per_rank in cases.items():
+    rollout = Rollout(batch=None, responses=[], metrics={"async/queue_len": torch.tensor(1.0)},
+                      per_sample=taken_samples([group(g) for g in per_rank[rank]]))
+    # the trainer's assembly of the step's metrics (verl_ds.trainer.Trainer.train_step), reduced over the ranks
+    out[name] = reduce_metrics({**rollout.metrics, **sample_means_over_ranks(rollout.per_sample)})
+json.dump(out, open(sys.argv[1] % rank, "w"))
+vdist.shutdown()
+'''
+
+
+@pytest.mark.timeout(300)
+def test_reward_metrics_pair_by_name_over_ranks_whose_groups_were_scored_by_different_rewards(tmp_path):
+    """Around a reward swap the ranks' generation threads cross it at different batches: a step's groups on one rank
+    carry reward/<old>/mean, on another reward/<new>/mean. Each is the mean over every rank's samples that have it,
+    logged under its own name on every rank (the per-rank means were all-reduced in sorted-name order: a name only
+    some ranks had was paired with another's value, or the collective's sizes differed)."""
+    results = run_ranks(SWAP_WORKER, 2, tmp_path, timeout=240)
+    for res in results:
+        # by hand: parity's samples 1, 0, 1, 1 (rank 0) and 0, 0 (rank 1); swapped's 0.5, 1.0 (rank 1)
+        assert res["mixed"] == {"async/queue_len": 1.0, "reward/parity/mean": pytest.approx(0.5),
+                                "reward/swapped/mean": pytest.approx(0.75)}
+        assert res["one_each"] == {"async/queue_len": 1.0, "reward/parity/mean": pytest.approx(1.0),
+                                   "reward/swapped/mean": pytest.approx(0.25)}
+    assert results[0] == results[1]

@@ -41,8 +41,10 @@ def _control(bridge, cmd: int = _STOP, code: int = 0, payload=None):
 
 
 def send_rollout(placement: Placement, ro: Rollout, dst: int) -> None:
-    """One training rank's scored batch, as plain host data over the gloo bridge: fields, extras, texts, metrics."""
+    """One training rank's scored batch, as plain host data over the gloo bridge: fields, extras, texts, metrics and
+    per-sample reward values."""
     b = ro.batch.to("cpu")
     metrics = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in ro.metrics.items()}
     _send_obj(placement.bridge, {"fields": {f: b[f] for f in b.present()}, "extras": dict(b.extras),
-                                 "responses": ro.responses, "metrics": metrics}, dst)
+                                 "responses": ro.responses, "metrics": metrics,
+                                 "per_sample": {k: v.cpu() for k, v in ro.per_sample.items()}}, dst)

@@ -26,15 +26,16 @@ from verl_ds import dist as vdist
 from verl_ds.asyncrl.queue import Group, ProducerError, SampleQueue
 from verl_ds.asyncrl.reshard import rank_part
 from verl_ds.metrics import Timings
-from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score, sample_means
+from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score
 
 log = logging.getLogger(__name__)
 
 
-def taken_metrics(groups: list) -> dict:
-    """The reward metrics of the groups a step trains on, from their per-sample values (not the generation call's)."""
+def taken_samples(groups: list) -> dict:
+    """The per-sample reward values of the groups a step trains on (``Rollout.per_sample``: the trainer's reward
+    metrics are their means over every rank, ``metrics.sample_means_over_ranks``), not the generation calls'."""
     keys = dict.fromkeys(k for g in groups for k in g.per_sample)
-    return sample_means({k: torch.cat([g.per_sample[k] for g in groups if k in g.per_sample]) for k in keys})
+    return {k: torch.cat([g.per_sample[k] for g in groups if k in g.per_sample]) for k in keys}
 
 
 class WeightGate:
@@ -135,9 +136,9 @@ class AsyncRollout:
         n = self.cfg.rollout.n
         batch.group_index = torch.arange(len(groups), device=batch.action.device).repeat_interleave(n)
         busy, self._busy_mark = self.busy_s - self._busy_mark, self.busy_s  # generate time since the last step
-        # the reward metrics of the samples taken, which may come from several generation calls
-        metrics = {**taken_metrics(groups), **metrics, "async/gen_busy_s": torch.tensor(busy)}
-        return Rollout(batch=batch, responses=[r for g in groups for r in g.responses], metrics=metrics)
+        # the reward values of the samples taken, which may come from several generation calls
+        return Rollout(batch=batch, responses=[r for g in groups for r in g.responses],
+                       metrics={**metrics, "async/gen_busy_s": torch.tensor(busy)}, per_sample=taken_samples(groups))
 
     def refresh(self) -> None:
         """After the actor's update: the replica takes the new weights (a collective under ZeRO-3, on this thread)

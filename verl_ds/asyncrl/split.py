@@ -81,8 +81,10 @@ class RemoteRollout:
                                     f"or failed (its log says why): {str(exc).splitlines()[0]}") from None
         from verl_ds.batch import RolloutBatch
 
-        batch = RolloutBatch(extras=msg["extras"], **msg["fields"]).to(self.trainer.actor_engine.device)
-        return Rollout(batch=batch, responses=msg["responses"], metrics=msg["metrics"])
+        device = self.trainer.actor_engine.device
+        batch = RolloutBatch(extras=msg["extras"], **msg["fields"]).to(device)
+        return Rollout(batch=batch, responses=msg["responses"], metrics=msg["metrics"],
+                       per_sample={k: v.to(device) for k, v in msg["per_sample"].items()})
 
     def refresh(self) -> None:
         """After the update: the weights go to the generation ranks (a collective of every rank)."""

@@ -30,7 +30,7 @@ import time
 import torch
 
 from verl_ds.asyncrl.placement import Placement, receive_weights
-from verl_ds.asyncrl.producer import AsyncRollout, WeightGate, taken_metrics
+from verl_ds.asyncrl.producer import AsyncRollout, WeightGate, taken_samples
 from verl_ds.asyncrl.queue import Group, SampleQueue
 from verl_ds.asyncrl import split_state
 from verl_ds.asyncrl.bridge import _REQUEST, _SAVE, _STOP, _WEIGHTS, _control, send_rollout
@@ -108,7 +108,7 @@ class _Streamer:
             groups, metrics = self.queues[t].take(self.per_step, self.gate.version, bound, policy, self.wait_s,
                                                   on_stale=lambda grp, t=t: self.redo[t].append(grp.index),
                                                   on_kept=lambda grp, t=t: self._took(t))
-            metrics = {**taken_metrics(groups), **metrics, "async/gen_busy_s": torch.tensor(busy),
+            metrics = {**metrics, "async/gen_busy_s": torch.tensor(busy),
                        "async/state_version": torch.tensor(float(self.g.state.version))}
             send_rollout(self.pl, self._batch(groups, metrics), t)
         self.gate.poke(lambda: None)  # wakes the generation thread: prompts handed back for regeneration may start
@@ -121,7 +121,8 @@ class _Streamer:
         rwidth = max(grp.batch.response_width for grp in groups)
         batch = RolloutBatch.cat([_pad_to(grp.batch, width, rwidth, pad) for grp in groups])
         batch.group_index = torch.arange(len(groups), device=batch.action.device).repeat_interleave(self.cfg.rollout.n)
-        return Rollout(batch=batch, responses=[x for grp in groups for x in grp.responses], metrics=metrics)
+        return Rollout(batch=batch, responses=[x for grp in groups for x in grp.responses], metrics=metrics,
+                       per_sample=taken_samples(groups))
 
     def _close(self) -> None:
         self.stop = True
