@@ -241,7 +241,7 @@ def calc(expression: str) -> str:
 
 
 def python(code: str) -> str:
-    """Run a Python program in a sandbox (no network, a private scratch directory, 10 s) and return its output.
+    """Run Python (standard library only) isolated: no network, no files but its own directory, 10 s; print results.
 
     Args:
         code: The program; what it prints is the result.
