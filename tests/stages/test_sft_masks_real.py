@@ -41,7 +41,8 @@ def test_prompt_completion_rows_train_only_the_completions_turns(tok):
     prompt, completion = CONVERSATIONS[1][:4], CONVERSATIONS[1][4:]
     ids, mask, _ = chat_tokens(tok, prompt + completion, first_trained=len(prompt))
     trl_ids, trl_mask = generation_tagged_mask(tok, prompt + completion)
-    first = len(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    first = len(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                        return_dict=True)["input_ids"])
     assert ids == trl_ids and mask == [0] * first + trl_mask[first:]
 
 
