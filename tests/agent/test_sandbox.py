@@ -143,3 +143,23 @@ def test_the_sandbox_reports_its_namespaces_and_the_runtime_only():
     # /usr and the merged-/usr links, the interpreter's prefix (here maybe under /root), /proc, /dev, /work
     assert set(top) <= {"bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr", "proc", "dev", "work", "root",
                         "opt"}, top
+
+
+@pytest.mark.skipif(not os.path.isdir("/work"), reason="the host has no /work for a child's unpivoted root to show")
+def test_the_work_directory_is_counted_only_once_it_is_the_sandboxs_tmpfs():
+    # before bwrap's child pivots into its new root, /proc/<child>/root/work is the host's /work: its entry count
+    # (a whole disk's) once ended a call at start as disk_limit
+    import subprocess
+
+    parent = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        for _ in range(200):
+            if os.path.exists(f"/proc/{parent.pid}/task/{parent.pid}/children") and \
+                    open(f"/proc/{parent.pid}/task/{parent.pid}/children").read().split():
+                break
+            threading.Event().wait(0.01)
+        assert sandbox._inodes_used(parent.pid, FAST.disk_mb << 20) is None
+    finally:
+        subprocess.run(["pkill", "-P", str(parent.pid)])
+        parent.kill()
+        parent.wait()

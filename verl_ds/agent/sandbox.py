@@ -230,14 +230,17 @@ def _memfd(data: bytes) -> int:
     return fd
 
 
-def _inodes_used(bwrap_pid: int) -> int | None:
+def _inodes_used(bwrap_pid: int, disk_bytes: int) -> int | None:
     """Files and directories in the sandbox's work directory, seen through its first process's root (bwrap
-    0.8 cannot give its tmpfs an nr_inodes cap); None where that cannot be read."""
+    0.8 cannot give its tmpfs an nr_inodes cap); None where that cannot be read yet. Only a file system of the
+    tmpfs's size counts: before the child's pivot its root is the host's, whose own /work may exist."""
     try:
         with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
             child = f.read().split()[0]
         st = os.statvfs(f"/proc/{child}/root{_bw.WORK}")
     except (OSError, IndexError):
+        return None
+    if abs(st.f_blocks * st.f_frsize - disk_bytes) >= max(st.f_frsize, 1 << 12):
         return None
     return st.f_files - st.f_ffree
 
@@ -275,7 +278,7 @@ def _collect(proc: subprocess.Popen, stdin: bytes, result_fd: int, limits: Sandb
             if len(bufs[fo]) + len(bufs[fe]) > limits.max_output_bytes:
                 status, truncated = "output_limit", True
                 break
-            used = _inodes_used(proc.pid) if count_inodes else None
+            used = _inodes_used(proc.pid, int(limits.disk_mb) << 20) if count_inodes else None
             counted = counted or used is not None
             if used is not None and used > limits.max_files:
                 status = "disk_limit"
