@@ -78,7 +78,8 @@ def test_a_ctrl_c_of_the_trainer_still_stops_the_run(tmp_path):
     stops with KeyboardInterrupt instead of the trajectory ending as an environment failure."""
     script = tmp_path / "interrupted.py"
     script.write_text(
-        "import sys, time\n"
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # an ignored SIGINT is inherited (a test's)\n"
         "from chat_testutil import chat_tokenizer\n"
         "from verl_ds.agent import Environment\n"
         "from verl_ds.agent.chat_tokens import ChatTokens\n"
