@@ -1,5 +1,4 @@
-"""Multi-turn rollouts with tools and environments: the pieces an episode is made of (environments, tools, the
-sandbox for untrusted code)."""
+"""Multi-turn rollouts with tools and environments: environments, tools, the sandbox (docs/agents.md)."""
 from verl_ds.agent.env import ENVIRONMENTS, Environment, Step, ToolEnvironment, register_environment
 from verl_ds.agent.registry import make_environment
 from verl_ds.agent.sandbox import SandboxLimits, SandboxResult, run_python

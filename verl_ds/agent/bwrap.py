@@ -1,9 +1,6 @@
-"""The bubblewrap command of the sandbox (https://github.com/containers/bubblewrap, the sandbox Flatpak uses):
-new user, PID, mount, network, IPC and UTS namespaces; uid/gid 65534 inside; a root file system holding only
-/usr, the Python runtime (read-only), a fresh /proc and a minimal /dev, both read-only but for the device nodes,
-and a size-capped tmpfs as the work directory; an empty environment; the sandbox dies with its caller
-(``--die-with-parent``) and every process in it when its first one ends (the PID namespace).
-"""
+"""The bubblewrap command of the sandbox (https://github.com/containers/bubblewrap, the sandbox Flatpak uses): new
+user, PID, mount, net, IPC and UTS namespaces, uid 65534, read-only /usr and runtime, a capped tmpfs as work
+directory, an empty environment; every process dies with the call (docs/agents.md, "The sandbox")."""
 from __future__ import annotations
 
 import os
@@ -21,14 +18,12 @@ _TOP_LEVEL = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # merged-
 
 
 def find_bwrap() -> str | None:
-    """The ``bwrap`` on PATH, or None."""
     return shutil.which("bwrap")
 
 
 def runtime_paths() -> tuple[str, list[str]]:
-    """The real interpreter (a venv's python is a symlink to it) and the directories to bind read-only for it:
-    its installation prefix, unless /usr already holds it. The venv itself (its site-packages, the checkout it
-    may point to) is not bound: the sandbox has the standard library only."""
+    """The real interpreter and the directories to bind read-only for it (its prefix, unless under /usr). The venv is
+    not bound: the sandbox has the standard library only."""
     python = os.path.realpath(sys.executable)
     prefix = os.path.realpath(sys.base_prefix)
     binds = [] if prefix == "/usr" or prefix.startswith("/usr/") else [prefix]
@@ -38,8 +33,7 @@ def runtime_paths() -> tuple[str, list[str]]:
 
 
 def _reachable_by_others(path: str) -> bool:
-    """Whether any user may reach ``path``: every directory above it searchable by others (a home that is 0700,
-    as /root is, makes an interpreter under it unusable by uid 65534)."""
+    """Whether any user may read ``path`` (an interpreter under a 0700 home such as /root is unusable by uid 65534)."""
     path = os.path.realpath(path)
     parts = path.split(os.sep)
     for i in range(2, len(parts) + 1):
@@ -60,8 +54,7 @@ def host_uid() -> int:
 
 
 def bwrap_command(bwrap: str, disk_bytes: int, seccomp_fd: int | None = None) -> list[str]:
-    """The command that runs the interpreter (arguments to follow) in a fresh sandbox; ``seccomp_fd``: a
-    filter for bwrap to load before it starts the interpreter (``no_process_filter``)."""
+    """The command running the interpreter in a fresh sandbox; ``seccomp_fd``: a filter for bwrap to load first."""
     python, binds = runtime_paths()
     cmd = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
            "--uid", str(NOBODY), "--gid", str(NOBODY), "--hostname", "sandbox", "--clearenv",
@@ -87,10 +80,9 @@ _ARCHES = {"x86_64": (0xC000003E, 56, 435, 57, 58), "aarch64": (0xC00000B7, 220,
 
 
 def no_process_filter() -> bytes | None:
-    """A seccomp BPF program (bwrap ``--seccomp``) that lets threads be made and no process: clone without
-    CLONE_THREAD, fork and vfork fail with EAGAIN, clone3 (whose flags a filter cannot read) with ENOSYS, so
-    glibc falls back to clone; any other ABI's syscalls fail (x32, i386 on x86_64). It binds any uid, root
-    included, which RLIMIT_NPROC does not. None on a machine it does not know."""
+    """A seccomp BPF program (bwrap ``--seccomp``): threads yes, processes no, whatever the uid (RLIMIT_NPROC spares
+    root). clone without CLONE_THREAD, fork and vfork fail with EAGAIN, clone3 with ENOSYS (glibc falls back to clone),
+    other ABIs' syscalls too. None on a machine it does not know."""
     arch = _ARCHES.get(platform.machine())
     if arch is None:
         return None

@@ -1,19 +1,7 @@
-"""Token in / token out: a trajectory grows by the model's tokens exactly as sampled and by the chat template's
-rendering of the messages that follow, never by decoding and re-encoding the conversation.
-
-Re-tokenising the decoded conversation makes the trainer score ids the sampler never produced (a merge across a
-turn boundary, a normalised space, a template that rewrites earlier turns); see verl issues #6501 and #3960 and
-TRL PR #5242. Here the environment's tokens are the template's *delta*: the text that
-``apply_chat_template(BASE + messages, add_generation_prompt=True)`` renders after BASE's assistant turn and the
-token that ends it (Qwen's newline after ``<|im_end|>``, then ``messages``, then the assistant header), where BASE
-is a fixed two-turn conversation. No earlier turn is rendered again.
-
-Where a template renders history differently from how it was sampled (Qwen3 drops the reasoning of earlier
-turns and writes an empty ``<think>`` block into the last assistant turn only), the incremental ids cannot equal a
-whole-conversation rendering: ``rewrites_history`` says so, once, at start-up, and training goes on with the ids
-the model produced. Only the text *after* the model's turn is taken from the template, so such a template still
-extends turn by turn; one that no longer ends the turn with its end-of-turn token once messages follow it cannot.
-"""
+"""Token in / token out: a trajectory grows by the model's tokens as sampled and by the chat template's delta for the
+messages after them, never by re-encoding the conversation, which would score ids the sampler never produced
+(verl issues #6501 and #3960, TRL PR #5242). A template that rewrites history (Qwen3) is reported
+(``rewrites_history``) and trained on the sampled ids; docs/agents.md, "Token in / token out"."""
 from __future__ import annotations
 
 import json
@@ -33,9 +21,8 @@ class TemplateError(ValueError):
 
 
 class ChatTokens:
-    """The token pieces of a conversation under one tokenizer's chat template (and ``tools``). ``stop_ids``: the
-    ids a sampled turn may end on (eos, then ``tokenizer.generation_stop_ids``); ``end_id``: the one of them the
-    template closes an assistant turn with."""
+    """A conversation's token pieces under a tokenizer's chat template and ``tools``. ``stop_ids``: eos, then
+    ``tokenizer.generation_stop_ids``; ``end_id``: the one the template closes an assistant turn with."""
 
     def __init__(self, tokenizer: Any, tools: list | None = None):
         if getattr(tokenizer, "chat_template", None) is None:
@@ -94,13 +81,11 @@ class ChatTokens:
         return bool(turn_ids) and turn_ids[-1] in self.stop_ids
 
     def rewrites_history(self, messages: list) -> bool:
-        """Whether rendering ``messages`` whole differs from building them turn by turn: the template rewrites
-        earlier turns (Qwen3 drops earlier reasoning), or its tokens merge across a turn boundary."""
+        """Whether rendering messages whole differs from building them turn by turn (Qwen3, token merges)."""
         return self.whole(messages) != self.incremental(messages)
 
     def whole(self, messages: list) -> list[int]:
-        """``apply_chat_template`` over the whole conversation (ending in a non-assistant message) and the
-        generation prompt."""
+        """``apply_chat_template`` over the whole conversation, with the generation prompt."""
         return self._encode(self._render(messages, generation_prompt=True))
 
     def incremental(self, messages: list) -> list[int]:
@@ -119,12 +104,8 @@ class ChatTokens:
 
 
 def generation_stop_ids(model_dir: str, tokenizer: Any) -> list[int]:
-    """The ids besides the tokenizer's eos that the checkpoint's ``generation_config.json`` stops on, in its order
-    (Llama 3.1 Instruct: eos <|eot_id|>, and <|end_of_text|>, <|eom_id|>); [] without the file or an eos entry.
-
-    ``load_tokenizer`` sets them as ``tokenizer.generation_stop_ids``: a multi-turn rollout ends a sampled turn on
-    any of them (``ChatTokens.stop_ids``), as the model's own ``generate`` would. An unreadable file or an id that is
-    not one of the tokenizer's is left out with a warning naming it (single responses never read them)."""
+    """The eos ids of the checkpoint's ``generation_config.json`` besides the tokenizer's, in order (Llama 3.1 Instruct:
+    <|end_of_text|>, <|eom_id|>): an agent's turn ends on them too. [] without the file; bad entries warn, left out."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         return []

@@ -1,15 +1,6 @@
-"""The ``code_tests`` reward: the response's last fenced Python block, run in the sandbox, then the row's tests in
-its namespace; 1.0 only when the sandbox's harness saw the last test statement finish (a signed line on a channel
-of its own, ``verl_ds.agent.sandbox_runner``), else 0.0: an exit of any kind before that (``sys.exit(0)``,
-``os._exit(0)``, ``raise SystemExit(0)``, a signal) scores 0, whatever the exit status.
-
-Assert-based tests check only what they assert: an answer returning an object whose ``__eq__`` always returns
-True passes ``assert f(x) == y`` (docs/agents.md).
-
-The data set gives the tests per row in a ``tests`` field (Python statements, e.g. ``assert add(2, 3) == 5``),
-as code benchmarks do (MBPP's ``test_list``, HumanEval's ``check``). The programs run in parallel threads, each
-in its own sandboxed process (``verl_ds.agent.sandbox``).
-"""
+"""The ``code_tests`` reward: the response's last fenced Python block runs in the sandbox, then the row's ``tests``
+(statements, as MBPP's ``test_list`` or HumanEval's ``check``) in its namespace; 1.0 only when the harness saw the
+last test finish, so an early exit of any kind scores 0. What assert-based tests cannot catch: docs/agents.md."""
 from __future__ import annotations
 
 import os

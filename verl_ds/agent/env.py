@@ -1,23 +1,5 @@
-"""Environments for multi-turn rollouts: the interface, the registry, and the tool-calling environment.
-
-An episode is ``reset(sample) -> messages``, then for each model turn ``step(turn text) -> Step``: the messages
-the environment answers with (tool results, feedback), a reward, whether the episode is over, and an info dict.
-The rollout owns the tokens (the model's, exactly as sampled, and the chat template's rendering of the messages
-in between); an environment only sees and returns text, so it can be a plain Python class in the user's package::
-
-    from verl_ds.agent import Environment, Step, register_environment
-
-    @register_environment("echo")
-    class Echo(Environment):
-        def reset(self, sample):
-            return [{"role": "user", "content": sample["prompt"]}]
-
-        def step(self, turn):
-            return Step([], reward=float(turn.strip() == "hi"), done=True)
-
-and is named in the config by its registered name or as ``package.module:Class``
-(``verl_ds.agent.registry.make_environment``).
-"""
+"""Environments for multi-turn rollouts: the interface, the registry and the tool-calling environment. An
+environment sees and returns text only; the rollout owns the tokens (docs/agents.md, "Environments")."""
 from __future__ import annotations
 
 import threading
@@ -36,9 +18,8 @@ _BUDGET: ContextVar = ContextVar("verl_ds_step_budget", default=None)
 
 @dataclass
 class Step:
-    """One environment step: the ``messages`` to append (role ``tool`` or ``user``), its ``reward`` (finite; a
-    trajectory's score is the sum of its steps'), ``done`` (a bool) when the episode is over, and ``info`` for
-    metrics (a dict; ``tool_calls`` and ``tool_errors`` are counts). Anything else ends the trajectory (env_error)."""
+    """One environment step: ``messages`` to append (role ``tool`` or ``user``), a finite ``reward`` (summed over the
+    trajectory), ``done`` (a bool), ``info`` (a dict; ``tool_calls``, ``tool_errors`` counts). Else: env_error."""
     messages: list
     reward: float = 0.0
     done: bool = False
@@ -47,9 +28,8 @@ class Step:
 
 @dataclass
 class StepBudget:
-    """What the rollout allows the running step: ``tool_calls`` it may still run (calls past it are not run; the
-    trajectory then ends as ``max_tool_calls``), and ``cancelled``, set once the step has timed out or the run
-    stops: Python cannot stop the step's thread, so a step that runs several calls checks it before each."""
+    """What the rollout allows the running step: ``tool_calls`` left, and ``cancelled``, set once it timed out or the
+    run stops (Python cannot stop its thread, so a step running several calls checks it before each)."""
     tool_calls: int
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -99,10 +79,8 @@ def register_environment(name: str) -> Callable[[type], type]:
 
 
 class ToolEnvironment(Environment):
-    """The model calls tools until it answers: each turn with tool calls gets one ``tool`` message per call (a
-    malformed call gets its error as one); a turn without calls is the final answer, scored by ``score``. A turn's
-    reasoning (``<think>...</think>``, Qwen3) is neither parsed for calls nor scored. Calls past the episode's
-    budget, or after its step timed out, are not run (``step_budget``)."""
+    """Tool calls until an answer: one ``tool`` message per call (errors included); a turn without calls is the final
+    answer, scored by ``score``. Reasoning (``<think>``) is not parsed; calls past ``step_budget`` are not run."""
     tool_format = "hermes"
 
     def __init__(self, tools: ToolSet, tool_format: str | None = None):

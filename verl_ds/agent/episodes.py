@@ -1,16 +1,6 @@
-"""Multi-turn episodes: every active trajectory advances together, one model turn for all of them per generate
-call, then one environment step each in a worker pool; finished ones drop out.
-
-A trajectory is its first prompt's ids and one growing token list after it: each model turn's ids exactly as
-sampled (``model_mask`` 1, their sampling log-probs kept when the engine gives them), then the chat template's
-delta for the environment's answer (``model_mask`` 0). The limits end an episode with a reason, never an
-exception: ``max_turns`` model turns, ``max_tool_calls`` calls (a step runs only the calls left in the budget,
-``env.step_budget``), ``max_context_tokens`` for prompt and turns together (a turn starts only if
-``max_turn_tokens`` more fit), a turn cut by ``max_turn_tokens`` (no stop token), an environment reset or step
-that raises (SystemExit and KeyboardInterrupt included), returns a malformed Step (a reward that is not finite,
-``done`` not a bool, ``info`` not a dict of counts), or takes more than ``step_timeout_s`` (its thread is
-abandoned, Python cannot stop it; its budget is cancelled, so it starts no more tool calls).
-"""
+"""Multi-turn episodes: all active trajectories advance together (one generate call per turn), then one environment
+step each in a worker pool. A limit ends a trajectory with a reason (END_REASONS), never an exception
+(docs/agents.md, "Episodes")."""
 from __future__ import annotations
 
 import math
@@ -78,9 +68,8 @@ class Trajectory:
 
 
 def engine_turns(engine, pad_token_id: int, stop_token_ids: Sequence[int] = (), **sampling) -> GenerateFn:
-    """A GenerateFn over a rollout engine (``HFRolloutEngine`` / ``VLLMRollout``: left-padded prompts in, a
-    ``Generation`` out): each row's sampled ids up to and including its stop token, with their log-probs.
-    ``stop_token_ids`` (``ChatTokens.stop_ids``) end a turn besides the engine's EOS."""
+    """A GenerateFn over ``HFRolloutEngine`` / ``VLLMRollout``: each row's sampled ids up to and including its stop
+    token (EOS or ``stop_token_ids``), with their log-probs."""
     import torch
 
     eos = getattr(engine, "eos_token_id", None)
@@ -101,9 +90,8 @@ def engine_turns(engine, pad_token_id: int, stop_token_ids: Sequence[int] = (), 
 
 
 class _DaemonPool:
-    """Worker threads for environment calls that never hold the process: a step past its timeout is abandoned
-    (Python cannot stop a thread) and a daemon thread stuck in it does not delay the trainer's exit, as a
-    ThreadPoolExecutor's workers would (they are joined at interpreter exit)."""
+    """Daemon worker threads: a step abandoned at its timeout (Python cannot stop a thread) does not delay the trainer's
+    exit, as a ThreadPoolExecutor's workers would (they are joined at exit)."""
 
     def __init__(self, workers: int):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -141,9 +129,8 @@ class _DaemonPool:
 
 
 class _Escaped(Exception):
-    """A SystemExit or KeyboardInterrupt raised by the environment in a worker thread: its own failure, which ends
-    its trajectory. A real Ctrl-C is never one: Python runs signal handlers in the main thread only, so it is raised
-    there, while the main thread waits on the steps, and stops the run."""
+    """A SystemExit or KeyboardInterrupt an environment raised in a worker: it ends that trajectory. A real Ctrl-C is
+    raised in the main thread (Python runs signal handlers there) and stops the run."""
 
     def __init__(self, original: BaseException):
         super().__init__(type(original).__name__ + (f": {original}" if str(original) else ""))
@@ -159,9 +146,8 @@ def _timed(budget: StepBudget, fn, *args):
 
 
 def _call_all(pool: _DaemonPool, calls: list, timeout_s: float) -> list:
-    """Run ``calls`` ((fn, arg, budget), ...) in ``pool``; each -> (result, seconds) or an Exception /
-    FutureTimeout. Every budget is cancelled on the way out: a step still running (timed out, or the run
-    interrupted) starts no more tool calls."""
+    """Run ``calls`` ((fn, arg, budget), ...) in ``pool``: (result, seconds) or the exception, each. Every budget is
+    cancelled on the way out, so a step still running starts no more tool calls."""
     futures = [pool.submit(_timed, budget, fn, arg) for fn, arg, budget in calls]
     deadline = time.monotonic() + timeout_s
     out = []
@@ -257,8 +243,7 @@ def _advance(t: Trajectory, got, chat: ChatTokens, limits: EpisodeLimits) -> Non
 
 
 def _malformed(step) -> str:
-    """What makes ``step`` unusable, in words ("" when it is a well-formed Step): one bad field would otherwise
-    raise here and lose the whole batch, or reach the trainer (an infinite reward)."""
+    """What makes ``step`` unusable ("" if well formed): one bad field would otherwise lose the whole batch."""
     if not isinstance(step, Step):
         return f"{step!r:.200}, expected a Step with a list of messages and a finite reward"
     if not isinstance(step.messages, list):

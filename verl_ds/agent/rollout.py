@@ -1,16 +1,6 @@
-"""Multi-turn rollouts for the trainer: prompts -> one episode per sample (``run_episodes``) -> a RolloutBatch.
-
-Each row is a trajectory laid out as a single-turn sample is: its first prompt left-padded to P, then everything
-after it (model turns and the environment's answers) right-padded to R. ``mask`` attends to all of it;
-``response_mask`` is 1 only on the tokens the model sampled, so losses, KL, entropy, whitening and the critic's
-targets see only those (masked GAE bridges the environment's spans: ``verl_ds.algos.gae``). The environment's
-tokens after the model's last turn carry nothing to learn and are dropped. The score (the sum of the
-environment's step rewards) sits on the model's last token, where the estimators read an outcome reward.
-
-``agent/retokenization_mismatches`` counts sampled tokens whose id or log-prob in the finished batch differs
-from what the sampler returned: it must stay 0 (token in, token out; nothing is decoded and encoded again).
-``agent/sandbox_runs/{bwrap,weak}`` count the step's sandboxed code runs per backend (``verl_ds.agent.sandbox``).
-"""
+"""Multi-turn rollouts for the trainer: prompts -> one episode per sample -> a RolloutBatch laid out as single-turn
+samples are (prompt left-padded, then everything after it). ``response_mask`` is 1 only on sampled tokens; the
+score sits on the model's last token. Layout and ``agent/*`` metrics: docs/agents.md."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -62,11 +52,8 @@ def _trimmed(t: Trajectory) -> tuple[list, list, list]:
 
 def trajectories_to_batch(trajs: list[Trajectory], *, pad_token_id: int, eos_token_id: int,
                           device=None) -> tuple[RolloutBatch, int]:
-    """The RolloutBatch of the trajectories (see the module docstring) and the mismatch count.
-
-    A trajectory without a sampled token (its reset failed, or its first prompt filled the context) becomes a row
-    of one EOS prompt token and one EOS response token that nothing trains on (``response_mask`` all False), so the
-    groups keep their size; its score is 0."""
+    """The trajectories' RolloutBatch and mismatch count. A trajectory without a sampled token becomes a one-EOS
+    row that nothing trains on (score 0), so groups keep their size."""
     rows = []
     for t in trajs:
         ids, model_mask, log_probs = _trimmed(t)
@@ -115,8 +102,7 @@ def _mismatches(batch: RolloutBatch, rows: list) -> int:
 
 
 def episode_metrics(trajs: list[Trajectory], mismatches: int) -> dict:
-    """``agent/*``: turns, tool calls and errors per trajectory, the share that called a tool, environment
-    seconds, the share truncated (ended by a limit or a failing environment) and per end reason."""
+    """The ``agent/*`` metrics, averaged over trajectories (table: docs/agents.md)."""
     n = max(len(trajs), 1)
     mean = lambda values: torch.tensor(sum(values) / n, dtype=torch.float64)  # noqa: E731
     out = {"agent/turns/mean": mean(t.turns for t in trajs),
@@ -134,9 +120,8 @@ def episode_metrics(trajs: list[Trajectory], mismatches: int) -> dict:
 def agent_rollout(spec: AgentSpec, actor, tokenizer, prompts: dict, *, max_new_tokens: int, temperature: float = 1.0,
                   top_k: int = 0, top_p: float = 1.0, greedy: bool = False, n: int = 1,
                   timings: Optional[Timings] = None):
-    """``n`` episodes per prompt with the actor's rollout engine, as a ``verl_ds.rollout.Rollout`` (batch with
-    scores, ``rollout_log_probs`` and ``group_index``; the trajectories' text; the ``agent/*`` metrics). Timings:
-    ``gen`` (the episodes, environment steps included) and ``reward`` (building the batch)."""
+    """``n`` episodes per prompt as a ``verl_ds.rollout.Rollout``; timings ``gen`` (episodes, environment steps
+    included) and ``reward`` (building the batch)."""
     from verl_ds.rollout import Rollout, repeat_prompts
 
     t = timings or Timings()
@@ -169,8 +154,7 @@ def agent_rollout(spec: AgentSpec, actor, tokenizer, prompts: dict, *, max_new_t
 
 
 def agent_rollout_fn(spec: AgentSpec):
-    """``agent_rollout`` with ``verl_ds.rollout.rollout_and_score``'s signature (the reward is unused: the
-    environment scores), for ``rollout.collect`` and evaluation."""
+    """``agent_rollout`` with ``rollout_and_score``'s signature (the environment scores), for ``rollout.collect``."""
     def rollout(actor, reward, tokenizer, prompts, **kwargs):
         return agent_rollout(spec, actor, tokenizer, prompts, **kwargs)
     return rollout

@@ -1,20 +1,7 @@
-"""Run untrusted Python code (a model's tool call or answer) in a sandbox with limits.
-
-Two backends; ``SandboxResult.isolation`` names the layers that held:
-
-- ``bwrap`` (the one that holds): bubblewrap's namespaces (``verl_ds.agent.bwrap``): no host files but /usr and the
-  Python runtime (read-only), no host processes, no network, uid 65534, a size-capped tmpfs as work directory
-  (``SandboxLimits.disk_mb``), every process killed when the call ends;
-- ``weak``: the caller's file system, kept by Landlock (Linux 5.13+) where the kernel has it, a network namespace
-  where the process may make one, and the audit hook. Used only where the config accepts it
-  (``agent.allow_weak_sandbox``, checked at start-up by ``require_sandbox``).
-
-Both add resource limits (CPU seconds, address space, file size, open files, processes: RLIMIT_NPROC, which the
-kernel never applies to host uid 0), an audit hook (PEP 578: a second layer with clear messages, removable by the
-code), and the parent's wall-clock timeout and output cap. The status comes from the harness (the exit status,
-the CPU time used, the parent's clocks and lines on a channel only the harness can sign: ``sandbox_runner``),
-never from what the code prints. Nothing raises into the caller for what the code does.
-"""
+"""Run untrusted Python (a model's tool call or answer) in a sandbox with limits; docs/agents.md, "The sandbox".
+``bwrap``: bubblewrap's namespaces (no host files but /usr and the runtime, no host processes, no network, a capped
+tmpfs). ``weak``: Landlock and a netns where the kernel allows, only if ``agent.allow_weak_sandbox``. Both add
+rlimits, an audit hook, the parent's timeout and output cap; the status comes from the harness, never the output."""
 from __future__ import annotations
 
 import json
@@ -54,9 +41,8 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Per-run limits. ``max_output_bytes`` caps stdout and stderr together; ``disk_mb`` and ``max_files`` the
-    work directory (bwrap backend: a tmpfs of that size, whose entries the parent counts every 0.1 s; weak
-    backend: only ``max_file_bytes`` per file)."""
+    """Per-run limits. ``max_output_bytes`` caps stdout and stderr together; ``disk_mb`` and ``max_files`` the work
+    directory (bwrap only: the weak backend bounds only ``max_file_bytes`` per file)."""
     timeout_s: float = 10.0
     cpu_s: int = 10
     memory_mb: int = 1024
@@ -76,8 +62,7 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class SandboxResult:
-    """How a run ended: ``status`` is one of STATUSES; output is cut at the limit (``truncated``).
-    ``tests_passed``: with ``tests``, whether the harness saw the last test statement finish (else None)."""
+    """How a run ended; ``tests_passed`` (with ``tests``): whether the harness saw the last test statement finish."""
     status: str
     returncode: Optional[int]
     stdout: str
@@ -120,8 +105,7 @@ def _probe() -> tuple[bool, str]:
 
 
 def require_sandbox(allow_weak: bool) -> str:
-    """At start-up, for a run that executes model-written code: the isolation line to log, or SandboxUnavailable
-    naming what is missing. ``allow_weak`` accepts the weak backend where bubblewrap cannot run."""
+    """At start-up: the isolation line to log, or SandboxUnavailable naming what is missing (unless ``allow_weak``)."""
     ok, line = _probe()
     if ok:
         return line
@@ -146,10 +130,8 @@ def call_counts() -> dict:
 
 def run_python(code: str, limits: SandboxLimits | None = None, stdin: str = "", max_procs: int = 1, *,
                tests: str | None = None, backend: str | None = None) -> SandboxResult:
-    """Run ``code`` with ``limits`` in a fresh sandbox, then ``tests`` (Python statements) in its namespace if
-    given; ``max_procs > 1`` lets it start processes (bounded by RLIMIT_NPROC where that binds). ``backend``:
-    None picks bwrap, else the weak one if accepted, else raises SandboxUnavailable; ``"weak"`` forces the weak
-    one (tests, benchmarks). Never raises for what the code does."""
+    """Run ``code`` in a fresh sandbox, then ``tests`` in its namespace; never raises for what the code does.
+    ``backend`` None: bwrap, else the accepted weak one, else SandboxUnavailable. ``max_procs > 1`` allows processes."""
     if not isinstance(code, str) or not isinstance(tests, (str, type(None))):
         raise TypeError(f"run_python: code must be a str and tests a str or None, got {type(code).__name__}, "
                         f"{type(tests).__name__}")
@@ -231,9 +213,8 @@ def _memfd(data: bytes) -> int:
 
 
 def _inodes_used(bwrap_pid: int, disk_bytes: int) -> int | None:
-    """Files and directories in the sandbox's work directory, seen through its first process's root (bwrap
-    0.8 cannot give its tmpfs an nr_inodes cap); None where that cannot be read yet. Only a file system of the
-    tmpfs's size counts: before the child's pivot its root is the host's, whose own /work may exist."""
+    """Entries in the sandbox's work directory, via its first process's root (bwrap 0.8 cannot cap a tmpfs's inodes);
+    None until that root is the tmpfs of ``disk_bytes`` (before the pivot it is the host's, whose /work may exist)."""
     try:
         with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
             child = f.read().split()[0]
@@ -246,10 +227,7 @@ def _inodes_used(bwrap_pid: int, disk_bytes: int) -> int | None:
 
 
 def _collect(proc: subprocess.Popen, stdin: bytes, result_fd: int, limits: SandboxLimits, count_inodes: bool):
-    """Read the pipes until the child ends, the deadline passes, the output passes the cap or (``count_inodes``)
-    the work directory holds more than ``max_files`` entries; the child's session is killed at the end whatever
-    happened: no straggler survives (bwrap's processes die with their parent, and every process of the PID
-    namespace with them)."""
+    """Read the pipes until the child ends or a limit is hit, then kill its session: no straggler survives."""
     deadline = time.monotonic() + limits.timeout_s
     fo, fe = proc.stdout.fileno(), proc.stderr.fileno()
     bufs = {fo: bytearray(), fe: bytearray(), result_fd: bytearray()}

@@ -1,14 +1,8 @@
-"""The harness that runs inside the sandbox, before and around the untrusted code (stdlib only: it runs under
-``python -I -c``, its source passed by ``verl_ds.agent.sandbox``).
+"""The harness inside the sandbox (stdlib only, run as ``python -I -c``): limits, then the code and its tests.
 
-It reads its job (limits, code, tests, a per-call nonce) from the fd in argv[1], a memfd it closes before any
-untrusted code runs, so the nonce is in no file, argument or environment variable. It reports on the fd in argv[2]
-only lines that carry the nonce: ``<nonce> start <isolation>`` before the code runs, ``<nonce> memory`` /
-``refused`` / ``cpu_time`` when the code ended on that error or limit, ``<nonce> passed`` after the last test
-statement ran. The parent believes nothing else, so printing ``SandboxRefused`` or exiting early (``sys.exit(0)``,
-``os._exit(0)``, a signal) reports nothing. Code that reads this process's memory to find the nonce could still
-forge a line: no in-process harness can stop that.
-"""
+Its job comes on a memfd (argv[1]) closed before the code runs; it reports only lines signed with the job's nonce
+on argv[2]'s fd, so printing or exiting early reports nothing. Code that reads this process's memory could still
+forge a line: no in-process harness can stop that (docs/agents.md)."""
 import json
 import os
 import resource
@@ -25,8 +19,8 @@ def _limit(kind, value, hard=None):
 
 
 def _landlock(work, held):
-    """Landlock on the weak path (no namespaces): no writes outside ``work``, no TCP, no signals out (ABI 6);
-    https://docs.kernel.org/userspace-api/landlock.html. Also a network namespace where the process may make one."""
+    """The weak path's Landlock (no writes outside ``work``, no TCP, no signals out from ABI 6;
+    https://docs.kernel.org/userspace-api/landlock.html), and a network namespace where the process may make one."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)

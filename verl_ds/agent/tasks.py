@@ -46,8 +46,7 @@ def guess_samples(n: int, seed: int, high: int = 16) -> list[dict]:
 
 @register_environment("calc")
 class CalcEnvironment(ToolEnvironment):
-    """Answer an arithmetic question; the calc tool computes exactly. Reward 1 when the final answer's last
-    integer is the result, else 0."""
+    """Arithmetic with the calc tool; reward 1 when the final answer's last integer is the result."""
 
     def __init__(self, tool_format: str | None = None):
         super().__init__(ToolSet([calc]), tool_format)
@@ -64,8 +63,7 @@ class CalcEnvironment(ToolEnvironment):
 
 @register_environment("guess_number")
 class GuessNumberEnvironment(Environment):
-    """Find a secret number from 1 to ``high``: each guess is answered "higher" or "lower" until it is right.
-    Reward 1 for the right guess (the rollout's turn limit ends the others at 0)."""
+    """Find a number from 1 to ``high`` by higher / lower feedback; reward 1 for the right guess."""
 
     def __init__(self):
         super().__init__()

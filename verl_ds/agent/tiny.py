@@ -1,17 +1,7 @@
-"""The built-in agent tokenizer and data: the tiny from-scratch model's vocabulary for the ``calc`` and
-``guess_number`` tasks, with a compact chat template that renders tools, and the data set rows of both tasks.
-
-Text round-trips exactly: ``decode(encode(text)) == text`` for printable ASCII (so a tool call the model writes
-decodes to JSON that ``parse_tool_calls`` reads, and an answer's digits stay together). A space is part of the
-token that follows it (``"▁is"``, the SentencePiece convention), digits and punctuation are one token each, the
-tasks' words are whole tokens, any other word is spelled from letters (``"▁w" "@@o" "@@r" "@@d"``), and the decoder
-only joins. The tool-call markup and the JSON pieces of a call are tokens of their own, so a call is
-``<tool_call> {" name ": " calc ", " arguments ": {" expression ": " 4 7 ▁* ▁8 3 "}} </tool_call>``.
-
-The template, one line per message, each ended by ``<eos>`` (the model's end-of-turn token too)::
-
-    tools: calc(expression)<eos>system:Use the calc tool ...<eos>user:What is 47 * 83?<eos>assistant:
-"""
+"""The built-in agent tokenizer and data: the tiny from-scratch model's vocabulary for ``calc`` and ``guess_number``,
+a one-line-per-message chat template that renders tools, and the tasks' rows (docs/agents.md). Text round-trips
+exactly (a space glued to the next token, digits and punctuation single, the tasks' words whole, other words
+spelled from letters), so a call the model writes decodes to JSON that ``parse_tool_calls`` reads."""
 from __future__ import annotations
 
 import string

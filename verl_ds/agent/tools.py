@@ -1,15 +1,8 @@
-"""Tools a model may call: Python callables with a JSON schema, the parsing of tool calls out of a model turn, and
-their execution, where every failure (bad JSON, an unknown tool, wrong arguments, an exception) becomes a message
-for the model, never an exception in the trainer.
+"""Tools a model may call: a JSON schema per Python callable (``transformers.utils.get_json_schema``), the parsing of
+tool calls and their execution; every failure becomes a message for the model, never an exception in the trainer.
 
-Schemas come from the function's signature and Google-style docstring (``transformers.utils.get_json_schema``),
-the form chat templates take as ``apply_chat_template(..., tools=...)``. Call formats:
-
-- ``hermes`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one or more;
-- ``llama3_json`` (Llama 3.1-3.3): the whole turn is ``{"name": ..., "parameters": {...}}``, optionally after
-  ``<|python_tag|>``;
-- ``mistral``: ``[TOOL_CALLS]`` and a JSON list of ``{"name": ..., "arguments": {...}}``.
-"""
+Formats: ``hermes`` (Hermes, Qwen2.5, Qwen3: ``<tool_call>{...}</tool_call>``), ``llama3_json`` (Llama 3.1-3.3: the
+whole turn, perhaps after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS][...]``); docs/agents.md, "Tools"."""
 from __future__ import annotations
 
 import ast
@@ -54,9 +47,7 @@ class ToolResult:
 
 
 def without_reasoning(turn: str) -> str:
-    """The turn after its reasoning: the text after the last ``</think>``, as Qwen3's chat template splits a turn
-    into reasoning and content; a turn that opens ``<think>`` and never closes it has no content. A call or a
-    number written while reasoning is not the answer."""
+    """The text after the last ``</think>`` (Qwen3's split; none if it never closes): reasoning is not the answer."""
     if "</think>" in turn:
         return turn.rsplit("</think>", 1)[1].lstrip("\n")
     return "" if turn.lstrip().startswith("<think>") else turn
@@ -87,9 +78,7 @@ def parse_tool_calls(text: str, fmt: str = "hermes") -> ParsedTurn:
 
 
 def _loads(text: str):
-    """``text`` as JSON -> (value, "") or (None, what is wrong). Model output is hostile: besides bad syntax,
-    nesting past the recursion limit (RecursionError) and integers past Python's digit limit (ValueError) are
-    JSON that ``json.loads`` refuses, and each is the model's error, never the trainer's."""
+    """JSON -> (value, "") or (None, why); deep nesting and huge integers in model output are its errors, not ours."""
     try:
         return json.loads(text), ""
     except json.JSONDecodeError as e:
@@ -224,6 +213,7 @@ def _evaluate(node: ast.AST) -> Any:
     raise ValueError(f"only numbers, + - * / // % ** and parentheses are allowed, got {ast.dump(node)[:60]}")
 
 
+# calc's and python's docstrings are their descriptions in the tool schema the model reads
 def calc(expression: str) -> str:
     """Evaluate an arithmetic expression exactly (integers stay integers).
 

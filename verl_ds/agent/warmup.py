@@ -1,19 +1,7 @@
-"""A cold start for the built-in agent tasks: a little supervised training on whole demonstration conversations
-before RL, as tool-RL recipes do (ReTool, arXiv:2504.11536; ToolRL, arXiv:2504.13958), so that a model built from
-scratch can write a well-formed call and copy a result, while RL still has the choice to learn.
-
-The demonstrations are a weak policy on purpose. On ``calc`` a model answering in its head writes a number of about
-the right length (usually wrong), and the decision to call is supervised at ``CALL_FRACTION``: the first token of
-the first turn is a ``<tool_call>`` in that share of the labelled decisions, so a warmed model calls in a few percent
-of episodes and RL must find that calling pays. How to call (the JSON, the expression copied, the result copied)
-is a separate skill that a few percent of the data would not teach a model this small: ``SKILL_FRACTION`` of the
-conversations call the tool, and on most of them the decision token is left out of the loss (``_decision_kept``)
-so that they teach the call without teaching to call more often. On
-``guess_number`` the guesses are valid numbers that follow the higher / lower feedback only ``FEEDBACK_FRACTION``
-of the time. Each conversation is driven by the real environment and laid out as a rollout lays it out (the
-first prompt, each assistant turn's ids and ``<eos>``, the chat template's delta for the messages after it), and
-the loss is on the assistant turns' tokens only.
-"""
+"""A cold start for the built-in agent tasks: supervised training on demonstration conversations before RL, as
+tool-RL recipes do (ReTool, arXiv:2504.11536; ToolRL, arXiv:2504.13958), so a model built from scratch can write a
+call and copy its result. The demonstrations are a weak policy on purpose, so that RL still has the choice to learn
+(``CALL_FRACTION`` and the rest below; docs/agents.md). The loss is on the assistant turns only."""
 from __future__ import annotations
 
 import random
@@ -29,8 +17,8 @@ __all__ = ["sft_warmup", "demonstration", "demonstration_tokens", "CALL_FRACTION
 CALL_FRACTION = 0.02  # calc: the share of labelled first-token decisions that open a tool call
 SKILL_FRACTION = 0.8  # calc: the share of conversations that call the tool (most with the decision unlabelled)
 FEEDBACK_FRACTION = 0.5  # guess_number guesses that stay within the range the feedback left
-GUESS_TURNS = 5
-WARMUP_LR = 1e-3  # the cold start's learning rate, whatever the engine's optimizer was built with (actor.lr is RL's)  # a guess_number demonstration gives up after this many wrong guesses
+GUESS_TURNS = 5  # a guess_number demonstration gives up after this many wrong guesses
+WARMUP_LR = 1e-3  # the cold start's learning rate, whatever the engine's optimizer was built with (actor.lr is RL's)
 
 
 def _call(expression: str) -> str:
@@ -38,8 +26,7 @@ def _call(expression: str) -> str:
 
 
 def _turns(env_name: str, row: dict, rng: random.Random) -> list[str]:
-    """The demonstrating policy's turns for ``row`` (guess_number's depend on the secret only through the
-    feedback, which the caller's environment gives: here it is replayed)."""
+    """The demonstrating policy's turns (guess_number's follow the feedback, replayed here from the secret)."""
     if env_name == "calc":
         if rng.random() < SKILL_FRACTION:
             return [_call(row["expression"]), row["answer"]]
@@ -61,8 +48,7 @@ def _turns(env_name: str, row: dict, rng: random.Random) -> list[str]:
 
 
 def demonstration(env_name: str, row: dict, rng: random.Random) -> list[dict]:
-    """One demonstration conversation on ``row``: the environment's first messages, then each demonstrated
-    assistant turn followed by the messages the environment answers it with."""
+    """One demonstration conversation on ``row``, driven by the real environment."""
     env = make_environment(env_name)
     messages = list(env.reset(row))
     for turn in _turns(env_name, row, rng):
@@ -119,10 +105,8 @@ def _batch(chat: ChatTokens, conversations: list, decisions: list, pad_id: int) 
 
 def sft_warmup(engine, tokenizer, env_name: str, steps: int, seed: int, batch_size: int = 16,
                lr: float | None = WARMUP_LR) -> list[float]:
-    """Supervised warm start of an actor ``engine`` (a DeepSpeed engine, or any module with ``backward`` /
-    ``step``) on ``steps`` batches of ``batch_size`` demonstrations of the built-in task ``env_name``, the same
-    batches on every rank; returns each step's loss (mean over the assistant tokens). ``lr`` (None: the
-    optimizer's own) is set on the engine's optimizer for the warm-up and put back after it."""
+    """Supervised warm start of ``engine`` on ``steps`` batches of ``env_name`` demonstrations (the same on every rank)
+    at ``lr`` (None: the optimizer's own; restored after). Returns each step's mean loss over assistant tokens."""
     if env_name not in BUILTIN_TASKS:
         raise ValueError(f"sft_warmup: no demonstrations for environment {env_name!r}; built-in: "
                          f"{', '.join(BUILTIN_TASKS)}")
