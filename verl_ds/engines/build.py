@@ -1,11 +1,7 @@
 """Build the tokenizer, the HF models and their DeepSpeed engines (actor, critic, reference, a reward model).
 
-Under ZeRO-3 every model is created already partitioned (``engines.zero3.partitioned_construction``):
-no rank ever holds a whole model, not even while loading it from ``model.path``. ``build_engines``
-is the one call for the PPO components: the reference and a tiny critic's backbone are copied from the
-actor shard by shard, so they equal it without a second whole copy. Models built from a config
-(``model.path`` unset) get ``init_tiny_weights``: the same values on every rank, at every ZeRO stage
-and world size.
+Under ZeRO-3 every model is created already partitioned (``engines.zero3.partitioned_construction``), even while
+loading ``model.path``; ``build_engines`` is the one call for the PPO components.
 """
 from __future__ import annotations
 
@@ -89,14 +85,9 @@ def _param_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_tiny_weights(model: torch.nn.Module, seed: int, std: float, prefix: str = "") -> None:
-    """Initialise a model built from a config the way HF initialises Llama/Qwen2 (Linear and Embedding weights
-    ~ N(0, std), biases 0, the padding row 0; norms keep their constructed ones), each parameter from its own
-    generator seeded by (seed, ``prefix`` + name): a critic's backbone with prefix "model." gets the actor's values.
-
-    The values depend on nothing else: not on the global RNG, the construction path (plain, or partitioned
-    by ``zero.Init``, whose own init only runs on rank 0), the world size or the rank. Each rank generates a
-    parameter whole, one at a time, and keeps its slice.
-    """
+    """Initialise a config-built model as HF does Llama/Qwen2 (Linear/Embedding weights ~ N(0, std), biases and the
+    padding row 0), each parameter from a generator seeded by (seed, ``prefix`` + name): the same values on every
+    rank, ZeRO stage and world size, whatever the global RNG. Prefix "model." gives a critic the actor's values."""
     for module_name, module in model.named_modules():
         if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             continue
@@ -114,11 +105,8 @@ def init_tiny_weights(model: torch.nn.Module, seed: int, std: float, prefix: str
 
 
 def build_actor_model(cfg: Config, tok, seed_offset: int = 0, *, ds_config: Optional[dict] = None):
-    """The actor (or reference) HF causal LM: from ``model.path`` or a tiny config, same weights on every rank.
-
-    With a ZeRO-3 ``ds_config`` the model is created already partitioned (no rank ever holds it whole);
-    every rank must call this then.
-    """
+    """The actor (or reference) HF causal LM from ``model.path`` or a tiny config; with a ZeRO-3 ``ds_config`` it is
+    created partitioned, and every rank must call this."""
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]), partitioned_construction(ds_config):
@@ -137,12 +125,8 @@ def build_actor_model(cfg: Config, tok, seed_offset: int = 0, *, ds_config: Opti
 
 
 def build_critic_model(cfg: Config, tok, actor_model=None, *, ds_config: Optional[dict] = None):
-    """The critic: the LM backbone plus a scalar value head; tiny critics start from the actor's backbone.
-
-    ``actor_model`` (plain or partitioned) is copied shard by shard into a tiny critic's backbone.
-    With a ZeRO-3 ``ds_config`` the backbone is created partitioned (the value head is partitioned by
-    ``deepspeed.initialize``).
-    """
+    """The critic: the LM backbone plus a scalar value head; a tiny critic's backbone is copied from ``actor_model``
+    shard by shard. With a ZeRO-3 ``ds_config`` the backbone is created partitioned."""
     from verl_ds.models.value import VALUE_HEAD_FILE, CriticLM
 
     path = cfg.model.critic_path or cfg.model.path
@@ -187,11 +171,8 @@ def check_vocab(model, tok, role: str) -> None:
 
 
 def disable_dropout(model) -> None:
-    """PPO's ratio assumes the rollout and the update see the same function: no dropout anywhere.
-
-    The engines run in train mode, so setting eval() is not enough; HF attention layers also keep their
-    own float (``self.attention_dropout``, read from the config once at construction) besides nn.Dropout.
-    """
+    """No dropout anywhere: PPO's ratio assumes the rollout and the update see the same function. eval() is not
+    enough (the engines run in train mode), and HF attention keeps its own float rate besides nn.Dropout."""
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
@@ -262,13 +243,9 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
 
 def skip_lone_rank_allreduce(engine) -> bool:
     """Turn off a ZeRO-0 engine's gradient all-reduce when it has no data-parallel peer; returns whether it did.
-
-    At each accumulation boundary DeepSpeed's stage-0 path (``buffered_allreduce_fallback``) flattens every
-    gradient into one buffer, all-reduces it and copies it back, even on one rank: at 31M parameters two copies
-    of the gradients per optimizer step (about 4% of a 1-thread CPU GRPO step in ``benchmarks/e2e_vs_trl.py``),
-    for an average over one rank, the identity. ``enable_backward_allreduce`` is DeepSpeed's own switch for
-    engines that reduce elsewhere (its pipeline engine). Stages 1-3 reduce through their ZeRO optimizer and are
-    left alone."""
+    On one rank the stage-0 path still flattens, all-reduces and copies back every gradient, for an identity;
+    ``enable_backward_allreduce`` is DeepSpeed's own switch for engines that reduce elsewhere. Stages 1-3 reduce
+    through their ZeRO optimizer and are left alone."""
     if engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1 or not engine.enable_backward_allreduce:
         return False
     engine.enable_backward_allreduce = False
@@ -277,18 +254,12 @@ def skip_lone_rank_allreduce(engine) -> bool:
 
 def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("actor", "ref", "critic"),
                   sft_warmup: Optional[Callable] = None) -> dict:
-    """The DeepSpeed engines of ``roles`` (a subset of actor, ref, critic), each model created already partitioned
-    under ZeRO-3 (all ranks must call this).
+    """The DeepSpeed engines of ``roles`` (a subset of actor, ref, critic); every rank must call this.
 
-    The reference and a tiny critic's backbone are copied from the actor shard by shard (a local copy, no
-    gather), so the reference is the initial (warmed-up) policy without a second full copy of its weights.
-    ``sft_warmup(engine)``, when given, trains a temporary actor engine first (torch AdamW at ``actor.lr`` unless
-    the warm-up sets its own, as the agent tasks' does; weight decay 0.01, no gradient accumulation: call ``engine.backward(loss); engine.step()`` per step, the
-    same batch on every rank) under a forked RNG; the actor, the reference and the critic then start from
-    its weights and the PPO optimizer starts fresh. ``actor.lora_rank``/``critic.lora_rank`` > 0 wrap the actor /
-    the critic's backbone in peft LoRA adapters last (``verl_ds.engines.lora``): only the adapters (and the value
-    head) train, and no reference is built for a LoRA actor.
-    """
+    The reference and a tiny critic's backbone are copied from the actor shard by shard. ``sft_warmup(engine)``
+    first trains a temporary actor engine (AdamW at ``actor.lr``, weight decay 0.01, no gradient accumulation: one
+    ``engine.backward(loss); engine.step()`` per step) under a forked RNG, and every role starts from its weights.
+    LoRA (``*.lora_rank`` > 0) wraps the actor / the critic's backbone last; a LoRA actor gets no reference."""
     unknown = sorted(set(roles) - {"actor", "ref", "critic"})
     if unknown:
         raise ValueError(f"build_engines: unknown roles {unknown}; expected a subset of ('actor', 'ref', 'critic')")
@@ -350,8 +321,7 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
 
 
 def build_reward_engine(cfg: Config, derived: Derived, model_path: str):
-    """A frozen engine around a HF sequence classifier (one label), partitioned like the reference (created already
-    partitioned under ZeRO-3)."""
+    """A frozen engine around a HF sequence classifier (one label), partitioned like the reference."""
     from transformers import AutoModelForSequenceClassification
 
     if not os.path.isdir(model_path):

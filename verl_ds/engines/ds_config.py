@@ -21,15 +21,10 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
                    gpu: Optional[bool] = None) -> dict:
     """DeepSpeed config for ``role`` in {"actor", "critic", "ref"}; batch sizes are derived, never patched later.
 
-    The reference (and a neural reward model) is an inference engine, no optimizer: ZeRO-3 when the actor is
-    ZeRO-3, else stage 0 (unpartitioned), as DeepSpeed-Chat's ``_init_ref`` (microsoft/DeepSpeedExamples,
-    ``dschat/rlhf/rlhf_engine.py``: below stage 3 every rank holds the actor's weights whole, so a frozen copy fits
-    too, and ZeRO-3's per-module gather hooks cost the default tiny job's step 20%).
-    The optimizer itself is passed to ``deepspeed.initialize`` (``engines.build.optimizer_name``): a torch
-    AdamW on CPU runs (DeepSpeed's own "AdamW" type becomes FusedAdam and JIT-compiles for a minute on CPU),
-    DeepSpeed's CPU Adam over pinned memory when the optimizer is offloaded from a GPU (``gpu``: None
-    decides from ``trainer.device``).
-    """
+    The reference (and a reward model) is an inference engine: ZeRO-3 when the actor is, else stage 0 (every rank
+    holds the actor whole anyway), as DeepSpeed-Chat's ``_init_ref`` (microsoft/DeepSpeedExamples,
+    ``dschat/rlhf/rlhf_engine.py``). The optimizer is passed to ``deepspeed.initialize`` (``engines.build``):
+    DeepSpeed's "AdamW" type would be a JIT-compiled FusedAdam on CPU. ``gpu`` None: from ``trainer.device``."""
     ds = cfg.deepspeed
     gpu = uses_gpu(cfg) if gpu is None else gpu
     pin = bool(gpu)  # pinned host buffers speed up GPU<->CPU copies; on a CPU-only run they only cost
@@ -41,9 +36,8 @@ def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 
             **zero3_overrides(gpu),  # CPU runs: torch's own linear (verl_ds.engines.cpu_speed)
         })
         if train and derived.world_size == 1:
-            # One rank: DeepSpeed's default reduce-scatter path flattens each bucket of gradients (torch.cat) and
-            # splits it again after a reduction over that one rank, at every micro-batch (0.8 s of cat in a 30M
-            # GRPO step on CPU); its all-reduce path reduces the contiguous bucket in place, the same numbers.
+            # One rank: the default reduce-scatter path flattens and splits each gradient bucket at every micro-batch
+            # for a reduction over that one rank; the all-reduce path reduces the bucket in place, the same numbers.
             # With more ranks reduce-scatter moves half the bytes and stays.
             zero["reduce_scatter"] = False
         if ds.offload_param:

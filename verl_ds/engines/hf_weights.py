@@ -1,11 +1,6 @@
-"""A model's weights as a plain HF model names them, one module's parameters at a time: the one source of the
-generation replica (``engines.replica``) and the HF export (``verl_ds.export``).
-
-A LoRA (peft) model comes out as its base model with each adapted weight merged (W + B A * alpha / r of its active
-adapters), computed while its layer is gathered: neither consumer ever holds stale adapters, and no module is
-merged in place; a module peft trains whole (``modules_to_save``, e.g. a reward model's score head) comes out as
-the copy its forward uses. A tied parameter (an LM head tied to the embedding) comes once, under its first name, as HF
-writes it.
+"""A model's weights as a plain HF model names them, one module at a time: the one source of the generation
+replica (``engines.replica``) and the HF export (``verl_ds.export``). A LoRA model comes out as its base with each
+adapted weight merged (W + B A * alpha / r) while its layer is gathered, never in place; a tied parameter comes once.
 """
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
 """LoRA adapters through ``peft`` (Hu et al. 2021, https://arxiv.org/abs/2106.09685; https://huggingface.co/docs/peft).
 
-With ``actor.lora_rank > 0`` the actor's base weights are frozen (partitioned like any parameter under ZeRO-3)
-and only the low-rank adapters train, so the optimizer state shrinks from 2 x the model to 2 x the adapters,
-and the frozen reference costs nothing: it is the actor with its adapters switched off (peft's
-``disable_adapter()``), not a second model. ``critic.lora_rank > 0`` does the same for the critic's backbone;
-its value head always trains.
-
-- ``apply_lora(model, spec, seed)``: wrap a HF model in a peft model after resolving the target module names
-  (``all-linear``, ``output-head``, names; one that matches nothing is a ConfigError with the model's close
-  names); the adapters start the same on every rank (their init runs under a forked RNG seeded from the model
-  seed: the global RNG is untouched).
-- the generation replica and the merged HF export read the base model's weights with each LoRA layer's
-  merged (W + B A * alpha / r) while it is gathered: ``verl_ds.engines.hf_weights``.
-- the adapters in peft's format (``adapter_config.json`` + ``adapter_model.safetensors``; ``verl_ds.export.export_adapter``),
-  loadable with ``PeftModel.from_pretrained(base, directory)``.
+Only the adapters train, on a frozen base that ZeRO-3 partitions like any weight; the reference is the actor with its
+adapters off (peft's ``disable_adapter()``), not a second model. Merged weights: ``verl_ds.engines.hf_weights``.
 """
 from __future__ import annotations
 
@@ -50,9 +38,8 @@ class LoraSpec:
 
 
 def lora_spec(cfg, who: str) -> Optional[LoraSpec]:
-    """The LoraSpec of ``who`` ("actor" or "critic") in ``cfg``, or None when its ``lora_rank`` is 0. The critic
-    takes the actor's alpha, dropout and target modules (one set of LoRA arguments, as OpenRLHF), less
-    ``output-head``: its backbone has no LM head, and its value head always trains whole."""
+    """``who``'s LoraSpec, or None when its ``lora_rank`` is 0. The critic takes the actor's alpha, dropout and
+    targets (one set of LoRA arguments, as OpenRLHF) less ``output-head``: its value head always trains whole."""
     rank = int(getattr(getattr(cfg, who), "lora_rank", 0) or 0)
     if rank == 0:
         return None
@@ -92,11 +79,9 @@ def adaptable_module_names(model: torch.nn.Module) -> list:
 
 
 def resolve_target_modules(model: torch.nn.Module, targets, who: str) -> list:
-    """The module names peft should adapt (it matches a name or a dotted suffix), from ``actor.lora_target_modules``:
-    ``all-linear`` expands to the leaf names of every Linear/Conv1D layer except the output head (peft's meaning),
-    ``output-head`` to the output head's name (skipped, with a warning, when it is tied to the input embedding).
-    A name that matches nothing is a ConfigError naming the key, with close names and the model's adaptable ones;
-    so is a tied module named explicitly (an adapter there cannot be merged into a plain model)."""
+    """The module names (or dotted suffixes) peft should adapt: ``all-linear`` is every Linear/Conv1D but the output
+    head (peft's meaning), ``output-head`` the head unless it is tied to the input embedding (then a warning). An
+    unmatched or tied name is a ConfigError naming the key and close names (a tied adapter cannot be merged)."""
     key = "actor.lora_target_modules" + (" (the critic's adapters)" if who == "critic" else "")
     targets = list(targets)
     if not targets:
@@ -164,19 +149,16 @@ def check_fused_head(peft_model) -> None:
 
 
 class GradOnlyDropout(torch.nn.Dropout):
-    """LoRA dropout that acts only in forwards under grad (the update): the rollout, old and reference
-    log-prob passes run without grad and must score the same deterministic function (as an actor put in
-    eval mode for experience making and in train mode for the update)."""
+    """LoRA dropout only under grad (the update): the no-grad rollout, old and reference passes must score the same
+    deterministic function."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) if torch.is_grad_enabled() else x
 
 
 def apply_lora(model: torch.nn.Module, spec: LoraSpec, seed: int, task_type: Optional[str] = "CAUSAL_LM"):
-    """``model`` wrapped by ``peft.get_peft_model`` with ``spec``'s adapters; base weights frozen (plain or ZeRO-3
-    partitioned: the adapters are created whole and partitioned by ``deepspeed.initialize``). A, B start as
-    peft's default (A Kaiming-uniform, B zero: the wrapped model computes exactly the base model), drawn from a
-    generator seeded by ``seed`` so every rank and every run gets the same adapters."""
+    """``model`` wrapped by ``peft.get_peft_model`` with ``spec``'s adapters, base frozen. A and B start as peft's
+    default (B = 0: exactly the base model), drawn under a forked RNG seeded by ``seed``: the same on every rank."""
     peft = _require_peft()
     targets = resolve_target_modules(model, spec.target_modules, spec.who)
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=targets,

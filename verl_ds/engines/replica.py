@@ -1,22 +1,7 @@
-"""A lean generation replica of a (ZeRO-3) actor: built once, refreshed in place, one module at a time.
+"""A lean generation replica of a (ZeRO-3) actor: a resident whole copy, built once and refreshed in place.
 
-``generate`` on a ZeRO-3 module gathers every layer's parameters at every token; a resident whole
-copy runs with no collectives per token (peers report ~10x faster rollouts, e.g. OpenRLHF's and
-verl's weight sync into a separate inference engine). This replica costs one copy of the actor in
-the training dtype on the engines' device, and nothing more:
-
-- built once from the module's config, with HF's ``no_init_weights`` (no random init, the RNG is
-  never drawn: resume stays bitwise exact) and with no ZeRO-3 construction context active;
-- ``refresh()`` walks the source's modules; each module's own parameters are gathered
-  (``GatheredParameters``, a collective every rank joins), copied into the replica's parameters
-  on the same device, and released before the next module: the extra memory is one module's
-  parameters, with no fp32 state dict and no CPU round trip;
-- tied parameters (an LM head tied to the embedding) are copied once, and a replica whose tying
-  differs from the source's is refused rather than silently left half-stale;
-- a LoRA actor's replica is its plain base model holding W + B A * alpha / r, recomputed at each refresh.
-
-When the replica would not fit (``verl-ds plan`` says so), generate from the engine's module with
-``rollout.gather_params=false`` instead.
+``generate`` on a ZeRO-3 module gathers every layer at every token; the replica runs with no collectives for one
+copy of the actor in the training dtype. Where that does not fit (``verl-ds plan``): ``rollout.gather_params=false``.
 """
 from __future__ import annotations
 
@@ -35,8 +20,8 @@ def _source_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 def build_empty_replica(module: torch.nn.Module, device=None, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
-    """An un-partitioned model of ``module``'s class and config, uninitialised, on ``device`` in ``dtype``
-    (default: the source's parameter dtype). No RNG is drawn and no collective is entered."""
+    """An un-partitioned, uninitialised model of ``module``'s class and config on ``device`` in ``dtype`` (default:
+    the source's); no RNG is drawn (resume stays bitwise exact) and no collective is entered."""
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a live HfDeepSpeedConfig would turn this into a (rank-local, hanging) zero.Init
@@ -64,9 +49,8 @@ def build_empty_replica(module: torch.nn.Module, device=None, dtype: Optional[to
 
 
 class GenerationReplica:
-    """A whole, un-partitioned copy of ``source`` (a HF model, possibly ZeRO-3 partitioned, a peft model whose
-    adapters it merges, or an engine around one) for ``generate``; ``refresh()`` (collective under ZeRO-3) copies
-    the current weights (``engines.hf_weights``) into it in place. The source is never modified."""
+    """A whole copy of ``source`` (a HF model, possibly ZeRO-3 partitioned or a peft model whose adapters it merges,
+    or an engine around one) for ``generate``; a tying that differs from the source's is refused."""
 
     def __init__(self, source, device=None, dtype: Optional[torch.dtype] = None):
         self.source = getattr(source, "module", source)
@@ -95,8 +79,8 @@ class GenerationReplica:
 
     @torch.no_grad()
     def refresh(self) -> torch.nn.Module:
-        """Copy the source's current weights (and persistent buffers) into the replica; returns the replica.
-        Under ZeRO-3 every rank must call it (each module's gather is a collective)."""
+        """Copy the source's current weights and buffers in, one module's gather at a time (a collective under ZeRO-3;
+        the extra memory is one module's parameters); returns the replica."""
         for params, outs in self._groups:
             with gathered(params):
                 for name, _, _, produce in outs:

@@ -1,15 +1,7 @@
-"""Resume a ZeRO checkpoint at another world size through DeepSpeed's universal checkpoint format.
-
-DeepSpeed's own route (https://www.deepspeed.ai/tutorials/universal-checkpointing/): a checkpoint
-written by N data-parallel ranks (each holding a partition of the fp32 weights and of the Adam moments)
-is converted by ``deepspeed.checkpoint.ds_to_universal`` into one folder per parameter holding the
-whole fp32 tensor and its moments; an engine started with ``checkpoint.load_universal`` then loads
-its own partition of each, at any world size. Supported for ZeRO 1, 2 and 3 in DeepSpeed 0.19.
-Stage 0 checkpoints hold whole states and load at any world size as they are.
-
-Here the conversion runs on rank 0 into ``<engine dir>/universal`` (marked complete by a file written
-last, so a conversion killed half-way is redone), and the engine's ``load_universal_checkpoint`` switch
-is turned on only for that one load.
+"""Resume a ZeRO-1/2/3 checkpoint at another world size via DeepSpeed's universal checkpoint format
+(https://www.deepspeed.ai/tutorials/universal-checkpointing/); stage 0 states load at any world size as they are.
+Rank 0 converts into ``<engine dir>/universal``, marked complete by a file written last (a killed conversion is
+redone); the engine's ``load_universal_checkpoint`` switch is on for that one load only.
 """
 from __future__ import annotations
 

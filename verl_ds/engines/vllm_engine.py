@@ -1,21 +1,7 @@
-"""vLLM as the rollout engine: one colocated, in-process vLLM engine per rank.
+"""vLLM as the rollout engine: one colocated, in-process vLLM engine per rank (tensor parallel size 1).
 
-``VLLMRolloutEngine`` holds a vLLM ``LLM`` in the trainer's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-vLLM's uni-process executor, tensor parallel size 1), so new weights go in from memory, one module at a time
-(``sync_weights``), and sampled tokens come back as tensors shaped like ``verl_ds.generation.Generation``.
-
-Log-probs. The trainer scores log p under softmax(logits / temperature) without top-k/top-p truncation (a
-truncated proposal would bias the PPO ratio). vLLM's ``logprobs_mode`` has no such mode: ``raw_logprobs`` is
-softmax(logits) (temperature 1), ``processed_logprobs`` is taken after temperature AND top-k/top-p masking
-(https://docs.vllm.ai/en/latest/api/vllm/config/model.html, ``ModelConfig.logprobs_mode``). We run with
-``processed_logprobs`` and wrap the V1 sampler's top-k/top-p step (``TopKTopPSampler.forward``, which receives
-the temperature-scaled logits) so that it reports the log-softmax of its input, taken before it masks: exactly
-log softmax(logits / T) at the drawn token. Greedy calls report softmax(logits) (temperature 1), like the HF
-engine. The V1 model runner is selected (``VLLM_USE_V2_MODEL_RUNNER=0``) because the wrap targets its sampler;
-if a vLLM release moves it, ``untruncated_logprobs`` is False and sampling with top-k/top-p refuses to run.
-
-Every request gets its own seed; the process-wide side effects of an in-process vLLM are undone by
-``verl_ds.engines.vllm_process``.
+New weights stream in from memory one module at a time; sampled tokens come back with their untruncated log-probs,
+log softmax(logits / T), from a wrap of the V1 sampler's top-k/top-p step. docs/vllm.md has the details.
 """
 from __future__ import annotations
 
@@ -67,16 +53,15 @@ def _install_untruncated_logprobs(worker) -> bool:
 
 
 def _row_seeds(entropy, rows: int) -> list[int]:
-    """Distinct 31-bit per-row seeds from an int or a list of ints (a SeedSequence, so calls with seeds s and
-    s+1 do not share streams)."""
+    """Distinct 31-bit per-row seeds from an int or a list of ints (a SeedSequence: seeds s and s+1 share no
+    stream)."""
     import numpy as np
 
     return [int(x) >> 1 for x in np.random.SeedSequence(entropy).generate_state(rows, dtype=np.uint32)]
 
 
 class VLLMRolloutEngine:
-    """A colocated vLLM engine (see the module docstring), one per process at a time. Build it from an HF model
-    directory, or with ``from_hf_model`` from an in-memory HF model."""
+    """A colocated vLLM engine, one per process at a time, from an HF model directory (or ``from_hf_model``)."""
 
     _live: Optional[weakref.ref] = None  # the engine of this process, if any
 
@@ -85,11 +70,9 @@ class VLLMRolloutEngine:
                  gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: Optional[int] = None,
                  enforce_eager: Optional[bool] = None, enable_sleep_mode: bool = False,
                  load_format: str = "auto", **engine_kwargs):
-        """model_dir: an HF model directory (config.json and, unless load_format="dummy", weights).
-        pad/eos ids default to the config's (eos may be an int or a list). On CPU, kv_cache_memory_bytes defaults
-        to 256 MiB and enforce_eager to True (torch.compile start-up costs ~1 min there); on GPU
-        gpu_memory_utilization, enforce_eager (default False: CUDA graphs) and enable_sleep_mode go to vLLM as
-        given. engine_kwargs go to ``vllm.LLM`` unchanged."""
+        """model_dir: an HF model directory (config.json and, unless load_format="dummy", weights); pad/eos ids
+        default to its config's. On CPU kv_cache_memory_bytes defaults to 256 MiB and enforce_eager to True (compiled
+        start-up is slow there); engine_kwargs go to ``vllm.LLM`` unchanged."""
         vllm = import_vllm()
         from transformers import AutoConfig
 
@@ -146,9 +129,8 @@ class VLLMRolloutEngine:
 
     @classmethod
     def from_hf_model(cls, model, named_tensors: Optional[Iterable] = None, **kwargs) -> "VLLMRolloutEngine":
-        """An engine for an in-memory HF causal LM: its config goes to a temporary directory (removed by
-        ``close``), vLLM starts with dummy weights, then ``sync_weights`` streams ``named_tensors`` (default
-        ``model.named_parameters()``; pass gathered ZeRO-3 parameters for a partitioned model)."""
+        """An engine for an in-memory HF causal LM: its config in a temporary directory, dummy weights, then
+        ``sync_weights(named_tensors)`` (default ``model.named_parameters()``; gathered ones under ZeRO-3)."""
         tmp = tempfile.TemporaryDirectory(prefix="verl_ds_vllm_")
         model.config.save_pretrained(tmp.name)
         kwargs.setdefault("dtype", {v: k for k, v in DTYPES.items()}.get(model.dtype, "float32"))
@@ -166,14 +148,10 @@ class VLLMRolloutEngine:
         return engine
 
     def sync_weights(self, named_tensors: Iterable, strict: bool = True) -> float:
-        """Load new weights, (HF name, tensor) pairs in HF checkpoint naming, streamed into vLLM as they come
-        (vLLM buffers one layer's tensors until that layer is complete, so yield a module's parameters together
-        and keep them valid until the next module's). strict: every parameter of the model must come. Resets the
-        prefix cache (its KV was computed with the old weights). Returns the seconds it took.
-
-        A bad pair (unknown name, wrong shape) or an error raised by ``named_tensors`` ends the stream there, lets
-        vLLM finish the reload, then raises; the weights are then mixed and ``generate`` refuses to run until a
-        complete sync succeeds."""
+        """Stream (HF name, tensor) pairs into vLLM; yield a module's parameters together and keep them valid until
+        the next module's (vLLM buffers a layer until it is complete). strict: every parameter must come. Resets the
+        prefix cache; returns the seconds taken. A bad pair ends the stream and raises after the reload; the weights
+        are then mixed and ``generate`` refuses to run until a complete sync succeeds."""
         t0 = time.perf_counter()
         seen: set[str] = set()
         problems: list[BaseException] = []
@@ -219,12 +197,9 @@ class VLLMRolloutEngine:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, n: int = 1, greedy: bool = False,
                  seed: Optional[int] = None, stop_token_ids: Sequence[int] = ()) -> VLLMGeneration:
-        """Sample ``n`` responses of up to ``max_new_tokens`` tokens per prompt (token-id lists, no padding).
-
-        Sampling parameters apply to this call only. ``seed`` fixes the samples (each row gets its own seed from
-        it); None draws from the engine's own counter (seeded at construction, never the global RNG).
-        ``stop_token_ids`` end a response as EOS does (an agent's turn), for this call. Returns a
-        ``VLLMGeneration`` of B = len(prompts) * n rows, R = max_new_tokens columns (see its fields)."""
+        """``n`` samples of up to ``max_new_tokens`` per prompt (token-id lists, no padding): a ``VLLMGeneration`` of
+        len(prompts) * n rows. ``seed`` fixes the samples (None: the engine's own counter, never the global RNG);
+        ``stop_token_ids`` end a response as EOS does (an agent's turn), for this call."""
         prompts = self._check_generate(prompt_token_ids, max_new_tokens, temperature, top_k, top_p, n, greedy, seed)
         from vllm import SamplingParams
 
@@ -275,10 +250,8 @@ class VLLMRolloutEngine:
         self.llm.wake_up()
 
     def close(self) -> None:
-        """Shut the engine down and remove its temporary directory. vLLM's in-process shutdown destroys the
-        default process group (``EngineCore.shutdown`` -> ``cleanup_dist_env_and_memory``): one that existed
-        before the engine (the trainer's) is kept; one vLLM created is destroyed with it. Call it: an engine that
-        is merely garbage-collected shuts down without this guard."""
+        """Shut the engine down and remove its temporary directory, keeping a default process group that existed
+        before it (vLLM's shutdown destroys it). Call it: garbage collection shuts down without this guard."""
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             with contextlib.ExitStack() as stack:
@@ -333,11 +306,9 @@ class VLLMRolloutEngine:
 
 
 def gathered_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every parameter of ``module``, one submodule at a time: ZeRO-3 partitioned
-    parameters are gathered for their submodule only (``zero3.gathered``, a collective: every
-    rank must drain the iterator) and cloned, because vLLM keeps the tensors of a fused layer (q/k/v ->
-    qkv_proj) across submodules while DeepSpeed frees a submodule's gathered storage when it moves on. For
-    ``sync_weights(gathered_named_parameters(actor_engine.module))``."""
+    """(HF name, full tensor) of every parameter, one submodule at a time: ZeRO-3 parameters are gathered per
+    submodule (a collective: every rank must drain it) and cloned, since vLLM keeps a fused layer's tensors (q/k/v
+    -> qkv_proj) across submodules while DeepSpeed frees each gather."""
     for prefix, sub in module.named_modules():
         params = list(sub.named_parameters(recurse=False))
         with gathered([p for _, p in params]):

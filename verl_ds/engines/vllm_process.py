@@ -1,10 +1,6 @@
-"""Running vLLM inside the trainer's process: importing it, and undoing its process-wide side effects.
-
-An in-process vLLM seeds the global RNGs at start-up and draws from the global torch RNG while sampling
-(``preserved_process_state`` saves and restores them around both), and on CPU it replaces
-``torch.set_num_threads`` with a no-op (restored too). If ``torch.distributed`` is not initialised yet, vLLM
-initialises a one-process group: build the engine after the trainer's ``init_distributed``. Its shutdown
-destroys the default process group: ``keep_default_process_group`` spares the trainer's.
+"""Running vLLM inside the trainer's process: importing it, and undoing its process-wide side effects (global
+RNGs, ``torch.set_num_threads`` on CPU, the default process group at shutdown). Build the engine after the
+trainer's ``init_distributed``, or vLLM makes its own one-process group. docs/vllm.md lists the side effects.
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""ZeRO-3 plumbing shared by construction, the generation replica and the export.
-
-- ``partitioned_construction(ds_config)``: HF models built inside it are created already partitioned
-  (transformers' ``HfDeepSpeedConfig`` turns ``from_config``/``from_pretrained`` into ``zero.Init``
-  construction, see https://huggingface.co/docs/transformers/main/en/deepspeed#non-trainer-deepspeed-integration).
-  It is unset on exit: HF model code that later runs on one rank only while it is alive enters a
-  collective and hangs the job.
-- ``copy_params(src, dst)``: copy weights between two modules of the same architecture, each either
-  plain or ZeRO-3 partitioned, without ever materialising a whole model: partition to partition is a
-  local copy of this rank's shard, a plain source fills this rank's slice, and a partitioned source
-  into a plain destination is gathered one parameter at a time.
+"""ZeRO-3 plumbing shared by construction, the generation replica and the export: build HF models already
+partitioned (``partitioned_construction``), copy weights between plain and partitioned modules without a whole
+model on any rank (``copy_params``), and gather parameters only when they are partitioned (``gathered``).
 """
 from __future__ import annotations
 
@@ -26,10 +18,10 @@ def zero3_config(ds_config: Optional[dict]) -> bool:
 
 @contextlib.contextmanager
 def partitioned_construction(ds_config: Optional[dict]) -> Iterator[None]:
-    """HF models built in this block are ZeRO-3 partitioned as they are created (every rank must enter it).
-
-    A no-op unless ``ds_config`` is a stage-3 config: stages 0-2 keep whole parameters on every rank.
-    """
+    """HF models built in this block are ZeRO-3 partitioned as they are created (transformers' ``HfDeepSpeedConfig``,
+    https://huggingface.co/docs/transformers/main/en/deepspeed#non-trainer-deepspeed-integration); every rank must
+    enter it, and it is a no-op below stage 3. Unset on exit: HF code run later on one rank would hang in a
+    collective."""
     if not zero3_config(ds_config):
         yield
         return
@@ -106,11 +98,8 @@ def copy_param(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 
 def copy_params(src: torch.nn.Module, dst: torch.nn.Module) -> int:
-    """Copy every parameter and persistent buffer of ``dst`` from ``src`` (the same names).
-
-    A collective when a partitioned source meets a plain destination (every rank must call it then).
-    Returns the number of parameters copied; a name missing in ``src`` is an error naming it.
-    """
+    """Copy every parameter and persistent buffer of ``dst`` from ``src`` (the same names); returns the count.
+    A collective when a partitioned source meets a plain destination."""
     src_params = dict(src.named_parameters())
     copied = 0
     for name, param in dst.named_parameters():
@@ -138,13 +127,8 @@ def persistent_buffers(module: torch.nn.Module) -> list:
 
 
 def release_free_memory() -> None:
-    """Return the C heap's free pages to the OS (glibc ``malloc_trim``; a no-op elsewhere).
-
-    Building partitioned models allocates and frees many whole-parameter buffers (creation, gathers); glibc
-    serves buffers under its mmap threshold (which grows up to 32 MiB) from the heap and keeps the freed
-    holes resident, so without this the process keeps ~30% more RSS than it holds (benchmarks/startup_memory.py
-    measures both), and the next stage's peak stacks on top of the holes.
-    """
+    """Return the C heap's free pages to the OS (glibc ``malloc_trim``; a no-op elsewhere): glibc keeps the holes
+    of the whole-parameter buffers that building partitioned models frees resident, under the next stage's peak."""
     import ctypes
     import ctypes.util
 
