@@ -1,21 +1,6 @@
-"""Who may attend to whom in a packed row, one definition for every layout, and which kernel serves it.
-
-A packed row (``verl_ds.packing``, ``verl_ds.prompt_sharing``) is cut into segments: runs of consecutive tokens, each
-token continuing the one before it. Plain packing has one segment per sequence. Shared prompts and shared response
-prefixes make a tree: a prompt is a segment, the own tokens of a response are a segment whose parent holds the token
-they continue (the prompt's last token, or a shared response token held by an earlier row), and a segment is cut after
-every token another segment continues, so that a parent's tokens all lie on the path of each child. Every token has a
-position: its place in its own (prompt + response) sequence. Then one rule covers every layout::
-
-    may_attend(q, kv) = kv <= q                                  (causal in packed order)
-                        and segment(kv) is an ancestor-or-self of segment(q)
-                        and position(q) - position(kv) < window   (sliding-window layers only)
-
-which is exactly each sequence run alone: the tokens on a token's path are its own sequence's earlier tokens, and the
-window counts them in its own positions. The CPU path evaluates it on each tree's grid (``dense``) or, where that
-grid is mostly masked, on each segment's path (``branches``); FlexAttention reads it as a ``BlockMask``
-(``block_mask``); each is built once per micro-batch and cached on the layout.
-"""
+"""Who may attend to whom in a packed row, one rule for every layout, and which kernel serves it. A row is cut into
+segments, each with a parent: ``may_attend(q, kv) = kv <= q and segment(kv) is an ancestor-or-self of segment(q) and
+position(q) - position(kv) < window``, which is each sequence run alone (docs/models.md, "Attention")."""
 from __future__ import annotations
 
 import bisect
@@ -34,9 +19,8 @@ LAYOUT_KWARG = "verl_ds_attention_layout"  # the forward keyword that carries a 
 
 @dataclass(frozen=True, eq=False)
 class AttentionLayout:
-    """The segments of a packed row: ``starts`` (each segment's first token, then the row's end), ``parents``
-    (-1: a root) and ``first_pos`` (each segment's first position). An object, not a tuple: DeepSpeed's ZeRO-3
-    module hooks walk every tuple and list in a forward's arguments."""
+    """Segments of a packed row: ``starts`` (then the row's end), ``parents`` (-1: a root), ``first_pos``. An object,
+    not a tuple: DeepSpeed's ZeRO-3 module hooks walk every tuple and list in a forward's arguments."""
 
     starts: tuple
     parents: tuple
@@ -46,8 +30,8 @@ class AttentionLayout:
 
     @classmethod
     def from_runs(cls, runs, device="cpu") -> "AttentionLayout":
-        """From ``runs``: (start, length, parent token or -1, first position) of each run of consecutive tokens, in
-        packed order, covering the row; a run's parent token must lie in an earlier run of the same tree."""
+        """From (start, length, parent token or -1, first position) runs in packed order; a run's parent token lies in
+        an earlier run of its tree. A segment is cut after every token another continues, so parents lie on paths."""
         runs = [r for r in runs if r[1] > 0]
         if not runs:
             raise ValueError("AttentionLayout: a packed row needs at least one token")
@@ -90,8 +74,7 @@ class AttentionLayout:
 
     @functools.cached_property
     def tensors(self) -> tuple:
-        """(segment (N,), position (N,), ancestry (S, S) bool or None) on ``device``: ancestry[s, u] when u is s or
-        one of its ancestors."""
+        """(segment (N,), position (N,), ancestry (S, S) bool or None: [s, u] when u is s or an ancestor)."""
         starts = torch.tensor(self.starts)
         lengths = starts[1:] - starts[:-1]
         seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
@@ -107,7 +90,7 @@ class AttentionLayout:
         return seg.to(self.device), pos.to(self.device), anc
 
     def may_attend(self, q_idx: torch.Tensor, kv_idx: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
-        """The rule of the module docstring for broadcastable packed indices (also FlexAttention's mask_mod body)."""
+        """The module docstring's rule on broadcastable packed indices (also FlexAttention's mask_mod body)."""
         seg, pos, anc = self.tensors
         related = seg[q_idx] == seg[kv_idx] if anc is None else anc[seg[q_idx], seg[kv_idx]]
         ok = (kv_idx <= q_idx) & related
@@ -124,13 +107,9 @@ class AttentionLayout:
         return self._cache[key]
 
     def branches(self, tree: int, window: Optional[int] = None, min_saved: float = 0) -> Optional[tuple]:
-        """How the sdpa path may attend tree ``tree`` (an index into ``trees``) without its dense (L, L) grid:
-        (root_end, q_idx (m, Q), kv_idx (m, K), mask (m, Q, K), rows): the root attends on its own (``dense`` or
-        causal), each other segment's tokens (padded to Q by repeating its last one) attend to the tokens on its path
-        (ancestors, then its own; padded to K, masked) in one batched call, and ``rows`` picks the real query rows of
-        the (m * Q) outputs in packed order. None when that saves fewer than ``min_saved`` of the grid's L^2 score
-        entries (root^2 + m * Q * K are left). A prompt shared by n long, diverse responses costs about n times the
-        score entries of its sequences apart on the grid; a short answer's tree costs little either way."""
+        """Tree ``tree`` for sdpa without its dense (L, L) grid: (root_end, q_idx (m, Q), kv_idx (m, K), mask (m, Q, K),
+        rows). The root attends alone; each other segment's queries attend its path in one batched call; ``rows`` picks
+        the real rows of the (m * Q) outputs. None when it saves under ``min_saved`` of the L^2 score entries."""
         key = ("branches", tree, window, min_saved)
         if key not in self._cache:
             self._cache[key] = self._branches(tree, window, min_saved)
@@ -189,9 +168,8 @@ def usable_implementations(device_type: str) -> dict:
 
 
 def resolve_attn_implementation(name: str, device_type: str) -> str:
-    """``model.attn_implementation`` -> the implementation to use on ``device_type``: ``auto`` is flash_attention_2
-    on CUDA with flash-attn installed, else flex_attention on CUDA, else sdpa; an explicit name must be usable
-    (ValueError naming what is usable otherwise)."""
+    """``model.attn_implementation`` on ``device_type``: ``auto`` is flash_attention_2 on CUDA with flash-attn, else
+    flex_attention on CUDA, else sdpa; an explicit name must be usable (ValueError naming those that are)."""
     usable = usable_implementations(device_type)
     if name == "auto":
         return next(n for n in ("flash_attention_2", "flex_attention", "sdpa") if usable[n] is None)
@@ -205,9 +183,8 @@ def resolve_attn_implementation(name: str, device_type: str) -> str:
 
 
 def packed_attention(implementation: str, shared: bool, device_type: str) -> tuple:
-    """(attention the model is switched to for packed rows, a start-up note or None): flash-attention serves plain
-    packed rows (transformers' varlen path) but not a tree, which FlexAttention serves; sdpa and eager serve every
-    layout with sdpa one tree at a time, a slow path on a GPU."""
+    """(attention for packed rows, a start-up note or None): flash-attention serves plain packing but not a tree, which
+    FlexAttention serves; sdpa and eager serve every layout one tree at a time, slow on a GPU."""
     if implementation.startswith("flash_attention"):
         if not shared:
             return implementation, None

@@ -1,46 +1,7 @@
-"""Sampling responses from the actor with HF ``generate``: the HF rollout engine behind ``PolicyModel.get_action``.
-
-Two ways to generate from a ZeRO-3 actor:
-- ``gather_params=True`` (default): once per step the actor's sharded parameters are gathered into a resident
-  replica (``refresh``), and ``generate`` runs on it with no collectives per token (``benchmarks/e2e.py``
-  measures both modes). It costs one copy of the actor per rank: use it when the model fits.
-- ``gather_params=False``: ``generate`` runs on the engine's module, gathering each layer's parameters at
-  every token; ``synced_gpus=True`` keeps ranks that finish early stepping, so a rank with shorter responses
-  does not leave the others waiting forever in a collective.
-
-Every sampling knob is passed explicitly (``verl_ds.sampling_config``: a complete ``GenerationConfig``, in place of
-the model's own during ``generate``), so a checkpoint's ``generation_config.json`` can never change how any path
-samples: ``generate`` fills the fields its config leaves at None from the checkpoint's (in transformers 4.50-4.57 it
-also replaced arguments equal to HF's global defaults), and the rollout distribution then differs from the one the
-trainer scores. The log-prob and entropy of each sampled token under softmax(logits /
-temperature), before top-k/top-p truncation (the distribution the trainer recomputes), come back with the
-tokens: a logits processor sees the raw float32 logits, since HF applies custom processors before the
-temperature/top-k/top-p warpers (``GenerationMixin._get_logits_processor``).
-
-The response mask comes from real lengths (up to and including the first EOS), never from ``token != pad``:
-pad == eos is common.
-
-Shared prefill (``share_prefill``; ``rollout.share`` prefill or decode, the default): with ``rollout.n`` samples per prompt the batch holds each
-prompt n times in a row. The prompt is then run once, whole: its key/value cache is copied to its samples, and
-its last token's logits, the distribution of every sample's first response token, give each sample its first
-token, drawn as ``generate`` would draw it (its logits processors, then softmax and one ``torch.multinomial``
-over all rows, or argmax); ``generate`` continues from there. The prefill costs 1/n of its arithmetic and
-generate has one step fewer, whose forward would have run the last prompt token once per sample; the tokens
-drawn are the same (the same logits up to float summation order, the same random numbers). Only on the replica
-or a single rank: under ``synced_gpus`` every rank must run the same forwards.
-
-Shared decoding (``share_decode``; ``rollout.share=decode``, the default): samples of a prompt that have drawn the
-same tokens so far are in the same state, so each decoding step runs one row per distinct (prompt, tokens so far)
-among the unfinished samples, not one per sample (``decode_distinct``): the key/value cache holds those rows only,
-re-indexed when rows split or finish, and every sample draws its own next token from its row's logits, all rows in
-one ``torch.multinomial`` as ``generate`` draws them. Finished samples run no forward at all. The tokens drawn are
-the same as ``generate``'s; the saving is whatever the samples share (a converged policy's samples agree on their
-first tokens, short answers often entirely).
-
-Both copy and re-index a key/value cache row by row; a model whose cache also holds state-space, convolution or
-linear-attention state (LFM2, Falcon-H1, Qwen3-Next, ...) gets plain ``generate`` instead, decided when the engine is
-built, with a log line (``shared_generation_refusal``).
-"""
+"""The HF rollout engine behind ``PolicyModel.get_action``: ``generate`` on a gathered replica of the actor (or on the
+ZeRO-3 module under ``synced_gpus``) with every sampling knob explicit, returning each sampled token's log-prob and
+entropy under softmax(logits / T); the n samples of a prompt share its prefill and their identical decoding states.
+Why each choice, and which families get plain ``generate``: docs/models.md, "Generation"."""
 from __future__ import annotations
 
 import logging
@@ -71,8 +32,7 @@ class Generation:
 
 
 class SampledTokenStats:
-    """A logits processor recording, per step, the log-prob of the token drawn and the distribution's entropy
-    under softmax(raw logits / temperature). It returns the scores unchanged."""
+    """Logits processor recording each step's sampled-token log-prob and entropy under softmax(raw logits / T)."""
 
     def __init__(self, temperature: float, hook=None):
         self.inv_t = 1.0 / float(temperature)
@@ -103,7 +63,7 @@ class SampledTokenStats:
 
 
 class HFRolloutEngine:
-    """HF ``generate`` on a causal LM or a DeepSpeed engine around one (see the module docstring)."""
+    """HF ``generate`` on a causal LM or a DeepSpeed engine around one."""
 
     def __init__(self, lm, *, pad_token_id: int, eos_token_id: int, bos_token_id: Optional[int] = None,
                  gather_params: bool = True, share_prefill: bool = True, share_decode: bool = True):
@@ -123,7 +83,6 @@ class HFRolloutEngine:
 
     @property
     def module(self):
-        """The HF model under the engine wrapper."""
         return getattr(self.lm, "module", self.lm)
 
     @property
@@ -131,8 +90,7 @@ class HFRolloutEngine:
         return getattr(self.lm, "device", None) or next(self.module.parameters()).device
 
     def refresh(self) -> None:
-        """Bring the replica up to date with the actor's current weights (collective under ZeRO-3); call it
-        after every actor update, before the next ``generate``. A no-op with ``gather_params=False``."""
+        """Sync the replica to the actor after every update (collective under ZeRO-3; no-op without gather_params)."""
         if not self.gather_params:
             return
         from verl_ds.engines.replica import GenerationReplica
@@ -149,9 +107,8 @@ class HFRolloutEngine:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
                  stop_token_ids: Sequence[int] = ()) -> Generation:
-        """Sample up to ``max_new_tokens`` per left-padded prompt; the result is always (B, max_new_tokens) wide.
-        A response ends on EOS or on any of ``stop_token_ids`` (an agent's turn: Llama 3.1 also ends one on
-        <|eot_id|> and <|eom_id|>), included in its length and counted as done."""
+        """Sample left-padded prompts into (B, max_new_tokens); a response ends, done and counted in its length, on EOS
+        or any of ``stop_token_ids`` (an agent's turn end, e.g. Llama 3.1's <|eot_id|> and <|eom_id|>)."""
         from transformers import LogitsProcessorList
 
         if self.gather_params:
@@ -211,9 +168,8 @@ class HFRolloutEngine:
 
 @dataclass
 class SharedPrefill:
-    """What ``shared_prefill`` computed: the ``generate`` keyword holding the prompt cache, the float32 (B, V)
-    logits of each row's next token (its prompt's last position), and ``rows`` (B,): each row's row in the cache
-    (the identity once the cache is expanded to every row)."""
+    """The prompt cache as a ``generate`` keyword, each row's next-token logits (B, V) float32, and ``rows`` (B,):
+    each row's cache row (the identity once the cache is expanded to every row)."""
     cache: dict
     logits: torch.Tensor
     rows: torch.Tensor
@@ -222,12 +178,9 @@ class SharedPrefill:
 @torch.no_grad()
 def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    expand: bool = True) -> Optional[SharedPrefill]:
-    """Prefill each distinct prompt once (``verl_ds.rows.prompt_groups``; None when no prompt repeats; with
-    ``expand=False``, a batch of one row or of distinct prompts is prefilled too, for ``decode_distinct``).
-
-    Positions follow ``generate``'s own rule at the real tokens (``position_ids_from_mask``), so the cached keys are
-    those ``generate`` would compute; a row's cache and logits are those of its group's prompt. ``expand``: the cache
-    copied to one row per batch row (for ``generate``), else one row per distinct prompt."""
+    """Prefill each distinct prompt once, at ``generate``'s positions so the cache holds the keys it would compute.
+    ``expand``: the cache copied to every batch row, for ``generate`` (None when no prompt repeats); else one row per
+    distinct prompt, for ``decode_distinct``."""
     b = input_ids.shape[0]
     if b < 2 and expand:
         return None
@@ -258,9 +211,8 @@ def shared_prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 @torch.no_grad()
 def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torch.Tensor, stats: SampledTokenStats,
                     gen_cfg) -> torch.Tensor:
-    """``generate``'s decoding loop from ``ids`` (B, W + 1: the prompts and each row's first token, drawn from
-    ``prefill``'s logits) and ``mask``, running one row per distinct state (see the module docstring); returns the
-    prompts and responses as ``generate`` does, (B, W + 1 + steps), pad after each row's EOS."""
+    """``generate``'s decoding loop, one forward row per distinct (prompt, tokens so far) state. ``ids``: (B, W + 1),
+    the prompts and each row's first token; returns (B, W + 1 + steps) as ``generate`` does, pad after each EOS."""
     (name, cache), = prefill.cache.items()
     pad, B, dev = int(gen_cfg.pad_token_id), ids.shape[0], ids.device
     stops = gen_cfg.eos_token_id if isinstance(gen_cfg.eos_token_id, list) else [gen_cfg.eos_token_id]
@@ -299,10 +251,9 @@ def decode_distinct(model, prefill: SharedPrefill, ids: torch.Tensor, mask: torc
 
 def sample_like_generate(logits: torch.Tensor, input_ids: torch.Tensor, stats: SampledTokenStats,
                          gen_cfg) -> torch.Tensor:
-    """(B,) next tokens from float32 ``logits`` (B, V) as one step of HF ``generate``'s sampling loop with
-    ``gen_cfg`` would draw them: the ``stats`` processor, then the warpers HF adds for sampling (temperature,
-    top-k, top-p; transformers ``GenerationMixin._get_logits_processor``, in its order), then softmax and
-    ``torch.multinomial`` over all rows at once (the same random numbers as that step), or argmax."""
+    """(B,) next tokens from float32 ``logits`` (B, V), drawn as one step of HF ``generate`` draws them: ``stats``, the
+    temperature/top-k/top-p warpers in ``GenerationMixin._get_logits_processor``'s order, then one
+    ``torch.multinomial`` over all rows (the same random numbers), or argmax."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     scores = stats(input_ids, logits)
@@ -324,7 +275,7 @@ _GENERATION_DECISIONS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def shared_generation_refusal(model: Any) -> Optional[str]:
-    """``_shared_generation_refusal`` once per model (every engine built on it after the first reuses the decision)."""
+    """``_shared_generation_refusal``, probed once per model."""
     inner = unwrap_module(model)
     if inner not in _GENERATION_DECISIONS:
         _GENERATION_DECISIONS[inner] = _shared_generation_refusal(model)
@@ -332,11 +283,9 @@ def shared_generation_refusal(model: Any) -> Optional[str]:
 
 
 def _shared_generation_refusal(model: Any) -> Optional[str]:
-    """Why shared prefill / shared decoding (``verl_ds.generation``) cannot run on ``model``, None when they can: they
-    copy and re-index a key/value cache row by row, which a hybrid model's state-space, convolution or linear-attention
-    state does not follow (LFM2, Falcon-H1, Qwen3-Next, ...), and give each row its own positions, which a model
-    counting positions itself (BART's decoder) does not read. Runs a tiny no-grad forward (on every rank under
-    ZeRO-3)."""
+    """Why shared prefill/decoding cannot run on ``model`` (None when it can): a cache with state-space, convolution or
+    linear-attention state does not follow row copies, and a model counting positions itself ignores each row's own.
+    Runs tiny no-grad forwards (on every rank under ZeRO-3)."""
     family = family_name(model)
     convs = sequence_convolutions(model)
     if convs:
@@ -375,9 +324,8 @@ def _shared_generation_refusal(model: Any) -> Optional[str]:
 
 
 def _shared_generation_runs(model: Any) -> None:
-    """Run the shared prefill on three rows (two the same prompt, one left-padded), then ``generate`` and
-    ``decode_distinct`` from it: raises where a family's cache cannot be shared (DeepSeek-V4's). Only that it runs:
-    the structural checks and tests/models/test_families.py say whether it draws what generate draws."""
+    """Shared prefill, then ``generate`` and ``decode_distinct``, on three tiny rows: raises where a family's cache
+    cannot be shared (DeepSeek-V4's). Only that they run; tests/models/test_families.py checks the tokens."""
     from transformers import GenerationConfig
 
     inner = unwrap_module(model)

@@ -1,6 +1,5 @@
-"""What a HF model is, read off the module or probed with a tiny no-grad forward: the model under its wrappers, its
-forward's parameters, its family and text config, and whether it reads the position ids it is given. The layers above
-(``verl_ds.generation``, ``verl_ds.models``) ask here, so neither needs the other to know what a model is."""
+"""What a HF model is, read off the module or probed with a tiny no-grad forward (its wrappers, forward parameters,
+family, text config, whether it reads position ids): the one place ``verl_ds.generation`` and ``verl_ds.models`` ask."""
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +25,7 @@ def unwrap_module(m: Any) -> Any:
 
 
 def forward_params(module: Any) -> set[str]:
-    """Parameter names of a HF model's forward (a peft model's: its base model's, which receives the keywords);
-    empty when the signature cannot be read."""
+    """Parameter names of a HF model's forward (a peft model's base's); empty when the signature cannot be read."""
     if callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config"):
         module = module.get_base_model()  # a peft model passes keyword arguments on to its base model's forward
     fwd = getattr(module, "forward", module)
@@ -89,11 +87,8 @@ def output_of(out) -> torch.Tensor:
 
 
 def reads_positions(model: Any, ids: torch.Tensor) -> bool:
-    """Whether the model's output depends on the position ids it is given (one sequence of ``ids`` (1, 3), at positions
-    0, 1, 2 and at 0, 2, 4: other distances, which rotary embeddings see too, where a mere shift is invisible to them;
-    an attention mask and the sequence's bounds, so that no attention splits it at the jump): bit-equal outputs mean it
-    counts positions itself (from the row's start or its cache's length), not from the ids packing or shared decoding
-    give."""
+    """Whether the output of ``ids`` (1, 3) at positions 0, 1, 2 differs from that at 0, 2, 4 (other distances: rotary
+    embeddings ignore a mere shift). Bit-equal means the model counts positions itself, ignoring packing's ids."""
     n = ids.shape[1]
     pos = torch.arange(n, device=ids.device)[None]
     bounds = torch.tensor([0, n], dtype=torch.int32, device=ids.device)  # verl_ds_varlen_sdpa: one sequence
