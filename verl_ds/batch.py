@@ -1,8 +1,5 @@
-"""RolloutBatch: the tensors of one PPO rollout (fields, aliases and checks: ``verl_ds.batch_layout``).
-
-``extras`` holds per-sample non-tensor data (prompt texts, ground-truth answers): every value is a
-sequence of length B and is sliced by ``select``/``split`` and joined by ``cat`` like the tensors.
-"""
+"""RolloutBatch: the tensors of one PPO rollout, plus ``extras`` (per-sample non-tensor data, sliced and joined like
+the tensors). Fields, aliases and checks: ``verl_ds.batch_layout`` and docs/batch.md."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
@@ -27,8 +24,7 @@ def _slice_extra(value: Any, idx: torch.Tensor) -> Any:
 
 
 class RolloutBatch:
-    """Dict-like container of the ``batch_layout`` fields (a field not given is None): ``batch.x``,
-    ``batch["x"]`` and ``"x" in batch`` work, with the aliases."""
+    """Dict-like container of the ``batch_layout`` fields (unset: None); ``batch.x``, ``batch["x"]``, aliases too."""
 
     __slots__ = ("_data", "extras")
 
@@ -65,7 +61,6 @@ class RolloutBatch:
         self._data[name] = value
 
     def __contains__(self, name: object) -> bool:
-        """Whether ``name`` is a field (or alias) that is set."""
         name = ALIASES.get(name, name) if isinstance(name, str) else name
         return name in FIELDS and self._data[name] is not None
 
@@ -89,7 +84,7 @@ class RolloutBatch:
                         f"{{'observation': ..., 'mask': ...}}), got {type(batch).__name__}")
 
     def present(self) -> list[str]:
-        """Names of the fields that are set (not None), in FIELDS order."""
+        """The fields that are set, in FIELDS order."""
         return [f for f in FIELDS if self._data[f] is not None]
 
     def items(self):
@@ -140,8 +135,8 @@ class RolloutBatch:
                         response_length: torch.Tensor | None = None, done: torch.Tensor | None = None, *,
                         pad_token_id: int, eos_token_id: int | None = None,
                         extras: dict | None = None) -> "RolloutBatch":
-        """The ROLLOUT_FIELDS from left-padded prompts (B, P) and responses (B, R); response_length defaults to
-        ``response_length_from_eos``, done to "the last real token is eos_token_id"; pads past each response."""
+        """The ROLLOUT_FIELDS from left-padded prompts (B, P) and responses (B, R); without ``response_length`` and
+        ``done``, they come from the first EOS."""
         if response_length is None:
             if eos_token_id is None:
                 raise ValueError("from_generation: pass response_length or eos_token_id to find where responses end")
@@ -166,13 +161,12 @@ class RolloutBatch:
                    next_observation=cls.make_next_observation(observation, pad_token_id), extras=extras)
 
     def validate(self, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> "RolloutBatch":
-        """``batch_layout.check_batch`` (BatchValidationError on the first problem); returns self."""
+        """``batch_layout.check_batch``; returns self."""
         check_batch(self, pad_token_id, required)
         return self
 
     # ---- reshaping ------------------------------------------------------------------------------
     def select(self, indices: torch.Tensor | Sequence[int] | slice) -> "RolloutBatch":
-        """A new batch with rows ``indices`` of every field and extras."""
         B = len(self)
         if isinstance(indices, slice):
             idx = torch.arange(B)[indices]
@@ -185,9 +179,8 @@ class RolloutBatch:
 
     def split(self, mini_batch_size: int, generator: torch.Generator | None = None,
               shuffle: bool = True) -> list["RolloutBatch"]:
-        """Equal mini-batches, rows shuffled with ``generator`` unless shuffle=False; groups of ``group_index``
-        keep their rows together, in batch order (as verl splits), so micro-batches hold whole groups and can
-        share their prompts (``verl_ds.prompt_sharing``)."""
+        """Equal mini-batches, shuffled by whole ``group_index`` groups (rows in batch order, as verl splits), so that
+        micro-batches hold whole groups and can share their prompts."""
         B = len(self)
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
             raise ValueError(f"split: mini_batch_size must be an int >= 1, got {mini_batch_size!r}")
@@ -239,7 +232,6 @@ class RolloutBatch:
         return out
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "RolloutBatch":
-        """A new batch with every tensor (fields and tensor extras) on ``device``."""
         return self._map(lambda t: t.to(device, non_blocking=non_blocking),
                          lambda v: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v)
 
@@ -247,7 +239,6 @@ class RolloutBatch:
         return self._map(torch.clone, lambda v: v.clone() if isinstance(v, torch.Tensor) else list(v))
 
     def _map(self, field_fn, extra_fn) -> "RolloutBatch":
-        """A new batch with ``field_fn`` of every set field and ``extra_fn`` of every extra."""
         out = RolloutBatch(extras={k: extra_fn(v) for k, v in self.extras.items()})
         for f, t in self.items():
             out._data[f] = field_fn(t)

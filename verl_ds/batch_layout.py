@@ -1,42 +1,7 @@
-"""The layout of a ``verl_ds.batch.RolloutBatch`` every model and loss relies on, and the check that a batch follows it.
-
-Layout (verl's). B = batch, P = prompt width, R = response width, T = P + R.
-
-=================  ========  =======  ==========================================================
-field              shape     dtype    meaning
-=================  ========  =======  ==========================================================
-observation        (B, T)    int64    prompt left-padded to P, then response right-padded to R
-action             (B, R)    int64    the response ids (== observation[:, P:])
-mask               (B, T)    bool     attention mask: real prompt and response tokens (EOS included),
-                                      True on the first response_length columns of the response
-response_mask      (B, R)    bool     the tokens the losses train on: the real response tokens (EOS
-                                      included), built from response_length, never from ``token != pad``
-                                      (pad may be EOS); in a multi-turn trajectory only the model's
-                                      tokens (the environment's are attended, ``mask``, not trained)
-prompt_length      (B,)      int64    real prompt tokens per row (>= 1)
-response_length    (B,)      int64    real response tokens per row (1..R): a trajectory's model and
-                                      environment tokens together
-done               (B,)      bool     the response ended with EOS (not truncated)
-next_observation   (B, T)    int64    observation shifted left by one token, pad appended: column t
-                                      holds the token after column t (the state after action t)
-group_index        (B,)      int64    the prompt each sample answers (n samples per prompt share it)
-rollout_log_probs  (B, R)    float32  log-probs the sampler reported for the tokens it drew
-old_log_probs      (B, R)    float32  log-prob of each response token under the rollout ("old") actor,
-                                      recomputed by the trainer's forward
-ref_log_probs      (B, R)    float32  same under the frozen reference
-values             (B, R)    float32  critic values aligned with response tokens (the values the
-                                      value loss clips around)
-scores             (B, R)    float32  token-level task scores from RewardModel.compute_rewards
-token_rewards      (B, R)    float32  rewards fed to the advantage estimator (scores - kl_coef * KL
-                                      when the KL is in the reward)
-advantages         (B, R)    float32  advantages (zero outside the response)
-returns            (B, R)    float32  returns (the critic's targets)
-=================  ========  =======  ==========================================================
-
-The design article's names are accepted as aliases: ``logprob`` (old_log_probs), ``ref_logprob``,
-``value`` and ``old_value`` (values), ``score`` (scores), ``reward`` (token_rewards), ``advantage``,
-``return``.
-"""
+"""The layout of a ``verl_ds.batch.RolloutBatch`` (verl's) every model and loss relies on, and the check that a batch
+follows it. B = batch, P = prompt width, R = response width, T = P + R: ``observation`` (B, T) is the prompt left-padded
+to P then the response right-padded to R; masks come from the lengths, never from ``token != pad`` (pad may be EOS).
+Every field's shape, dtype and meaning, and the aliases: docs/batch.md."""
 from __future__ import annotations
 
 import difflib
@@ -99,8 +64,8 @@ def canonical(name: str) -> str:
 
 
 def check_batch(batch, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> None:
-    """``RolloutBatch.validate``: presence, shapes, dtypes, masks, finiteness and padding of every field that is
-    set; the first problem raises BatchValidationError naming the field, what was expected and what was found."""
+    """``RolloutBatch.validate``: presence, shapes, dtypes, masks, finiteness and padding of every field set; the first
+    problem raises BatchValidationError naming the field, what was expected and what was found."""
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
         raise TypeError(f"validate: pad_token_id must be an int, got {pad_token_id!r}")
     for f in required:

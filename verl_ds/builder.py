@@ -1,9 +1,6 @@
-"""Construction: the config in, one plain object with every component of a run out (``build``).
-
-Only what the algorithm needs is built: the critic when the advantage estimator needs one, the frozen reference when
-a KL term can be non-zero (with ``actor.lora_rank > 0``: the actor's own engine with its adapters off, not a second
-model). The models are registered in a ModelRegistry under their roles, with the aliases the control plane shows.
-"""
+"""Construction: the config in, one plain object with every component of a run out (``build``). Only what the
+algorithm needs is built: a critic when the advantage estimator needs one, a reference when a KL term can be non-zero
+(a LoRA actor's is its own engine with adapters off); models are registered under their roles and aliases."""
 from __future__ import annotations
 
 import logging
@@ -116,9 +113,8 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
 
 
 def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool]:
-    """(packed, shared): whether the forwards use packed rows and shared prompts, decided for the models built (a
-    probe forward of each, ``verl_ds.models.families.packing_support``) and the attention: a family they would get
-    wrong falls back to padded batches or plain packing, with one log line each."""
+    """(packed, shared): packed rows and shared prompts, probed on the models built (``packing_support``); a family
+    they would get wrong falls back to padded batches or plain packing, with one log line."""
     import torch
 
     from verl_ds.attention_layout import resolve_attn_implementation
@@ -177,8 +173,7 @@ class PromptData(NamedTuple):
 
 
 def load_data(cfg: Config) -> PromptData:
-    """The tokenizer and the (train, val) prompt sets, checked (a ConfigError naming the key); ``verl-ds train``
-    runs it before torch.distributed starts and hands the result to the Trainer."""
+    """The tokenizer and the checked (train, val) prompt sets (ConfigError naming the key), before torch.distributed."""
     from verl_ds.data import PromptDataset
     from verl_ds.rewards import unscorable_rows
     from verl_ds.tasks import parity
@@ -249,8 +244,8 @@ def reward_name(functions: list, model_path: Optional[str]) -> str:
 
 def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] = None, model_path: Optional[str] = None,
                  model_weight: Optional[float] = None, state=None):
-    """A RewardModel from reward function specs (shipped names or 'module:fn') and an optional neural scorer
-    (a DeepSpeed inference engine: building one is a collective). Defaults: the config's ``reward`` section."""
+    """A RewardModel from function specs (shipped names or 'module:fn') and an optional neural scorer (building it is
+    a collective); defaults: the config's ``reward`` section."""
     from verl_ds.models import RewardModel
     from verl_ds.rewards import resolve_reward_fn
     from verl_ds.verifiable import set_math_verify_timeout

@@ -1,5 +1,5 @@
-"""The ``verl-ds`` command: ``train`` (the RL job), ``sft``, ``rm`` and ``dpo`` (the supervised-style jobs of
-``verl_ds.stages``), ``config`` (print the resolved config or the key reference), ``plan``, ``state``. A bad config exits with status 2 and one line naming the culprit, before anything is built."""
+"""The ``verl-ds`` command: ``train`` (the RL job), ``sft``, ``rm``, ``dpo`` (``verl_ds.stages``), ``config``, ``plan``,
+``state``. A bad config exits with status 2 and one line naming the culprit, before anything is built."""
 from __future__ import annotations
 
 import argparse
@@ -244,9 +244,8 @@ def _main(argv) -> int:
 
 
 def explained(run) -> int:
-    """``run()``'s status, or one ``verl_ds: error:`` line and its status for an error the package explains (2: a
-    job refused before anything was built; 1: a failure while running); scripts that run jobs in-process (e.g.
-    scripts/pipeline.py) end through here too."""
+    """``run()``'s status, or one ``verl_ds: error:`` line for an error the package explains (2: refused before
+    anything was built; 1: failed while running). In-process jobs (scripts/pipeline.py) end here too."""
     from verl_ds.config import ConfigError
     from verl_ds.dist import LaunchError
 

@@ -1,7 +1,5 @@
-"""``verl-ds state get [KEY]`` / ``verl-ds state set KEY=VALUE ...``: read and change the SharedState of a
-running job through its control server (docs/http_api.md, "The verl-ds state command": where the URL and the
-token come from, how values are read, the exit statuses).
-"""
+"""``verl-ds state get [KEY]`` / ``verl-ds state set KEY=VALUE ...``: read and change a running job's SharedState
+through its control server (docs/http_api.md, "The verl-ds state command")."""
 from __future__ import annotations
 
 import argparse
@@ -110,7 +108,7 @@ def build_parser(prog: str = "verl-ds state") -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Execute parsed arguments; returns the JSON to print (raises ClientError)."""
+    """The JSON to print for parsed arguments (raises ClientError)."""
     url = resolve_url(args.url, args.run_dir)
     if args.action == "get":
         if args.key:

@@ -1,11 +1,6 @@
-"""Prompt data: load a prompt set and left-pad batches for generation (the order: ``verl_ds.sampler``).
-
-`PromptDataset` reads JSON lines, Parquet, or a `datasets` save_to_disk directory (``verl_ds.data_files``: strict
-JSON), tokenizes the prompt field (optionally through the chat template) and keeps pass-through fields for reward
-functions. A bad row never crashes the load: it is skipped (an overlong one truncated, a repeat of an earlier one
-kept) and counted by reason (`REASONS`, `report()`, `summary()`); a missing file, an unsupported format or zero
-usable rows is an error at construction.
-"""
+"""Prompt data: load a prompt set (JSON lines, Parquet, a ``datasets`` directory) and left-pad batches for generation.
+A bad row never crashes the load: it is skipped (an overlong one truncated, a repeat kept) and counted by reason
+(``REASONS``); a missing file or zero usable rows is an error. Details: docs/reliability.md, "Bad input"."""
 from __future__ import annotations
 
 import json
@@ -15,8 +10,7 @@ import torch
 
 from verl_ds.data_files import read_json_lines, read_parquet, read_saved_dataset
 
-# Why a row was skipped (or, for "truncated" and "duplicate_row", kept and counted). Keys are the counted reasons
-# in `report()`.
+# Why a row was skipped (or, for "truncated" and "duplicate_row", kept and counted), as `report()` counts it.
 REASONS = {
     "non_utf8": "line is not valid UTF-8",
     "invalid_json": "line is not valid JSON",
@@ -60,11 +54,8 @@ def read_rows(path: str, split: str | None = None) -> list:
 
 
 class PromptDataset(torch.utils.data.Dataset):
-    """Tokenized prompts. Item i: {"input_ids": list[int], "prompt": str, **pass-through fields}.
-
-    "prompt" is the prompt field's text (for a chat message list, the last user message's content), before any chat
-    template or truncation: what reward functions parse. Build with `from_file` or `from_records`.
-    """
+    """Tokenized prompts; item i: {"input_ids": list[int], "prompt": str, **pass-through fields}. "prompt" is the text
+    reward functions parse: before any chat template or truncation (a chat's last user message)."""
 
     def __init__(self, items: list[dict], problems: dict[str, list[str]], n_rows: int, source: str,
                  where: list[str] | None = None):
@@ -73,8 +64,7 @@ class PromptDataset(torch.utils.data.Dataset):
 
     @classmethod
     def from_file(cls, path: str, tokenizer, *, split: str | None = None, **options) -> "PromptDataset":
-        """Load `path`: .jsonl / .json (JSON lines, or one JSON array) / .parquet, or a directory written by
-        `datasets.Dataset.save_to_disk` (`split` picks from a DatasetDict). `options` are those of `from_records`."""
+        """Load a file ``read_rows`` reads (``split`` picks from a DatasetDict); ``options`` as ``from_records``."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path: expected a file or directory path, got {type(path).__name__}")
         path = os.fspath(path)
@@ -88,15 +78,9 @@ class PromptDataset(torch.utils.data.Dataset):
                      max_prompt_length: int | None = None, overlong: str = "truncate", empty: str = "skip",
                      apply_chat_template: bool = False, passthrough_keys: list[str] | None = None,
                      source: str = "records") -> "PromptDataset":
-        """Build from a list of dicts.
-
-        max_prompt_length: token limit (None: no limit). overlong: "truncate" (keep the last tokens, i.e. the end of
-        the prompt), "skip" or "error". empty: "skip" or "error" for empty/whitespace prompts.
-        apply_chat_template: wrap the prompt as one user message, add the generation prompt (the tokenizer must have a
-        chat template); a prompt may then also be a list of {"role", "content"} messages.
-        passthrough_keys: fields kept for reward functions; None keeps every other field (None where a row lacks it),
-        a list keeps those and skips rows missing one.
-        """
+        """Build from a list of dicts. ``overlong="truncate"`` keeps a prompt's last tokens (its end). With
+        ``apply_chat_template`` a prompt may also be a list of {"role", "content"} messages. ``passthrough_keys``: None
+        keeps every other field (None where a row lacks it); a list keeps those and skips rows missing one."""
         if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
             raise TypeError(f"records: expected a list of dicts, got {type(records).__name__}")
         rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
@@ -121,7 +105,7 @@ class PromptDataset(torch.utils.data.Dataset):
         self.where = [w for i, w in enumerate(self.where) if i not in gone]
 
     def report(self) -> dict[str, int]:
-        """{reason: count} of the rows skipped or truncated (reasons in `REASONS`); empty when all rows were clean."""
+        """{reason: count} of the rows skipped or truncated; empty when all rows were clean."""
         return {reason: len(where) for reason, where in self.problems.items()}
 
     def summary(self) -> str:
@@ -262,11 +246,8 @@ def _build(cls, rows, tokenizer, *, prompt_key="prompt", max_prompt_length=None,
 
 
 def collate_prompts(items: list[dict], pad_token_id: int, device=None) -> dict:
-    """Left-pad items to the longest prompt, the tensors on ``device`` (default: CPU).
-
-    Returns input_ids (B, P) int64, attention_mask (B, P) bool (True on prompt tokens), prompt_length (B,) int64,
-    prompts list[str], extras {field: list} of every other item field (None where an item lacks it).
-    """
+    """Left-pad items to the longest prompt: input_ids (B, P) int64, attention_mask (B, P) bool, prompt_length (B,)
+    int64, prompts list[str], extras {field: list} (None where an item lacks it); tensors on ``device``."""
     if not items:
         raise ValueError("collate_prompts: items is empty")
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):

@@ -1,13 +1,6 @@
-"""Reading prompt files into ``(location, row, reason)`` triples: JSON lines (or one JSON array), Parquet, and a
-`datasets` save_to_disk directory. A row that cannot be read gets a reason (a key of ``verl_ds.data.REASONS``)
-instead of failing the file; `verl_ds.data` counts it.
-
-JSON is read strictly where Python's parser is lenient: an integer longer than Python converts
-(``sys.get_int_max_str_digits()``, 4300 digits by default) would raise out of the parser and refuse the whole
-file, so its row is skipped ("huge_number"); a repeated key inside an object ("duplicate_key") and NaN,
-Infinity or a number beyond float range such as 1e999 ("non_finite_number", RFC 8259 has none of them) make the
-row ambiguous or unusable for reward functions, so those rows are skipped too.
-"""
+"""Prompt files (JSON lines or one array, Parquet, a ``datasets`` directory) as ``(location, row, reason)``: a bad row
+gets a reason instead of failing the file. JSON is read strictly where Python is lenient: huge integers, repeated keys,
+NaN/Infinity/1e999 (not RFC 8259 numbers); docs/reliability.md, "Bad input"."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,6 @@
-"""Evaluation on the held-out prompts: greedy score, and with ``trainer.val_n`` > 1 sampled mean@n and pass@k.
-
-pass@k is the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code",
-eq. 1): with n samples of a prompt of which c are correct, 1 - C(n - c, k) / C(n, k), averaged over prompts. A
-sample is correct when its score reaches ``trainer.val_pass_threshold``.
-"""
+"""Evaluation on the held-out prompts: greedy score, and with ``trainer.val_n`` > 1 sampled mean@n and pass@k, the
+unbiased estimator 1 - C(n - c, k) / C(n, k) of Chen et al. 2021 (arXiv:2107.03374, eq. 1) for c of n samples correct
+(scoring at least ``trainer.val_pass_threshold``)."""
 from __future__ import annotations
 
 import torch
@@ -13,9 +10,8 @@ from verl_ds import dist as vdist
 
 @torch.no_grad()
 def evaluate(trainer) -> dict:
-    """``val/score/mean`` (greedy) and, with ``trainer.val_n`` > 1, ``val/mean@n``, ``val/pass@1`` and
-    ``val/pass@n``, over every rank's share of the held-out prompts (the same number of prompts per rank:
-    generation may be a collective)."""
+    """``val/score/mean`` and, with ``trainer.val_n`` > 1, ``val/mean@n``, ``val/pass@1``, ``val/pass@n`` over every
+    rank's share of the prompts (equal shares: generation may be a collective)."""
     from verl_ds.algos import pass_at_k
     from verl_ds.data import collate_prompts
 
