@@ -1,21 +1,6 @@
-"""Checkpoints that resume exactly, at the same or another world size, and never become ``latest`` half-written.
-
-Layout under ``<output_dir>/checkpoints``::
-
-    global_step_<N>/<role>/state/...   DeepSpeed save_checkpoint of each trained engine (actor, critic if any)
-    global_step_<N>/rng_rank<r>.json   every rank's RNG states (python, numpy, torch, cuda); the arrays in
-                                       rng_rank<r>.safetensors
-    global_step_<N>/trainer_state.json the trainer state, exact (``verl_ds.safe_state``: JSON + safetensors)
-    global_step_<N>/COMPLETE           manifest (``verl_ds.checkpoint_manifest``), written after every rank finished
-    latest                             the name of the newest complete checkpoint, written last
-
-docs/reliability.md says what is checked at resume, the trust boundary (DeepSpeed's engine files are pickles),
-and the elastic resume: a ZeRO-1/2/3 engine saved by N ranks is converted once by DeepSpeed's
-``ds_to_universal`` (``verl_ds.engines.universal``) and loaded by M ranks; a rank beyond the saved ones seeds
-from sha256(seed, step, r). Frozen engines (the reference, a reward model, a LoRA engine's base) are rebuilt
-from the model, not saved; the manifest records what each engine trains, so a resume with other LoRA keys is
-refused.
-"""
+"""Checkpoints that resume exactly, at the same or another world size, and never become ``latest`` half-written: the
+``COMPLETE`` manifest goes after every rank's files, ``latest`` last. Layout, checks at resume, the trust boundary and
+the elastic resume: docs/reliability.md, "Crash safety" and "Trust model"."""
 from __future__ import annotations
 
 import contextlib
@@ -81,8 +66,8 @@ def _has_frozen(engine) -> bool:
 
 
 def trainable_signature(engine) -> dict:
-    """What an engine trains: count, total size and a digest of the names and shapes of its trainable parameters
-    (LoRA adapters or every weight), and whether it has a frozen base."""
+    """Count, size and a digest of the names and shapes of an engine's trainable parameters, and whether it has a
+    frozen base: a resume with other LoRA keys is refused."""
     h, tensors, numel = hashlib.sha256(), 0, 0
     for name, p in engine.module.named_parameters():
         if p.requires_grad:
@@ -104,14 +89,9 @@ def _zero_stage(engine) -> int:
 
 def save(ckpt_root: str, step: int, engines: dict, trainer_state: dict, keep_last: int,
          on_event: Optional[Callable[[str], None]] = None, digest: str = "full") -> str:
-    """Save a complete checkpoint (all ranks call this); returns its directory.
-
-    ``engines``: role -> DeepSpeed engine (critic-free runs have no critic); those with an optimizer are saved.
-    ``on_event(point)`` is called at named points ("after_<role>" for each saved engine, "before_manifest",
-    "before_latest"): listeners such as the fault-injection tests see the save's progress.
-    ``digest``: "full" records the sha256 of every file (each rank hashes a share) so that
-    ``verify(mode="full")`` can detect any changed byte; "edges" records only the digests of the file ends.
-    """
+    """Save a complete checkpoint of the engines (role -> engine) that have an optimizer; collective, returns its
+    directory. ``on_event(point)``: "after_<role>", "before_manifest", "before_latest" (for fault injection).
+    ``digest``: "full" (sha256 of every file, hashed over the ranks) or "edges" (each file's ends only)."""
     if digest not in ("edges", "full"):
         raise ValueError(f"digest: expected 'edges' or 'full', got {digest!r}")
     trained = _trained(engines)
@@ -168,13 +148,13 @@ def _prune(ckpt_root: str, keep_last: int) -> None:
 
 
 def derived_seed(seed: int, step: int, rank: int) -> int:
-    """The RNG seed of a rank that has no saved RNG (resuming at a larger world size)."""
+    """The seed of a rank with no saved RNG (resuming at a larger world size)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:8], "little") % 2**63
 
 
 def _read_states(step_dir: str, manifest: dict) -> tuple:
-    """(trainer state, this rank's RNG state or None), read as data only: JSON + safetensors, or an older
-    version's pickles through torch's restricted unpickler. Nothing in them can run code."""
+    """(trainer state, this rank's RNG state or None), read as data only (JSON + safetensors, or format 1 through
+    torch's restricted unpickler): nothing in them can run code."""
     fmt = manifest.get("format", 1)
     if not isinstance(fmt, int) or fmt > FORMAT:
         raise CheckpointError(f"{step_dir} was written in checkpoint format {fmt!r} by a newer verl_ds (this one reads "
@@ -217,8 +197,8 @@ def _restore_rng(step_dir: str, rng: Optional[dict], step: int, seed: int) -> No
 
 @contextlib.contextmanager
 def _explain_disk_errors(ckpt_root: str, step_dir: str):
-    """Turn a write that failed for want of space (ENOSPC, EDQUOT, EFBIG, or torch's zip writer giving up in the
-    middle of a file: "unexpected pos") into a CheckpointError that says so, with the path and the free space."""
+    """A write that failed for want of space (ENOSPC, EDQUOT, EFBIG, torch's zip writer's "unexpected pos") becomes a
+    CheckpointError saying so, with the path and the free space."""
     try:
         yield
     except Exception as exc:
@@ -289,13 +269,8 @@ def _load_engine(step_dir: str, role: str, engine, saved_world: int, stage: int)
 
 
 def load(step_dir: str, engines: dict, verify: Optional[str] = "edges", seed: int = 0) -> dict:
-    """Restore the trained engines (weights, optimizer; role -> engine as in ``save``) and this rank's RNG, at
-    the saved world size or another one (see the module docstring); returns the trainer state.
-
-    ``verify``: the check run first ("sizes", "edges" or "full"; the files are shared out over the ranks; None: the
-    caller verified it). CheckpointDamaged when it fails: nothing was loaded.
-    ``seed``: the run's seed, for ranks that have no saved RNG.
-    """
+    """Restore the trained engines and this rank's RNG (``seed``: for ranks with none saved); returns the trainer state.
+    ``verify``: "sizes", "edges" or "full" first (None: the caller did), CheckpointDamaged before anything is loaded."""
     if verify is not None:
         reason = verify_distributed(step_dir, verify)
         if reason is not None:

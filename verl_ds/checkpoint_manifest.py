@@ -1,9 +1,6 @@
-"""A checkpoint's COMPLETE manifest and the checks against it; the choice of the checkpoint to resume from.
-
-The manifest lists every file a save wrote with its size, a digest of its first and last MiB and (``digest="full"``)
-the sha256 of all its bytes. It is not signed: it detects accidents (a killed save, a torn write, a full disk, bit
-rot), not someone who may write the directory (docs/reliability.md, "Trust model").
-"""
+"""A checkpoint's COMPLETE manifest (each file's size and digests), the checks against it, and the choice of the
+checkpoint to resume from. Unsigned: it detects accidents, not someone who may write the directory (docs/reliability.md,
+"Trust model")."""
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +31,7 @@ class CheckpointDamaged(CheckpointError):
 
 
 def fsync_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory (the temp file
-    is removed when any of it fails)."""
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as fh:
@@ -91,7 +87,6 @@ def edge_digest(path: str) -> str:
 
 
 def full_digest(path: str) -> str:
-    """sha256 of every byte of a file."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
@@ -153,12 +148,8 @@ def check_mode(mode: str) -> str:
 
 
 def verify(step_dir: str, mode: str = "edges", digests: bool = True) -> Optional[str]:
-    """None when ``step_dir`` is a complete checkpoint, else the reason it is not.
-
-    ``mode``: "sizes" (every file present with its size, none unlisted), "edges" (also the digests of each file's
-    first and last MiB: fast), "full" (also the sha256 of every byte: reads the whole checkpoint, ~0.4 GB/s per core
-    here; ``benchmarks/checkpoint_verify.py``). ``digests=False`` is the older spelling of mode="sizes".
-    """
+    """None when ``step_dir`` is a complete checkpoint, else why not. ``mode``: "sizes" (every file present with its
+    size, none unlisted), "edges" (also each file's first and last MiB), "full" (also every byte: reads it all)."""
     mode = check_mode("sizes" if not digests else mode)
     manifest, reason = read_manifest(step_dir)
     if reason is not None:
@@ -222,10 +213,8 @@ def _outside(ckpt_root: str, step_dir: str) -> Optional[str]:
 
 
 def scan(ckpt_root: str, mode: str = "edges") -> tuple[list, list]:
-    """(the checkpoints of ``ckpt_root`` that verify under ``mode``, best first: the one ``latest`` names, then the
-    older ones newest first; [(directory, reason)] of every directory passed over). Each one passed over is warned
-    about, including newer ones than ``latest`` (a save killed before it finished, or before it updated ``latest``).
-    """
+    """(checkpoints that verify, best first: ``latest``'s, then older ones newest first; [(directory, reason)] passed
+    over, each warned about, newer ones than ``latest`` included)."""
     if not os.path.isdir(ckpt_root):
         return [], []
     latest = _read_latest(ckpt_root)

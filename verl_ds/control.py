@@ -1,13 +1,6 @@
-"""The step boundary: where hot changes from the control plane take effect, on every rank at once.
-
-At each boundary rank 0 applies the staged SharedState updates and takes the staged reward swap, atomically
-with bumping ``global_step`` (so the step announced to a client is the step its change is applied at); then the
-swap is built and tried on every rank and the state is broadcast. A swap that fails on any rank, whatever it
-raises (SystemExit included), is rolled back on every rank and audited as refused; training goes on. The
-journal (``staged_changes.jsonl``, written before the 202), the audit log (``state_changes.jsonl``) and the
-replay of both on resume are described in docs/http_api.md and docs/reliability.md ("Hot changes across a
-crash").
-"""
+"""The step boundary, where control-plane changes take effect on every rank at once: rank 0 applies them atomically
+with bumping ``global_step`` (the step announced to the client); a reward swap failing on any rank is rolled back
+everywhere. Journal, audit log, replay on resume: docs/http_api.md, docs/reliability.md "Hot changes across a crash"."""
 from __future__ import annotations
 
 import json
@@ -32,8 +25,8 @@ def _reason(exc: BaseException) -> str:
 
 
 def _on_every_rank(fn: Callable, arg) -> tuple:
-    """Collective: (``fn(arg)`` or None, ["rank r: reason"] for every rank where it raised). Whatever it raises
-    but KeyboardInterrupt is caught: a reward's own code ran (SystemExit from a module's import included)."""
+    """Collective: (``fn(arg)`` or None, ["rank r: reason"] of every rank where it raised). All but KeyboardInterrupt
+    is caught: a reward's own code ran (SystemExit from a module's import included)."""
     out, error = None, None
     try:
         out = fn(arg)
@@ -60,14 +53,9 @@ def _read_jsonl(path: str) -> list[dict]:
 
 
 class StepBoundary:
-    """Owns the staged reward swap, the journal, the audit log and the replay schedule (see the module docstring).
-
-    check_swap(spec) validates a request (no user code runs) and returns it normalised, raising ValueError or
-    TypeError; build_reward(request) builds the RewardModel of a swap request on this rank (every rank calls it at
-    the same boundary: a neural scorer's engine is a collective); probe(reward), when given, raises when the built
-    reward cannot score this run's data; install(reward) makes it the active reward. reward_spec is the active
-    reward's spec (saved in checkpoints, rebuilt on resume).
-    """
+    """Owns the staged reward swap, the journal, the audit log and the replay schedule. ``check_swap`` normalises a
+    request (no user code runs); ``build_reward`` runs on every rank at the same boundary (a neural scorer's engine is
+    a collective); ``probe`` raises when the built reward cannot score this run's data."""
 
     def __init__(self, state, run_dir: str, build_reward: Callable[[dict], object],
                  install: Callable[[object], None], reward_spec: dict, check_swap: Callable[[dict], dict],
@@ -85,8 +73,8 @@ class StepBoundary:
 
     # ---- the HTTP thread (rank 0) ------------------------------------------------------------------
     def stage_reward_swap(self, spec: dict, client: str = "") -> dict:
-        """Validate a reward swap request (``check_swap``), journal it and queue it for the next step boundary
-        (rank 0, the HTTP thread); returns the announcement. A swap still queued is replaced (audited as dropped)."""
+        """Validate, journal and queue a reward swap for the next boundary (rank 0, HTTP thread); returns the
+        announcement. A swap still queued is replaced (audited as dropped)."""
         request = {**self._check_swap(spec), "client": client, "id": uuid.uuid4().hex}
         with self.state.lock, self._lock:  # the same lock order as cross()
             applies_at = self.state.get("global_step") + 1
@@ -126,8 +114,7 @@ class StepBoundary:
         return st.get("global_step")
 
     def uncross(self, step: int) -> None:
-        """Undo ``cross`` into ``step``, which failed before any update (collective): the step count goes back (the
-        values it applied stay in SharedState, and in its audit)."""
+        """Undo ``cross`` into a ``step`` that failed before any update (collective); the values it applied stay."""
         if self.is_main:
             self.state.set("global_step", step - 1)
         self.state.sync()
@@ -164,8 +151,7 @@ class StepBoundary:
         return True
 
     def restore(self, spec: dict) -> bool:
-        """Make the reward a checkpoint was saved with active again (collective, on resume): validated, built and
-        tried like a swap; when it fails, the current reward stays (audited as refused). Returns whether it did."""
+        """Reactivate a checkpoint's reward on resume (collective), tried like a swap; returns whether it took."""
         request, error = None, None
         if self.is_main:
             try:
@@ -194,8 +180,7 @@ class StepBoundary:
                 "spec": self._spec(request), "id": request.get("id"), "dropped": why}
 
     def close(self, completed: bool) -> None:
-        """At the end of the run (rank 0): with ``completed`` (trainer.total_steps reached), audit the changes
-        still staged as dropped, since no step will apply them; otherwise they stay journaled for a resume."""
+        """End of run (rank 0): changes still staged are audited as dropped if ``completed``, else kept for a resume."""
         if not self.is_main or self._closed:
             return
         self._closed = True
@@ -226,9 +211,8 @@ class StepBoundary:
         self._append(AUDIT_FILE, records, step)
 
     def schedule_replay(self, resumed_step: int) -> int:
-        """Read the audit log and the journal and plan to apply again, at their steps, the changes applied after
-        ``resumed_step`` and the journaled ones no audit line settles (rank 0); journaled changes for a step at or
-        before ``resumed_step`` are audited as dropped. Returns how many changes are scheduled."""
+        """Plan to re-apply at their steps the changes audited after ``resumed_step`` and the journaled ones no audit
+        settles (rank 0); journaled ones at or before it are audited as dropped. Returns how many are scheduled."""
         self._replay = {}
         if not self.is_main:
             return 0
@@ -294,8 +278,8 @@ class StepBoundary:
 
 
 class ScoredByEnvironment:
-    """The reward swapper of an agent run: its environment scores every trajectory, so a swapped-in reward would
-    change nothing; POST /v1/models/reward answers 400 saying so instead of staging a no-op."""
+    """An agent run's reward swapper: its environment scores every trajectory, so a swap would change nothing and
+    POST /v1/models/reward answers 400 saying so."""
 
     def __init__(self, environment: str):
         self.environment = environment

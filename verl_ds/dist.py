@@ -1,10 +1,5 @@
-"""Rank, world size and master address from whatever launched us, and torch.distributed set-up.
-
-Supported: plain ``python`` (world size 1), ``torchrun``, the ``deepspeed`` launcher (it also
-appends ``--local_rank=N``), ``accelerate launch`` and ``srun`` under Slurm (SLURM_PROCID,
-SLURM_LOCALID, SLURM_NTASKS, SLURM_NODELIST; the first node is the master). Inconsistent
-variables are an error before any collective is entered.
-"""
+"""Rank, world size and master address from whatever launched us (python, torchrun, deepspeed, accelerate, srun), and
+torch.distributed set-up; inconsistent variables are an error before any collective (docs/launch.md)."""
 from __future__ import annotations
 
 import atexit
@@ -39,7 +34,7 @@ class LaunchInfo:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm node list such as ``gpu[01-03,07],cpu5`` to host names (what ``scontrol show hostnames`` does)."""
+    """``gpu[01-03,07],cpu5`` -> host names, as ``scontrol show hostnames`` expands a Slurm node list."""
     hosts: list[str] = []
     for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
         prefix, ranges = m.group(1), m.group(2)
@@ -159,20 +154,16 @@ def _destroy_at_exit() -> None:
 
 
 def shutdown() -> None:
-    """End a finished run's process group on every rank (a barrier, then ``destroy_process_group``), as torch asks
-    before a process exits: a group left to the interpreter's exit tears its gloo threads down unjoined, which can
-    abort a rank ("terminate called without an active exception") after its work is done."""
+    """End a finished run's process group (barrier, ``destroy_process_group``) as torch asks: left to the interpreter's
+    exit, gloo's threads are torn down unjoined, which can abort a rank after its work is done."""
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
 
 
 def exit_after_shutdown(code: int, world: int) -> int:
-    """A finished multi-rank process ends here, after ``shutdown()``: streams and logs flushed, then ``os._exit``.
-    Even with every group destroyed, a rank now and then aborted in C++ thread teardown during interpreter
-    finalisation ("terminate called without an active exception", exit -6) after its work was done and reported,
-    which the launcher reports as a failed job; ``os._exit`` skips that teardown (pytorch/pytorch#179291 describes
-    the crash). A single process (tests call ``main()`` in-process) returns ``code``."""
+    """A finished multi-rank process ends here after ``shutdown()``, by ``os._exit``: it skips the C++ thread teardown
+    that sometimes aborted a finished rank (exit -6, pytorch/pytorch#179291). A single process returns ``code``."""
     return code if world <= 1 else _leave(code)
 
 
@@ -191,16 +182,12 @@ def _leave(code: int) -> int:
 
 
 def multi_rank_process() -> bool:
-    """Whether this process started torch.distributed as one rank of several."""
     return _multi_rank
 
 
 def end_failed_process(code: int) -> int:
-    """A rank of a multi-rank run that stops on an error, a preemption (75) or a failure status ends here with
-    ``code``: the interpreter's exit handlers run (they end the process group, as at a normal exit), then it leaves
-    as ``exit_after_shutdown`` does. Left to the interpreter's own exit, the C++ thread teardown sometimes aborted
-    such a rank (exit -6 instead of its status, so a preempted job was not requeued). A single process returns
-    ``code``."""
+    """A failing or preempted rank of a multi-rank run ends here: exit handlers run (ending the process group), then
+    ``os._exit(code)``, so a teardown abort cannot replace 75 by -6 (a preempted job would not be requeued)."""
     if not _multi_rank:
         return code
     atexit._run_exitfuncs()  # what the interpreter would run at exit; the C++ finalisation is what os._exit skips

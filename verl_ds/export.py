@@ -1,17 +1,6 @@
-"""Export a (ZeRO-3) model in HF format, streamed: one module gathered at a time, only rank 0 writes.
-
-The output is what ``save_pretrained(safe_serialization=True)`` writes and
-``AutoModelForCausalLM.from_pretrained`` reads (https://huggingface.co/docs/safetensors and the
-sharded-checkpoint format of transformers' ``save_pretrained``): ``config.json``,
-``generation_config.json`` when the model has one, the tokenizer files, and the weights in
-safetensors files of at most ``max_shard_size`` bytes each, with ``model.safetensors.index.json``
-mapping every tensor to its file when there is more than one.
-
-Memory: every rank holds one module's gathered parameters at a time (DeepSpeed gathers on all ranks),
-and rank 0 also its CPU copy while writing it: the shard files are laid out from the parameters'
-shapes first, so each tensor is streamed to its place and nothing else is buffered. Nobody builds a
-whole state dict. A tied LM head is written once, under the embedding's name, as HF does.
-"""
+"""Export a (ZeRO-3) model in HF format, streamed: one module gathered at a time, only rank 0 writes, and no whole
+state dict is built. The output is what ``save_pretrained(safe_serialization=True)`` writes (sharded safetensors,
+https://huggingface.co/docs/safetensors) and ``from_pretrained`` reads; docs/stages.md, "Checkpoints and export"."""
 from __future__ import annotations
 
 import copy
@@ -68,9 +57,8 @@ def plan_shards(entries: list, limit: int) -> list:
 
 
 class _StreamingShard:
-    """One safetensors file written as its tensors arrive: the header (names, dtypes, shapes, offsets) is known
-    from the shapes alone, so it goes first and each tensor's bytes follow it in order
-    (https://github.com/huggingface/safetensors#format). Nothing is buffered beyond the tensor being written."""
+    """A safetensors file written as its tensors arrive: the header is known from the shapes alone, so it goes first
+    (https://github.com/huggingface/safetensors#format) and nothing beyond the tensor being written is buffered."""
 
     def __init__(self, path: str, layout: list):
         self.layout, self.next, self.path = layout, 0, path
@@ -113,11 +101,8 @@ def _file_names(n: int) -> list:
 @torch.no_grad()
 def export_hf(engine_module, tokenizer, directory: str, max_shard_size: Union[int, str] = "5GB",
               dtype: Optional[torch.dtype] = None) -> str:
-    """Write ``engine_module`` (a HF model, possibly ZeRO-3 partitioned, or a DeepSpeed engine around one) and
-    ``tokenizer`` (or None) to ``directory`` in HF format; every rank must call it. Returns ``directory``.
-
-    ``dtype``: the saved dtype of floating tensors (default: their own). Only rank 0 touches the file system.
-    """
+    """Write a HF model (possibly ZeRO-3 partitioned, or in a DeepSpeed engine) and ``tokenizer`` (or None) to
+    ``directory``; collective, only rank 0 writes. ``dtype``: of floating tensors (default: their own)."""
     limit = parse_size(max_shard_size)
     main = vdist.rank() == 0
     # a LoRA model: its plain HF base model, each adapted weight merged (W + B A * alpha / r)
@@ -186,10 +171,8 @@ def export_format(cfg) -> str:
 
 def export_actor(engine_module, tokenizer, directory: str, fmt: str = "merged",
                  base_model_path: Optional[str] = None) -> str:
-    """The trained actor per ``trainer.export``: ``merged`` (``export_hf``: a plain HF model; a LoRA actor
-    with its adapters folded in) or ``adapter`` (``export_adapter``: peft's adapter files
-    recording ``base_model_path`` as the base, or with the base written to ``directory/base`` when it is None).
-    Every rank must call it; returns ``directory``."""
+    """The trained actor per ``trainer.export``: ``merged`` (a plain HF model, LoRA adapters folded in) or ``adapter``
+    (peft's files); collective, returns ``directory``."""
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format: expected one of {EXPORT_FORMATS}, got {fmt!r}")
     if fmt == "adapter":
@@ -198,10 +181,8 @@ def export_actor(engine_module, tokenizer, directory: str, fmt: str = "merged",
 
 
 def export_adapter(engine_module, tokenizer, directory: str, base_model_path: Optional[str] = None) -> str:
-    """Write the adapters of ``engine_module`` (a peft model or an engine around one) in peft's format to
-    ``directory`` (every rank calls it; rank 0 writes). ``base_model_path`` is recorded as the base in
-    ``adapter_config.json``; without one (a model built from a config) the frozen base is also written in HF
-    format to ``directory/base`` and recorded instead, so ``PeftModel.from_pretrained(base, directory)`` works."""
+    """Write a peft model's adapters to ``directory`` (collective; rank 0 writes), ``base_model_path`` as their base;
+    without one the frozen base goes to ``directory/base``, so ``PeftModel.from_pretrained(base, directory)`` works."""
     from safetensors.torch import save_file
 
     from verl_ds.engines.lora import ADAPTER_NAME, adapter_state_dict, adapters_off, is_peft_model
