@@ -1,19 +1,6 @@
-"""Direct preference optimisation of the RL job's actor on preference pairs.
-
-    verl-ds dpo --config configs/dpo.yaml model.path=runs/sft/hf_actor     # or python launch/dpo.py ...
-
-Rows: ``verl_ds.stages.pairs`` (prompt / chosen / rejected, TRL's formats); no ``data.train_files``: the parity
-task's pairs ranked by its rule. The policy is the actor (``model.path`` or the tiny config, ``actor.lora_*``,
-ZeRO-0..3, offload, checkpoints and exact resume of the spine, ``verl_ds.stages.spine``); the reference is the
-initial actor: a frozen engine built as the RL job builds its reference, or, with LoRA, the actor with its adapters
-off (``AdaptersOffReferenceModel``, no second copy of the weights), or none with ``dpo.reference_free``. Log-probs
-are the actor's scoring forward (packed rows where the model supports them), summed over the completion tokens
-(``dpo.loss=ipo``: averaged, as TRL). The loss of a step is the mean over its pairs of
-``verl_ds.stages.losses.dpo_loss`` (``dpo.beta``, ``dpo.loss``, ``dpo.label_smoothing``, ``dpo.reference_free``).
-Metrics (TRL's DPOTrainer names): ``dpo/loss``, ``dpo/rewards/chosen``, ``dpo/rewards/rejected``,
-``dpo/rewards/accuracies``, ``dpo/rewards/margins``, ``dpo/logps/chosen``, ``dpo/logps/rejected``, and ``val/…``
-on held-out pairs. The export (``hf_actor``) loads as ``model.path`` of the RL job.
-"""
+"""Direct preference optimisation (Rafailov et al. 2023) of the RL job's actor on preference pairs (``verl-ds dpo``;
+docs/stages.md). The reference is the initial actor: a frozen engine, the actor with its LoRA adapters off, or none
+(``dpo.reference_free``); log-probs come from the actor's scoring forward, packed where the model supports it."""
 from __future__ import annotations
 
 import torch
@@ -23,7 +10,7 @@ from verl_ds.stages.spine import StageData, StageJob
 
 
 class DPOJob(StageJob):
-    """The DPO job (see the module docstring)."""
+    """The DPO job."""
 
     name = "dpo"
 

@@ -1,11 +1,5 @@
-"""The start-up gate of a supervised-style job: the RL job's ``check_startup`` on the keys such a job reads.
-
-A stage reads ``model.*``, ``data.*``, ``actor.*`` (optimizer, batch sizes, LoRA), ``deepspeed.*``, ``trainer.*``
-and ``rollout.max_new_tokens`` (the completion token limit, as the RL job's response limit); the RL-only sections
-(rollout sampling, critic, algo, agent, reward, server) are not used and not checked. One optimizer step takes
-``actor.mini_batch_size`` rows summed over ranks, in micro-batches of ``actor.micro_batch_size`` rows (or
-``actor.max_tokens_per_micro_batch`` tokens) per rank.
-"""
+"""The start-up gate of a supervised-style job: the RL job's ``check_startup`` on the keys such a job reads
+(docs/stages.md, "Keys"); the RL-only sections are neither used nor checked."""
 from __future__ import annotations
 
 import copy

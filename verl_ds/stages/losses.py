@@ -1,22 +1,6 @@
-"""Preference losses: the Bradley-Terry reward-model loss and DPO with its IPO and reference-free variants.
-
-Pure functions of tensors. Every function takes per-pair tensors (B,) and returns the per-pair losses (B,)
-together with metrics under TRL's names, so a caller can reduce over micro-batches and ranks itself
-(``.mean()`` over the pairs of one batch is TRL's loss). Results keep float64 inputs in float64 and compute
-everything narrower in float32.
-
-- Reward model (Bradley & Terry 1952; Ouyang et al. 2022, eq. 1): ``-log sigmoid(r_chosen - r_rejected - margin)``,
-  the margin optional and per pair as in TRL's RewardTrainer; metrics ``accuracy`` (r_chosen > r_rejected) and
-  ``margin`` (r_chosen - r_rejected).
-- DPO (Rafailov et al. 2023, eq. 7), with x = (log pi(y+) - log pi(y-)) - (log ref(y+) - log ref(y-)):
-  ``sigmoid``: ``-(1 - eps) log sigmoid(beta x) - eps log sigmoid(-beta x)``, eps the label smoothing of
-  conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences", eq. 3);
-  ``ipo`` (Azar et al. 2023, eq. 17): ``(x - 1 / (2 beta))^2``, on log-probs averaged over the completion tokens
-  as TRL does (``sequence_logps(..., average=True)``);
-  ``reference_free``: the reference log-probs are taken as 0 (a uniform reference), in the loss and the rewards.
-  Metrics: ``rewards/chosen`` = beta (log pi(y+) - log ref(y+)), ``rewards/rejected`` likewise,
-  ``rewards/accuracies`` (chosen reward > rejected reward), ``rewards/margins``, ``logps/chosen``, ``logps/rejected``.
-"""
+"""Preference losses: the Bradley-Terry reward-model loss and DPO with its IPO and reference-free variants. Pure
+functions: per-pair tensors (B,) in, per-pair losses (B,) and metrics under TRL's names out, so the caller reduces
+over micro-batches and ranks; float64 stays float64, narrower dtypes compute in float32. Formulas: docs/stages.md."""
 from __future__ import annotations
 
 import math
@@ -57,9 +41,8 @@ def _finite(name: str, value, *, lo: float | None = None, hi: float | None = Non
 
 
 def sequence_logps(token_logps: torch.Tensor, mask, *, average: bool = False) -> torch.Tensor:
-    """(B,) log-probability of each row's completion: the sum of ``token_logps`` (B, T) over ``mask`` (B, T)
-    (completion tokens only; prompt and padding excluded, whatever they hold), or its mean when ``average``
-    (IPO, as TRL). A row with no completion token is refused: its log-prob would be 0 and its mean undefined."""
+    """(B,) each row's completion log-prob: ``token_logps`` (B, T) summed over ``mask`` (B, T), or averaged (IPO, as
+    TRL). A row with no completion token is refused (its sum would be 0 and its mean undefined)."""
     check_float_tensor(token_logps, "token_logps")
     if token_logps.dim() != 2:
         raise ValueError(f"token_logps must be 2-D (B, T), got shape {tuple(token_logps.shape)}")
@@ -75,8 +58,8 @@ def sequence_logps(token_logps: torch.Tensor, mask, *, average: bool = False) ->
 
 def reward_model_loss(chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
                       margin: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Bradley-Terry losses (B,) ``-log sigmoid(r_chosen - r_rejected - margin)`` and the batch means of TRL's
-    RewardTrainer metrics ``accuracy`` and ``margin`` (detached 0-d tensors). ``margin`` (B,) is optional."""
+    """Bradley-Terry losses (B,) ``-log sigmoid(r_chosen - r_rejected - margin)`` (Bradley & Terry 1952; Ouyang et al.
+    2022, eq. 1; ``margin`` optional, per pair, as TRL's RewardTrainer) and the means of ``accuracy`` and ``margin``."""
     _pairs("chosen_rewards", chosen_rewards)
     _pairs("rejected_rewards", rejected_rewards, chosen_rewards, "chosen_rewards")
     dtype = _compute_dtype(chosen_rewards)
@@ -94,12 +77,10 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
              ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None, *, beta: float,
              loss_type: str = "sigmoid", label_smoothing: float = 0.0,
              reference_free: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """DPO losses (B,) and the batch means of TRL's DPOTrainer metrics (detached 0-d tensors).
-
-    Inputs are sequence log-probs (B,) (``sequence_logps``); the reference ones may be None only with
-    ``reference_free``, and are ignored then. ``loss_type`` is "sigmoid" (DPO / conservative DPO with
-    ``label_smoothing`` in [0, 0.5)) or "ipo" (no label smoothing). ``beta`` > 0.
-    """
+    """DPO losses (B,) on sequence log-probs (B,) and the means of TRL's DPOTrainer metrics. With x the policy's minus
+    the reference's chosen-rejected log-prob difference: "sigmoid" ``-(1-eps) log sig(beta x) - eps log sig(-beta x)``
+    (Rafailov et al. 2023, eq. 7; eps of conservative DPO, Mitchell 2023, eq. 3), "ipo" ``(x - 1/(2 beta))^2`` (Azar et
+    al. 2023, eq. 17). ``reference_free``: the reference log-probs are 0."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {list(DPO_LOSS_TYPES)}, got {loss_type!r}")
     beta = _finite("beta", beta, lo=0.0, open_lo=True)
@@ -136,8 +117,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
 
 
 def mean_metrics(parts: list[tuple[dict[str, torch.Tensor], int]]) -> dict[str, float]:
-    """The pair-weighted mean of per-batch metrics ``[(metrics, n_pairs), ...]`` (micro-batches of one step):
-    what the metrics of all those pairs in one batch would be."""
+    """The pair-weighted mean of per-micro-batch ``[(metrics, n_pairs), ...]``: those pairs' metrics as one batch."""
     total = sum(n for _, n in parts)
     if not parts or total <= 0:
         raise ValueError("mean_metrics: expected at least one (metrics, n_pairs) with n_pairs > 0")

@@ -1,17 +1,6 @@
-"""Preference data: rows of (prompt, chosen, rejected) with TRL's field names, tokenized for the reward-model and
-DPO jobs, and their batches.
-
-A row is one of TRL's preference formats (https://huggingface.co/docs/trl/dataset_formats#preference):
-- standard, explicit prompt: ``{"prompt": str, "chosen": str, "rejected": str}``; the completions get EOS appended
-  (as TRL's DPOTrainer does) unless they end with it;
-- conversational, explicit prompt: each field a list of ``{"role", "content"}`` messages; the prompt is rendered
-  with the chat template and the generation prompt, a completion is what a model emits after it (``_chat_ids``);
-- implicit prompt (no "prompt" field): chosen and rejected are whole texts or conversations; the prompt is their
-  longest common prefix (of messages, or of tokens for texts), which changes no log-prob ratio: shared tokens score
-  the same in both.
-Files are JSON lines, Parquet or a `datasets` directory (read by ``verl_ds.data_files``). A bad row never crashes:
-it is skipped and counted by reason (``REASONS``; ``report()``, ``summary()``), as the prompt data set does.
-"""
+"""Preference data for the reward-model and DPO jobs: (prompt, chosen, rejected) rows in TRL's formats
+(https://huggingface.co/docs/trl/dataset_formats#preference), tokenized, and their batches. A bad row is skipped
+and counted by reason (``REASONS``), as the prompt data set does; formats and reasons: docs/stages.md."""
 from __future__ import annotations
 
 import json
@@ -44,16 +33,15 @@ _SHOW = 3
 
 
 class PreferenceDataset(torch.utils.data.Dataset):
-    """Tokenized preference pairs. Item i: {"prompt_ids", "chosen_ids", "rejected_ids": list[int], "prompt": str}
-    (completion ids exclude the prompt; the loss positions are theirs). Build with `from_file` or `from_records`."""
+    """Tokenized pairs. Item: {"prompt_ids", "chosen_ids", "rejected_ids": list[int], "prompt": str}; completion ids
+    exclude the prompt (the loss positions are theirs)."""
 
     def __init__(self, items: list[dict], problems: dict[str, list[str]], n_rows: int, source: str):
         self.items, self.problems, self.n_rows, self.source = items, problems, n_rows, source
 
     @classmethod
     def from_file(cls, path, tokenizer, *, split: str | None = None, **limits) -> "PreferenceDataset":
-        """Load `path`: .jsonl / .json / .parquet, or a directory saved with `datasets`' save_to_disk (`split`
-        picks from a DatasetDict); `limits` as `from_records`."""
+        """Load .jsonl / .json / .parquet or a ``datasets`` directory (``split`` picks from a DatasetDict)."""
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path: expected a file or directory path, got {type(path).__name__}")
         path = os.fspath(path)
@@ -73,10 +61,8 @@ class PreferenceDataset(torch.utils.data.Dataset):
 
     @classmethod
     def from_records(cls, records, tokenizer, *, source: str = "records", **limits) -> "PreferenceDataset":
-        """Build from a list of dicts (e.g. ``verl_ds.tasks.parity.preference_pairs``). `limits`:
-        ``max_prompt_length`` (None: no limit; a longer prompt is cut from the left, or skipped with
-        ``overlong="skip"``), ``max_completion_length`` (None: no limit; a pair with a longer completion is
-        skipped: cut, the two completions would no longer be what was ranked)."""
+        """Build from a list of dicts. ``max_prompt_length``: a longer prompt is cut from the left (or skipped,
+        ``overlong="skip"``); ``max_completion_length``: a longer pair is skipped (cut, it is not what was ranked)."""
         if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
             raise TypeError(f"records: expected a list of dicts, got {type(records).__name__}")
         rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
@@ -135,14 +121,9 @@ def _check_row(row) -> str | None:
 
 
 def _chat_ids(chat, row) -> tuple[list, list, list, str] | str:
-    """(prompt_ids, chosen_ids, rejected_ids, prompt text) of a conversational row, or the reason it fails.
-
-    The prompt is rendered with the generation prompt (what the RL job and generation feed the model); each
-    completion is what a model emits after it, turn by turn (``verl_ds.agent.chat_tokens.ChatTokens``): an
-    assistant message as its content's ids and the template's end-of-turn token, other messages in between as the
-    template renders them. So the loss positions are the sampled tokens and a reward model is trained on the
-    sequences the RL job scores (ending on the end-of-turn token), whether or not the template renders a prompt
-    as a prefix of the whole conversation."""
+    """(prompt_ids, chosen_ids, rejected_ids, prompt text) of a conversational row, or the reason it fails. A completion
+    is what a model emits after the generation prompt, turn by turn (``ChatTokens``), so the loss positions are the
+    sampled tokens and a reward model learns on the sequences the RL job scores."""
     from verl_ds.agent.chat_tokens import TemplateError
 
     if isinstance(chat, str):
@@ -183,8 +164,8 @@ def _chat_ids(chat, row) -> tuple[list, list, list, str] | str:
 
 
 def _tokenize(tokenizer, row, chat):
-    """(prompt_ids, chosen_ids, rejected_ids, prompt text) or the reason the row fails; ``chat``: None for a text
-    row, else the ChatTokens of the tokenizer (or the reason it has none)."""
+    """(prompt_ids, chosen_ids, rejected_ids, prompt text) or the reason the row fails; ``chat``: None for a text row,
+    else the tokenizer's ChatTokens (or why it has none)."""
     conversational = chat is not None
     eos = tokenizer.eos_token_id
     if chat is not None:
@@ -283,11 +264,9 @@ def _build(cls, rows, tokenizer, *, source, count_duplicates=False, max_prompt_l
 
 
 def collate_pairs(items: list[dict], pad_token_id: int) -> dict:
-    """The rollout layout of ``len(items)`` pairs, chosen rows first then rejected rows (2B rows): ``input_ids``
-    (2B, P + R) int64 with each prompt left-padded to P and each completion right-padded to R,
-    ``attention_mask`` (2B, P + R) bool, ``response_mask`` (2B, R) bool (the loss positions). The first B rows
-    are the chosen completions. A reward model scores each row at its last real token; the policy's log-probs
-    of ``input_ids[:, -R:]`` summed over ``response_mask`` are the sequence log-probs of DPO."""
+    """The rollout layout of B pairs, the B chosen rows then the B rejected ones: ``input_ids`` (2B, P + R) int64,
+    prompts left-padded to P and completions right-padded to R; ``attention_mask`` (2B, P + R) bool;
+    ``response_mask`` (2B, R) bool, the loss positions."""
     if not items:
         raise ValueError("collate_pairs: items is empty")
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
@@ -305,11 +284,8 @@ def collate_pairs(items: list[dict], pad_token_id: int) -> dict:
 
 
 def load_pair_data(cfg):
-    """The tokenizer and the (train, val) preference sets of the RM and DPO jobs (a ``StageData``): the files of
-    ``data.train_files`` / ``data.val_files``, or, without files, the parity task's pairs ranked by its rule
-    (``data.num_train_prompts`` of them and ``data.num_val_prompts`` held out, on other prompts). Prompts are
-    limited by ``data.max_prompt_length`` (``data.overlong``), completions by ``rollout.max_new_tokens``;
-    unusable data is a ConfigError naming the key."""
+    """The tokenizer and (train, val) preference sets of the RM and DPO jobs: ``data.*_files``, or the parity task's
+    rule-ranked pairs; limits ``data.max_prompt_length`` and ``rollout.max_new_tokens``; ConfigError naming the key."""
     from verl_ds.config import ConfigError
     from verl_ds.engines.build import load_tokenizer
     from verl_ds.stages.spine import StageData

@@ -1,20 +1,6 @@
-"""Reward-model training: a sequence classifier (one label) trained with the Bradley-Terry loss on preference pairs.
-
-    verl-ds rm --config configs/rm.yaml data.train_files=prefs.jsonl     # or python launch/rm.py ...
-
-Rows: ``verl_ds.stages.pairs`` (prompt / chosen / rejected, TRL's formats). No ``data.train_files``: the parity
-task's pairs ranked by its rule. The model is ``AutoModelForSequenceClassification`` (``num_labels=1``) on
-``model.path`` (e.g. the SFT job's export; its score head starts fresh) or on the tiny config, with
-``actor.lora_*`` adapters when set (the score head then trains whole: ``output-head`` in
-``actor.lora_target_modules`` adapts nothing here); ZeRO-0..3, offload, checkpoints and exact
-resume are the spine's (``verl_ds.stages.spine``). A sequence's reward is the head's output at its last real token,
-computed as the RL job's ``verl_ds.models.reward.RewardModel`` scores a rollout (position ids from the mask, the
-head's per-token output read at the last real token, so pad == eos tokenizers work), on the sequences the RL
-job scores: prompt, completion, EOS (or the chat template's end-of-turn token). The loss of a step is the mean over
-its pairs of -log sigmoid(r_chosen - r_rejected) (``verl_ds.stages.losses.reward_model_loss``). Metrics (TRL's
-RewardTrainer names): ``rm/loss``, ``rm/accuracy``, ``rm/margin``, and ``val/…`` on the held-out pairs. The export
-(``hf_reward_model``) loads as ``reward.model_path`` of the RL job and as ``AutoModelForSequenceClassification``.
-"""
+"""Reward-model training: a sequence classifier (one label) with the Bradley-Terry loss on preference pairs
+(``verl-ds rm``; docs/stages.md). A sequence's reward is the score head's output at its last real token, as the RL
+job's ``verl_ds.models.reward.RewardModel`` scores a rollout; the export loads as the RL job's ``reward.model_path``."""
 from __future__ import annotations
 
 import torch
@@ -24,8 +10,8 @@ from verl_ds.stages.spine import StageData, StageJob
 
 
 def build_reward_classifier(cfg: Config, tok, ds_config: dict | None = None):
-    """The HF sequence classifier (one label) the job trains: ``model.path``'s backbone with a fresh score head, or
-    the tiny config's model (the RL job's tiny-model initialisation); created already partitioned under ZeRO-3."""
+    """The classifier the job trains: ``model.path``'s backbone with a fresh score head, or the tiny config's model;
+    created already partitioned under ZeRO-3."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from verl_ds.config import ConfigError
@@ -75,7 +61,8 @@ class _ScoreCapture:
 
 
 def sequence_rewards(model, capture: _ScoreCapture, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) the score head's output at each row's last real token (differentiable)."""
+    """(B,) the score head's output at each row's last real token (differentiable; position ids from the mask, so
+    pad == eos tokenizers work)."""
     from verl_ds.models.base import last_token_index
     from verl_ds.rows import position_ids_from_mask
 
@@ -90,11 +77,11 @@ def sequence_rewards(model, capture: _ScoreCapture, input_ids: torch.Tensor, mas
 
 
 class RewardModelJob(StageJob):
-    """The reward-model job (see the module docstring)."""
+    """The reward-model job."""
 
     name = "rm"
     export_name = "hf_reward_model"
-    lora_task_type = "SEQ_CLS"  # peft keeps the score head whole and trainable (modules_to_save)
+    lora_task_type = "SEQ_CLS"  # peft trains the score head whole (modules_to_save); output-head adapts nothing
     packs_rows = False  # scored on padded rows, as the RL job's RewardModel scores
 
     @classmethod

@@ -1,16 +1,5 @@
-"""Supervised fine-tuning: the token-mean cross entropy of the completion (assistant) tokens, on the RL job's actor.
-
-    verl-ds sft --config configs/sft.yaml data.train_files=sft.jsonl     # or python launch/sft.py ...
-
-Rows: ``verl_ds.stages.sft_data`` (prompt/completion, conversational, or messages; JSON lines, Parquet or a
-datasets directory). No ``data.train_files``: the built-in parity task's demonstrations (``parity.sft_examples``,
-``data.num_train_prompts`` of them, and ``data.num_val_prompts`` held out). The loss of a step is
-sum(-log p(completion token)) / (completion tokens of the step on every rank), exact however the rows are split
-into micro-batches and ranks; the forward is the actor's scoring forward (``verl_ds.models.policy``): packed rows
-where the model supports them, the fused LM head with ``model.fused_lm_head``. Metrics: ``sft/loss`` (and
-``val/loss``), ``sft/units`` (completion tokens), ``actor/grad_norm``. The export (``hf_actor``) loads as
-``model.path`` of the RL job.
-"""
+"""Supervised fine-tuning on the RL job's actor (``verl-ds sft``; docs/stages.md): the token-mean cross entropy of the
+completion (assistant) tokens, exact however the rows are split into micro-batches and ranks."""
 from __future__ import annotations
 
 import torch
@@ -21,7 +10,7 @@ from verl_ds.stages.spine import StageData, StageJob
 
 def collate(items: list, pad_token_id: int, device=None) -> tuple:
     """(observation (B, P+R), mask (B, P+R) bool, loss_mask (B, R) float): prompts left-padded to P, responses
-    right-padded to R, the layout of an RL rollout batch."""
+    right-padded to R, as an RL rollout batch."""
     P = max(len(x["prompt_ids"]) for x in items)
     R = max(len(x["response_ids"]) for x in items)
     obs = torch.full((len(items), P + R), pad_token_id, dtype=torch.int64)
@@ -77,7 +66,7 @@ def _from_file(key: str, path: str, tok, options: dict):
 
 
 class SFTJob(StageJob):
-    """The SFT job (see the module docstring)."""
+    """The SFT job."""
 
     name = "sft"
 

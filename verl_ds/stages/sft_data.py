@@ -1,25 +1,6 @@
-"""SFT rows with TRL's field names, tokenized with a loss mask on the completion / assistant tokens only.
-
-A row is one of (https://huggingface.co/docs/trl/dataset_formats):
-
-- ``{"prompt": str, "completion": str}``: the completion's tokens follow the prompt's (tokenized apart, so the
-  boundary is exact) and end with EOS (added when missing); with ``data.apply_chat_template`` the pair becomes a
-  user turn and an assistant turn;
-- ``{"prompt": [messages], "completion": [messages]}`` (conversational prompt-completion): the assistant turns of
-  the completion are trained;
-- ``{"messages": [messages]}``: every assistant turn is trained, the other turns are context.
-
-Chat rows go through the tokenizer's chat template. An assistant turn's trained tokens are those the rendering of
-the conversation up to and including it adds after the generation prompt, up to its last stop token (eos or a
-``generation_stop_ids`` entry): its content and end-of-turn token, what a rollout samples, not the role header (see
-``_turn_start``) nor what the template writes after the end-of-turn token (ChatML's newline after ``<|im_end|>``,
-which generation never reaches); a template whose renderings are not prefixes of one another is that row's
-``chat_template_error``. Everything before the first
-trained token is the prompt (at most ``data.max_prompt_length`` tokens: cut from the left or skipped, per
-``data.overlong``), the rest up to the last trained token the response (at most ``rollout.max_new_tokens``: cut from
-the right or skipped). Bad rows are skipped and counted by reason, as the RL data path counts them
-(``verl_ds.data``); a row repeating an earlier one of a file is kept and counted.
-"""
+"""SFT rows with TRL's field names (https://huggingface.co/docs/trl/dataset_formats), tokenized with a loss mask on
+the completion / assistant tokens only: each assistant turn's content and end-of-turn token, what a rollout
+samples. Bad rows are skipped and counted by reason, as in ``verl_ds.data``; formats and limits: docs/stages.md."""
 from __future__ import annotations
 
 from verl_ds.data import REASONS as PROMPT_REASONS, PromptDataset, read_rows
@@ -42,8 +23,7 @@ REASONS = {
 
 
 class SFTDataset(PromptDataset):
-    """Tokenized SFT rows. Item i: {"prompt_ids": list[int], "response_ids": list[int], "loss_mask": list[int]}
-    (loss_mask over the response: 1 on trained tokens). Build with ``from_file`` or ``from_records``."""
+    """Tokenized SFT rows. Item: {"prompt_ids", "response_ids", "loss_mask"} (lists; loss_mask over the response)."""
 
     @classmethod
     def from_file(cls, path: str, tokenizer, *, split: str | None = None, **options) -> "SFTDataset":
@@ -52,8 +32,8 @@ class SFTDataset(PromptDataset):
 
     @classmethod
     def from_records(cls, records: list, tokenizer, *, source: str = "records", **options) -> "SFTDataset":
-        """Rows from a list of dicts. Options: prompt_key ("prompt"), max_prompt_length, max_completion_length
-        (None: no limit), overlong ("truncate" | "skip"), apply_chat_template (False)."""
+        """Rows from a list of dicts. Options: prompt_key ("prompt"), max_prompt_length, max_completion_length (None: no
+        limit), overlong ("truncate" | "skip"), apply_chat_template (False)."""
         rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
         return _build(cls, rows, tokenizer, source=source, **options)
 
@@ -82,9 +62,7 @@ def _find(seq: list, part: list, start: int) -> int:
 
 def _turn_start(tok, messages: list, i: int, upto: list) -> int:
     """Where assistant turn ``i``'s own tokens start in ``upto`` (the rendering up to and including it): after the
-    rendering up to it with the generation prompt when that is a prefix, else after the generation prompt's header
-    found past the rendering up to it (templates that close the previous turn differently when it is the last one,
-    as the built-in one: 'user : x assistant :' vs 'user : x<eos> assistant : y<eos>'); -1 when neither holds."""
+    generation prompt, also where a template closes the previous turn otherwise when it is the last; -1 if not found."""
     if i == 0:
         return 0
     before_gen, before = _render(tok, messages[:i], True), _render(tok, messages[:i], False)
@@ -103,9 +81,8 @@ def _turn_end(upto: list, start: int, stops: set) -> int:
 
 
 def chat_tokens(tok, messages: list, first_trained: int = 0) -> tuple:
-    """(ids, mask, reason): the rendered conversation's ids and a mask of the tokens of its assistant turns at index
-    >= ``first_trained`` (each turn's content and end-of-turn token, not its role header nor the template's text
-    after that token); reason is None or a key of REASONS."""
+    """(ids, mask, reason): the conversation's ids, a mask of its assistant turns from index ``first_trained`` on
+    (content and end-of-turn token only), and None or a key of REASONS."""
     if not getattr(tok, "chat_template", None):
         return None, None, "no_chat_template"
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first_trained]

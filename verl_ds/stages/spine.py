@@ -1,33 +1,6 @@
 """The job spine of the supervised-style stages (SFT, reward model, DPO): the RL job's config, engines, data order,
-checkpoints, metrics and export around one loss.
-
-A stage subclasses ``StageJob`` and supplies:
-
-  load_data(cfg)         classmethod: ``StageData(tokenizer, train, val)``; rows are whatever its loss takes (the
-                         CLI calls it before torch.distributed starts, so unusable data exits 2)
-  units(items)           this rank's count of the loss's unit in a list of rows (completion tokens for SFT, pairs
-                         for RM and DPO): the loss is the exact mean over every rank's units of the step
-  row_tokens(item)       a row's tokens, for ``actor.max_tokens_per_micro_batch``
-  loss(items, norm)      (loss, sums): the rows' summed loss divided by ``norm`` (the step's global units / world
-                         size, so DeepSpeed's mean over ranks makes it the global mean) and detached per-unit sums
-                         of the metrics to report (each logged as ``<name>/<key>`` = its global sum / global units;
-                         under ``val/<key>`` for the held-out rows)
-  setup()                optional: wrap ``self.engines`` in models once they are built
-
-and may override ``engine_roles()`` (default ``("actor",)``: the trained model; DPO adds a frozen "ref", built by
-``verl_ds.engines.build.build_engines`` as the RL job's reference), ``build_model(ds_config)`` (which model is
-trained: default None, the causal LM of ``model.path`` or the tiny config with ``actor.lora_*`` adapters; a reward
-model returns its sequence classifier, created under ``partitioned_construction(ds_config)`` at ZeRO-3, and sets
-``lora_task_type = "SEQ_CLS"``; the default LoRA targets then leave out the LM head it lacks), ``packs_rows``
-(False: its forward takes padded batches, no packing probe) and ``export(directory)``.
-
-A step: the sampler (``DistributedPromptSampler``: seeded permutations, resumable, the same global batches at any
-world size) hands each rank ``actor.mini_batch_size / world`` rows; they run in micro-batches of
-``actor.micro_batch_size`` rows or of ``actor.max_tokens_per_micro_batch`` tokens (balanced, the same count on every
-rank); each micro-batch's loss goes through ``engine.backward`` and the engine steps at the last one (one optimizer
-step per step). Checkpoints are ``verl_ds.checkpoint``'s (engines, every rank's RNG, the step and the sampler) and
-resume through ``verl_ds.resume.maybe_resume``; the export is ``verl_ds.export.export_actor``.
-"""
+checkpoints, metrics and export around one loss. A stage subclasses ``StageJob`` and fills in its hooks
+(docs/stages.md, "A stage of your own")."""
 from __future__ import annotations
 
 import dataclasses
@@ -51,15 +24,15 @@ log = logging.getLogger(__name__)
 
 
 class StageData(NamedTuple):
-    """The tokenizer and a stage's (train, val) row sets; each set has ``len``, indexing, ``source``, ``n_rows``,
-    ``report()`` and ``summary()`` (as ``verl_ds.data.PromptDataset``); val may be None."""
+    """The tokenizer and a stage's (train, val) rows, each as ``verl_ds.data.PromptDataset`` (``len``, indexing,
+    ``source``, ``n_rows``, ``report()``, ``summary()``); val may be None."""
     tokenizer: Any
     train: Any
     val: Any
 
 
 class StageJob:
-    """One supervised-style job on the RL job's engines; see the module docstring for what a stage supplies."""
+    """One supervised-style job on the RL job's engines; a stage overrides the hooks."""
 
     name = "stage"  # metric prefix, progress bar, checkpoint tag
     export_name = "hf_actor"  # the export's directory under trainer.output_dir
@@ -107,27 +80,32 @@ class StageJob:
 
     @classmethod
     def load_data(cls, cfg: Config) -> StageData:
-        """The tokenizer and the (train, val) rows; ConfigError naming the key when unusable."""
+        """The tokenizer and the (train, val) rows; ConfigError naming the key when unusable (the CLI calls it before
+        torch.distributed starts, so bad data exits 2)."""
         raise NotImplementedError
 
     def engine_roles(self) -> tuple:
-        """The engines to build: "actor" (trained) and optionally "ref" (frozen, the initial actor)."""
+        """The engines to build: "actor" (trained) and optionally "ref" (frozen, the initial actor, as the RL job's)."""
         return ("actor",)
 
     def build_model(self, ds_config: dict):
-        """The trained model when it is not the configured causal LM (see the module docstring); None: that LM."""
+        """The trained model when it is not the configured causal LM (a reward model's classifier); None: that LM."""
         return None
 
     def setup(self) -> None:
         """Called once the engines are built (``self.engines``, ``self.packed``)."""
 
     def units(self, items: list) -> int:
+        """This rank's count of the loss's unit in ``items`` (completion tokens for SFT, pairs for RM and DPO)."""
         raise NotImplementedError
 
     def row_tokens(self, item) -> int:
+        """A row's tokens, for ``actor.max_tokens_per_micro_batch``."""
         raise NotImplementedError
 
     def loss(self, items: list, normalizer: torch.Tensor) -> tuple:
+        """(loss, sums): the rows' summed loss / ``normalizer`` (the step's global units / world size, so DeepSpeed's
+        mean over ranks is the exact global mean), and detached per-unit sums of the metrics to log."""
         raise NotImplementedError
 
     def export(self, directory: str) -> str:
@@ -180,8 +158,8 @@ class StageJob:
     # ------------------------------------------------------------------ one step
 
     def micro_batches(self, items: list) -> list:
-        """This rank's rows in micro-batches: ``actor.micro_batch_size`` rows, or a token budget (the same count of
-        micro-batches on every rank: a collective)."""
+        """This rank's rows in micro-batches of ``actor.micro_batch_size`` rows, or of a token budget (a collective: the
+        same count on every rank)."""
         from verl_ds.packing import agree_num_micro_batches, count_micro_batches, token_budget_micro_batches
 
         budget, size = self.cfg.actor.max_tokens_per_micro_batch, self.cfg.actor.micro_batch_size
@@ -192,8 +170,7 @@ class StageJob:
         return [[items[i] for i in g] for g in groups]
 
     def train_step(self, items: Optional[list] = None) -> dict:
-        """One optimizer step on this rank's rows of the next global batch (``items``: these rows instead); returns
-        the step's metrics (reduced over ranks)."""
+        """One optimizer step on this rank's rows of the next global batch (or ``items``); its metrics, all ranks'."""
         from verl_ds.models.base import optimizer_step
 
         start = time.perf_counter()
@@ -243,8 +220,7 @@ class StageJob:
 
     @torch.no_grad()
     def validate(self) -> dict:
-        """``val/<key>``: each loss metric's global mean over the held-out rows (each rank scores its contiguous
-        share of the first ``len - len % world`` rows)."""
+        """``val/<key>``: each loss metric's global mean over the held-out rows (a contiguous share per rank)."""
         if self.val_set is None:
             return {}
         per = len(self.val_set) // self.world
@@ -266,7 +242,7 @@ class StageJob:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self) -> str:
-        """A complete checkpoint of this step: the trained engines, every rank's RNG, the step and the data position."""
+        """A complete checkpoint: the trained engines, every rank's RNG, the step and the data position."""
         state = {"global_step": self.step, "stage": self.name, "sampler": self.sampler.state_dict(),
                  "bad_steps": self.bad_steps}
         path = ckpt.save(self.ckpt_root, self.step, self.engines, state, keep_last=self.cfg.trainer.keep_last,
