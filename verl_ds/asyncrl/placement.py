@@ -1,17 +1,7 @@
-"""Split placement's process groups and weight path: training ranks send the actor's weights to generation ranks.
-
-``split_groups``: the training ranks (the first ``world - rollout_ranks``) make the default process group among
-themselves alone, so DeepSpeed ZeRO-3, ``verl_ds.dist`` and every collective of the trainer see a smaller world
-unchanged; a second gloo group over every rank (the bridge), from the same TCP store, carries the control messages
-and the samples. The weights go over the bridge too on CPU, over a third group among the same ranks on CUDA: NCCL,
-the buckets staying on the GPUs (``weight_backend``). ``send_weights`` (every training rank) / ``receive_weights``
-(every generation rank) move the weights from training rank 0: one module's ZeRO-3 partitions gathered at a time
-(``engines.hf_weights``), packed into flat buckets of at most ``bucket_bytes``, one broadcast per bucket; never
-through files. Both sides derive the same bucket plan from the model's (name, shape, dtype) list, checked first
-with one broadcast of its digest over the bridge.
-
-The generation ranks' loop is ``verl_ds.asyncrl.split``.
-"""
+"""Split placement's process groups and weight path (docs/async.md, "Placement recipes"): the training ranks' own
+default group, a gloo bridge over every rank for control and samples, on CUDA an NCCL group for the weights. They go
+from training rank 0 one module's ZeRO-3 gather at a time, in buckets of at most ``bucket_bytes``, never through
+files; both sides derive the bucket plan from the model's (name, shape, dtype) list, checked by its digest."""
 from __future__ import annotations
 
 import datetime
@@ -30,8 +20,8 @@ DEFAULT_BUCKET_BYTES = 64 << 20
 
 @dataclass
 class Placement:
-    """This rank's role ("train" or "rollout"), the bridge group over every rank and the training ranks' count;
-    ``weights``: the group the weight buckets go over (None: the bridge), on ``device``."""
+    """This rank's role ("train" or "rollout"), the bridge over every rank, the training ranks' count and ``weights``,
+    the group the weight buckets take (None: the bridge)."""
     role: str
     bridge: object
     rank: int
@@ -46,14 +36,13 @@ class Placement:
 
 
 def weight_backend(device) -> str:
-    """The backend of the training ranks' group and of the weight broadcast: nccl when the ranks compute on CUDA
-    (the buckets never leave the GPUs), gloo otherwise. Control messages and samples always take the gloo bridge."""
+    """nccl when the ranks compute on CUDA (the weight buckets stay on the GPUs), else gloo; control and samples always
+    take the gloo bridge."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def rank_device(device: str, local_rank: int) -> str:
-    """This rank's device for ``trainer.device`` (auto: CUDA when there is one), one GPU per local rank as
-    ``verl_ds.dist.init_distributed`` picks it."""
+    """This rank's device for ``trainer.device``: one GPU per local rank, as ``init_distributed`` picks it."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if torch.device(device).type != "cuda":
@@ -118,8 +107,8 @@ def _check_plan(entries: list, placement: Placement) -> None:
 
 
 def send_weights(module, placement: Placement, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
-    """Every training rank: broadcast the current weights from training rank 0 over the bridge (each module's
-    ZeRO-3 gather is a collective of the training ranks). Returns the seconds it took."""
+    """Every training rank: broadcast the weights from training rank 0 (each module's ZeRO-3 gather is a collective of
+    the training ranks); returns the seconds it took."""
     t0 = time.perf_counter()
     groups = weight_groups(module)
     entries = _entries(module)
@@ -139,8 +128,7 @@ def send_weights(module, placement: Placement, bucket_bytes: int = DEFAULT_BUCKE
 
 @torch.no_grad()
 def receive_weights(model, placement: Placement, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> float:
-    """Every generation rank: receive the trainer's weights into ``model`` (whole, the same architecture) in place.
-    Returns the seconds it took."""
+    """Every generation rank: receive the trainer's weights into ``model`` (the same architecture) in place; seconds."""
     t0 = time.perf_counter()
     entries = _entries(model)
     _check_plan(entries, placement)

@@ -1,18 +1,7 @@
-"""Asynchronous rollouts on each rank: a generation thread on the HF replica feeding a bounded ``SampleQueue``.
-
-``rollout.mode`` (docs/async.md):
-- ``one_step_off``: batch k+1 is generated with the weights of version k while batch k trains; a weight update waits
-  for the batch in flight to finish (every response has one version); samples are exactly one update old.
-- ``streaming``: generation runs ahead while the trainer trains, up to ``max_staleness`` updates; a weight update
-  lands between two decoding steps of the responses in flight (partial rollouts: each token keeps the version of
-  the weights that produced its logits; the key/value cache of the earlier tokens is kept). ``max_staleness: 0``
-  generates each batch only when the trainer asks for it, with the current weights: the synchronous run, bit for bit.
-
-Versions count the trainer's steps: the weights after step k's update have version k + 1. The generation thread
-never enters a collective (the replica is whole; the weight refresh, a ZeRO-3 gather, runs on the trainer's
-thread while the generation thread waits at a decoding step), so the async modes need rollout.engine=hf with
-gather_params, no reward model, no dynamic sampling and no agent environment (``config.validate``).
-"""
+"""Asynchronous rollouts on each rank: a generation thread on the HF replica feeding a bounded ``SampleQueue``
+(``rollout.mode`` one_step_off or streaming: docs/async.md). Versions count the trainer's steps (the weights after
+step k's update are version k + 1). The generation thread never enters a collective: the weight refresh, a ZeRO-3
+gather, runs on the trainer's thread while the generation thread waits at a decoding step."""
 from __future__ import annotations
 
 import logging
@@ -32,16 +21,14 @@ log = logging.getLogger(__name__)
 
 
 def taken_samples(groups: list) -> dict:
-    """The per-sample reward values of the groups a step trains on (``Rollout.per_sample``: the trainer's reward
-    metrics are their means over every rank, ``metrics.sample_means_over_ranks``), not the generation calls'."""
+    """The per-sample reward values of the groups a step trains on (``Rollout.per_sample``), not the generate calls'."""
     keys = dict.fromkeys(k for g in groups for k in g.per_sample)
     return {k: torch.cat([g.per_sample[k] for g in groups if k in g.per_sample]) for k in keys}
 
 
 class WeightGate:
-    """Who may touch the replica's weights: the generation thread holds ``cond`` while it generates; the trainer's
-    ``update`` raises ``want``, then takes ``cond`` when the generation thread lets go of it, at its next decoding
-    step (``mid_response``) or at the end of its batch."""
+    """Who may touch the replica's weights: the generation thread holds ``cond`` while it generates; ``update`` raises
+    ``want`` and takes ``cond`` at that thread's next decoding step (``mid_response``) or at the end of its batch."""
 
     def __init__(self, version: int, mid_response: bool, timeout: Optional[float] = None, name: str = "rank 0"):
         self.cond = threading.Condition()
@@ -50,16 +37,15 @@ class WeightGate:
         self.timeout, self.name = timeout, name  # how long the trainer waits for the generation thread to let go
 
     def hook(self) -> int:
-        """The generation engine's per-step hook: the version of the weights that computed this step's logits; on
-        the generation thread, lets a waiting weight update in before the next forward (streaming)."""
+        """The engine's per-step hook: the version of the weights that computed this step's logits; on the generation
+        thread, lets a waiting weight update in before the next forward (streaming)."""
         v = self.version
         if self.want and self.mid_response and threading.get_ident() == self.producer:
             self.cond.wait_for(lambda: not self.want)
         return v
 
     def poke(self, fn) -> None:
-        """On the trainer's thread: run ``fn()`` holding ``cond`` (the generation thread paused at a decoding step,
-        or between batches), then wake the generation thread."""
+        """On the trainer's thread: ``fn()`` holding ``cond`` (the generation thread paused), then wake that thread."""
         self.want = True
         if not self.cond.acquire(timeout=-1 if self.timeout is None else self.timeout):
             self.want = False
@@ -83,9 +69,8 @@ class WeightGate:
 
 
 class AsyncRollout:
-    """The trainer's rollouts in ``one_step_off``/``streaming`` mode (see the module docstring): ``next_rollout``
-    replaces ``rollout.collect``, ``refresh`` the engine's weight refresh; ``state_dict``/``load_state_dict`` carry
-    the queue, the prompts in flight and this rank's sampler through a checkpoint."""
+    """The trainer's rollouts in one_step_off / streaming mode: ``next_rollout`` replaces ``rollout.collect``,
+    ``refresh`` the weight refresh; ``state_dict`` carries the queue, prompts in flight and the sampler."""
 
     def __init__(self, trainer):
         cfg = trainer.cfg
@@ -141,8 +126,7 @@ class AsyncRollout:
                        metrics={**metrics, "async/gen_busy_s": torch.tensor(busy)}, per_sample=taken_samples(groups))
 
     def refresh(self) -> None:
-        """After the actor's update: the replica takes the new weights (a collective under ZeRO-3, on this thread)
-        while the generation thread waits at a decoding step (streaming) or after its batch (one_step_off)."""
+        """After the update: the replica takes the new weights (a ZeRO-3 collective), the generation thread waiting."""
         self.gate.update(refresh=self.engine.refresh)
 
     def close(self, code: int = 0) -> None:
@@ -231,8 +215,7 @@ class AsyncRollout:
                 return
 
     def _generate(self, tr):
-        """One generation call (the gate held): the prompts at the head of ``_todo`` first (up to ``per_step``, up to
-        a saved group), else the sampler's next batch."""
+        """One generation call (gate held): the head of ``_todo`` (up to a saved group), else the sampler's batch."""
         from verl_ds.data import collate_prompts
 
         with self.queue.lock:  # drawn and registered in flight together (a checkpoint sees both or neither)
@@ -263,8 +246,7 @@ class AsyncRollout:
 
     @staticmethod
     def _groups(ro: Rollout, indices: list) -> list:
-        """A sampled and scored batch as one Group per prompt (``extras["actor_versions"]``: each row's versions);
-        also the split generation ranks' (``verl_ds.asyncrl.split_stream``)."""
+        """A sampled and scored batch as one Group per prompt (also the split generation ranks': ``split_stream``)."""
         b = ro.batch
         per_row = b.extras.pop("actor_versions")
         R = b.response_width
@@ -284,8 +266,8 @@ class AsyncRollout:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """Every rank's queue, prompts in flight (with the version they started at), prompts to redo and sampler
-        position (a collective: rank 0's checkpoint holds them all)."""
+        """Every rank's queue, prompts in flight (with their start version), prompts to redo and sampler position (a
+        collective: rank 0's checkpoint holds them all)."""
         with self.queue.lock:
             mine = {"queue": self.queue.snapshot(), "inflight": [list(x) for x in self._inflight],
                     "redo": [x.to_state() if isinstance(x, Group) else int(x) for x in self._todo],
@@ -293,10 +275,8 @@ class AsyncRollout:
         return {"mode": self.mode, "world_size": vdist.world_size(), "ranks": vdist.gather_object(mine)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore this rank's part (before the generation thread starts): the queued groups come first, then the
-        prompts that were in flight, generated again with the restored weights. Saved by another world size: every
-        saved rank's groups and prompts are dealt to this run's ranks in the order the saved run would have
-        trained them (``verl_ds.asyncrl.reshard``), so the next global batches are made of the same prompts."""
+        """Restore this rank's part before the generation thread starts: queued groups first, then the prompts in
+        flight, generated again with the restored weights; at another world size dealt by ``reshard``."""
         device = self.trainer.actor_engine.device
         if "ranks" not in state:  # a split run's checkpoint from before its queues were saved: nothing to restore
             log.warning("resume: the checkpoint holds no rollout queues (%s); generating from the data position",

@@ -1,13 +1,7 @@
 """The bounded queue between generation and training, and the staleness rule that admits samples to an update.
-
-A queue item is a ``Group``: the n scored samples of one prompt, with the actor version that produced each response
-token (``versions``, (n, R); a partial rollout's tokens can carry several). The queue holds at most ``capacity``
-groups: ``put`` blocks while it is full, so a slow trainer stops generation instead of growing memory
-(back-pressure). ``take`` hands the trainer ``k`` groups in arrival order, admitting only groups whose oldest token
-is at most ``max_staleness`` versions behind the trainer; an older group is dropped or handed back for regeneration
-(``policy``), and both are counted with their response lengths: dropping stale samples drops the long ones first,
-a bias the metrics make visible (``async/length_dropped`` vs ``async/length_kept``).
-"""
+``put`` blocks while the queue is full (back-pressure: a slow trainer stops generation instead of growing memory);
+``take`` admits only groups at most ``max_staleness`` versions old and drops or hands back the others, counted with
+their lengths (dropping stale samples drops long ones first: ``async/length_stale`` vs ``async/length_kept``)."""
 from __future__ import annotations
 
 import threading
@@ -61,10 +55,8 @@ class Group:
 
 
 class SampleQueue:
-    """A FIFO of ``Group`` with a fixed capacity (in groups), safe between one producer and one consumer thread.
-
-    ``close(error)`` wakes every waiter: the producer's ``put`` then raises, the consumer's ``take`` raises
-    ``ProducerError`` with ``error`` (the producer's failure) once the queue is empty of admissible groups."""
+    """A FIFO of ``Group`` with a capacity in groups, for one producer and one consumer thread. ``close(error)`` wakes
+    every waiter: ``put`` raises, ``take`` raises ProducerError with ``error`` once nothing admissible is left."""
 
     def __init__(self, capacity: int, name: str = "rank 0"):
         if capacity < 1:
@@ -105,12 +97,9 @@ class SampleQueue:
              on_stale: Optional[Callable[[Group], None]] = None,
              on_kept: Optional[Callable[[Group], None]] = None,
              on_returned: Optional[Callable[[list], None]] = None) -> tuple[list, dict]:
-        """``k`` admitted groups in arrival order and this call's metrics. A group whose oldest token is more than
-        ``max_staleness`` versions behind ``version`` is not admitted: it is dropped, or (policy "regenerate")
-        passed to ``on_stale`` (under the queue's lock) to be generated again; ``on_kept`` gets each admitted group
-        under the lock, as it leaves the queue. Waits at most ``timeout`` seconds for the next group; then
-        ProducerError naming this queue, with the groups admitted so far back at the front (``on_returned`` gets
-        them, under the lock): a checkpoint written after the failure still holds them."""
+        """``k`` admitted groups in arrival order and the call's metrics. A group over ``max_staleness`` is dropped or
+        (``"regenerate"``) passed to ``on_stale``; callbacks run under the lock. After ``timeout`` s without a group:
+        ProducerError, with the groups admitted so far back at the front (a checkpoint after the failure holds them)."""
         if policy not in STALE_POLICIES:
             raise ValueError(f"SampleQueue.take: policy must be one of {STALE_POLICIES}, got {policy!r}")
         kept, stale, staleness = [], [], []
@@ -162,8 +151,7 @@ class SampleQueue:
         return out
 
     def give_back(self, groups: list, on_returned: Optional[Callable[[list], None]] = None) -> None:
-        """Put taken ``groups`` back at the front, in their order (a step that failed before training them; may
-        exceed the capacity once); ``on_returned(groups)`` runs under the lock."""
+        """Put taken ``groups`` back at the front in order (their step failed); may pass the capacity once."""
         with self._cond:
             self._items.extendleft(reversed(groups))
             if on_returned is not None and groups:

@@ -1,14 +1,7 @@
-"""An asynchronous rollout's checkpoint resumed at another world size: the saved ranks' queued groups, prompts in
-flight and prompts to redo, dealt to the new ranks in the order the saved run would have trained them.
-
-Saved rank r trains its own pipeline in order: its queued groups, the prompts that were in flight, those to redo,
-then its slices of the sampler's next global batches (``verl_ds.sampler``). With B prompts per rank, step s + j
-of the saved run trains ``pipeline_r[(j-1)B : jB]`` on every rank r; laid end to end step by step, rank by rank,
-the pipelines are the global sequence that run would have trained next. The new ranks take it as the sampler
-deals a global batch (new rank r' takes the r'-th slice of each global batch's worth of items), and their samplers
-continue at the global batch where the saved ranks' samplers all stand: the next global batches are made of the
-same prompts, and a queued group keeps its samples, versions, scores and behaviour log-probs.
-"""
+"""An asynchronous rollout's checkpoint resumed at another world size (docs/async.md). Each saved rank's pipeline
+(queued groups, prompts in flight, prompts to redo, then its sampler slices) is laid end to end step by step, rank
+by rank: the global sequence the saved run would have trained next. The new ranks take it as the sampler deals a
+global batch, so the next global batches are made of the same prompts."""
 from __future__ import annotations
 
 from verl_ds.sampler import DistributedPromptSampler
@@ -26,11 +19,9 @@ def _interleave(pipes: list, per_rank: int) -> list:
 
 
 def reshard(ranks: list, world: int, drop_last: bool = True) -> tuple[list, list]:
-    """Deal the saved ranks' states (``AsyncRollout.state_dict()["ranks"]``: each ``queue`` of group states,
-    ``inflight`` [index, version] pairs, ``redo`` indices or group states and ``sampler``) to ``world`` ranks.
-
-    Returns (one {"queue", "redo", "sampler"} per new rank: the groups to queue now, then, in order, the prompts
-    to generate and groups to queue after them, and the sampler state to continue from; notes to log)."""
+    """Deal the saved ranks' states (``AsyncRollout.state_dict()["ranks"]``) to ``world`` ranks. Returns (one
+    {"queue", "redo", "sampler"} per new rank: the groups to queue now, then prompts and groups in order, and the
+    sampler state to continue from; notes to log)."""
     old = len(ranks)
     first = ranks[0]["sampler"]
     size, total = int(first["global_batch_size"]), int(first["dataset_len"])
@@ -81,10 +72,8 @@ def reshard(ranks: list, world: int, drop_last: bool = True) -> tuple[list, list
 
 
 def rank_part(state: dict, world: int, rank: int, drop_last: bool = True) -> tuple[dict, list]:
-    """This rank's part of an asynchronous rollout checkpoint (``{"ranks": [...], ...}``, colocated or split; the
-    same format): at the saved world size the rank's own state with its prompts in flight moved to the head of ``redo``,
-    at another one its share through ``reshard``. Returns ({"queue", "redo", "sampler"} and, when saved at this
-    world size, the rank's ``rng`` if any; the notes to log)."""
+    """This rank's part of an asynchronous rollout checkpoint (colocated or split): at the saved world size its own
+    state (and ``rng``), prompts in flight at the head of ``redo``; else its share through ``reshard``. Plus notes."""
     ranks = state["ranks"]
     if len(ranks) != world:
         parts, notes = reshard(ranks, world, drop_last=drop_last)

@@ -1,22 +1,7 @@
-"""Split placement (``rollout.split_ranks`` > 0, ``rollout.mode=one_step_off``; ``streaming``: the generation
-ranks' side is ``verl_ds.asyncrl.split_stream``, the training ranks' the same): the last ``split_ranks`` ranks only
-generate, the others train (``verl_ds.asyncrl.placement`` makes the groups and moves the weights).
-
-Per step, over the bridge group, in this order on every rank (so that no rank waits on another's different call):
-
-  training rank t                          generation rank g (serves training ranks t with t % split_ranks == g')
-  recv batch k from g                      send batch k to each t it serves
-  train on batch k                         generate batch k+1 with weights k (overlapping the training)
-  control [go] + weights k+1 (broadcast)   receive control + weights k+1
-  ...                                      ...
-  control [stop, exit code] at close       exit with that code
-
-Generation ranks draw each training rank's prompts from that rank's sampler slice, starting where the training
-rank's checkpointed sampler stands (sent at start): a resumed run generates the batches the uninterrupted run would
-have (one_step_off: the batch in flight at a checkpoint is generated again; streaming: the queues travel through
-the checkpoint, ``verl_ds.asyncrl.split_state``, a control [save] in the order above). A generation rank that dies
-or hangs makes the training ranks' receive fail within ``trainer.dist_timeout_s`` (the bridge's timeout), naming it.
-"""
+"""Split placement (``rollout.split_ranks`` > 0): the last ``split_ranks`` ranks only generate, the others train;
+the bridge calls of a step, in the order every rank makes them: docs/async.md, "Placement recipes". One_step_off's
+generation ranks are here, streaming's in ``split_stream``; ``placement`` makes the groups and moves the weights.
+A generation rank that dies or hangs fails the training ranks' receive within ``trainer.dist_timeout_s``."""
 from __future__ import annotations
 
 import logging
@@ -94,8 +79,7 @@ class RemoteRollout:
         self.sync_s = time.perf_counter() - t0
 
     def state_dict(self) -> dict:
-        """Every training rank's queue, prompts in flight and to redo, sampler and RNG on the generation ranks, in
-        the colocated format (a collective of every rank: ``verl_ds.asyncrl.split_state``)."""
+        """The generation ranks' queues, in the colocated format (a collective of every rank: ``split_state``)."""
         return gather_states(self)
 
     def load_state_dict(self, state: dict) -> None:
@@ -159,8 +143,7 @@ def _setup(cfg, placement: Placement, data) -> SimpleNamespace:
 
 
 def run_generation_rank(cfg, placement: Placement, data) -> int:
-    """A generation rank's whole life: build the model, then generate, send, receive weights until told to stop;
-    returns the exit code the training ranks sent. ``rollout.mode=streaming``: ``verl_ds.asyncrl.split_stream``."""
+    """A generation rank's whole life (streaming: ``split_stream``); returns the exit code the training ranks sent."""
     from verl_ds.runtime.preemption import PreemptionHandler
 
     # a preemption signal sent to every task: the training ranks checkpoint (with this rank's queues) and stop it
@@ -232,8 +215,7 @@ def start(cfg, launch, data):
 
 
 def make_async_rollout(trainer):
-    """The trainer's rollouts for an asynchronous ``rollout.mode``: from generation ranks (split placement,
-    ``verl_ds.asyncrl.split``) or a generation thread; None for ``sync``."""
+    """The trainer's rollouts for an asynchronous ``rollout.mode``: generation ranks or thread; None for ``sync``."""
     if trainer.cfg.rollout.split_ranks:
         return RemoteRollout(trainer, current())
     from verl_ds.asyncrl.producer import AsyncRollout

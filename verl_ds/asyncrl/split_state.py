@@ -1,17 +1,7 @@
-"""Checkpoints of streaming on split ranks (``rollout.split_ranks`` > 0): the generation ranks' queues travel into
-the training ranks' checkpoint, in the format of the colocated ``AsyncRollout.state_dict`` (``{"mode",
-"world_size", "ranks": [one state per training rank]}``), so ``verl_ds.asyncrl.reshard`` deals them out at another
-world size and a colocated checkpoint resumes on split ranks (and the reverse) unchanged.
-
-Saving (a collective of every rank, in the bridge order of ``verl_ds.asyncrl.split``): training rank 0 broadcasts
-``_SAVE``; a generation rank pauses its generation thread at a decoding step (``WeightGate.poke``), snapshots each
-served training rank's queued groups, prompts in flight with the version they started at, prompts to redo, sampler
-position and torch RNG stream, and sends each to its training rank; the training ranks gather them. Resuming: after
-the first weights, each training rank sends its part (None on a fresh start) to its generation rank, which loads it
-before its generation thread starts. RNG streams follow ``verl_ds.checkpoint``'s rule for a rank's RNG: rank r
-takes saved rank r's stream; a rank without one (a colocated checkpoint, whose trainers drew from their own stream;
-more ranks than saved) the training rank's own as restored (the stream a synchronous run continues).
-"""
+"""Checkpoints of streaming on split ranks: the generation ranks' queues travel into the training ranks' checkpoint in
+the colocated ``AsyncRollout.state_dict`` format, so ``reshard`` deals them at another world size and colocated and
+split checkpoints resume on each other (docs/async.md). RNG streams follow ``verl_ds.checkpoint``'s rule: rank r
+takes saved rank r's stream, else the training rank's own as restored (the stream a synchronous run continues)."""
 from __future__ import annotations
 
 import logging
@@ -65,8 +55,7 @@ def gather_states(remote) -> dict:
 
 
 def restore_part(remote, state: dict):
-    """This training rank's part of ``state`` (any asynchronous rollout checkpoint), to be sent to its generation
-    rank at the start; None when there is nothing to restore (a checkpoint from before queues were saved)."""
+    """This training rank's part of ``state`` for its generation rank at the start; None with nothing to restore."""
     tr = remote.trainer
     if "ranks" not in state:
         log.warning("resume: the checkpoint holds no rollout queues (%s); generating from the data position",
@@ -114,8 +103,8 @@ def snapshot(streamer, t: int) -> dict:
 
 
 def restore(streamer, t: int, part: dict) -> None:
-    """Load training rank ``t``'s part (before the generation thread starts): its queued groups first, then its
-    prompts (in flight at the save, or to redo) and saved groups in their turn, then its sampler."""
+    """Load training rank ``t``'s part before the generation thread starts: queued groups, then prompts and saved groups
+    in their turn, then its sampler."""
     device = streamer.pl.device
     streamer.queues[t].restore(part["queue"], device=device)
     streamer.redo[t] = [Group.from_state(x, device) if isinstance(x, dict) else int(x) for x in part["redo"]]

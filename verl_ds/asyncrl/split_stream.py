@@ -1,26 +1,8 @@
-"""Streaming on split ranks (``rollout.mode=streaming``, ``rollout.split_ranks`` > 0): a generation rank runs up to
-``max_staleness`` batches ahead of the training ranks it serves, with partial rollouts, as the colocated streaming
-mode does on every rank (``verl_ds.asyncrl.producer``), its queues and staleness rule living on the generation rank.
-
-Two threads on a generation rank, so that no rank ever waits on a different collective than its peers:
-
-- the main thread does nothing but the bridge protocol, in the order every rank follows (``verl_ds.asyncrl.split``):
-  a control broadcast from training rank 0, then what it announces: the weights (``receive_weights``, run through
-  the ``WeightGate`` so that they land between two decoding steps of the responses in flight: a partial rollout,
-  each token keeping the version of the weights that computed it), or a request for step k's batches: for each
-  training rank served, ``SampleQueue.take`` (the staleness rule and ``rollout.stale_samples``, the trainer's
-  version being k) and a send of the admitted groups;
-- the generation thread samples and scores one training rank's prompts at a time (their sampler slice, or the
-  prompts handed back for regeneration), a batch starting only when it would be trained at most ``max_staleness``
-  versions after the weights it starts with (``max_staleness: 0``: only once its step was requested, with that
-  step's weights), and puts its groups into that rank's bounded queue, blocking while it is full (back-pressure).
-
-Each served training rank has its own torch RNG stream on the generation rank, seeded as that trainer's own and
-swapped in to generate its batches, so with ``max_staleness: 0`` a batch is the one the synchronous run samples. A
-checkpoint holds the queues, prompts in flight and to redo, samplers and RNG streams (``split_state``). A generation
-thread that raises closes the queues: the next request's ``take`` raises on the main thread, which ends the
-process; the training ranks' receive then fails naming the rank (``split.RemoteRollout``).
-"""
+"""Streaming on split ranks: a generation rank runs up to ``max_staleness`` batches ahead of the training ranks it
+serves, with partial rollouts and one queue per served rank (docs/async.md). Its main thread only answers the
+bridge, in the order every rank follows; a generation thread fills the queues, each served rank's batches drawn
+from that rank's own torch RNG stream (so ``max_staleness: 0`` is the synchronous run). A generation thread that
+raises closes the queues: the next request's ``take`` raises on the main thread, which ends the process."""
 from __future__ import annotations
 
 import logging
