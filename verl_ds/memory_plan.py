@@ -1,12 +1,6 @@
-"""Per-rank memory of a run's engines, estimated from the config before anything is launched (``verl-ds plan``).
-
-Parameter counts come from the model's config alone (``AutoConfig`` on a local directory, or the tiny
-config the trainer would build), instantiated on the ``meta`` device: no weights are read or allocated.
-Model-state memory of the trained engines is DeepSpeed's own estimator
-(``estimate_zero3_model_states_mem_needs`` / ``estimate_zero2_model_states_mem_needs``, the functions
-behind ``..._all_cold``); the reference is an inference-only ZeRO-3 engine, which DeepSpeed's estimator
-does not cover, so it is its parameters' bytes split over the ranks plus one gathered layer.
-"""
+"""Per-rank memory of a run's engines, estimated from the config before anything is launched (``verl-ds plan``):
+parameter counts from the config on the ``meta`` device, DeepSpeed's own estimators for the trained engines.
+What the plan prints: docs/launch.md, "Before launching"."""
 from __future__ import annotations
 
 import math
@@ -99,11 +93,7 @@ def _zero_settings(ds_cfg: dict) -> tuple[int, bool, bool]:
 
 def trained_engine_memory(role: str, size: ModelSize, stage: int, offload_optimizer: bool, offload_param: bool,
                           nodes: int, gpus_per_node: int) -> RoleMemory:
-    """Model states (parameters, gradients, AdamW) of a trained engine, by DeepSpeed's estimators.
-
-    CPU memory is the steady state (offloaded states); building the models before partitioning is a separate,
-    transient peak (``estimate_memory``'s ``cpu_build_peak``).
-    """
+    """Model states of a trained engine by DeepSpeed's estimators; CPU: the steady state, not the build's peak."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -139,8 +129,7 @@ def trained_engine_memory(role: str, size: ModelSize, stage: int, offload_optimi
 
 def inference_engine_memory(role: str, size: ModelSize, bytes_per_param: int, offload_param: bool,
                             nodes: int, gpus_per_node: int, zero_stage: int = 3) -> RoleMemory:
-    """A frozen engine (the reference): under ZeRO-3 its parameters split over the ranks plus one gathered layer;
-    at stage 0 (the reference of an actor below ZeRO-3) the whole model on every rank."""
+    """A frozen engine: ZeRO-3 parameters split over the ranks plus one gathered layer, at stage 0 the whole model."""
     if zero_stage < 3:
         return RoleMemory(role, 0, False, False, bytes_per_param * size.total, 0,
                           "inference stage 0: the whole model on every rank")
@@ -154,12 +143,7 @@ def inference_engine_memory(role: str, size: ModelSize, bytes_per_param: int, of
 
 def estimate_memory(cfg: Config, derived: Derived, nodes: int, gpus_per_node: int,
                     sizes: Optional[dict] = None) -> dict:
-    """Per-role RoleMemory plus the extras, in bytes: rollout replica, KV cache, logits, and the start-up peaks.
-
-    Under ZeRO-3 every model is created already partitioned (``engines.build``): construction adds about one
-    gathered layer to the partitions. At stages 0-2 the trained models are built whole on every rank. A model
-    read from ``model.path`` passes through rank 0's CPU memory file by file (transformers' ZeRO-3 loading).
-    """
+    """Per-role RoleMemory plus the extras in bytes: rollout replica, KV cache, logits and the start-up peaks."""
     from verl_ds.engines.ds_config import make_ds_config
 
     sizes = sizes or {"actor": model_size(cfg, "actor"), "critic": model_size(cfg, "critic")}
@@ -205,9 +189,7 @@ ACTIVATION_BYTES_PER_HIDDEN = 34
 
 
 def activation_memory(cfg: Config, actor: ModelSize) -> tuple[int, int]:
-    """(tokens, bytes) of one actor micro-batch's saved activations per rank: its packed row (the token budget, else
-    micro_batch_size x the longest sequence) split over model.sequence_parallel_size ranks; with gradient
-    checkpointing each layer keeps its input only, plus one layer recomputed at a time. An estimate of the order."""
+    """(tokens, bytes) of one actor micro-batch's saved activations per rank: an order-of-magnitude estimate."""
     a, seq = cfg.actor, sequence_tokens(cfg)
     tokens = math.ceil((a.max_tokens_per_micro_batch or a.micro_batch_size * seq) / cfg.model.sequence_parallel_size)
     scale = (2 if cfg.model.dtype == "bf16" else 4) / 2  # the rule counts 16-bit tensors
@@ -218,11 +200,7 @@ def activation_memory(cfg: Config, actor: ModelSize) -> tuple[int, int]:
 
 
 def _vllm_memory(cfg: Config, actor: ModelSize, out: dict, states: int, gpus_per_node: int) -> None:
-    """rollout.engine=vllm: vLLM's own copy of the weights (rollout.vllm_dtype) and the KV cache it reserves at
-    start-up (rollout.vllm_kv_cache_bytes; 256 MiB on CPU when null), both held through the update phases
-    unless rollout.vllm_sleep moves them out (weights to CPU memory, cache freed). On a GPU with no explicit
-    cache size vLLM takes rollout.vllm_gpu_memory_utilization of the GPU in total: ``vllm_fraction``, which
-    ``fit_advice`` adds once the GPU's memory is known."""
+    """vLLM's weights and KV cache, held through the updates unless ``rollout.vllm_sleep`` (GPU share: fit_advice)."""
     r = cfg.rollout
     dtype = cfg.model.dtype if r.vllm_dtype == "auto" else r.vllm_dtype
     weights = (4 if dtype == "fp32" else 2) * actor.total

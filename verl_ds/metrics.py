@@ -1,8 +1,5 @@
 """Metrics: named timers, cross-rank reduction, and the loggers (metrics.jsonl; TensorBoard / wandb when enabled).
-
-Metric keys follow verl's (``actor/pg_loss``, ``critic/vf_loss``, ``timing_s/gen``, ...) so existing
-dashboards work unchanged.
-"""
+Keys follow verl's (``actor/pg_loss``, ``timing_s/gen``, ...) so existing dashboards work unchanged."""
 from __future__ import annotations
 
 import json
@@ -37,8 +34,7 @@ class Timings:
 
 
 def reduce_metrics(metrics: dict, op: str = "mean") -> dict:
-    """Average (or sum) scalar metrics over ranks in one collective and one host sync; values may be python numbers
-    or 0-d tensors (on any device). Every rank must pass the same keys. Returns python floats."""
+    """Average (or sum) scalar metrics over ranks in one collective and host sync; every rank passes the same keys."""
     if not metrics:
         return {}
     from verl_ds.dist import all_reduce_sum, world_size
@@ -54,10 +50,8 @@ def reduce_metrics(metrics: dict, op: str = "mean") -> dict:
 
 
 def sample_means_over_ranks(per_sample: dict) -> dict:
-    """Collective: each per-sample metric's (``Rollout.per_sample``: name -> (n,) values) mean over every rank's
-    samples that have it, the same on every rank, and every rank gets every rank's names (``reduce_metrics`` pairs
-    values by sorted name: a name only some ranks have, e.g. from groups scored before a reward swap that the
-    asynchronous generation threads of two ranks crossed at different batches, would pair with another's)."""
+    """Collective: each per-sample metric's mean over every rank's samples that have it; every rank gets all names,
+    as ``reduce_metrics`` pairs by sorted name (some ranks may lack one around a reward swap in async generation)."""
     from verl_ds.dist import all_reduce_sum, gather_object
 
     keys = sorted(set().union(*gather_object(sorted(per_sample))))

@@ -1,19 +1,5 @@
-"""Remove padding and split by tokens: pack a padded micro-batch into one row, and partition samples into
-micro-batches by a token budget with the same count on every data-parallel rank.
-
-Packing (``model.remove_padding``). ``pack(input_ids, attention_mask)`` keeps the real tokens of a (B, T) batch,
-row after row, in one (1, N) row whose positions restart at 0 for each sequence (any padding pattern);
-``unpack`` puts per-token results back at their (B, T) places.
-
-Scoring responses (``pack(..., response_width=R)``): the last real token of a response predicts nothing, so it
-is read as a label only and left out of the row (one token per sample saved in every forward and backward).
-
-Token budget (``actor.max_tokens_per_micro_batch``). Every rank counts its micro-batches
-(``count_micro_batches``), the ranks agree on the largest (``agree_num_micro_batches``), then each rank splits its
-samples into exactly that many (``token_budget_micro_batches``), so the forward/backward calls, and the ZeRO-3
-collectives inside them, line up across ranks. Each micro-batch's loss is normalised by the mini-batch's global
-token count (``agg_loss(..., normalizer=G)``), so the micro-batch losses add up to the exact token mean.
-"""
+"""Pack a padded (B, T) micro-batch into one (1, N) row, and split samples by a token budget into the same number of
+micro-batches on every rank (so ZeRO-3 collectives line up). Design: docs/models.md, "Packed rows"."""
 from __future__ import annotations
 
 import functools
@@ -33,9 +19,8 @@ PACK_NAMES = ("input_ids", "attention_mask")  # what the packers' errors call th
 
 @dataclass(frozen=True)
 class Packed:
-    """A padded (B, T) batch with its padding removed: input_ids, position_ids (1, N); cu_seqlens (B + 1,) int32
-    (flash-attn's varlen offsets); indices (N,): each token's flat index row * T + column in the padded batch;
-    lengths (B,); targets, response_width: with ``pack(..., response_width=R)``, the ``ResponseIndex`` and R."""
+    """A padded (B, T) batch without its padding: input_ids, position_ids (1, N); cu_seqlens (B + 1,) int32
+    (flash-attn's varlen offsets); indices (N,): row * T + column in the padded batch; lengths (B,)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -57,8 +42,7 @@ class Packed:
         return AttentionLayout.sequences(self.lengths.tolist(), self.input_ids.device)
 
     def attention_kwargs(self) -> dict:
-        """What every layer's attention reads (flash-attention's ``cu_seq_lens_q/k``, ``max_length_q/k`` and the
-        row's ``layout``): the same objects for every layer, so no layer syncs the host."""
+        """What every layer's attention reads, the same objects for every layer so no layer syncs the host."""
         return {"cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
                 "max_length_q": self.max_seqlen, "max_length_k": self.max_seqlen, LAYOUT_KWARG: self.layout}
 
@@ -70,8 +54,7 @@ def check_response_width(response_width, T: int) -> int:
 
 
 def last_response_token(mask: torch.Tensor, response_width: int) -> torch.Tensor:
-    """(B, T) bool: each row's last real token where it lies in the last ``response_width`` columns (a token
-    whose output predicts nothing: scoring needs it as a label only)."""
+    """(B, T) bool: each row's last real token if it is in the last ``response_width`` columns (a label only)."""
     T = mask.shape[1]
     counts = mask.long().cumsum(1)
     last = mask & (counts == counts[:, -1:])
@@ -87,8 +70,7 @@ def _no_prompt_rows(mask: torch.Tensor, response_width: int) -> None:
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int | None = None) -> Packed:
-    """``input_ids`` (B, T) without its padding (see ``Packed``); with ``response_width`` R (the last R columns
-    hold responses) each row's last real response token is left out and ``targets`` locates every one."""
+    """``input_ids`` (B, T) without padding; with ``response_width`` each row's last response token is left out."""
     input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     full = mask
@@ -173,8 +155,7 @@ def count_micro_batches(lengths, max_tokens: int) -> int:
 
 
 def agree_num_micro_batches(local_count: int, group=None) -> int:
-    """The largest ``local_count`` over the ranks of ``group`` (all-reduce MAX; ``local_count`` alone without
-    torch.distributed)."""
+    """The largest ``local_count`` over the ranks of ``group`` (all-reduce MAX)."""
     if isinstance(local_count, bool) or not isinstance(local_count, int) or local_count < 1:
         raise ValueError(f"local_count must be a positive int, got {local_count!r}")
     import torch.distributed as dist
@@ -189,8 +170,7 @@ def agree_num_micro_batches(local_count: int, group=None) -> int:
 
 
 def _least_loaded_fit(lengths, k, max_tokens):
-    """Longest first onto the least-loaded of k micro-batches it fits in (an over-budget sample onto an
-    empty one); None when some sample fits nowhere."""
+    """Longest first onto the least-loaded of k micro-batches it fits in; None when some sample fits nowhere."""
     bins: list[list[int]] = [[] for _ in range(k)]
     loads = [0] * k
     for i in _order(lengths):
@@ -208,9 +188,8 @@ def _least_loaded_fit(lengths, k, max_tokens):
 
 
 def _rebalance(bins, lengths, max_tokens):
-    """From a feasible packing (first-fit decreasing leaves the last bins light): fill empty bins, then
-    move single samples from the heaviest bin to the lightest while that lowers the heavier of the two
-    and keeps the budget (each move strictly lowers the sum of squared loads)."""
+    """Move single samples from the heaviest bin to the lightest while that lowers the heavier (first-fit
+    decreasing leaves the last bins light); each move lowers the sum of squared loads, so it ends."""
     loads = [sum(lengths[i] for i in b) for b in bins]
 
     def move(i, src, dst):
@@ -235,9 +214,7 @@ def _rebalance(bins, lengths, max_tokens):
 
 
 def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int | None = None) -> list[list[int]]:
-    """Sample indices (by ``lengths``, tokens per sample) in ``num_micro_batches`` (the agreed count; None: this
-    rank's own) micro-batches of at most ``max_tokens`` tokens, balanced (longest first onto the least-loaded,
-    first-fit decreasing rebalanced when that does not fit); indices ascend, micro-batches by first index."""
+    """Sample indices in ``num_micro_batches`` (None: this rank's count) balanced micro-batches of <= ``max_tokens``."""
     lengths = _check_lengths(lengths, max_tokens)
     needed = count_micro_batches(lengths, max_tokens)
     k = needed if num_micro_batches is None else num_micro_batches
@@ -259,9 +236,8 @@ def token_budget_micro_batches(lengths, max_tokens: int, num_micro_batches: int 
 
 
 def _shared_units(batch, budget: int) -> tuple[list[list[int]], list[int]]:
-    """Rows grouped as the shared packing puts them (a prompt once, then its responses), each unit's cost its
-    tokens in the packed row, units over ``budget`` cut into consecutive pieces that fit (each piece pays the
-    prompt: apart they would not share it)."""
+    """Rows grouped as the shared packing puts them, with their cost; one over ``budget`` is cut, each piece paying
+    the prompt."""
     prompt = batch.prompt_length.tolist()
     response = batch.response_length.tolist()
     group = prompt_groups(batch.observation, batch.mask, batch.prompt_width)[0].tolist()
@@ -285,8 +261,7 @@ def _shared_units(batch, budget: int) -> tuple[list[list[int]], list[int]]:
 
 def micro_batch_groups(batch, size: int, budget: int | None, share_prompts: bool = False) -> list[list[int]]:
     """Row groups of a RolloutBatch: ``size`` rows each, or by a token budget with the same number of groups on
-    every rank (a collective: ZeRO-3 forwards must line up). With ``share_prompts`` a prompt's samples stay
-    together and cost the prompt once, as the packed row holds them (a group over the budget is cut)."""
+    every rank (a collective; ``share_prompts``: a prompt's samples together, costing the prompt once)."""
     if budget is None:
         return [list(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
     if not share_prompts:

@@ -1,6 +1,5 @@
-"""``verl-ds plan``: before anything is launched, the per-rank memory of actor, critic and reference
-(``verl_ds.memory_plan``), whether it fits, the global batch arithmetic, and the command line for every launcher.
-"""
+"""``verl-ds plan``: per-rank memory, whether it fits, the batch arithmetic and every launcher's command line, before
+anything is launched (docs/launch.md, "Before launching")."""
 from __future__ import annotations
 
 import re
@@ -121,12 +120,7 @@ def _check_topology(world_size, nodes, gpus_per_node) -> int:
 def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[int] = None, *,
          config_path: str = "configs/default.yaml", overrides: Sequence[str] = (),
          memory_gib: Optional[float] = None) -> str:
-    """The plan as text: memory per rank for actor/critic/reference, the generation replica and its KV cache,
-    whether it fits (``memory_gib`` per rank, else the visible GPU's), batch arithmetic, launch commands.
-
-    ``validate(cfg, world_size)`` runs first, so a config that cannot run at this world size fails here
-    with its ConfigError. ``config_path``/``overrides`` only go into the printed command lines.
-    """
+    """The plan as text; a config that cannot run at this world size fails here with its ConfigError."""
     gpus_per_node = _check_topology(world_size, nodes, gpus_per_node)
     derived = validate(cfg, world_size)
     sizes = {"actor": model_size(cfg, "actor"), "critic": model_size(cfg, "critic")}

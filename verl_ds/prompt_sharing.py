@@ -1,27 +1,6 @@
-"""One copy of a prompt for all the samples that answer it: pack a micro-batch with shared prompts.
-
-With ``rollout.n`` samples per prompt, a micro-batch of whole groups holds each prompt n times. Every forward
-over it (the update's, the reference's, the old log-probs') computes the same prompt hidden states n times:
-they depend on the prompt tokens only (causal attention). ``pack_shared_prompts`` keeps one copy per distinct
-prompt and puts the responses after it::
-
-    [prompt A | response A1 | response A2 | ... | prompt B | response B1 | ...]
-
-Every token keeps the position it has in its own (prompt + response) sequence and a response token attends to its
-prompt and its own earlier tokens only (``verl_ds.attention_layout``), so each token's hidden state, log-prob and
-gradient are those of the unshared row; the prompt's hidden states receive the gradient of all its responses, as
-the n copies' would add up. The saving is (n - 1) / n of the prompt tokens in every forward and backward. The
-same idea as "Prefix Grouper" (Liu et al. 2025, https://arxiv.org/abs/2506.05433), for packed rows.
-
-Response prefixes (``share_prefixes``, ``model.share_response_prefixes``): the same holds one level down. Samples of
-a prompt that begin with the same response tokens (a converged policy's, short answers, a common opening) have the
-same hidden states there too, so a group's responses are packed as a tree: its rows ordered by their responses, each
-row holding only the tokens past the prefix it shares with the row before it. A response token then is scored once
-for all the samples that hold it after the same prefix (``ResponseIndex.take``). In a 30M-parameter GRPO run on
-the default task, the rows of the later steps held 28-66% fewer response tokens.
-
-Rows share a prompt by ``verl_ds.rows.prompt_groups``, whatever their group ids say.
-"""
+"""One copy of a prompt for all its samples in a packed row, ``[prompt A | A1 | A2 | ... | prompt B | B1 | ...]``,
+optionally with shared response prefixes packed as a tree; the same log-probs and gradients as the unshared rows
+(as "Prefix Grouper", Liu et al. 2025, https://arxiv.org/abs/2506.05433). Design: docs/models.md, "Packed rows"."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,10 +15,9 @@ __all__ = ["SharedPacked", "group_layout", "pack_shared_prompts"]
 
 
 def group_layout(groups, device="cpu") -> AttentionLayout:
-    """The ``AttentionLayout`` of a row of ``groups`` ((start, prompt_len, (response_len, ...)[, links]), ...; links:
-    for each response, the responses (1-based in the group) that hold its shared leading tokens, one per depth): each
-    prompt a root; each response's own tokens continue its prompt's last token, or the shared token before its own
-    first one (held by the response its link names), at the positions they have in their own sequence."""
+    """The ``AttentionLayout`` of ``groups`` ((start, prompt_len, (response_len, ...)[, links]), ...), where links name,
+    per response, the responses (1-based in the group) holding its shared leading tokens, one per depth: each
+    response's own tokens continue its prompt or the shared token before them, at their own sequence's positions."""
     runs = []
     for start, p, lengths, *rest in groups:
         links = rest[0] if rest else ((),) * len(lengths)
@@ -58,9 +36,7 @@ def group_layout(groups, device="cpu") -> AttentionLayout:
 
 @dataclass(frozen=True)
 class SharedPacked:
-    """A padded (B, T) batch packed with one copy per distinct prompt: input_ids, position_ids (1, N); groups:
-    ((start, prompt_len, (response_len, ...)[, links]), ...) in packed order, each response without its last token
-    (a label only); layout: their ``AttentionLayout``; targets: as ``Packed.targets``."""
+    """A padded (B, T) batch packed with one copy per prompt: input_ids, position_ids (1, N); group_layout's groups."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -75,15 +51,13 @@ class SharedPacked:
         return int(self.input_ids.shape[1])
 
     def attention_kwargs(self) -> dict:
-        """The keyword the attention functions read the layout from (passed through the model's forward)."""
+        """The keyword the attention functions read the layout from, passed through the model's forward."""
         return {LAYOUT_KWARG: self.layout}
 
 
 def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
                         share_prefixes: bool = False) -> SharedPacked:
-    """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are the responses, one copy per distinct
-    prompt (module docstring); groups in the order of their first row, rows in batch order within a group, or,
-    with ``share_prefixes``, in the order of their responses (each row's shared part is in the row before it)."""
+    """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are responses, one copy per distinct prompt."""
     input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     R = check_response_width(response_width, T)

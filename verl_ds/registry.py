@@ -1,8 +1,5 @@
-"""ModelRegistry: name -> model instance, with aliases, atomic hot swap and a version per name; and the class
-table that ``BaseModel.__init_subclass__`` fills (``model_classes()``).
-
-A ``get`` never sees None or a half-registered entry: entries are immutable and replaced in one dict assignment.
-"""
+"""ModelRegistry: name -> model, with aliases, atomic hot swap (immutable entries replaced in one dict assignment)
+and a version per name; and the class table that ``BaseModel.__init_subclass__`` fills."""
 from __future__ import annotations
 
 import difflib
@@ -49,8 +46,7 @@ def _torch_modules(model: Any) -> list:
 
 
 def _param_stats(model: Any) -> tuple[bool | None, int | None]:
-    """(trainable, num_parameters) over the torch modules the model is or wraps (None, None without any); a ZeRO-3
-    partitioned parameter reports its full size through ``ds_numel`` (its local ``numel()`` is 0)."""
+    """(trainable, num_parameters) of the modules the model wraps; ZeRO-3 parameters count ``ds_numel`` (numel is 0)."""
     modules = _torch_modules(model)
     if not modules:
         return None, None
@@ -66,7 +62,7 @@ def _param_stats(model: Any) -> tuple[bool | None, int | None]:
 
 
 class ModelRegistry:
-    """Thread-safe name -> instance map with aliases; see the module docstring."""
+    """Thread-safe name -> instance map with aliases."""
 
     def __init__(self):
         self._lock = threading.RLock()
@@ -117,8 +113,7 @@ class ModelRegistry:
         raise UnknownModelError(f"{name!r} is not registered{_close_matches(name, pool)} Registered: {pool}")
 
     def get(self, name: str, default: Any = _MISSING) -> Any:
-        """The instance registered under ``name`` or an alias; unknown -> ``default`` if given, else
-        UnknownModelError."""
+        """The instance under ``name`` or an alias; unknown: ``default`` if given, else UnknownModelError."""
         with self._lock:
             try:
                 return self._entries[self._resolve(name)].model

@@ -1,10 +1,5 @@
-"""The end-of-run report: reward of the first vs last 10% of steps, validation, throughput, the reward curve.
-
-The figures come from the whole run's ``metrics.jsonl``, not from what this process trained: after a
-requeue or any resume, the file still holds every step of the run (the trainer truncates it to the
-checkpoint's step and appends), so "first 10% of steps" means the first 10% of the run. Each figure names
-the steps it covers; time and throughput cover this session only (the steps after ``resumed_from``).
-"""
+"""The end-of-run report: reward of the first vs last 10% of the run's steps (from ``metrics.jsonl``, across
+resumes), validation, this session's throughput, the reward curve."""
 from __future__ import annotations
 
 import json
@@ -48,8 +43,7 @@ def read_metrics_file(path: str) -> list[dict]:
 
 
 def by_step(rows: Iterable[dict]) -> list[dict]:
-    """One row per step in step order; rows of the same step are merged, later values winning (a step that
-    was trained again after a resume replaces the earlier one)."""
+    """One row per step in step order, later values winning (a step trained again after a resume replaces it)."""
     merged: dict[int, dict] = {}
     for row in rows:
         if "step" not in row:
@@ -68,9 +62,7 @@ def run_history(history: list[dict], output_dir: str) -> tuple[list[dict], Optio
 
 def summarize(history: list[dict], steps: int, elapsed: float, tokens: float, output_dir: str,
               export_dir: Optional[str], plot: bool, write: bool, resumed_from: Optional[int] = None) -> dict:
-    """The summary dict (also ``summary.json`` when ``write``). ``history``: the metrics rows, used only when
-    the run has no metrics.jsonl; ``elapsed``/``tokens``: this session's; ``resumed_from``: the checkpoint
-    step this session started from (0: a fresh run; None: not known, the session's steps are not stated)."""
+    """The summary dict (also ``summary.json`` when ``write``); ``history`` only counts without a metrics.jsonl."""
     rows, source = run_history(history, output_dir)
     train = [h for h in rows if score_of(h) is not None]
     val = [(h["step"], h[VAL_SCORE]) for h in rows if VAL_SCORE in h]

@@ -1,5 +1,4 @@
-"""One rollout: prompts -> the actor's ``get_action`` -> a RolloutBatch -> decoded responses -> scores, for
-training and evaluation alike (the caller takes actor and reward from the ModelRegistry at every step)."""
+"""One rollout: prompts -> the actor's ``get_action`` -> a RolloutBatch -> decoded responses -> scores."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,11 +14,8 @@ from verl_ds.metrics import Timings
 
 @dataclass
 class Rollout:
-    """What one rollout produced: the batch (scores set), the decoded responses and the reward metrics.
-
-    ``per_sample``: for the metrics that are means over the samples (the reward's, the overlong penalty's), each
-    one's (B,) per-sample values, row for row with ``batch``: ``sample_means`` of any selection of the rows gives
-    those metrics for that selection (the asynchronous rollouts' step is made of groups from several calls)."""
+    """The batch (scores set), decoded responses and reward metrics; ``per_sample``: each mean metric's (B,) values,
+    so a selection of rows (an async step's groups from several calls) gets its own means."""
     batch: RolloutBatch
     responses: list[str]
     metrics: dict = field(default_factory=dict)
@@ -39,8 +35,7 @@ class SamplingError(RuntimeError):
 
 
 def repeat_prompts(prompts: dict, n: int) -> dict:
-    """Each prompt ``n`` times in a row (the n samples of a prompt stay together, on one rank), with
-    ``group_index`` (B*n,) numbering the prompts 0..B-1."""
+    """Each prompt ``n`` times in a row (its samples stay on one rank), with ``group_index`` (B*n,)."""
     B = prompts["input_ids"].shape[0]
     group = torch.arange(B).repeat_interleave(n)
     out = {k: v.repeat_interleave(n, dim=0) for k, v in prompts.items() if isinstance(v, torch.Tensor)}
@@ -53,9 +48,7 @@ def repeat_prompts(prompts: dict, n: int) -> dict:
 def rollout_and_score(actor, reward, tokenizer, prompts: dict, *, max_new_tokens: int, temperature: float = 1.0,
                       top_k: int = 0, top_p: float = 1.0, greedy: bool = False, n: int = 1,
                       timings: Optional[Timings] = None) -> Rollout:
-    """Sample ``n`` responses per prompt (``verl_ds.data.collate_prompts`` output) with ``actor.get_action``, build
-    the batch (with ``rollout_log_probs``, ``group_index``, ``scores`` and the prompts in ``extras``), decode and
-    score with ``reward``."""
+    """Sample ``n`` responses per prompt, build the batch, decode and score with ``reward``."""
     t = timings or Timings()
     if n > 1:
         prompts = repeat_prompts(prompts, n)
@@ -109,19 +102,10 @@ def _add_overlong_penalty(batch: RolloutBatch, max_new_tokens: int, overlong: tu
 def collect(draw_prompts, actor, reward, tokenizer, *, sampling: dict, n: int, timings: Timings,
             dynamic: bool = False, max_rounds: int = 1, overlong: Optional[tuple] = None,
             greedy_baseline: bool = False, rollout_fn=rollout_and_score) -> Rollout:
-    """This rank's rollout for one step, from one or more rounds of ``draw_prompts()``, each sampled and scored by
-    ``rollout_fn`` (``rollout_and_score``, or multi-turn episodes: ``verl_ds.agent.rollout``).
-
-    - ``overlong=(buffer, factor)``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13).
-    - ``greedy_baseline``: ReMax (Li et al. 2023): one greedy response per prompt, its score (with the overlong
-      penalty, as the samples') the baseline of the prompt's samples (``batch.extras["baseline_score"]``).
-    - ``dynamic``: DAPO's dynamic sampling: groups whose scores are all equal carry no signal and are dropped,
-      judged on the reward's scores before the overlong penalty (DAPO filters on accuracy, verl's recipe on its
-      ``filter_groups.metric``: a length penalty is no signal about the answer); more rounds of prompts are drawn
-      until every rank holds as many groups as one round gives, at most ``max_rounds`` rounds. The round count is
-      agreed over ranks (generation may be a collective); a rank still short after the last round fills up with
-      dropped groups (zero advantage under group estimators), counted in ``rollout/groups_filled``.
-    """
+    """This rank's rollout for one step from rounds of ``draw_prompts()``, each sampled and scored by ``rollout_fn``.
+    ``overlong``: DAPO's soft overlong penalty (Yu et al. 2025, eq. 13); ``greedy_baseline``: ReMax (Li et al. 2023);
+    ``dynamic``: DAPO's dynamic sampling, judged before the overlong penalty (a length penalty says nothing about
+    the answer), rounds agreed over ranks, a rank still short filled with no-signal groups (rollout/groups_filled)."""
     from verl_ds import algos
 
     kept, dropped, metrics, rounds, target = [], [], {}, 0, None

@@ -1,14 +1,7 @@
-"""Rollout engines: the sampler behind ``PolicyModel.get_action``, chosen with ``rollout.engine`` from a registry.
-
-- ``hf``: ``verl_ds.generation.HFRolloutEngine``, HF ``generate`` on a replica of the actor (or on the ZeRO-3
-  module itself with ``rollout.gather_params=false``).
-- ``vllm``: ``VLLMRollout``, a colocated in-process vLLM engine per rank (docs/vllm.md), seeded per call from
-  (trainer.seed, global step, rank, call of the step), so a resumed run samples what the uninterrupted run sampled.
-
-Every engine has HF's contract: ``generate(input_ids, attention_mask, *, max_new_tokens, temperature, top_k,
-top_p, greedy) -> verl_ds.generation.Generation`` and ``refresh()`` (a collective under ZeRO-3, called by the
-trainer after each actor update).
-"""
+"""Rollout engines: the sampler behind ``PolicyModel.get_action``, chosen with ``rollout.engine`` from a registry:
+``hf`` (``verl_ds.generation.HFRolloutEngine``) or ``vllm`` (a colocated in-process engine per rank, docs/vllm.md).
+Each has HF's contract: ``generate(...) -> verl_ds.generation.Generation`` and ``refresh()`` after each actor update
+(a collective under ZeRO-3)."""
 from __future__ import annotations
 
 import logging
@@ -29,8 +22,7 @@ _VLLM_KEYS = ("vllm_dtype", "vllm_gpu_memory_utilization", "vllm_kv_cache_bytes"
 
 
 def register_rollout_engine(name: str, *, check: Optional[Callable[[Config], None]] = None):
-    """Decorator registering ``build(cfg, actor, tokenizer, *, state, rank, lora) -> engine`` under ``name``;
-    ``check(cfg)`` raises ConfigError for a config this engine cannot run."""
+    """Register ``build(cfg, actor, tokenizer, *, state, rank, lora)`` and a ``check(cfg)`` raising ConfigError."""
     return ROLLOUT_ENGINES.register(name, check=check or (lambda cfg: None))
 
 
@@ -51,8 +43,7 @@ def check_rollout_engine(cfg: Config) -> None:
 
 def build_rollout_engine(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None,
                          engine: Optional[str] = None):
-    """The engine ``engine`` (default: ``rollout.engine``) names, sampling from ``actor`` (building vLLM's is a
-    collective under ZeRO-3)."""
+    """The engine ``engine`` (default: ``rollout.engine``) names, sampling from ``actor`` (a collective for vLLM)."""
     return ROLLOUT_ENGINES.get(engine or cfg.rollout.engine)(cfg, actor, tokenizer, state=state, rank=rank, lora=lora)
 
 
@@ -79,7 +70,7 @@ def vllm_dtype(cfg: Config) -> str:
 
 
 def _head_dim(cfg: Config) -> tuple[Any, str]:
-    """(an object with hidden_size / num_attention_heads / head_dim, the keys it came from) for the actor."""
+    """(the actor's config with hidden_size / num_attention_heads / head_dim, the keys it came from)."""
     from types import SimpleNamespace
 
     m = cfg.model
@@ -102,8 +93,7 @@ def _head_dim(cfg: Config) -> tuple[Any, str]:
 
 
 def check_vllm_config(cfg: Config) -> None:
-    """rollout.engine=vllm: vLLM importable (else the install script is named), a full-weight actor, a head_dim
-    vLLM's CPU attention has a kernel for, no sleep mode on CPU."""
+    """vLLM importable, a full-weight actor, a head_dim vLLM's CPU attention supports, no sleep mode on CPU."""
     if cfg.actor.lora_rank > 0:
         raise ConfigError(f"rollout.engine=vllm: actor.lora_rank={cfg.actor.lora_rank} is not supported (vLLM would "
                           f"need the merged weights at every sync); use rollout.engine=hf with LoRA")
@@ -131,9 +121,8 @@ def check_vllm_config(cfg: Config) -> None:
 
 
 class VLLMRollout:
-    """HFRolloutEngine's contract on a colocated vLLM engine started with ``actor``'s weights (a collective under
-    ZeRO-3). The weights are synced again before a ``generate`` when the engine's step count moved since the last
-    sync (a checkpoint was loaded), so a resumed run never samples from the initial weights."""
+    """HFRolloutEngine's contract on a colocated vLLM engine. Weights are synced again before ``generate`` when the
+    actor's step count moved since the last sync (a checkpoint was loaded), so a resume never samples stale weights."""
 
     def __init__(self, actor, *, pad_token_id: int, eos_token_id: int, state=None, seed: int = 0, rank: int = 0,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.5, kv_cache_bytes: Optional[int] = None,
@@ -165,8 +154,7 @@ class VLLMRollout:
         return getattr(self.lm, "global_steps", None)  # DeepSpeed's optimizer-step count, restored with a checkpoint
 
     def refresh(self) -> None:
-        """Stream the actor's current weights into vLLM, one module at a time (ZeRO-3: each module's partitions
-        gathered while it is sent; a collective every rank joins)."""
+        """Stream the actor's weights into vLLM one module at a time (a collective under ZeRO-3)."""
         from verl_ds.engines.vllm_engine import gathered_named_parameters
 
         self._wake()
@@ -208,8 +196,7 @@ class VLLMRollout:
 
 
 class CallSeeds:
-    """Seeds of a rank's generate calls, from (trainer seed, the state's global step, rank, call index within the
-    step): a resumed run repeats the uninterrupted run's seeds from its first step on, whatever ran before."""
+    """Seeds from (trainer seed, global step, rank, call in the step): a resume repeats the uninterrupted seeds."""
 
     def __init__(self, seed: int, rank: int, state=None):
         self.seed, self.rank, self.state = int(seed), int(rank), state

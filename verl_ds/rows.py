@@ -1,12 +1,5 @@
-"""Where the tokens of a padded (B, T) batch stand: one rule for each question every packing and forward asks.
-
-- ``check_batch``: whether token ids and an attention mask make a batch (every forward and packing checks with it);
-- ``prompt_groups``: which rows share a prompt (the shared packing, the token budget that keeps a prompt's samples
-  together and the shared prefill of generation all group rows by it);
-- ``position_ids_from_mask``: each token's position in its own sequence (the padded forwards, both packings);
-- ``index_responses``: the response tokens, the packed place of the token that predicts each and their place in the
-  (B, R) response block (``pack``, the shared packing, the packed forwards).
-"""
+"""Where the tokens of a padded (B, T) batch stand: one rule per question every packing and forward asks, so the
+packings, the token budgets and shared generation cannot disagree."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -17,9 +10,9 @@ __all__ = ["ResponseIndex", "check_batch", "prompt_groups", "position_ids_from_m
 
 
 class ResponseIndex(NamedTuple):
-    """The real response tokens of a packed batch: ``label_ids`` (n,), ``preds`` (n,) the packed indices whose
-    outputs predict them, ``out`` (n,) their flat index row * R + column in the (B, R) response block. ``take``
-    (m,) with shared response prefixes: place i of ``out`` reads the scored pair ``take[i]``; None: one each."""
+    """The real response tokens of a packed batch: ``label_ids`` (n,); ``preds`` (n,) the packed indices whose
+    outputs predict them; ``out`` (n,) row * R + column in the (B, R) response block; ``take`` (m,) with shared
+    response prefixes: place i of ``out`` reads the scored pair ``take[i]`` (None: one each)."""
 
     label_ids: torch.Tensor
     preds: torch.Tensor
@@ -28,9 +21,7 @@ class ResponseIndex(NamedTuple):
 
 
 def check_batch(observation: Any, mask: Any, who: str, names: tuple = ("observation", "mask")) -> tuple:
-    """(observation as int64, mask as bool) of a (B, T) token-id batch and its mask (None: every token real; a
-    real token in every row). A (B, T, T) matrix is refused: a 3-D mask where a 2-D one is expected silently masks
-    everything out in some HF models. Errors start with ``who`` and use ``names``."""
+    """(ids as int64, mask as bool) of a (B, T) batch; a (B, T, T) mask is refused (some HF models mask all out)."""
     ids, m = names
     if not isinstance(observation, torch.Tensor):
         raise TypeError(f"{who}: {ids} must be a (B, T) int64 tensor of token ids, got {type(observation).__name__}")
@@ -64,9 +55,8 @@ def check_batch(observation: Any, mask: Any, who: str, names: tuple = ("observat
 
 
 def prompt_groups(input_ids: torch.Tensor, mask: torch.Tensor, width: int | None = None) -> tuple:
-    """(group (B,), first (G,)) int64: rows share a prompt when their first ``width`` columns (all by default) hold
-    the same real tokens in the same places, wherever they are in the batch (padding compares equal whatever its
-    id; a real token never equals a pad). Groups are numbered in the order of their first row, ``first``."""
+    """(group (B,), first (G,)) int64: rows share a prompt when their first ``width`` columns hold the same real
+    tokens in the same places (pads equal whatever their id)."""
     P = input_ids.shape[1] if width is None else int(width)
     key = input_ids[:, :P].long().masked_fill(~mask[:, :P].bool(), -1)
     distinct, group = torch.unique(key, dim=0, return_inverse=True)
@@ -78,16 +68,13 @@ def prompt_groups(input_ids: torch.Tensor, mask: torch.Tensor, width: int | None
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Each token's index among the real tokens of its row (cumsum - 1, clamped at 0 before the first one), so
-    left padding does not shift the positions of the prompt (the same ids HF generate() uses)."""
+    """Each token's index among its row's real tokens, so left padding does not shift positions (as HF generate)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def index_responses(input_ids: torch.Tensor, mask: torch.Tensor, response_width: int, place: torch.Tensor,
                     order: torch.Tensor | None = None) -> ResponseIndex:
-    """The ``ResponseIndex`` of the real tokens in the last ``response_width`` columns, each predicted by the real
-    token before it in its row, held by the packed row at ``place`` (B, T); rows in ``order`` (default batch order),
-    columns ascending. Every row needs a real token before its response."""
+    """The ``ResponseIndex`` of the last ``response_width`` columns, packed at ``place`` (B, T), rows in ``order``."""
     B, T = mask.shape
     P = T - response_width
     rows, cols = (mask[:, P:] if order is None else mask[order, P:]).nonzero().unbind(1)

@@ -1,17 +1,12 @@
-"""The prompt order: each rank's share of every global batch, epoch after epoch, deterministic and resumable.
-
-A checkpoint's sampler state resumes at another world size with the same ``rollout.batch_size``: the same
-sequence of global batches, split over the new number of ranks.
-"""
+"""Each rank's share of every global batch, deterministic and resumable at any world size."""
 from __future__ import annotations
 
 import numpy as np
 
 
 class DistributedPromptSampler:
-    """Indices of this rank's prompts, one batch at a time, forever. Every epoch is a permutation seeded by
-    (seed, epoch); global batch b is permutation[b*G:(b+1)*G], G = batch_size_per_rank * world_size, and rank r
-    takes its slice. Without drop_last the last global batch is filled from the start of the permutation."""
+    """This rank's prompt indices, one batch at a time, forever: global batch b of an epoch is
+    permutation(seed, epoch)[b*G:(b+1)*G], G = batch_size_per_rank * world_size, rank r taking its slice."""
 
     def __init__(self, dataset_len: int, batch_size_per_rank: int, rank: int = 0, world_size: int = 1,
                  seed: int = 0, drop_last: bool = True):

@@ -1,15 +1,7 @@
-"""The one HF ``GenerationConfig`` every HF sampling path of the rollout uses, and nothing from the checkpoint.
-
-The trainer scores softmax(logits / temperature) (``PolicyModel.get_logprob``); the rollout draws from it, truncated
-by top-k / top-p only. Plain ``generate`` (one rank, or several with ``synced_gpus``), the shared prefill's first
-token and shared decoding (``verl_ds.generation``) must therefore all draw from that one distribution.
-
-A checkpoint's ``generation_config.json`` can set any ``GenerationConfig`` field (processors, warpers, stopping
-criteria, decoding modes), and ``generate`` fills every field its ``generation_config`` argument leaves at None from
-the model's own (transformers ``GenerationMixin._prepare_generation_config``), while for most fields None is the only
-value that turns them off. So ``rollout_generation_config`` sets each field whose neutral value is not None, and
-``generate`` runs inside ``only_this_generation_config``: nothing the checkpoint sets reaches any path.
-"""
+"""The one HF ``GenerationConfig`` every HF sampling path uses, so they all draw from the softmax(logits /
+temperature) the trainer scores, truncated by top-k / top-p only. ``generate`` fills every None field from the
+checkpoint's ``generation_config.json`` (``GenerationMixin._prepare_generation_config``), so each field with a
+non-None neutral value is set here and ``generate`` runs inside ``only_this_generation_config``."""
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +21,7 @@ _reported: set = set()
 
 def rollout_generation_config(*, max_new_tokens: int, temperature: float, top_k: int, top_p: float, greedy: bool,
                               pad_token_id: int, eos_token_id: int, bos_token_id: Optional[int]):
-    """A complete ``GenerationConfig``: sampling at ``temperature`` with ``top_k`` (<= 0: off) and ``top_p``, or
-    argmax with ``greedy``; every other processor, warper and stopping criterion off."""
+    """A complete ``GenerationConfig``: temperature, top-k (<= 0: off), top-p or greedy, everything else off."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -48,8 +39,7 @@ def rollout_generation_config(*, max_new_tokens: int, temperature: float, top_k:
 
 
 def checkpoint_sampling_fields(model: Any, gen_cfg) -> list[str]:
-    """The fields ``model``'s own generation config sets, away from a blank ``GenerationConfig`` and from
-    ``gen_cfg``, that would change what ``generate`` draws, stops at or returns; sorted."""
+    """The fields ``model``'s generation config sets that would change what ``generate`` draws, stops at or returns."""
     own = getattr(model, "generation_config", None)
     if own is None:
         return []
@@ -66,8 +56,7 @@ def _generating_module(model: Any) -> Any:
 
 @contextlib.contextmanager
 def only_this_generation_config(model: Any, gen_cfg) -> Iterator[None]:
-    """While active, ``model``'s own generation config is a copy of ``gen_cfg`` (the checkpoint fields not applied
-    are logged once, at INFO)."""
+    """While active, ``model``'s own generation config is a copy of ``gen_cfg`` (the ignored fields logged once)."""
     module = _generating_module(model)
     own = getattr(module, "generation_config", None)
     fields = tuple(checkpoint_sampling_fields(module, gen_cfg))

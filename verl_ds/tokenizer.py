@@ -1,10 +1,6 @@
-"""A tiny word-level tokenizer built in code, so tests and the default job need no downloads.
-
-The model is `tokenizers.models.WordPiece` over a word vocabulary: every whitespace/punctuation-separated word is
-one token, and the only sub-word pieces are the digit continuations "@@0".."@@9", so "42" encodes as
-["4", "@@2"] and decodes back to "42" (a plain WordLevel model would decode it as "4 2", which breaks
-exact-match rewards). Words not in the vocabulary become <unk>. Digits are therefore always single tokens.
-"""
+"""A tiny word-level tokenizer built in code, so tests and the default job need no downloads. It is WordPiece whose
+only sub-word pieces are digit continuations: "42" is ["4", "@@2"] and decodes back to "42" (WordLevel would give
+"4 2" and break exact-match rewards); unknown words become <unk>."""
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -45,19 +41,14 @@ weeks wheels with works years
 
 
 def default_vocab() -> list[str]:
-    """The built-in vocabulary (special tokens excluded): digits and their continuations, arithmetic symbols,
-    chat-template roles, the parity task's words and every word of the shipped GSM8K-style problems."""
+    """The built-in vocabulary: digits, symbols, chat roles and every word of the shipped tasks (no specials)."""
     return (DIGITS + [CONTINUATION + d for d in DIGITS] + _SYMBOLS + _CHAT_WORDS + _PARITY_WORDS
             + _GSM8K_WORDS)
 
 
 def build_tokenizer(vocab: list[str] | None = None, *, pad_is_eos: bool = False,
                     model_max_length: int = 2048) -> PreTrainedTokenizerFast:
-    """Build the tokenizer over `vocab` (default: `default_vocab()`); <pad> <eos> <bos> <unk> get ids 0-3.
-
-    `pad_is_eos=True` makes `pad_token == eos_token` (as for Llama-style checkpoints), with the vocabulary unchanged.
-    No BOS/EOS is added on encode; padding is on the left (for generation); `apply_chat_template` works.
-    """
+    """The tokenizer over `vocab`: specials at ids 0-3, left padding, no BOS/EOS added on encode."""
     vocab = default_vocab() if vocab is None else vocab
     if isinstance(vocab, str) or not all(isinstance(t, str) and t and not any(c.isspace() for c in t) for t in vocab):
         raise ValueError("vocab: expected a list of non-empty tokens without whitespace, got "
