@@ -1,9 +1,6 @@
-"""The control server's ASGI application: request limits, authentication, body reading and answers.
-
-It runs on the server's event loop and never blocks it: views run in a few daemon worker threads
-(``WorkerPool``), bodies are read with a whole-body deadline, and at most ``max_connections`` requests
-are in progress at once (more are answered 503 at once).
-"""
+"""The control server's ASGI application: request limits, authentication, body reading and answers. It never blocks
+the event loop: views run in daemon worker threads, bodies have a whole-body deadline, and past ``max_connections``
+requests in progress the answer is 503 at once."""
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +24,8 @@ class _ClientGone(Exception):
 
 
 class WorkerPool:
-    """Daemon threads for views (they may wait on the SharedState lock during a step boundary). Daemon,
-    so a view stuck on a lock never holds up the interpreter's exit; results go back to the event loop."""
+    """Daemon threads for views, which may wait on the SharedState lock at a step boundary; daemon, so a stuck
+    view never holds up the interpreter's exit."""
 
     def __init__(self, n: int, name: str):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -152,8 +149,8 @@ class ControlApp:
             return 500, {"error": f"internal server error: {type(e).__name__}: {e}", "status": 500}, None, True
 
     async def _read_body(self, req: _Request, receive: Callable, started: float) -> bytes:
-        """The whole body within ``request_timeout`` of the head and within ``max_body_bytes``, whatever
-        the framing (a chunked body is counted as it arrives; only the limit is ever buffered)."""
+        """The whole body within ``request_timeout`` of the head and ``max_body_bytes``, whatever the framing (a
+        chunked body is counted as it arrives: only the limit is ever buffered)."""
         limit, timeout = self.control.max_body_bytes, self.control.request_timeout
         length = req.header("content-length")
         if length is None and "transfer-encoding" not in req.headers:

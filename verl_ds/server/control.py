@@ -60,17 +60,10 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None, what: s
 
 
 class ControlServer:
-    """The /v1 control-plane HTTP server of a training run (rank 0 only); docs/http_api.md has the routes and the
-    limits (``request_timeout``, ``max_connections``, ``max_open_connections``, ``backlog``, ``max_body_bytes``).
-
-    state, registry: what the routes show and PATCH stages into. host/port: bind address (port 0: any free
-    port). token: bearer token for mutating routes; None reads ``VERL_DS_SERVER_TOKEN``; '' or unset disables
-    mutations (403). run_dir: where ``start()`` writes ``server_url.txt`` (None: nowhere). metrics_fn: the latest
-    training metrics (``MetricsLogger.snapshot``). reward_swapper: has ``stage_reward_swap(spec, client=)``
-    (raising ValueError on bad input); None: reward swapping answers 501. read_only: disable mutating routes
-    outright (then a non-loopback bind without a token is allowed). swappable_rewards, allow_reward_code,
-    reward_model_dir, policy_vocab_size: what POST /v1/models/reward may swap in (``check_reward_spec``).
-    """
+    """The /v1 control-plane HTTP server of a training run (rank 0); routes and limits: docs/http_api.md.
+    ``token`` None reads ``VERL_DS_SERVER_TOKEN``; without one (or with ``read_only``) mutating routes answer 403,
+    and a non-loopback host needs a token unless ``read_only``. ``reward_swapper.stage_reward_swap(spec, client=)``
+    stages swaps (None: 501) within ``swappable_rewards``, ``allow_reward_code``, ``reward_model_dir``."""
 
     def __init__(self, state: SharedState, registry: ModelRegistry, *, host: str = "127.0.0.1", port: int = 0,
                  token: str | None = None, max_body_bytes: int = 65536, run_dir: str | os.PathLike | None = None,

@@ -12,9 +12,7 @@ __all__ = ["HTTPError", "parse_json_object", "dumps", "json_kind", "MAX_JSON_DEP
 # checked before parsing, so a body of 100000 '[' is a 400 instead of a RecursionError in the parser.
 MAX_JSON_DEPTH = 32
 # The bytes that can open or close a string or a level, or escape the next byte: one linear pass over their
-# positions finds the depth (see _depth). A regex matching whole strings backtracked from every quote of an
-# unterminated string (quadratic: 28 s for 64 KB of '\\"'), and a greedy linear one kept 4-7 MB of
-# backtracking state per 64 KB body.
+# positions finds the depth (_depth); a regex over whole strings backtracks on an unterminated one (docs/http_api.md).
 _SPECIAL = re.compile(rb'["\\\[\]{}]')
 
 
@@ -53,8 +51,7 @@ def _finite_float(text: str) -> float:
 
 
 def _depth(raw: bytes) -> int:
-    """Deepest nesting of arrays/objects in ``raw`` (brackets inside strings do not count), in one pass with
-    constant memory."""
+    """Deepest nesting of arrays/objects in ``raw`` (not counting brackets in strings): one pass, constant memory."""
     depth = deepest = 0
     in_string, escaped = False, -1  # escaped: the position of a byte that a backslash in a string escapes
     for m in _SPECIAL.finditer(raw):

@@ -43,12 +43,9 @@ def _prom_label(v: Any) -> str:
 
 
 def prometheus_text(metrics: dict, state: dict, state_version: int | None = None) -> str:
-    """Prometheus text exposition (format 0.0.4) of training metrics and SharedState values.
-
-    metrics: {'actor/pg_loss': 0.1, 'step': 3, ...} -> gauges ``verl_ds_actor_pg_loss`` etc.; non-numeric
-    values are skipped, and a name that collides after sanitising keeps its first key. state: numeric
-    keys (bools as 0/1) -> ``verl_ds_state_<key>``; the str keys -> labels of ``verl_ds_state_info``.
-    """
+    """Prometheus text (format 0.0.4): numeric metrics as gauges ``verl_ds_<key>`` (the first key wins a name
+    collision after sanitising), numeric SharedState keys as ``verl_ds_state_<key>``, str keys as labels of
+    ``verl_ds_state_info``."""
     lines: list[str] = []
     seen: set[str] = set()
 

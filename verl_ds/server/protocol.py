@@ -1,14 +1,8 @@
-"""The control server's connection handling: uvicorn's h11 protocol with the limits it lacks.
-
-uvicorn (https://www.uvicorn.org/settings/#timeouts) only times out idle keep-alive connections and resets
-that timer on every byte received, so a client trickling one header byte at a time holds a connection
-forever; its ``limit_concurrency`` counts such connections too, so 64 trickling sockets would lock out
-everyone else. ``ControlProtocol`` adds (docs/http_api.md, "Limits", has the figures): a whole-head deadline;
-a cap on open connections (sockets are file descriptors the training process needs) that evicts the longest
-idle one; a chunked body refused (413) from its size line; JSON answers for protocol errors without echoing
-header values (they may hold a token); a lingering close, so that a client still uploading reads its 413
-instead of the RST that closing with unread input makes the kernel send; answers to half-closed clients.
-"""
+"""The control server's connections: uvicorn's h11 protocol with the limits it lacks (docs/http_api.md, "Limits").
+uvicorn times out only idle keep-alive connections and resets that timer on every byte, so one trickling client
+could hold a connection forever. Added: a whole-head deadline, a cap on open sockets that evicts the longest idle
+one, chunked bodies refused from their size line, errors that never echo header values (they may hold the token),
+and a lingering close, so a client still uploading reads its 413 rather than a reset."""
 from __future__ import annotations
 
 import asyncio
@@ -57,11 +51,8 @@ def describe_protocol_error(exc: BaseException | None) -> str:
 
 
 def check_framing(http_version: str, headers: dict) -> None:
-    """HTTPError for what h11 lets through but this server must refuse: a major version other than 1 (505: the
-    HTTP/2 preface 'PRI * HTTP/2.0' and 'HTTP/9.9' parse as requests), and a request framed both by
-    Content-Length and by Transfer-Encoding (400: RFC 9112 section 6.3 says to handle it as an error; a proxy
-    in front that reads the other framing would see other requests in the same bytes: request smuggling).
-    ``headers``: lower-case names. Nothing the client sent is repeated back."""
+    """HTTPError for what h11 lets through: a major version other than 1 (505: 'PRI * HTTP/2.0' parses), and both
+    Content-Length and Transfer-Encoding (400, RFC 9112 section 6.3: request smuggling). Echoes nothing."""
     if http_version.partition(".")[0] != "1":
         raise HTTPError(505, "HTTP version not supported: this server speaks HTTP/1.1 (and 1.0)", close=True)
     if "content-length" in headers and "transfer-encoding" in headers:
@@ -139,9 +130,8 @@ class _LingeringTransport:
         self._timer = self._loop.call_later(self._linger_s, self._t.close)
 
     def hard_close(self, graceful: bool = False) -> None:
-        """Close now: an abort (a dropped slow client, or server shutdown: nothing more is sent or read), or with
-        ``graceful`` a FIN for an idle connection (RFC 9112 section 9.5): no answer is owed and nothing is left to
-        drain, so neither lingers."""
+        """Close now: an abort (a dropped client, server shutdown), or with ``graceful`` a FIN for an idle connection
+        (RFC 9112 section 9.5); neither lingers."""
         self.lingering = True
         self._on_closing()
         if self._timer is not None:
@@ -164,7 +154,7 @@ class _LingeringTransport:
 
 
 class ControlProtocol(H11Protocol):
-    """uvicorn's H11Protocol plus the limits in the module docstring (one instance per connection)."""
+    """uvicorn's H11Protocol plus the limits of the module docstring; one per connection."""
 
     def __init__(self, *args, limits: ConnectionLimits, **kwargs):
         super().__init__(*args, **kwargs)
@@ -179,8 +169,8 @@ class ControlProtocol(H11Protocol):
         self._body_bytes = 0  # of the current request, received so far
 
     def _next_event(self, next_event: Callable):
-        """h11's next event; keeps the protocol error for the answer, and publishes how large a chunked body
-        says it will be as soon as a chunk's size line is read (``BODY_ANNOUNCED``)."""
+        """h11's next event; keeps a protocol error for the answer and publishes a chunked body's announced size
+        as soon as a chunk's size line is read (``BODY_ANNOUNCED``)."""
         try:
             event = next_event()
         except h11.RemoteProtocolError as e:  # uvicorn drops h11's exception before answering 400
@@ -221,10 +211,8 @@ class ControlProtocol(H11Protocol):
         return (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing()
 
     def _evict_longest_idle(self) -> bool:
-        """At the cap of open connections, close the one that has been idle longest (without an answer: no
-        request of it is lost) to make room for this one; False when every connection has a request in
-        progress. Sockets opened and left idle cannot lock out new clients: they are the oldest idle ones, and
-        a client that sends its request as it connects is never the longest idle."""
+        """At the cap, close the connection idle longest (no request of it is lost) for the new one; False if each
+        has a request in progress. A client that sends as it connects is never the longest idle: no lock-out."""
         idle = [c for c in self.connections if isinstance(c, ControlProtocol) and c._idle()]
         if not idle:
             return False

@@ -1,13 +1,7 @@
-"""The routes of the control server: what each one answers (docs/http_api.md has the reference).
-
-Every view runs in one of the server's worker threads (it may wait on the SharedState lock while the
-trainer is at a step boundary) and returns ``(status, payload)``: a dict is sent as JSON, a str as
-Prometheus text. Errors are raised as ``HTTPError``.
-
-Answers decided before authentication (404, 405, every GET) never repeat what the client sent, not even
-redacted: an answer echoing the path with the token replaced by '<redacted>' tells a client which of a
-thousand guesses in one path was the token.
-"""
+"""The routes of the control server (reference: docs/http_api.md). Each view runs in a worker thread and returns
+``(status, payload)``: a dict is sent as JSON, a str as Prometheus text; errors are raised as ``HTTPError``.
+Answers decided before authentication (404, 405, every GET) never repeat what the client sent, not even redacted:
+an echo with the token replaced by '<redacted>' would tell a client which of many guesses was the token."""
 from __future__ import annotations
 
 import difflib
@@ -39,8 +33,7 @@ _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"
 
 
 def shown_method(method: str) -> str:
-    """The method as an answer may name it: a standard one by name, any other (a method can be any
-    token, the bearer token among others) not at all."""
+    """The method as an answer may name it: a standard one by name, any other (maybe the token) not at all."""
     return f"method {method}" if method in _METHODS else "this method"
 
 
@@ -179,16 +172,15 @@ _ARG_NAMES = {"/v1/models/": "{id}", "/v1/state/": "{key}"}  # how a prefix rout
 
 
 class Route(NamedTuple):
-    """A resolved path: its handlers by method, the argument for prefix routes, and the route's name as
-    answers show it ('/v1/state/{key}': never the path the client sent)."""
+    """A resolved path: its handlers by method, the argument of a prefix route, and its name as answers show it
+    ('/v1/state/{key}', never the path the client sent)."""
     handlers: dict[str, Handler]
     arg: str
     name: str
 
 
 def resolve(path: str) -> Route | None:
-    """The Route of a path, or None when no route matches. ``path`` is the raw (still percent-encoded)
-    path without the query; a trailing slash is ignored."""
+    """The Route of a raw (percent-encoded) path without its query, trailing slash ignored; None if none matches."""
     if len(path) > 1:
         path = path.rstrip("/") or "/"
     for pattern, handlers in ROUTES:
