@@ -1,6 +1,5 @@
-"""The one validation of a reward swap (HTTP ``POST /v1/models/reward``, a config's reward section, a replayed
-swap): function names, weights, ``per_token``, a reward-model directory, all checked WITHOUT running any of the
-request's code (user modules are parsed, never imported here)."""
+"""The one validation of a reward swap (HTTP, a config's reward section, a replayed swap), WITHOUT running any of
+the request's code: user modules are parsed, never imported here."""
 from __future__ import annotations
 
 import ast
@@ -17,9 +16,7 @@ from verl_ds.rewards import REWARD_FNS, SEQUENCE_REWARDS
 
 
 def parse_reward_swap(spec: dict) -> dict:
-    """``check_reward_spec`` for trusted callers (a config file; a reward swapper behind the control server,
-    which has already applied its HTTP policy): shipped names and code specs (checked statically, never
-    imported here), a model directory anywhere on this machine, no vocabulary check."""
+    """``check_reward_spec`` for trusted callers (a config, or past the server's HTTP policy): code allowed."""
     return check_reward_spec(spec, allow_code=True, swappable=(), reward_model_dir=os.sep, vocab_size=None)
 
 
@@ -34,14 +31,8 @@ _MODULE_RE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 def check_reward_spec(spec: Any, *, allow_code: bool, swappable: Iterable[str], reward_model_dir: str | None,
                       vocab_size: int | None) -> dict:
-    """Validate a reward swap request WITHOUT running any of its code; returns the normalised
-    ``{"functions": [{"name", "weight", "per_token"}], "model_path", "model_weight"}``.
-
-    ``spec``: ``{"function": name}`` and/or ``{"functions": [name | {name, weight, per_token}, ...]}`` and/or
-    ``{"model_path": dir, "model_weight": w}``. The rules (shipped, ``swappable`` and - only with ``allow_code`` -
-    statically checked code names; a model under ``reward_model_dir`` covering ``vocab_size`` tokens, None: not
-    checked; weights) are listed in docs/http_api.md, "POST /v1/models/reward". Raises ValueError.
-    """
+    """The normalised ``{"functions", "model_path", "model_weight"}`` of a swap request, or ValueError; the rules:
+    docs/http_api.md, "POST /v1/models/reward"."""
     if not isinstance(spec, dict):
         raise ValueError(f"reward swap: expected a JSON object, got {type(spec).__name__}")
     unknown = sorted(set(spec) - set(_SWAP_FIELDS))

@@ -1,7 +1,5 @@
-"""A reward's trial before it replaces the active one: the row check start-up runs on the data sets, and a test
-call on a canned batch of this run's prompts, so a reward that cannot score this run fails at the step boundary
-(where ``verl_ds.control`` rolls it back) instead of failing the next step.
-"""
+"""A reward's trial before it replaces the active one, so one that cannot score this run fails at the step boundary
+(where ``verl_ds.control`` rolls it back) instead of failing the next step."""
 from __future__ import annotations
 
 import torch
@@ -12,8 +10,7 @@ TEST_ROWS = 4  # prompts in the test call's batch
 
 
 def check_rows(functions: list, datasets, who: str = "reward swap") -> None:
-    """Raise ValueError naming the first row any batch-mode function of ``functions`` (``[(name, fn)]``) cannot
-    score, in any of ``datasets`` (None entries skipped): a mid-run reward cannot skip rows as start-up does."""
+    """ValueError naming the first row a function cannot score: a mid-run reward cannot skip rows as start-up does."""
     for ds in datasets:
         if ds is None or not functions:
             continue
@@ -25,8 +22,7 @@ def check_rows(functions: list, datasets, who: str = "reward swap") -> None:
 
 
 def check_swap_rows(request: dict, datasets, mode: str = "sync") -> dict:
-    """``check_rows`` for the shipped functions of a validated swap request (no user code runs); returns it.
-    ``mode``: the run's ``rollout.mode``; an asynchronous one refuses a reward model, as its config check does."""
+    """``check_rows`` for a validated swap's shipped functions (no user code runs); returns the request."""
     if mode != "sync" and request.get("model_path") is not None:
         raise ValueError(f"reward swap: model_path is refused with rollout.mode={mode}: a reward model's forward is a "
                          "collective, and this run scores in its generation thread or on its generation ranks, "
@@ -40,10 +36,7 @@ def check_swap_rows(request: dict, datasets, mode: str = "sync") -> dict:
 
 @torch.no_grad()
 def trial(reward, tokenizer, datasets, device) -> None:
-    """Check a built RewardModel against this run (every rank, the same rows): the row check for its functions
-    that are not shipped (the shipped ones were checked when the swap was accepted), then one
-    ``compute_rewards`` call on the first TEST_ROWS prompts of the first data set, each answered with its last
-    prompt token and EOS, whose scores must be finite. Raises what the reward raises."""
+    """The row check for a built RewardModel's own functions, then one call on TEST_ROWS prompts: finite scores."""
     from verl_ds.batch import RolloutBatch
     from verl_ds.data import collate_prompts
 

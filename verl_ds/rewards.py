@@ -1,12 +1,6 @@
 """Rule-based reward functions: the shipped ones by name, and user functions loaded from a module or file.
-
-Every reward function has the signature
-
-    fn(prompts: list[str], responses: list[str], batch) -> list[float]
-
-one float per sample, where `batch.extras: dict[str, list]` holds the data set's pass-through fields per sample
-(e.g. `batch.extras["answer"]`). The trainer checks shape and finiteness of what comes back.
-"""
+Signature: ``fn(prompts: list[str], responses: list[str], batch) -> list[float]``, one float per sample, with the
+data set's pass-through fields in ``batch.extras`` (e.g. ``batch.extras["answer"]``)."""
 from __future__ import annotations
 
 import difflib
@@ -129,9 +123,7 @@ def _check_signature(fn, label: str) -> None:
 
 
 def unscorable_rows(dataset, functions: list, chunk: int = 256) -> dict[int, str]:
-    """{item index: error} for the data set's rows that a batch-mode reward function in ``functions`` (config
-    specs) raises on, called with an empty response and the row's pass-through fields. Run before training, so a
-    row the reward cannot score is counted and skipped instead of failing a step mid-run."""
+    """{item index: error} for the rows a reward function raises on, skipped before training, not mid-run."""
     fns = []
     for spec in functions:
         spec = {"name": spec} if isinstance(spec, str) else dict(spec)

@@ -1,18 +1,7 @@
-"""Checkpoint state that loads without running code: JSON for the structure, safetensors for the tensors.
-
-A pickle (``torch.load(weights_only=False)``) runs whatever its bytes ask for, so a checkpoint directory anyone
-could write to would be a way to run code in the job. ``dump``/``load`` keep the trainer state and the RNG
-states exact instead with data-only formats: dicts with string keys, lists, strings, ints, floats (written with
-``repr``: they round-trip bit for bit; NaN and Infinity included), bools and None are plain JSON; a tuple, a
-torch tensor or a numpy array is a one-key object (``{"__tuple__": [...]}``, ``{"__tensor__": "t0"}``,
-``{"__ndarray__": "t1"}``) whose tensor lives in ``<name>.safetensors`` next to ``<name>.json``. A dict that
-happens to look like one of those is wrapped in ``{"__dict__": {...}}``. Anything else is refused at save time,
-naming where it sits in the state.
-
-``load_legacy_pickle`` reads the pickles older versions wrote (``trainer_state.pt``, ``rng_rank<r>.pt``) with
-torch's restricted unpickler (``weights_only=True``: tensors and plain containers, plus numpy's array
-reconstruction for the RNG state), which refuses any other object instead of running it.
-"""
+"""Checkpoint state that loads without running code (a pickle in a writable directory would run code in the job):
+plain JSON, with tuples, tensors and arrays as one-key objects (``{"__tuple__": [...]}``, ``{"__tensor__": "t0"}``)
+whose tensors live in ``<name>.safetensors``; floats round-trip bit for bit. Older pickles load through torch's
+restricted unpickler. Trust model: docs/reliability.md."""
 from __future__ import annotations
 
 import json
@@ -82,8 +71,7 @@ def encode(obj: Any) -> tuple[bytes, dict]:
 
 
 def dump(obj: Any, json_path: str, write) -> list[str]:
-    """Write ``obj`` to ``json_path`` (and its tensors to the ``.safetensors`` beside it) with ``write(path, bytes)``;
-    returns the paths written."""
+    """Write ``obj`` to ``json_path`` and its tensors beside it with ``write(path, bytes)``; returns the paths."""
     from safetensors.torch import save
 
     data, tensors = encode(obj)
@@ -108,8 +96,8 @@ def load(json_path: str) -> Any:
 
 
 def load_legacy_pickle(path: str) -> Any:
-    """A ``torch.save`` pickle of plain data (an older verl_ds's trainer state or RNG state), read with torch's
-    restricted unpickler; UnsafeStateError when it asks for anything else (code, other classes)."""
+    """An older verl_ds's pickled state, read with torch's restricted unpickler (``weights_only=True``);
+    UnsafeStateError when it asks for anything else."""
     try:  # numpy >= 2 names it numpy._core (the name its pickles use)
         from numpy._core.multiarray import _reconstruct
     except ImportError:

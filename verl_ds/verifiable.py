@@ -1,9 +1,7 @@
-"""Verifiable (rule-based) rewards for reasoning tasks: is the final answer right (``math_verify``, with Hugging
-Face's math-verify, https://github.com/huggingface/Math-Verify), is the format right (``format``, as in
-DeepSeek-R1-style training). Shipped in ``verl_ds.rewards.REWARD_FNS``; thread-safe, so a reward model may score
-samples from a thread pool. Model text is hostile input: each check is bounded (math-verify runs in worker
-processes killed past a timeout, the format regex runs in linear time).
-"""
+"""Verifiable rewards: is the final answer right (``math_verify``, Hugging Face's math-verify,
+https://github.com/huggingface/Math-Verify), is the format right (``format``, as in DeepSeek-R1-style training).
+Thread-safe; model text is hostile input, so each check is bounded (math-verify in worker processes killed past a
+timeout, the format regex in linear time). Details: docs/config.md, "Rule-based rewards on model text"."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,11 +11,8 @@ from typing import Callable
 
 from verl_ds.verify_pool import WorkerPool
 
-# One <think> block with some non-space content first; then answer text (no more think tags) whose
-# first \boxed{ opens a non-empty, closed box; anything but a think tag may follow (e.g. a closing
-# sentence). Matched with re.DOTALL against the whole response (re.fullmatch). Each part can match in
-# one way only (the text before the box cannot contain "\boxed{", the box stops at its first "}"),
-# so even a degenerate response costs linear time, never quadratic backtracking.
+# re.fullmatch with re.DOTALL. Each part can match in one way only (no "\boxed{" before the box, the box stops at
+# its first "}"), so even a degenerate response costs linear time, never quadratic backtracking.
 DEFAULT_FORMAT_PATTERN = (
     r"\s*<think>\s*(?!</?think>)\S(?:(?!</?think>).)*</think>"  # the reasoning block
     r"(?:(?!</?think>|\\boxed\{).)*\\boxed\{(?!\})(?:(?!</?think>)[^}])*\}"  # answer text, its first box
@@ -30,9 +25,7 @@ _POOL = WorkerPool()  # workers start on the first check
 
 
 class Scores(list):
-    """A reward function's scores (a list of floats, one per response) with per-sample side metrics: the
-    RewardModel reports ``metrics[key]`` (one float per response) as ``reward/<function>/<key>``, averaged over the
-    step's samples like the scores."""
+    """One float per response, plus side metrics ``metrics[key]`` logged as ``reward/<function>/<key>``."""
 
     def __init__(self, scores, metrics: dict | None = None):
         super().__init__(scores)
@@ -40,8 +33,7 @@ class Scores(list):
 
 
 def set_math_verify_timeout(seconds: float) -> None:
-    """Seconds one ``math_verify`` check may take (``reward.math_verify_timeout_s``); past it its worker process is
-    killed and the answer scores 0."""
+    """Seconds one ``math_verify`` check may take; past it the worker is killed and the answer scores 0."""
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
         raise ValueError(f"math_verify timeout: expected a finite number of seconds > 0, got {seconds!r}")
     global _math_timeout_s
@@ -64,8 +56,7 @@ def check_lists(who: str, prompts, responses) -> None:
 
 
 def extras_field(who: str, responses, batch, field: str, noun: str) -> list:
-    """``batch.extras[field]`` (a data set field passed through), one per response; ValueError naming what is
-    missing or how many there are (``noun``: what the values are called in that message)."""
+    """``batch.extras[field]``, one per response; ValueError naming what is missing (``noun``: the values' name)."""
     extras = getattr(batch, "extras", None) or {}
     if field not in extras:
         raise ValueError(f"{who}: needs the data set's {field!r} field passed through (batch.extras[{field!r}]); "
@@ -92,14 +83,8 @@ def _final_part(response: str) -> str:
 
 
 def math_answer_reward(prompts: list, responses: list, batch) -> Scores:
-    """1.0 where the response's final answer is mathematically equal to ``batch.extras["answer"]``, else 0.0.
-
-    The answer is extracted by math-verify from the text after the last ``</think>`` (a final
-    ``\\boxed{}`` first, then the last LaTeX or plain expression); a response without one scores 0. The
-    reference may be LaTeX or plain (``\\frac{1}{2}``, ``1/2``, ``0.5``, ``1,234``, GSM8K ``... #### 72``);
-    one that cannot be parsed raises ValueError naming the sample. Each check runs in a worker process: one
-    that takes over the timeout (:func:`set_math_verify_timeout`), or ends its worker, scores 0 and counts in the
-    side metric ``timed_out`` (1.0 for that sample)."""
+    """1.0 where the answer after the last ``</think>`` equals ``batch.extras["answer"]`` mathematically, else 0.0;
+    an unparsable reference raises ValueError, a timed-out check scores 0 (side metric ``timed_out``)."""
     who = "math_verify"
     check_lists(who, prompts, responses)
     answers = extras_field(who, responses, batch, "answer", "answers")
@@ -146,7 +131,5 @@ _default_format = make_format_reward(DEFAULT_FORMAT_PATTERN)
 
 
 def format_reward(prompts: list, responses: list, batch=None) -> list[float]:
-    """1.0 where the response is one non-empty ``<think>...</think>`` block followed by an answer whose
-    first ``\\boxed{...}`` is non-empty and closed (:data:`DEFAULT_FORMAT_PATTERN`), else 0.0. Other
-    formats: :func:`make_format_reward`."""
+    """1.0 for one non-empty ``<think>...</think>`` then an answer with a non-empty ``\\boxed{...}``, else 0.0."""
     return _default_format(prompts, responses, batch)

@@ -1,13 +1,7 @@
-"""math-verify in worker processes with a hard wall-clock timeout: the ``math_verify`` reward's engine.
-
-sympy can hold the GIL for minutes on a sampled answer (``\\boxed{9^{9^{9^{9}}}}`` evaluates a huge integer power
-in one C call), which stalls every thread of the trainer; math-verify's own timeout uses SIGALRM, which works on the
-main thread only, and its docs ask threaded callers to handle timeouts themselves
-(https://github.com/huggingface/Math-Verify, "parsing_timeout=None ... handle the timeouting yourself"). So each
-check runs in a worker process that is killed past its timeout and replaced. Workers are plain subprocesses
-(fork+exec, as multiprocessing's spawn: the trainer holding torch and NCCL is never forked) that import only
-math-verify and sympy; they start on first use, are reused, and are killed at exit.
-"""
+"""math-verify in worker processes killed past a wall-clock timeout: sympy can hold the GIL for minutes on an answer
+like ``\\boxed{9^{9^{9^{9}}}}``, and math-verify's SIGALRM timeout works on the main thread only (its docs ask
+threaded callers to time out themselves: https://github.com/huggingface/Math-Verify). Workers are fork+exec'd (the
+trainer holding torch and NCCL is never forked). Details: docs/config.md, "Rule-based rewards on model text"."""
 from __future__ import annotations
 
 import atexit
@@ -28,7 +22,7 @@ _GOLD_CACHE = 4096  # parsed references kept per worker (a prompt's n samples sh
 
 def main() -> None:
     """A worker: one JSON request per line on stdin ({"gold", "pred" (or null), "cpu_s"}), one JSON reply per line
-    ({"gold": parsed?, "correct": bool}) on the original stdout; anything a library prints goes to stderr."""
+    ({"gold": parsed?, "correct": bool}) on the original stdout; library prints go to stderr."""
     import logging
     import resource
 
@@ -129,8 +123,7 @@ class _Worker:
 
 
 class WorkerPool:
-    """Worker processes shared by threads: each ``ask`` has a worker to itself (so up to ``max_workers`` checks run
-    in parallel, no lock held across them); a worker past its timeout is killed, and a new one starts when needed."""
+    """Worker processes shared by threads, each ``ask`` with a worker to itself (no lock held across checks)."""
 
     def __init__(self, max_workers: int | None = None):
         self.max_workers = max_workers or len(os.sched_getaffinity(0))
@@ -142,8 +135,7 @@ class WorkerPool:
         atexit.register(self.close)
 
     def ask(self, request: dict, timeout_s: float) -> dict | None:
-        """The worker's reply to ``request``, or None when it took over ``timeout_s`` seconds (the worker is killed)
-        or its worker died; a reply {"error": ...} is a bug in the worker, raised here."""
+        """The worker's reply, or None past ``timeout_s`` (the worker is killed) or when it died."""
         worker, reply = self._acquire(), None
         try:
             reply = worker.ask({**request, "cpu_s": timeout_s}, timeout_s)

@@ -1,8 +1,6 @@
 """The non-finite guard: a NaN/Inf skips an update on every rank, is counted, and leaves a forensic record
-(``<run>/nonfinite/step_<N>.json``: which samples, which token positions, their reward); ``max_bad_steps``
-consecutive bad steps stop the job with ``NonFiniteError`` naming the record. A step to skip is back-propagated
-as NaN so that the engine drops it (``verl_ds.models.base.optimizer_step``).
-"""
+(``<run>/nonfinite/step_<N>.json``); ``max_bad_steps`` bad steps in a row stop the job with ``NonFiniteError``.
+A step to skip is back-propagated as NaN so that the engine drops it. Details: docs/reliability.md."""
 from __future__ import annotations
 
 import json
@@ -54,9 +52,8 @@ def json_float(x: float):
 
 
 class NonFiniteGuard:
-    """Per step: ``begin_step()``; ``check_batch(batch)`` before the updates (skip them all when True);
-    ``skip_update(loss, at_boundary)`` before each backward; ``after_update(role, result, bad_loss)`` after each
-    optimizer step; ``end_step(step, batch, responses)`` for the metrics; ``raise_if_exhausted()`` after logging."""
+    """Per step, in order: ``begin_step``, ``check_batch`` before the updates, ``skip_update`` before each backward,
+    ``after_update`` after each optimizer step, ``end_step`` for the metrics, ``raise_if_exhausted`` after logging."""
 
     def __init__(self, max_bad_steps: int, run_dir: str, rank: int = 0, world_size: int = 1):
         if isinstance(max_bad_steps, bool) or not isinstance(max_bad_steps, int) or max_bad_steps < 1:
@@ -77,8 +74,7 @@ class NonFiniteGuard:
         self.sampling_error: Optional[str] = None
 
     def check_batch(self, batch, planned_updates: int = 0) -> bool:
-        """Collective: True on every rank when any rank's batch holds a non-finite value or its sampling failed
-        (``batch`` None: this rank has no batch, ``sampling_error`` says why); then skip the update."""
+        """Collective: True on every rank when any rank's batch is non-finite or missing (sampling failed)."""
         local = batch is not None and any(f in batch and batch[f] is not None and not is_finite(batch[f])
                                           for f in PIPELINE)
         self._bad_batch = vdist.any_rank(local or self.sampling_error is not None)
@@ -87,8 +83,7 @@ class NonFiniteGuard:
         return self._bad_batch
 
     def skip_update(self, loss: torch.Tensor, at_boundary: bool) -> bool:
-        """Whether the optimizer step this micro-batch completes must be skipped: a collective and a host sync at the
-        accumulation boundary only (the micro-batches before it just keep their losses)."""
+        """Whether to skip the step this micro-batch completes; a collective at the accumulation boundary only."""
         self._losses.append(loss.detach().float().reshape(-1)[:1])
         if not at_boundary:
             return False
@@ -98,8 +93,7 @@ class NonFiniteGuard:
         return vdist.any_rank(local)
 
     def after_update(self, role: str, result: dict, bad_loss: bool) -> None:
-        """Record an optimizer step (``result`` of ``optimizer_step``): a bad loss or a non-finite gradient norm
-        must have been skipped; an engine that applied it anyway is a NonFiniteError (the weights are gone)."""
+        """Record an optimizer step; one applied despite a bad loss or gradient norm is a NonFiniteError."""
         index = self._updates[role] = self._updates.get(role, 0) + 1
         grad_norm = result["grad_norm"]
         bad_norm = grad_norm is not None and not is_finite(grad_norm)

@@ -1,8 +1,6 @@
-"""Preemption: SIGTERM / SIGUSR1 (what Slurm sends at preemption and before the time limit), SIGINT (Ctrl-C) and
-SIGHUP (the terminal went away) set a flag; at the next step boundary every rank agrees (a sum over ranks), the
-trainer saves a checkpoint and exits with ``PREEMPTED_EXIT_CODE`` (75, EX_TEMPFAIL), the status the sbatch scripts
-requeue on. SIGINT and SIGHUP that the process inherited as ignored (``nohup``, a background job of a
-non-interactive shell) stay ignored."""
+"""Preemption: SIGTERM / SIGUSR1 (Slurm's), SIGINT and SIGHUP set a flag; at the next step boundary every rank
+agrees, the trainer checkpoints and exits 75 (EX_TEMPFAIL), which the sbatch scripts requeue on. SIGINT and SIGHUP
+inherited as ignored (``nohup``, a background job) stay ignored. Details: docs/reliability.md, "Preemption"."""
 from __future__ import annotations
 
 import logging
@@ -30,8 +28,7 @@ class Preempted(SystemExit):
 
 
 class PreemptionHandler:
-    """Turns SIGTERM / SIGUSR1 / SIGINT / SIGHUP into a stop request that the training loop honours at a step
-    boundary."""
+    """Turns SIGTERM / SIGUSR1 / SIGINT / SIGHUP into a stop request honoured at a step boundary."""
 
     SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGHUP")
     RESPECT_IGNORED = ("SIGINT", "SIGHUP")  # nohup's promise, and a shell's for its background jobs

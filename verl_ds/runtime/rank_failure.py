@@ -28,8 +28,7 @@ def is_peer_failure(exc: BaseException) -> bool:
 
 
 def explains_rank_failures(method):
-    """Decorate a trainer method: a collective failing because of another rank becomes RankFailure, with what
-    happened (dead or silent for ``trainer.dist_timeout_s``) and the checkpoint to continue from."""
+    """A collective failing because of another rank becomes RankFailure naming the checkpoint to continue from."""
 
     @functools.wraps(method)
     def wrapper(trainer, *args, **kwargs):
@@ -56,8 +55,7 @@ class StepFailed(RuntimeError):
 
 
 def raise_if_any_rank_failed(error, what: str) -> None:
-    """Collective: StepFailed on every rank, naming each rank's error, when ``error`` is set on any rank (so the
-    ranks stop together instead of the healthy ones waiting in their next collective)."""
+    """Collective: StepFailed on every rank when any has ``error``, so healthy ranks do not hang in a collective."""
     errors = vdist.gather_object(None if error is None else f"{type(error).__name__}: {error}")
     if any(errors):
         raise StepFailed(f"{what}: " + "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)) from error

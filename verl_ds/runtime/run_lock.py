@@ -1,11 +1,6 @@
-"""One job per run directory: rank 0 holds an exclusive ``flock`` on ``<output_dir>/run.lock`` while the job lives.
-
-Two jobs on one ``trainer.output_dir`` would resume each other's checkpoints, interleave their metrics and race
-for ``server_url.txt``; the second one is refused instead, naming the holder (pid, host, start time, from the
-file's content). The kernel drops the lock when its process ends, however it ends (SIGKILL included), so a
-lock file left by a dead job is simply taken over. ``flock`` on NFS is emulated with POSIX byte-range locks by
-Linux (since 2.6.12), which the NFS server enforces across hosts.
-"""
+"""One job per run directory: rank 0 holds an exclusive ``flock`` on ``<output_dir>/run.lock`` while the job lives,
+so a second job is refused, naming the holder, instead of mixing checkpoints and metrics. The kernel drops the lock
+however the process ends, so a dead job's file is simply taken over. Details (NFS): docs/reliability.md."""
 from __future__ import annotations
 
 import fcntl
@@ -83,8 +78,7 @@ def _describe(info: dict) -> str:
 
 
 def lock_run_dir(output_dir: str) -> Optional[RunLock]:
-    """Collective: rank 0 takes the lock of ``output_dir`` (created if needed); every rank raises RunDirectoryBusy
-    when another job holds it. Returns rank 0's lock (None elsewhere)."""
+    """Collective: rank 0 locks ``output_dir`` (its lock returned, None elsewhere); RunDirectoryBusy on every rank."""
     from verl_ds import dist as vdist
 
     lock, busy = None, None

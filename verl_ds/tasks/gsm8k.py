@@ -1,9 +1,6 @@
-"""GSM8K-style word problems: the shipped mini set and the exact-match reward.
-
-`data/gsm8k_mini.jsonl` holds 42 short problems written for this repo (not taken from GSM8K), one JSON object
-per line: {"question": str, "answer": "<final number>"}. Every word is in the built-in tokenizer's vocabulary.
-Real GSM8K files work too: an answer field in GSM8K's "... #### 72" form is reduced to its final number.
-"""
+"""GSM8K-style word problems: the shipped mini set and the exact-match reward. `data/gsm8k_mini.jsonl` holds 42
+short problems written for this repo (not taken from GSM8K), every word in the built-in vocabulary; real GSM8K
+files work too (an answer "... #### 72" is reduced to its final number)."""
 from __future__ import annotations
 
 import json
@@ -32,8 +29,7 @@ def with_instruction(question: str) -> str:
 
 
 def normalize_number(text) -> str | None:
-    """Canonical form of a number: no commas, '$' or '+', no trailing zeros ('1,200.50' -> '1200.5',
-    '7.0' -> '7', '-0' -> '0'); None when `text` is not a number or has over MAX_DIGITS digits."""
+    """Canonical form of a number ('1,200.50' -> '1200.5', '-0' -> '0'); None past MAX_DIGITS or for no number."""
     if isinstance(text, bool) or text is None:
         return None
     text = str(text).strip().replace(",", "").lstrip("$").rstrip(".")
@@ -41,8 +37,7 @@ def normalize_number(text) -> str | None:
         value = Decimal(text)
     except InvalidOperation:
         return None
-    # model text is hostile: int() of a 5,000-digit number raises (sys.int_max_str_digits), of a million digits
-    # takes most of a minute; no answer is that long
+    # model text is hostile: int() of a huge number raises (sys.int_max_str_digits) or is slow; no answer is that long
     if not value.is_finite() or abs(value.adjusted()) >= MAX_DIGITS:  # adjusted(): digits before the point - 1
         return None
     if value == value.to_integral_value():
@@ -51,8 +46,7 @@ def normalize_number(text) -> str | None:
 
 
 def extract_answer(text: str) -> str | None:
-    """The final answer of a response: the first number after the last '####' if there is one, else the
-    last number in the text; normalised, or None when there is no number."""
+    """The first number after the last '####' if there is one, else the last number; normalised, or None."""
     if "####" in text:
         match = _NUMBER.search(text.rsplit("####", 1)[1])
         return normalize_number(match.group()) if match else None

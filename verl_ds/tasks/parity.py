@@ -1,13 +1,7 @@
-"""The default task: answer "even : 3 8 1 5 =>" with digits of the requested parity.
-
-The instruction word (even/odd) comes first and a few random digits follow as distractor context, so the policy
-must read the instruction rather than copy the context. The reward is the fraction of the first `length` response
-words that are single digits of the requested parity; missing words (the response stopped early) count as failures.
-An optimal policy scores 1.0; one that ignores the instruction but outputs digits scores about 0.5. A freshly
-initialised tiny model (near-uniform sampling) scores about 0.29 with `build_tokenizer(parity.VOCAB)` (18 tokens with
-the specials) but only about 0.015 with the full default vocabulary (280 tokens): without an SFT warm start, build the
-tokenizer from `VOCAB`.
-"""
+"""The default task: answer "even : 3 8 1 5 =>" with digits of the requested parity (the distractor digits make the
+policy read the instruction); the reward is the fraction of the first `length` words that are digits of that parity.
+Without an SFT warm start build the tokenizer from `VOCAB`: a near-uniform model then hits a digit far more often
+(figures: benchmarks/README.md, "Measurements behind defaults")."""
 from __future__ import annotations
 
 import json
@@ -69,11 +63,7 @@ def target_of(prompt: str) -> str | None:
 
 
 def score(response: str, target: str, length: int = RESPONSE_LENGTH) -> float:
-    """Fraction of the first `length` words of `response` that are single digits of parity `target`.
-
-    The response ends at its first '<eos>' word if special tokens were not skipped when decoding; words after the
-    end, or missing because the response stopped early, score 0.
-    """
+    """Fraction of the first `length` words that are digits of parity `target`; missing or after '<eos>': 0."""
     words = response.split()
     if _EOS in words:
         words = words[:words.index(_EOS)]
@@ -83,11 +73,7 @@ def score(response: str, target: str, length: int = RESPONSE_LENGTH) -> float:
 
 def parity_reward(prompts: list[str], responses: list[str], batch=None,
                   length: int = RESPONSE_LENGTH) -> list[float]:
-    """Rule-based reward in [0, 1] per sample (see `score`).
-
-    The target is `batch.extras["target"]` when the data set passes it through, else the instruction word
-    found in the prompt (which also works after a chat template).
-    """
+    """`score` per sample against `batch.extras["target"]`, else the prompt's instruction word."""
     check_lists("parity_reward", prompts, responses)
     if not isinstance(length, int) or length < 1:
         raise ValueError(f"parity_reward: length: expected a positive int, got {length!r}")
@@ -104,8 +90,7 @@ def parity_reward(prompts: list[str], responses: list[str], batch=None,
 
 
 def sft_warmup(engine, tokenizer, steps: int, seed: int, batch_size: int = 16) -> None:
-    """Supervised warm start of an actor ``engine`` (a DeepSpeed engine: ``backward``/``step``, one step per batch)
-    on optimal responses, ``steps`` batches of ``batch_size`` pairs; the same batches on every rank."""
+    """Supervised warm start of a DeepSpeed actor ``engine`` on optimal responses, the same batches on every rank."""
     pairs = sft_examples(steps * batch_size, seed=seed)
     engine.train()
     for i in range(steps):
@@ -118,10 +103,8 @@ def sft_warmup(engine, tokenizer, steps: int, seed: int, batch_size: int = 16) -
 
 
 def preference_pairs(n: int, seed: int, candidates: int = 4, length: int = RESPONSE_LENGTH) -> list[dict]:
-    """Preference rows {"prompt", "chosen", "rejected"} (TRL's field names) for the prompts of
-    `generate_prompts(n, seed)`, ranked by `score`: per prompt, `candidates` responses of `length - 2` to `length`
-    digits, each digit of the requested parity with a probability drawn per response; the best-scoring is chosen,
-    the worst rejected (candidates that all tie are redrawn). The same (n, seed) always gives the same list."""
+    """Preference rows {"prompt", "chosen", "rejected"} (TRL's names) for `generate_prompts(n, seed)`: per prompt the
+    best and worst by `score` of `candidates` random responses (all tied: redrawn); deterministic in (n, seed)."""
     if not isinstance(candidates, int) or candidates < 2:
         raise ValueError(f"candidates: expected an int >= 2, got {candidates!r}")
     rng = random.Random(seed + 2)  # a stream of its own: not the prompts', not sft_examples'

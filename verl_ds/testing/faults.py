@@ -1,9 +1,6 @@
-"""Fault injection for tests: ``VERL_DS_FAULT`` breaks a real run at chosen points (see ``parse_faults``).
-
-Nothing in the trainer knows about faults: ``install_from_env(trainer)`` subscribes an injector to the
-trainer's events (``step_begin`` and the checkpoint points, through ``trainer.add_event_listener``) and hooks
-the actor's module for NaN logits.
-"""
+"""Fault injection for tests: ``VERL_DS_FAULT`` breaks a real run at chosen points. The trainer knows nothing of
+faults: an injector subscribes to its events and hooks the actor's module for NaN logits. The spec's table:
+docs/reliability.md, "Fault injection for tests"."""
 from __future__ import annotations
 
 import os
@@ -48,9 +45,7 @@ def _steps(text: str, where: str) -> frozenset:
 
 
 def parse_faults(spec: str) -> list[Fault]:
-    """Parse ``VERL_DS_FAULT``: faults separated by ``;``, each ``action=value`` then ``:key=value`` options
-    (``kill_at``, ``hang_at``, ``signal_at`` at a point of FAULT_POINTS; ``nan_logits_at_step`` in a phase of
-    PHASES). docs/reliability.md, "Fault injection for tests", has the table."""
+    """Parse ``VERL_DS_FAULT``: faults separated by ``;``, each ``action=value`` then ``:key=value`` options."""
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(";"))):
         head, *opts = item.split(":")
@@ -89,8 +84,7 @@ def parse_faults(spec: str) -> list[Fault]:
 
 
 class FaultInjector:
-    """Carries out parsed faults in a real run: ``on_event(point, step)`` from the trainer's events,
-    ``attach(actor_module)`` for NaN logits."""
+    """Carries out parsed faults in a real run: ``on_event`` from the trainer's events, ``attach`` for NaN logits."""
 
     def __init__(self, faults: list[Fault], rank: int = 0):
         self.faults, self.rank = list(faults), rank
