@@ -1,11 +1,5 @@
-"""Checkpoint contents and resuming: what a run saves beyond the engines, and how it comes back.
-
-A checkpoint holds the engines (weights, optimizer, every rank's RNG: ``verl_ds.checkpoint``) and this trainer
-state: SharedState, each registered model's ``state_dict()`` (the KL controller lives in the PPOModel's), the
-registry versions, the active reward spec (a hot-swapped reward is rebuilt on resume), the data sampler and the
-non-finite guard. The hot values in the checkpoint win over the config, as for any SharedState key: each key
-where the config disagrees is logged once.
-"""
+"""What a checkpoint holds beyond the engines (SharedState, model states, the active reward, the sampler, the
+non-finite guard) and how a run resumes from it (docs/reliability.md, "Crash safety")."""
 from __future__ import annotations
 
 import logging
@@ -76,16 +70,13 @@ def resume_from(trainer, step_dir: str, verify: bool = True) -> int:
 
 
 def verify_mode(step_dir: str) -> str:
-    """How a resume checks ``step_dir``: with the digests it was saved with, whole files ("full") when it has them
-    (``trainer.checkpoint_digest=full``), else each file's first and last MiB ("edges")."""
+    """Whole-file digests ("full") when ``step_dir`` has them, else each file's first and last MiB ("edges")."""
     manifest, _ = read_manifest(step_dir)  # an unreadable manifest fails the check itself, with its reason
     return "full" if manifest is not None and manifest.get("sha256") else "edges"
 
 
 def _resume_first_sound(trainer, candidates: list, skipped: list, restore=None) -> Optional[int]:
-    """Resume from the first of ``candidates`` (the same list on every rank) that verifies (``verify_mode``) on
-    every rank (a collective) with ``restore`` (default ``resume_from``); the ones that do not are named and added
-    to ``skipped``. Returns the step, or None when none does."""
+    """Resume from the first of ``candidates`` that verifies on every rank (collective); the step, or None."""
     for step_dir in candidates:
         mode = verify_mode(step_dir)
         reason = ckpt.verify_distributed(step_dir, mode)
@@ -109,11 +100,8 @@ def _refuse_to_start_over(trainer, skipped: list) -> None:
 
 
 def maybe_resume(trainer, restore=None) -> int:
-    """Resume per ``trainer.resume`` (auto: the newest complete checkpoint that verifies, else the previous one;
-    refused when every complete checkpoint is damaged); returns the step (0: fresh start). ``restore(trainer,
-    step_dir, verify)`` loads one checkpoint and returns its step (default ``resume_from``, the PPO trainer's;
-    the supervised jobs of ``verl_ds.stages`` pass theirs). ``trainer`` needs ``cfg``, ``ckpt_root``, ``out_dir``
-    and ``is_main``."""
+    """Resume per ``trainer.resume`` (auto: the newest complete checkpoint that verifies, else an older one; refused
+    when all are damaged); returns the step (0: fresh). ``restore`` loads one (``verl_ds.stages`` pass their own)."""
     restore = restore or resume_from
     mode = trainer.cfg.trainer.resume
     if mode not in ("auto", "none"):
@@ -136,9 +124,7 @@ def maybe_resume(trainer, restore=None) -> int:
 
 
 def fall_back_after_resume(trainer, step: int, resumed: int) -> bool:
-    """Non-finite steps within a few steps of resuming from ``resumed`` (a checkpoint damaged where its digests do
-    not look, say): resume from the previous complete checkpoint instead (collective); False when there is none
-    or the run is past that window."""
+    """Non-finite steps soon after a resume (damage the digests missed): resume from the previous checkpoint."""
     if not resumed or step - resumed > 2 * trainer.cfg.trainer.max_bad_steps:
         return False
     found = ckpt.scan(trainer.ckpt_root) if trainer.is_main else None

@@ -1,17 +1,6 @@
-"""SharedState: the cross-model hyper-parameters of a PPO run, owned by rank 0.
-
-Every key is declared (:class:`StateKey`). The 18 hot-updatable keys are derived from the config fields that
-declare ``hot=<key>`` (``verl_ds.config.schema``): same default, range, choices and help, so ``/v1/state``
-publishes exactly what a run with the default config uses; the read-only keys are written by the trainer only.
-This run's limits (``verl_ds.config.run_limits(cfg)``) are checked on every write.
-
-Rank 0 is the only writer; at every step boundary the trainer calls ``apply_staged()`` (rank 0 applies the
-hot updates queued by the HTTP thread) and then ``sync()``, which broadcasts rank 0's values to every rank,
-so all ranks train with identical hyper-parameters. Values are plain python scalars: ``snapshot()`` and
-``state_dict()`` are JSON as they are. ``save(path)``/``load(path)``: the progress snapshot on disk, the same JSON
-object a checkpoint's ``trainer_state.json`` holds under ``shared_state`` (``load`` also reads that file, or its
-``global_step_<N>`` directory).
-"""
+"""SharedState: the run's cross-model hyper-parameters, written by rank 0 and broadcast at each step boundary.
+Hot keys come from the config fields declaring ``hot=<key>`` (same default, range and help); the rest are written
+by the trainer only. Keys, staging and the audit log: docs/http_api.md (``/v1/state``) and docs/config.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,9 +25,7 @@ _FORMAT = 1  # version of the state_dict / JSON layout
 
 @dataclass(frozen=True)
 class StateKey:
-    """Declaration of one SharedState key: its annotation (``float``, ``Optional[float]``, ...), default and
-    Spec (range, choices, help); ``hot``: may be changed while training runs (through ``stage``); read-only
-    keys are only written by the trainer (``set``). ``config_key``: the config field it comes from."""
+    """One SharedState key; ``hot`` keys may be staged while training runs, the others only ``set`` by the trainer."""
 
     name: str
     annotation: Any
@@ -142,13 +129,8 @@ def _dist():
 
 
 class SharedState:
-    """Rank-0-owned, thread-safe store of the declared keys (see module docstring).
-
-    rank: this process's rank; None reads ``torch.distributed.get_rank()`` at every call when the
-    process group is initialised (so a state built before ``init_process_group`` is still right),
-    else 0. Only rank 0 may ``set``/``update``/``stage``/``apply_staged``. limits: this run's limits
-    (``verl_ds.config.run_limits(cfg)``), checked on every write besides each key's static range.
-    """
+    """Thread-safe store of the declared keys; only rank 0 writes. ``rank=None`` asks torch.distributed at each
+    call, so a state built before ``init_process_group`` is still right."""
 
     def __init__(self, rank: int | None = None, limits: RunLimits | None = None):
         if limits is not None and not isinstance(limits, RunLimits):
@@ -164,8 +146,7 @@ class SharedState:
 
     @classmethod
     def from_config(cls, cfg: Config, rank: int | None = None) -> "SharedState":
-        """A state for the run ``cfg`` describes: its limits (``run_limits(cfg)``) and its step-0 values
-        (``initial_state(cfg)``), the same on every rank without a collective."""
+        """The run's limits and step-0 values, the same on every rank without a collective."""
         from verl_ds.config import run_limits
 
         state = cls(rank, limits=run_limits(cfg))
@@ -235,8 +216,7 @@ class SharedState:
 
     # ---- validation -----------------------------------------------------------------------------
     def _validate(self, updates: dict, *, allow_read_only: bool, base: dict | None = None) -> dict[str, Any]:
-        """Check ``updates`` key by key, then against this run's limits as applied on top of ``base``
-        (default: the current values). Raises StateValidationError naming every offending key."""
+        """Check each key, then the run's limits on ``base`` (default: current values) with ``updates`` applied."""
         if not isinstance(updates, dict):
             raise TypeError(f"updates must be a dict of key -> value, got {type(updates).__name__}")
         errors: dict[str, str] = {}
@@ -285,9 +265,7 @@ class SharedState:
             self._apply(self._validate(updates, allow_read_only=True))
 
     def stage(self, updates: dict[str, Any], client: str = "") -> dict:
-        """Validate hot updates and queue them for the next step boundary (any thread, rank 0); all or nothing:
-        one StateValidationError names every offending key. Returns ``{"staged": {key: normalised value},
-        "applies_at_step": global_step + 1}``."""
+        """Validate hot updates and queue them, all or nothing, for the next step boundary (any thread, rank 0)."""
         self._require_rank0("stage")
         with self._lock:  # limits apply to the values as they will be once the queue is applied
             pending = {**self._values, **{item["key"]: item["value"] for item in self._staged}}
@@ -301,8 +279,7 @@ class SharedState:
             return {"staged": clean, "applies_at_step": applies_at}
 
     def apply_staged(self) -> list[dict]:
-        """Apply the queued updates in order (rank 0; a no-op returning [] on other ranks). Returns one audit
-        record per applied update: {"key", "old", "new", "client", "staged_at", "id"}."""
+        """Apply the queued updates in order (rank 0; [] elsewhere); one audit record per update."""
         if self.rank != 0:
             return []
         with self._lock:
@@ -316,8 +293,7 @@ class SharedState:
 
     # ---- distribution ---------------------------------------------------------------------------
     def sync(self, group=None) -> None:
-        """Collective: every rank takes rank 0's values and version (staged updates stay on rank 0). No-op
-        without a process group."""
+        """Collective: every rank takes rank 0's values and version; a no-op without a process group."""
         dist = _dist()
         if dist is None or dist.get_world_size(group) == 1:
             return
@@ -334,11 +310,7 @@ class SharedState:
             return {"format": _FORMAT, "version": self._version, "values": dict(self._values)}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore values and version (any rank: every rank may load the same checkpoint).
-
-        Keys missing from ``sd`` keep their defaults (checkpoints from older versions); unknown keys
-        or invalid values raise StateValidationError and leave the state unchanged.
-        """
+        """Restore values and version; missing keys keep their defaults (older checkpoints), bad ones change nothing."""
         if not isinstance(sd, dict) or "values" not in sd:
             raise ValueError(f"SharedState.load_state_dict expects a dict with 'values' (from state_dict()); "
                              f"got {type(sd).__name__} with keys {list(sd) if isinstance(sd, dict) else None}")
@@ -352,8 +324,7 @@ class SharedState:
             self._version = version
 
     def save(self, path: str | os.PathLike) -> str:
-        """Write ``state_dict()`` to ``path`` as JSON, atomically (temp file, fsync, rename: a crash leaves the old
-        file or the new one, never half of one); returns the path. A checkpoint holds the same object."""
+        """Write ``state_dict()`` as JSON atomically (temp file, fsync, rename); returns the path."""
         from verl_ds.checkpoint_manifest import fsync_write
 
         path = os.path.abspath(os.fspath(path))
@@ -361,8 +332,7 @@ class SharedState:
         return path
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore from a file ``save`` wrote, a checkpoint's ``trainer_state.json`` or its ``global_step_<N>``
-        directory (validated as ``load_state_dict``); SnapshotError naming the path when it is none of these."""
+        """Restore from a ``save`` file, a checkpoint's ``trainer_state.json`` or its ``global_step_<N>`` directory."""
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "trainer_state.json")

@@ -1,20 +1,7 @@
-"""The trainer spine: ``fit`` runs ``train_step`` until ``trainer.total_steps``. One step is these phases, each one
-call under a timer whose name is its metric key (``timing_s/<phase>``):
-
-  boundary       hot changes and reward swaps take effect on every rank at once (``verl_ds.control``)
-  gen, reward    ``rollout.collect``: n samples per prompt from the actor's ``get_action``, decoded and scored
-                 (ReMax's greedy baseline, DAPO's dynamic sampling rounds and overlong shaping when configured)
-  old_log_prob   the actor's log-probs of the responses (``get_logprob``, no grad, micro-batched)
-  ref            the reference's log-probs (only when a KL term needs them)
-  values         the critic's values (only when the advantage estimator needs them)
-  adv            ``PPOModel.compute_advantage``: KL in the reward, the estimator, DP-global whitening
-  update_critic  epochs x mini-batches x micro-batches of ``PPOModel.compute_value_loss``: backward + step
-  update_actor   the same with ``PPOModel.compute_policy_loss``
-  weight_sync    the rollout engine takes the new actor weights
-  kl_ctrl        the KL controller sees the global token-mean KL and writes kl_coef to SharedState
-
-Construction is ``verl_ds.builder.build``; the numerics are ``verl_ds.algos``; checkpoints ``verl_ds.checkpoint``.
-"""
+"""The trainer spine: ``fit`` runs ``train_step`` until ``trainer.total_steps``.
+A step is these phases in order, each one call under the timer ``timing_s/<phase>``: boundary (hot changes), gen,
+reward, old_log_prob, ref and values (only when needed), adv, update_critic, update_actor, weight_sync, kl_ctrl.
+Construction is ``verl_ds.builder.build``; the numerics are ``verl_ds.algos``; checkpoints ``verl_ds.checkpoint``."""
 from __future__ import annotations
 
 import logging
@@ -49,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Builds a run from a ``Config`` (``verl_ds.builder``) and runs ``fit()``; see the module docstring."""
+    """Builds a run from a ``Config`` (``verl_ds.builder``) and runs ``fit()``."""
 
     def __init__(self, cfg: Config, launch: vdist.LaunchInfo, data=None):
         self.cfg = cfg
@@ -219,10 +206,8 @@ class Trainer:
             self.c.sampler.load_state_dict(data_position)
 
     def _on_policy_shortcut(self, hot: dict) -> bool:
-        """Whether the old-log-prob forward can be skipped: every actor update is on-policy (one epoch, one mini-batch),
-        no KL term in the reward needs the old log-probs before the update, the update's forward is the scoring pass
-        (no dropout acts) and HF generate samples (vLLM's log-probs differ: the pass measures the gap, and the KL
-        controller reads it)."""
+        """Whether the old-log-prob forward can be skipped: one epoch and one mini-batch (on-policy), no KL in the
+        reward, no dropout, and HF generate samples (vLLM's log-probs differ, and the KL controller reads the gap)."""
         a = self.cfg.actor
         return a.reuse_on_policy_log_probs and a.ppo_epochs == 1 and self.derived.mini_batches_per_epoch == 1 \
             and not self.ppo.kl_in_reward(hot) and self.cfg.rollout.engine == "hf" \
@@ -244,8 +229,7 @@ class Trainer:
         return out
 
     def _update(self, role: str, batch, loss_fn, epochs: int, micro: int, budget: Optional[int]) -> tuple[dict, int]:
-        """PPO epochs x mini-batches x micro-batches of one role: loss, backward + step (``model.update``);
-        returns (metrics, optimizer steps taken)."""
+        """PPO epochs x mini-batches x micro-batches of one role; returns (metrics, optimizer steps taken)."""
         cfg, step, sp = self.cfg, self.state.get("global_step"), self.c.sequence_parallel
         model = self.registry.get(role)
         metrics, steps = defaultdict(list), 0
@@ -278,15 +262,13 @@ class Trainer:
         return out, steps
 
     def _shares_prompts(self, *roles: str) -> bool:
-        """Whether every registered model of ``roles`` packs shared prompts (then token budgets count a prompt once
-        and keep its samples together; a model that does not, e.g. the critic, is budgeted row by row)."""
+        """Whether every model of ``roles`` packs shared prompts (then budgets count a prompt once, else row by row)."""
         models = [self.registry.get(r) for r in roles if r in self.registry]
         return bool(models) and all(getattr(m, "shares_prompts", False) for m in models)
 
     def _normalizer(self, mini) -> torch.Tensor:
-        """The global count (tokens or sequences) of this mini-batch divided by the data-parallel size: each
-        micro-batch's summed loss over it is its share of the exact global mean (DeepSpeed then averages gradients
-        over ranks; the update loop owns the accumulation boundary, so nothing divides by the micro-batch count)."""
+        """The mini-batch's global count (tokens or sequences) / DP size: a micro-batch's summed loss over it is its
+        share of the exact global mean once DeepSpeed averages gradients over ranks."""
         mask = mini.response_mask
         count = mask.sum() if self.ppo.loss_agg_mode == "token-mean" else mask.any(dim=1).sum()
         return vdist.all_reduce_sum(count.to(torch.float64)).clamp(min=1.0) / self.world
