@@ -1,7 +1,6 @@
-"""A cold start for the built-in agent tasks: supervised training on demonstration conversations before RL, as
-tool-RL recipes do (ReTool, arXiv:2504.11536; ToolRL, arXiv:2504.13958), so a model built from scratch can write a
-call and copy its result. The demonstrations are a weak policy on purpose, so that RL still has the choice to learn
-(``CALL_FRACTION`` and the rest below; docs/agents.md). The loss is on the assistant turns only."""
+"""A cold start for the built-in agent tasks before RL, as tool-RL recipes do (ReTool, arXiv:2504.11536; ToolRL,
+arXiv:2504.13958): supervised training on demonstrations, a weak policy on purpose (``CALL_FRACTION`` and below;
+docs/agents.md), so a model from scratch learns to call and copy a result while RL still has the choice to learn."""
 from __future__ import annotations
 
 import random

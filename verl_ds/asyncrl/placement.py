@@ -36,8 +36,7 @@ class Placement:
 
 
 def weight_backend(device) -> str:
-    """nccl when the ranks compute on CUDA (the weight buckets stay on the GPUs), else gloo; control and samples always
-    take the gloo bridge."""
+    """nccl when the ranks compute on CUDA (the weight buckets stay on the GPUs), else gloo."""
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
@@ -58,8 +57,7 @@ def _nccl_group(store, rank: int, world: int, timeout: datetime.timedelta):
 
 def split_groups(rank: int, world: int, master_addr: str, master_port: int, rollout_ranks: int,
                  timeout_s: float, device: str = "cpu") -> Placement:
-    """Make the training ranks' default group (ranks 0..world-rollout_ranks-1), the bridge over all ranks and, on
-    CUDA (``device`` "cuda:<i>", this rank's GPU), the NCCL weight group over all ranks."""
+    """The training ranks' default group, the bridge over all ranks and, on CUDA, the NCCL weight group."""
     if not 1 <= rollout_ranks < world:
         raise ValueError(f"split placement needs 1 <= rollout ranks < world size {world}, got {rollout_ranks}")
     timeout = datetime.timedelta(seconds=timeout_s)

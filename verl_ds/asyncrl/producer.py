@@ -170,8 +170,7 @@ class AsyncRollout:
         self._consumed -= len(groups)
 
     def unwind(self) -> None:
-        """The step failed before training what it took: its groups go back to the front of the queue, so the
-        fault's checkpoint holds them (every rank calls this; a rank whose take failed got its groups back then)."""
+        """A failed step's groups go back to the queue's front, so the fault's checkpoint holds them."""
         taken, self._taken = self._taken, []
         self.queue.give_back(taken, self._untook)
 
@@ -266,8 +265,7 @@ class AsyncRollout:
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict:
-        """Every rank's queue, prompts in flight (with their start version), prompts to redo and sampler position (a
-        collective: rank 0's checkpoint holds them all)."""
+        """Every rank's queue, prompts in flight and to redo, sampler position (a collective: rank 0 saves them all)."""
         with self.queue.lock:
             mine = {"queue": self.queue.snapshot(), "inflight": [list(x) for x in self._inflight],
                     "redo": [x.to_state() if isinstance(x, Group) else int(x) for x in self._todo],

@@ -78,8 +78,7 @@ class SampleQueue:
         return self._cond
 
     def put(self, group: Group, on_put: Optional[Callable[[Group], None]] = None) -> None:
-        """Append ``group``, blocking while the queue holds ``capacity`` groups; ``on_put(group)`` runs under the
-        queue's lock once it is in. Raises ProducerError when the queue was closed."""
+        """Append ``group``, blocking while full; ``on_put(group)`` runs under the lock; ProducerError once closed."""
         with self._cond:
             t0 = time.perf_counter()
             while len(self._items) >= self.capacity and not self._closed:

@@ -266,8 +266,7 @@ class ControlServer:
 
     # ---- auth and token hygiene ------------------------------------------------------------------------
     def check_auth(self, headers: list[str]) -> None:
-        """Raise HTTPError 403 (mutations off) or 401 (missing / wrong token) unless ``headers`` (the
-        request's Authorization header values) carry the token. Never echoes what was sent."""
+        """HTTPError 403 (mutations off) or 401 unless ``headers`` (Authorization values) carry the token; no echo."""
         if self.read_only:
             raise HTTPError(403, "this server is read-only (started with read_only=True); mutating routes are off")
         if self._token is None:

@@ -1,8 +1,7 @@
-"""The control server's connections: uvicorn's h11 protocol with the limits it lacks (docs/http_api.md, "Limits").
-uvicorn times out only idle keep-alive connections and resets that timer on every byte, so one trickling client
-could hold a connection forever. Added: a whole-head deadline, a cap on open sockets that evicts the longest idle
-one, chunked bodies refused from their size line, errors that never echo header values (they may hold the token),
-and a lingering close, so a client still uploading reads its 413 rather than a reset."""
+"""The control server's connections: uvicorn's h11 protocol with the limits it lacks (docs/http_api.md, "Limits"):
+uvicorn resets its idle timeout on every byte, so one trickling client could hold a connection forever. Added: a
+whole-head deadline, a cap on open sockets evicting the longest idle, chunked bodies refused from their size line,
+errors never echoing header values (they may hold the token), a lingering close so an uploader reads its 413."""
 from __future__ import annotations
 
 import asyncio
@@ -87,8 +86,7 @@ def warn_throttled(kind: str, msg: str, *args, every_s: float = 10.0) -> None:
 
 
 class _QuietLog(logging.LoggerAdapter):
-    """uvicorn's per-request warnings ("Invalid HTTP request received.") at debug level: the client gets a
-    400 with the reason, and a hostile client must not be able to flood the training log."""
+    """uvicorn's per-request warnings at debug level: the client gets its 400; a hostile one cannot flood the log."""
 
     @property
     def level(self) -> int:  # uvicorn reads ``logger.level`` to decide on its trace messages
@@ -99,8 +97,7 @@ class _QuietLog(logging.LoggerAdapter):
 
 
 class _LingeringTransport:
-    """Wraps the connection's transport so that ``close()`` shuts the write side (after the answer is
-    flushed) and the rest of the client's input is read and dropped for ``linger_s``, then closes."""
+    """A transport whose ``close()`` shuts the write side, then drains the client's input for ``linger_s``."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop, linger_s: float,
                  on_closing: Callable[[], None]):

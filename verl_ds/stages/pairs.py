@@ -121,9 +121,8 @@ def _check_row(row) -> str | None:
 
 
 def _chat_ids(chat, row) -> tuple[list, list, list, str] | str:
-    """(prompt_ids, chosen_ids, rejected_ids, prompt text) of a conversational row, or the reason it fails. A completion
-    is what a model emits after the generation prompt, turn by turn (``ChatTokens``), so the loss positions are the
-    sampled tokens and a reward model learns on the sequences the RL job scores."""
+    """(prompt_ids, chosen_ids, rejected_ids, prompt text) of a chat row, or why it fails. A completion is what a model
+    emits after the generation prompt (``ChatTokens``), so a reward model learns on the sequences the RL job scores."""
     from verl_ds.agent.chat_tokens import TemplateError
 
     if isinstance(chat, str):

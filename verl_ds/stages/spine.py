@@ -24,8 +24,7 @@ log = logging.getLogger(__name__)
 
 
 class StageData(NamedTuple):
-    """The tokenizer and a stage's (train, val) rows, each as ``verl_ds.data.PromptDataset`` (``len``, indexing,
-    ``source``, ``n_rows``, ``report()``, ``summary()``); val may be None."""
+    """The tokenizer and a stage's (train, val) rows (as ``verl_ds.data.PromptDataset``); val may be None."""
     tokenizer: Any
     train: Any
     val: Any
@@ -158,8 +157,7 @@ class StageJob:
     # ------------------------------------------------------------------ one step
 
     def micro_batches(self, items: list) -> list:
-        """This rank's rows in micro-batches of ``actor.micro_batch_size`` rows, or of a token budget (a collective: the
-        same count on every rank)."""
+        """This rank's rows in micro-batches of rows or of a token budget (the same count on every rank)."""
         from verl_ds.packing import agree_num_micro_batches, count_micro_batches, token_budget_micro_batches
 
         budget, size = self.cfg.actor.max_tokens_per_micro_batch, self.cfg.actor.micro_batch_size
@@ -204,8 +202,7 @@ class StageJob:
         return metrics
 
     def _check_finite(self, skip: bool, result: Optional[dict], norm, metrics: dict) -> None:
-        """Count a step whose loss or gradient norm was not finite (its update skipped: ``training/skipped_step``);
-        an engine that applied such an update anyway is a NonFiniteError (the weights are gone)."""
+        """Count a step whose loss or gradient norm was not finite (update skipped); NonFiniteError if one was applied."""
         from verl_ds.runtime import NonFiniteError
 
         bad = skip or (norm is not None and not torch.isfinite(torch.as_tensor(float(norm))))
