@@ -113,7 +113,7 @@ def _text_tokens(tok, prompt: str, completion: str) -> tuple:
 
 
 def row_tokens(row, tok, prompt_key: str, apply_chat_template: bool) -> tuple:
-    """(ids, mask, reason) of one row (see the module docstring)."""
+    """(ids, mask, reason) of one row (formats: docs/stages.md, "SFT data")."""
     if not isinstance(row, dict):
         return None, None, "not_an_object"
     if "messages" in row:
