@@ -1,8 +1,5 @@
-"""The Models module: components with explicit contracts that the trainer schedules.
-
-Role contracts (``verl_ds.models.base``): ActionRole, LogProbRole, ValueRole, RewardRole, TrainableRole.
-Components: PolicyModel (the actor), ReferenceModel (the frozen reference), ValueModel + CriticLM (the
-critic), RewardModel (neural scorer and reward functions), PPOModel (the algorithm over them).
+"""The Models module: components with explicit role contracts (``verl_ds.models.base``) that the trainer schedules:
+PolicyModel, ReferenceModel, ValueModel + CriticLM, RewardModel, and PPOModel, the algorithm over them.
 """
 from verl_ds.models.base import (ActionRole, BaseModel, LogProbRole, MissingModuleError, RewardRole, TrainableRole,
                                  ValueRole)

@@ -1,8 +1,5 @@
-"""BaseModel and the role contracts of the design's six methods (``get_action``, ``get_value``, ``get_logprob``,
-``get_reward``, ``update``, ``state_dict``): a component carries only the ones its role can honour.
-
-Hot hyper-parameters live in ``self._state`` (a :class:`verl_ds.state.SharedState`), never in attributes:
-the trainer and the HTTP control plane change them there and every model reads them at call time.
+"""BaseModel and the role contracts of the design's six methods. Hot hyper-parameters live in ``self._state`` (a
+SharedState the trainer and the control plane change) and are read at call time, never kept in attributes.
 """
 from __future__ import annotations
 
@@ -42,11 +39,8 @@ def _is_abstract(cls: type) -> bool:
 
 def left_align_prompts(observation: torch.Tensor, mask: torch.Tensor,
                        response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(observation, mask) with each row's prompt padding moved to the left end of its prompt columns (the first
-    T - R), the last R columns (the response) untouched. The padded path reads response token j from column
-    T - R - 1 + j; a right-padded prompt would have a pad there. Positions count real tokens and pads are never
-    attended, so the real tokens' outputs are those of the row unpadded; pads only on the left also keep a
-    sliding window over real tokens. The inputs come back as they are when every prompt ends with a real token."""
+    """(observation, mask) with each row's prompt padding moved left, the last R columns untouched: response token
+    j's predictor is then column T - R - 1 + j, never a pad (positions count real tokens: outputs are unchanged)."""
     P = observation.shape[1] - response_width
     if P < 1 or bool(mask[:, P - 1].all()):
         return observation, mask
@@ -62,9 +56,8 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 class BaseModel(ABC):
-    """A model component: subclasses set ``required_modules`` (MissingModuleError when one is missing or None)
-    and ``module_types`` (name -> class), and call ``super().__init__(state=..., **modules)`` first; the modules
-    become attributes. Concrete subclasses are recorded in ``verl_ds.registry.model_classes()``."""
+    """A model component: subclasses set ``required_modules`` and ``module_types`` (name -> class) and call
+    ``super().__init__(state=..., **modules)`` first; the modules become attributes, concrete classes are registered."""
 
     required_modules: ClassVar[tuple[str, ...]] = ()
     module_types: ClassVar[dict[str, type | tuple[type, ...]]] = {}
@@ -163,8 +156,6 @@ class ActionRole(BaseModel):
 
 
 class LogProbRole(BaseModel):
-    """Scores the log-probs of given actions."""
-
     @abstractmethod
     def get_logprob(self, observation: torch.Tensor, action: torch.Tensor, mask: torch.Tensor | None = None,
                     temperature: float = 1.0, return_entropy: bool = False):
@@ -172,16 +163,12 @@ class LogProbRole(BaseModel):
 
 
 class ValueRole(BaseModel):
-    """Estimates values."""
-
     @abstractmethod
     def get_value(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) value of each observation."""
 
 
 class RewardRole(BaseModel):
-    """Scores observations."""
-
     @abstractmethod
     def get_reward(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) reward of each observation."""
@@ -197,9 +184,8 @@ class TrainableRole(BaseModel):
 
 def update_from_config(model: "BaseModel", module: Any, optimizer, config: Any, needs: str,
                        untrainable: str | None = None) -> dict | None:
-    """``TrainableRole.update`` of a component that trains ``module``: ``optimizer_step`` on ``config["loss"]``
-    (from ``PPOModel.<needs>``) at ``state[model.lr_key]``, with ``config["skip"]`` and ``config["boundary"]``;
-    ``untrainable``: why this component cannot train (an error after the loss check)."""
+    """``TrainableRole.update`` of a component training ``module``: ``optimizer_step`` on ``config["loss"]`` (from
+    ``PPOModel.<needs>``) at ``state[model.lr_key]``; ``untrainable``: why it cannot train (raised after the check)."""
     who = type(model).__name__
     loss = config.get("loss") if isinstance(config, dict) else getattr(config, "loss", None)
     if loss is None:
@@ -214,14 +200,8 @@ def update_from_config(model: "BaseModel", module: Any, optimizer, config: Any, 
 
 def optimizer_step(module: Any, optimizer: torch.optim.Optimizer | None, loss: torch.Tensor, lr: float | None,
                    who: str, skip: bool = False, boundary: bool | None = None) -> dict | None:
-    """backward + step for a DeepSpeed engine or a plain module with a torch optimizer; ``{"grad_norm",
-    "skipped", "zero_stage"}`` when an optimizer step was due, else None. ``lr`` goes to the param groups unless
-    the engine owns an LR scheduler.
-    ``skip`` drops this step on every rank that passes it: under ZeRO the loss is back-propagated as NaN, so
-    DeepSpeed's overflow check drops the step, clears the gradients and keeps its counters consistent (a NaN loss
-    alone can leave the gradients finite at masked positions); without ZeRO the gradients are dropped instead.
-    ``boundary``: whether this micro-batch ends the accumulation, set by the caller (whose loss is normalised for
-    the mini-batch), so the number of micro-batches may vary; None leaves both to the engine's own counter."""
+    """backward + step (engine, or module + torch optimizer); {"grad_norm", "skipped", "zero_stage"} when a step was
+    due, else None. ``skip`` drops it (under ZeRO via a NaN loss, which DeepSpeed's overflow check drops cleanly)."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
         raise ValueError(f"{who}.update: config['loss'] must be a scalar tensor that requires grad, got "
                          f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")

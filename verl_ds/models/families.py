@@ -1,13 +1,6 @@
-"""Which model families packed rows, shared prompts and shared generation are exact for: decided at start-up from the
-model itself (``packing_support``; shared generation: ``verl_ds.generation.shared_generation_refusal``), so that a family they would get wrong falls back to
-padded batches, plain packing or plain ``generate`` with one log line instead of training on wrong numbers.
-
-Packed rows need attention through transformers' AttentionInterface, causal attention, no layer mixing tokens outside
-attention (state-space, short-convolution or linear-attention layers), position ids that the model reads (BART-like
-decoders count positions over the whole row), and a chunked-attention chunk no shorter than the longest sequence.
-Shared prompts need the layout to reach every attention call (StableLM's and Nemotron's decoder layers do not pass
-keyword arguments on). Both are checked by one tiny forward of the model itself (a collective under ZeRO-3).
-docs/models.md lists what each family gets.
+"""Which model families packed rows and shared prompts are exact for, decided at start-up by one tiny probe forward of
+the model itself (a collective under ZeRO-3), so that a family they would get wrong falls back with one log line
+instead of training on wrong numbers. docs/models.md has the rules and what each family gets.
 """
 from __future__ import annotations
 
@@ -57,9 +50,8 @@ def _forward(model: Any, packed, R: int) -> None:
 
 def packing_support(model: Any, max_length: Optional[int] = None, share: bool = True,
                     implementation: str = "sdpa") -> PackingSupport:
-    """Whether packed rows (and, with ``share``, shared prompts and prefixes) are exact for ``model``, switched to
-    the attention that serves them on ``implementation``; ``max_length``: the longest sequence the run will score
-    (for attention chunks). Where sharing is refused, the model goes back to the plain-packing attention."""
+    """Whether packed rows (and, with ``share``, shared prompts) are exact for ``model``, switching it to the attention
+    that serves them; ``max_length``: the longest sequence the run scores (for attention chunks)."""
     from verl_ds.packing import pack
     from verl_ds.prompt_sharing import pack_shared_prompts
 

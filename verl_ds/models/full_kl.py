@@ -1,10 +1,6 @@
-"""``algo.kl_kind=full_symmetric`` in the actor's loss: the exact symmetric KL over the whole vocabulary at each
-response position (``verl_ds.algos.head_kl``), with no (N, V) logits of either model.
-
-The reference's final hidden states (n, H) are recomputed in the update, one no-grad forward per micro-batch in the
-actor's own row layout, its fused head recording the rows it is given (``RefHeadRows``) instead of scoring. The
-actor's fused head then adds the KL of each row as one more output column (``HeadSymmetricKL``) inside the head's
-own module call, so under ZeRO-3 DeepSpeed gathers the actor's head for the forward and the backward.
+"""``algo.kl_kind=full_symmetric`` in the actor's loss: the exact symmetric KL over the vocabulary at each response
+position without (N, V) logits. The reference's final hidden states are recomputed in the actor's row layout, and the
+actor's fused head adds the KL as one more column in its own module call (ZeRO-3 gathers the head for both passes).
 """
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""Forward passes over a packed micro-batch: the response log-probs (and entropy) of a causal LM and the
-response-aligned values of a critic, (B, R) as the padded ``PolicyModel.get_logprob`` / ``ValueModel.get_values``,
-computed on the N real tokens only.
-
-The packed row goes in as ``input_ids`` and ``position_ids`` (1, N) with no attention mask and ``use_cache=False``
-(transformers ignores packing when a cache exists), plus ``Packed.attention_kwargs()``. Every forward on our
-attention is witnessed (``packed_row_witness``): an attention call without the row's layout, or a layer that mixes
-tokens outside attention, raises ``PackedRowNotReached`` instead of returning wrong numbers. Only the n <= B * R
-predictor hidden states reach the LM head (``logits_to_keep`` as an index tensor). With ``fused_lm_head=True`` the
-LM head itself returns the log-probs and entropies (``verl_ds.algos.fused_lm_head``) inside its own forward call, so
-under ZeRO-3 DeepSpeed's module hooks gather and reduce its weight exactly as for the plain head.
+"""Forward passes over a packed micro-batch on its N real tokens: response log-probs (and entropy) of a causal LM and
+values of a critic, (B, R) as the padded paths return them. A fused LM head returns log-probs in its own module call,
+so ZeRO-3's hooks gather its weight as for the plain head. ``use_cache=False``: a cache would ignore the packing.
 """
 from __future__ import annotations
 
@@ -34,8 +26,7 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 def response_index(packed: Packed | SharedPacked, response_width: int) -> ResponseIndex:
-    """The real tokens in the last ``response_width`` columns of the padded batch; each must follow a real
-    token of its row (the prompt's last token predicts the first response token)."""
+    """The real tokens of the last ``response_width`` columns; each must follow a real token of its row."""
     B, T = packed.shape
     R = response_width
     if packed.targets is not None:  # the packing located them (response_width given, or shared prompts)
@@ -93,10 +84,8 @@ def _packed_kwargs(inner: Any, packed: Packed, row: Any = None) -> dict:
 def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: float = 1.0,
                              compute_entropy: bool = True, keep: torch.Tensor | None = None, head_kl: Any = None,
                              **chunks):
-    """While active, ``model``'s output-embedding Linear returns, in place of logits (..., V), the float32
-    [log-prob of ``labels``, entropy] (..., 2) (or (..., 1)) of ``fused_linear_logprobs``. ``keep``: rows to take
-    when the head gets all N hidden states. ``head_kl`` (``verl_ds.models.full_kl``): one more column, or the whole
-    output when it ``replaces_head``. Not thread-safe for the same model."""
+    """While active, ``model``'s LM head returns [log-prob of ``labels``, entropy] (..., 2 or 1) float32 instead of
+    logits; ``keep``: rows to take of all N; ``head_kl``: one more column (or all). Not thread-safe per model."""
     inner = unwrap_module(model)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
@@ -134,9 +123,8 @@ def lm_head_returns_logprobs(model: Any, labels: torch.Tensor, temperature: floa
 def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: float = 1.0, *,
                     compute_entropy: bool = False, fused_lm_head: bool = False, head_kl: Any = None,
                     sequence_parallel: Any = None, **chunks):
-    """(log_probs (B, R), entropy (B, R) or None) float32 of a packed batch's responses under ``lm``: the padded
-    ``PolicyModel.get_logprob``, 0 at padded positions. ``fused_lm_head``: never build the (n, V) logits;
-    ``head_kl``: a third item; ``sequence_parallel``: this rank runs its slice of the row."""
+    """(log_probs, entropy or None), (B, R) float32, 0 at padding: the padded ``get_logprob`` on a packed batch;
+    ``fused_lm_head``: no (n, V) logits; ``head_kl``: a third item; ``sequence_parallel``: this rank's slice."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
     idx = response_index(packed, response_width)
@@ -184,8 +172,7 @@ def packed_logprobs(lm: Any, packed: Packed, response_width: int, temperature: f
 
 
 def packed_values(critic: Any, packed: Packed, response_width: int, sequence_parallel: Any = None) -> torch.Tensor:
-    """(B, R) float32 values of a packed batch under ``critic``, as ``ValueModel.get_values``, 0 at padded
-    positions; ``sequence_parallel``: as ``packed_logprobs``."""
+    """(B, R) float32 values of a packed batch, as ``ValueModel.get_values``, 0 at padded positions."""
     idx = response_index(packed, response_width)
     row = sequence_parallel.shard(packed) if sequence_parallel is not None else None
     with _witnessed(critic, packed, row):

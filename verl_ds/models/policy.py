@@ -1,7 +1,5 @@
 """The actor and the frozen reference: a causal LM (a HF model or a DeepSpeed engine wrapping one).
-
-``ReferenceModel`` scores log-probs (``get_logprob``). ``PolicyModel`` also samples responses
-(``get_action``, through its rollout engine: HF generate by default) and trains (``update``).""" 
+``ReferenceModel`` scores log-probs; ``PolicyModel`` also samples (``get_action``) and trains (``update``)."""
 from __future__ import annotations
 
 from typing import Any
@@ -27,9 +25,8 @@ def _check_sampling(temperature: float, top_k: int, top_p: float, who: str) -> N
 
 
 def active_dropout(module: torch.nn.Module) -> list[str]:
-    """Names of the submodules that drop units in a forward in their current mode: an ``nn.Dropout`` with p > 0
-    (LoRA's, which acts under grad only, included) or a float ``*dropout*`` rate > 0 (HF attention keeps its own),
-    in a module in training mode."""
+    """Names of the submodules in training mode that drop units: an ``nn.Dropout`` with p > 0 (LoRA's included) or a
+    float ``*dropout*`` rate > 0 (HF attention keeps its own)."""
     found = []
     for name, m in module.named_modules():
         if not m.training:
@@ -43,8 +40,7 @@ def active_dropout(module: torch.nn.Module) -> list[str]:
 
 
 class ReferenceModel(LogProbRole):
-    """Log-probs of responses under ``lm``, a HF causal LM or a DeepSpeed engine around one (called with
-    ``input_ids=, attention_mask=, position_ids=``, returning ``.logits`` (B, T, V))."""
+    """Log-probs of responses under ``lm``, a HF causal LM or an engine around one (``.logits`` (B, T, V))."""
 
     required_modules = ("lm",)
 
@@ -76,8 +72,7 @@ class ReferenceModel(LogProbRole):
 
     # ---- forward ---------------------------------------------------------------------------------
     def _logits(self, observation: torch.Tensor, mask: torch.Tensor, keep: int) -> torch.Tensor:
-        """The lm's output at the last ``keep`` positions of the padded batch, (B, keep, V): its logits, or what a
-        fused LM head returned."""
+        """(B, keep, V): the lm's logits (or a fused head's output) at the last ``keep`` positions."""
         kwargs = dict(self._extra_kwargs)
         if self._keep_logits:
             kwargs["logits_to_keep"] = keep
@@ -136,8 +131,7 @@ class ReferenceModel(LogProbRole):
         return (log_probs, entropy) if return_entropy else log_probs
 
     def _fused_padded(self, observation, mask, action, temperature, return_entropy, head_kl=None):
-        """The LM head returns the log-probs of the last R + 1 positions itself (no (B, R+1, V) logits); the last
-        position predicts nothing (ignore_index)."""
+        """The LM head returns the last R + 1 positions' log-probs itself (no (B, R+1, V) logits)."""
         from verl_ds.models.packed_forward import lm_head_returns_logprobs
 
         B, R = action.shape
@@ -150,8 +144,7 @@ class ReferenceModel(LogProbRole):
 
 
 class AdaptersOffReferenceModel(ReferenceModel):
-    """The reference of a LoRA actor: the actor's own engine (peft model) with its adapters switched off while
-    it scores, no second copy of the weights; not concurrently with the actor's own forwards."""
+    """A LoRA actor's reference: the actor's own engine with its adapters off while it scores (not concurrently)."""
 
     def __init__(self, lm: Any, state: SharedState | None = None, **kwargs):
         super().__init__(lm, state=state, **kwargs)
@@ -172,9 +165,8 @@ class AdaptersOffReferenceModel(ReferenceModel):
 
 
 class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
-    """The actor: scores log-probs like a ReferenceModel, samples through ``rollout_engine`` (``generate(...) ->
-    Generation`` and ``refresh()``; default HF generate on ``lm``) and trains with ``update``. ``optimizer``: for
-    an ``lm`` that is not a DeepSpeed engine; ``lr_key``: the SharedState key of its learning rate."""
+    """The actor: scores like a ReferenceModel, samples through ``rollout_engine`` (default HF generate on ``lm``) and
+    trains with ``update``; ``optimizer`` for an ``lm`` that is not an engine, ``lr_key`` its SharedState LR key."""
 
     def __init__(self, lm: Any, state: SharedState | None = None, optimizer: torch.optim.Optimizer | None = None,
                  lr_key: str = "actor_lr", rollout_engine: Any = None, tokenizer: Any = None,
@@ -206,17 +198,15 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
 
     @property
     def update_forward_is_scoring_pass(self) -> bool:
-        """Whether the update's forward (under grad) computes what the no-grad ``get_logprob`` pass computes: no
-        dropout acts in the model (``active_dropout``), so its log-probs, detached, are the old log-probs of an
-        on-policy update."""
+        """Whether the update's forward computes what the no-grad ``get_logprob`` does (no dropout acts), so its
+        detached log-probs are an on-policy update's old log-probs."""
         return not active_dropout(unwrap_module(self.lm))
 
     @torch.no_grad()
     def get_action(self, observation: torch.Tensor, mask: torch.Tensor | None = None, temperature: float = 1.0,
                    top_k: int = 50, top_p: float = 0.95, *, max_new_tokens: int = 1, greedy: bool = False):
-        """(action (B, R) int64 right-padded after each EOS, log_probs, entropy (B, R) float32), R = max_new_tokens,
-        for left-padded prompts. Log-probs and entropies are those before top-k/top-p truncation (the distribution
-        ``get_logprob`` recomputes: truncation would bias the PPO ratio)."""
+        """(action (B, R) int64 right-padded after EOS, log_probs, entropy (B, R) float32) for left-padded prompts,
+        before top-k/top-p truncation: the distribution ``get_logprob`` recomputes (else the PPO ratio is biased)."""
         who = "PolicyModel.get_action"
         observation, mask = check_batch(observation, mask, who)
         _check_sampling(temperature, top_k, top_p, who)
@@ -231,6 +221,5 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
         return gen.responses, gen.log_probs, gen.entropy
 
     def update(self, batch: Any, config: Any):
-        """One step from ``config["loss"]`` (``verl_ds.models.base.update_from_config``): the engine's at its
-        accumulation boundary, else the optimizer given at construction."""
+        """One step from ``config["loss"]`` (``verl_ds.models.base.update_from_config``)."""
         return update_from_config(self, self.lm, self._optimizer, config, "compute_policy_loss")

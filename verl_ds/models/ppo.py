@@ -1,10 +1,6 @@
-"""PPOModel: the RL algorithm over actor, reward, an optional critic and an optional frozen reference, as separate
-calls the trainer schedules: ``compute_advantage``, ``compute_policy_loss``, ``compute_value_loss``, and
-``update`` (the KL controller).
-
-The advantage estimator comes from ``verl_ds.algos``' registry (``algo.adv_estimator``). Hot hyper-parameters are
-read from the SharedState at every call, the static knobs from the config's ``algo`` section. Metric names follow
-verl's (``actor/pg_clipfrac``, ``critic/vf_loss``, ...); values are 0-d tensors the trainer reduces once per step.
+"""PPOModel: the RL algorithm over actor, reward, an optional critic and an optional frozen reference, as calls the
+trainer schedules (``compute_advantage``, ``compute_policy_loss``, ``compute_value_loss``, ``update``: the KL
+controller). Hot hyper-parameters come from the SharedState at every call; metrics are verl's names, 0-d tensors.
 """
 from __future__ import annotations
 
@@ -51,10 +47,9 @@ def _role(role: str, optional: bool = False) -> property:
 
 
 class PPOModel(TrainableRole):
-    """The algorithm over its components, which live in a ModelRegistry (``registry``; default a private one)
-    under ``names`` (role -> name) and are looked up at every call, so ``swap("reward", new)`` takes effect at
-    the next one. A critic is required exactly when the estimator needs one. ``is_cap``: importance sampling
-    against the sampler's log-probs in the policy loss (None: off), by ``IS_MODES[is_mode]``."""
+    """The algorithm over components looked up in a ModelRegistry at every call, so ``swap("reward", new)`` takes
+    effect at the next one. A critic is required exactly when the estimator needs one; ``is_cap``: importance
+    sampling against the sampler's log-probs (None: off), by ``IS_MODES[is_mode]``."""
 
     required_modules = ("actor", "reward")
     module_types = _KINDS
@@ -281,9 +276,8 @@ class PPOModel(TrainableRole):
                                         horizon=self.algo.kl_horizon)
 
     def update(self, batch: Any, config: Any = None):
-        """Step the KL controller with ``config["observed_kl"]`` and ``config["n_samples"]`` (global) and write
-        the new kl_coef to SharedState (rank 0; the others get it from sync()). The controller is rebuilt when
-        kl_ctrl_type, target_kl or kl_coef was changed from outside."""
+        """Step the KL controller with the global ``config["observed_kl"]`` and ``config["n_samples"]``; rank 0 writes
+        kl_coef to the SharedState. A controller changed from outside (kind, target, coefficient) is rebuilt."""
         config = config or {}
         if "observed_kl" not in config:
             raise ValueError("PPOModel.update: config must hold 'observed_kl' (the global token-mean KL) and "

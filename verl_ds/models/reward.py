@@ -1,12 +1,6 @@
-"""RewardModel: a neural scorer and/or Python reward functions, composed as a weighted sum.
-
-Reward function signature::
-
-    fn(prompts: list[str], responses: list[str], batch: RolloutBatch) -> list[float] | Tensor
-
-Batch mode returns (B,) (one score per sample, placed on the last real response token); ``per_token=True``
-returns (B, R) (or B sequences of response_length[i] or R values), the EOS position zeroed or kept per
-``eos_reward``. Any failure raises RewardFunctionError naming the function and the sample index.
+"""RewardModel: a neural scorer and/or reward functions ``fn(prompts, responses, batch)`` returning (B,) scores
+(placed on the last response token) or, with ``per_token=True``, (B, R) rewards, composed as a weighted sum. A
+failure raises RewardFunctionError naming the function and the sample.
 """
 from __future__ import annotations
 
@@ -57,10 +51,8 @@ def _check_weight(weight: Any, who: str) -> float:
 
 
 class RewardModel(RewardRole):
-    """Scores rollouts. ``model``: optional neural scorer (a HF sequence classifier with one label, an engine
-    around one, or an nn.Module returning (B, T) or (B,) scores), read at the last real token of each row (from
-    the mask, so pad == eos tokenizers work); it must share the actor's vocabulary. ``num_workers``: reward
-    functions run on this many chunks of the batch in a thread pool (rule rewards can be slow)."""
+    """``model``: an optional neural scorer on the actor's vocabulary (a one-label HF classifier or an engine around
+    one), read at each row's last real token; ``num_workers``: threads for slow reward functions."""
 
     required_modules = ()
 
@@ -187,10 +179,8 @@ class RewardModel(RewardRole):
     # ---- composition ---------------------------------------------------------------------------------
     def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str],
                         per_sample: Optional[dict] = None):
-        """Token-level scores (B, R) float32 of a RolloutBatch and metrics ``reward/<name>/mean`` (unweighted
-        per-sample sums averaged; ``reward/<name>/<key>`` for a function's ``Scores.metrics``, e.g. math_verify's
-        ``timed_out``); batch-mode scores go on column response_length - 1. ``per_sample``, a dict,
-        receives each metric's (B,) per-sample sums (``verl_ds.rollout.sample_means`` averages a subset)."""
+        """Token-level scores (B, R) float32 (batch-mode scores on column response_length - 1) and metrics
+        ``reward/<name>/mean`` and ``reward/<name>/<key>`` (``Scores.metrics``); ``per_sample`` gets (B,) values."""
         who = "RewardModel.compute_rewards"
         fns = self._fns
         if self.model is None and not fns:
@@ -240,8 +230,7 @@ class RewardModel(RewardRole):
         return total, {k: v.mean() for k, v in parts.items()}
 
     def _call_chunked(self, entry: _RewardFn, prompts: list, responses: list, batch: Any) -> Any:
-        """``entry.fn`` on the whole batch, or on ``num_workers`` contiguous chunks in a thread pool (the results
-        joined in order: B floats, or B per-token rows)."""
+        """``entry.fn`` on the batch, or on ``num_workers`` contiguous chunks in a thread pool, joined in order."""
         B = len(prompts)
         workers = min(self.num_workers, B)
         if workers <= 1 or not hasattr(batch, "select"):

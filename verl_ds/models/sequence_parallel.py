@@ -1,23 +1,6 @@
-"""DeepSpeed-Ulysses sequence parallelism (``model.sequence_parallel_size``) for the packed scoring and update forwards.
-
-Jacobs et al., "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long Sequence Transformer
-Models" (arXiv:2309.14509). The ranks are cut into groups of ``sp`` consecutive ranks. A group scores and trains one
-micro-batch at a time, each of its ranks' micro-batches in turn (``SequenceParallel.turns``): the packed row
-(``verl_ds.packing``, ``verl_ds.prompt_sharing``) is padded to a multiple of ``sp`` tokens (the padding is one more
-sequence at the end, which no real token attends to) and each rank runs the model on its ``1/sp`` slice of the
-tokens, with their global position ids (RoPE is right) and the whole row's layout. In every attention call
-DeepSpeed's all-to-all (``deepspeed.sequence.layer._SeqAllToAll``) trades the slice of all heads for all tokens of
-``heads/sp`` heads, the row is attended with the kernel the model would use unsplit (the one mask definition,
-``verl_ds.attention_layout``) and a second all-to-all trades back. Each rank scores the response tokens whose
-predictor lies in its slice; the results are all-gathered so that every rank of the group holds the micro-batch's
-(B, R) log-probs, entropies or values, and computes the same loss.
-
-Gradients: the all-gather's backward keeps each rank's own slice of the gradient (Megatron-LM's "gather from the
-model-parallel region"): the group's ranks compute the same loss, so the sum of their parameter gradients is that
-loss's gradient, once. A turn's loss is the owner's micro-batch loss, normalised as without sequence parallelism
-(its share of the global token mean); every rank of the group backpropagates every turn, so DeepSpeed's average
-over all ranks (its data-parallel group is the world: no ``mpu`` is given) is the data-parallel average of the
-owners' losses, the same update as ``sp=1``. Only the owner reports a turn's metrics.
+"""DeepSpeed-Ulysses sequence parallelism (Jacobs et al. 2023, arXiv:2309.14509; ``model.sequence_parallel_size``):
+each rank of a group runs the model on 1/sp of a packed row's tokens, and each attention call trades that slice for
+all tokens of heads/sp heads (DeepSpeed's all-to-all). Why the update equals sp=1's: docs/launch.md, "Long sequences".
 """
 from __future__ import annotations
 
@@ -39,8 +22,7 @@ __all__ = ["SequenceParallel", "init_sequence_parallel", "setup_sequence_paralle
 
 @dataclass(frozen=True)
 class SequenceParallel:
-    """This rank's sequence-parallel group: ``group`` (a torch.distributed group), its ``size``, this rank's index
-    ``rank`` in it and the global ``ranks`` of its members."""
+    """This rank's group: ``group``, its ``size``, this rank's index ``rank`` and the members' global ``ranks``."""
     group: Any
     size: int
     rank: int
@@ -69,8 +51,7 @@ def _device_of(batch) -> torch.device:
 
 
 def init_sequence_parallel(degree: int) -> SequenceParallel | None:
-    """The group of consecutive ranks this rank belongs to (every rank creates every group: a collective), or None
-    for ``degree`` 1. The world must be a multiple of ``degree`` (the config gate checks it)."""
+    """This rank's group of ``degree`` consecutive ranks (a collective: every rank creates every group); None for 1."""
     if degree == 1:
         return None
     world, me = dist.get_world_size(), dist.get_rank()
@@ -86,8 +67,7 @@ def init_sequence_parallel(degree: int) -> SequenceParallel | None:
 
 
 def check_heads(heads: int, kv_heads: int, degree: int, key: str = "model.sequence_parallel_size") -> str | None:
-    """Why ``degree`` cannot split these attention heads (None when it can): Ulysses gives each rank heads/degree
-    query heads and kv_heads/degree key/value heads."""
+    """Why ``degree`` cannot split these heads (None when it can): each rank gets heads/degree and kv_heads/degree."""
     if heads % degree or kv_heads % degree:
         return (f"{key}={degree} must divide the attention heads ({heads}) and the key/value heads ({kv_heads}): "
                 f"each rank attends heads/{degree} of them")
@@ -114,9 +94,8 @@ class _GatherFromGroup(torch.autograd.Function):
 
 
 class ShardedRow:
-    """A packed row padded to ``size * local`` tokens and this rank's slice [start, end) of it: what the model is
-    given (``input_ids``, ``position_ids``, ``kwargs``), what its attention calls attend (``layout``, the whole padded
-    row), and ``gather`` (per-predictor outputs back in the row's predictor order, on every rank)."""
+    """A packed row padded to ``size * local`` tokens and this rank's slice [start, end): the model's inputs, the
+    whole row's ``layout`` its attention attends, and ``gather`` of per-predictor outputs back onto every rank."""
 
     def __init__(self, packed: Any, sp: SequenceParallel):
         n = packed.num_tokens
@@ -141,14 +120,13 @@ class ShardedRow:
         self.kwargs = kwargs  # what the model's forward is given besides ids and positions
 
     def predictors(self, preds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mine, local): which of the predictor indices ``preds`` lie in this rank's slice, and their local
-        indices."""
+        """(mine, local): which predictor indices ``preds`` lie in this rank's slice, and their local indices."""
         mine = (preds >= self.start) & (preds < self.end)
         return mine, preds[mine] - self.start
 
     def gather(self, values: torch.Tensor, preds: torch.Tensor) -> torch.Tensor:
-        """This rank's outputs (k, ...) for its predictors (``predictors(preds)``, in order) -> (len(preds), ...) for
-        every predictor, on every rank of the group. Differentiable (see the module docstring)."""
+        """This rank's outputs (k, ...) for its predictors, in order -> (len(preds), ...) on every rank of the group;
+        differentiable (the backward keeps this rank's rows)."""
         owner = torch.div(preds, self.local, rounding_mode="floor")
         counts = torch.bincount(owner, minlength=self.sp.size).tolist()
         if values.shape[0] != counts[self.sp.rank]:
@@ -182,8 +160,7 @@ def ulysses_name(inner: str) -> str:
 
 
 def register_ulysses(inner: str) -> str:
-    """Register the Ulysses wrapper around the attention function ``inner`` (a name in transformers'
-    ``AttentionInterface``: ours or theirs) with the attention and mask interfaces; returns its name."""
+    """Register the Ulysses wrapper around attention function ``inner`` (transformers' or ours); returns its name."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -230,10 +207,8 @@ def register_ulysses(inner: str) -> str:
 
 
 def setup_sequence_parallel(degree: int, engines: dict, packed: bool) -> SequenceParallel | None:
-    """This rank's group for ``model.sequence_parallel_size`` = ``degree`` (a collective), and every engine's attention
-    wrapped in the all-to-all around the packed-row kernel it was given (``verl_ds.builder``); ConfigError naming the
-    key when the models cannot be split: padded batches, heads the degree does not divide, or an attention that does
-    not dispatch through transformers' ``AttentionInterface``."""
+    """This rank's group (a collective), every engine's attention wrapped in the all-to-all; a ConfigError naming the
+    key for padded batches, heads the degree does not divide or an attention outside ``AttentionInterface``."""
     from verl_ds.config import ConfigError
     from verl_ds.hf_module import config_of, family_name, text_config
     from verl_ds.models.varlen_attention import use_attention

@@ -24,9 +24,8 @@ def _hidden_size(config) -> int:
 
 
 class CriticLM(nn.Module):
-    """HF backbone (``AutoModel``: the causal LM without its LM head) + ``value_head`` Linear(H, 1): values
-    (B, T) float32, the value of the state after each token. The head starts at N(0, (0.02/sqrt(H))^2), bias 0,
-    so initial values are about +-0.02 while the backbone still gets gradients from the first step."""
+    """HF backbone (``AutoModel``, no LM head) + ``value_head`` Linear(H, 1) -> (B, T) float32 values. The head starts
+    at N(0, (0.02/sqrt(H))^2): initial values near 0 while the backbone still gets gradients from the first step."""
 
     def __init__(self, backbone: nn.Module, hidden_size: int | None = None):
         super().__init__()
@@ -49,8 +48,7 @@ class CriticLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> "CriticLM":
-        """Backbone from a causal LM (or critic) checkpoint (the LM head dropped); the value head from
-        ``value_head.pt`` when the folder holds one, else freshly initialised."""
+        """Backbone from a causal LM or critic checkpoint; the value head from its ``value_head.pt``, else a new one."""
         from transformers import AutoModel
 
         if "torch_dtype" in kwargs:
@@ -79,9 +77,8 @@ class CriticLM(nn.Module):
 
 
 class ValueModel(ValueRole, TrainableRole):
-    """The critic: values (``get_value``, per-token ``get_values``) and training (``update``). ``net``: a CriticLM
-    (or a DeepSpeed engine around one), an nn.Module returning (B, T) values or ``.logits`` (B, T, 1), or a
-    callable ``fn(observation) -> (B,) or (B, T)``; a (B, 1) output is an error, never a silent broadcast."""
+    """The critic. ``net``: a CriticLM (or an engine around one), an nn.Module returning (B, T) values or ``.logits``
+    (B, T, 1), or a callable ``fn(observation) -> (B,) or (B, T)``; (B, 1) is refused, never broadcast."""
 
     required_modules = ("net",)
 

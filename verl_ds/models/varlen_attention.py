@@ -1,19 +1,6 @@
-"""The attention functions packed rows go through, and the check that every layer got the row's layout.
-
-Plain packed rows on CUDA with flash-attn take transformers' own ``flash_attention_2/3`` on the ``cu_seq_lens_q/k``
-``Packed.attention_kwargs()`` builds once per micro-batch (no host sync in the layers). Every other packed row reads
-its ``AttentionLayout`` from the ``verl_ds_attention_layout`` keyword, through one of two functions registered here:
-
-- ``verl_ds_varlen_flex``: torch's FlexAttention with the layout's ``BlockMask`` (built once per micro-batch, cached on
-  the layout for every layer), compiled on CUDA. On a CPU it runs eagerly, forward only (torch 2.13 has no CPU
-  backward), and was slower: a 300-token row of 10 sequences, 4 heads of 16, forward 0.14 s against 0.01-0.08 s for
-  the loop below (2 shared cores).
-- ``verl_ds_varlen_sdpa`` (the CPU path): sdpa on each tree of the row (a sequence, or a prompt with its responses)
-  in turn, causal without a mask for one sequence, else with the layout's mask on the tree's grid, or, where that
-  grid's masked part is a tenth of the layer's arithmetic (long responses to a short prompt), the prompt alone and
-  then its responses batched, each on its own path (``AttentionLayout.branches``).
-
-Padded batches (an attention mask given) take the plain sdpa path with sdpa's mask, unchanged.
+"""The attention functions packed rows go through, and the check that every layer got the row's layout: flash varlen
+on ``cu_seq_lens`` for plain packing on CUDA with flash-attn, else ``verl_ds_varlen_flex`` (FlexAttention) or
+``verl_ds_varlen_sdpa`` (sdpa tree by tree, the CPU path). Which serves what: docs/models.md, "Attention".
 """
 from __future__ import annotations
 
@@ -40,8 +27,7 @@ FLEX_ATTENTION = "verl_ds_varlen_flex"
 _OURS = (VARLEN_ATTENTION, FLEX_ATTENTION)
 
 class PackedRowNotReached(ValueError):
-    """A packed forward whose attention calls did not all get what keeps its sequences apart (the layout): its
-    numbers would be silently wrong, so they are refused."""
+    """A packed forward whose attention calls did not all get the row's layout: its numbers would be wrong."""
 
 
 class _Witness:
@@ -69,10 +55,8 @@ _WITNESS: contextvars.ContextVar = contextvars.ContextVar("verl_ds_packed_row_wi
 
 @contextlib.contextmanager
 def packed_row_witness(model: Any, tokens: int, layout: AttentionLayout, shared: bool = False):
-    """Around one forward of ``model`` over a packed row: every attention call must go through ours with the whole
-    row, no mask and this ``layout`` (StableLM's layers drop it on the way), be causal, and come at least once per
-    decoder layer (fewer: other layers mix tokens across the packed sequences); else ``PackedRowNotReached`` names
-    the family, after the forward. Plain packing on flash-attention is not witnessed (``cu_seq_lens`` keeps it)."""
+    """Around one packed forward: every attention call must get the whole row, no mask and this ``layout``, be causal
+    and come once per decoder layer, else ``PackedRowNotReached`` (flash's plain packing is kept by ``cu_seq_lens``)."""
     impl = str(getattr(config_of(model), "_attn_implementation", None))
     if impl.startswith(ULYSSES_PREFIX):  # sequence parallel: the wrapper tells the witness when its kernel does not
         impl = VARLEN_ATTENTION
@@ -176,8 +160,7 @@ _COMPILED_FLEX = None
 def varlen_flex_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                           **kwargs: Any):
-    """transformers attention function: a packed row through FlexAttention with its layout's ``BlockMask``
-    (compiled on CUDA, eager elsewhere); anything else goes to sdpa unchanged."""
+    """transformers attention function: a packed row through FlexAttention and its layout's ``BlockMask``; else sdpa."""
     global _COMPILED_FLEX
     layout = _row_layout(module, query, key, attention_mask, kwargs)
     if layout is None:
