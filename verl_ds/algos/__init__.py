@@ -1,12 +1,6 @@
-"""The RL numerics: log-probs and entropy, KL estimators, GAE and the critic-free advantage estimators,
-masked statistics, losses, KL controllers, DAPO sampling helpers and pass@k.
-
-Pure functions of tensors and explicit scalars; every tensor result is float32 whatever the input
-dtype, and losses/metrics are tensors (no host sync). The log-prob, full-vocabulary KL and GAE
-functions route to the fused Triton kernels of ``verl_ds.kernels`` for CUDA tensors
-(``VERL_DS_KERNELS`` overrides) and to chunked torch paths otherwise (``*_torch``, the kernels' test
-references). Swappable parts are registries (``register_*`` / ``get_*``): advantage estimators, KL
-estimators, loss aggregation modes, KL controllers.
+"""The RL numerics as pure functions of tensors and explicit scalars, float32 results and no host sync; CUDA tensors
+go to the Triton kernels of ``verl_ds.kernels`` (``VERL_DS_KERNELS``), others to chunked torch paths (``*_torch``,
+the kernels' test references). Swappable parts (estimators, KL kinds, aggregations, controllers) are registries.
 """
 from .advantages import (
     ADV_ESTIMATOR_NAMES,

@@ -39,7 +39,6 @@ def check_positive_number(value, name: str, *, allow_zero: bool = False) -> floa
 
 
 def check_unit_interval(value, name: str) -> float:
-    """A float in [0, 1] (discount factors)."""
     value = check_positive_number(value, name, allow_zero=True)
     if value > 1.0:
         raise ValueError(f"{name} must be in [0, 1], got {value!r}")

@@ -27,6 +27,5 @@ def chunk_plan(x: torch.Tensor, rows: int) -> list:
 
 
 def chunk_rows_of(x: torch.Tensor, chunk) -> torch.Tensor:
-    """The rows of ``x`` that ``chunk`` (an entry of ``chunk_plan``) covers."""
     block, start, stop, _ = chunk
     return x[start:stop] if block is None else x[block, start:stop]

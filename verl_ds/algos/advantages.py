@@ -1,33 +1,7 @@
-"""Advantage estimators: GAE (with a critic) and the critic-free ones, behind one registry.
-
-All take token_rewards (B, R) float and response_mask (B, R) bool (or 0/1), and return
-(advantages, returns), both (B, R) float32 and zero outside the response. The score of a response is the
-sum of its token rewards over the response (rewards outside the mask are ignored; verl sums the whole
-row, the same when padding holds zeros). A row with no response token scores 0 and still counts in its
-group. Group statistics are float64 and vectorised over samples (scatter adds over group numbers);
-inputs are never modified. Semantics follow verl's ``verl/trainer/ppo/core_algos.py``.
-
-    gae                           Schulman et al. 2016 (arXiv:1506.02438); needs the critic's values
-    grpo                          Shao et al. 2024, DeepSeekMath (arXiv:2402.03300):
-                                  A_i = (s_i - mean_g) / (std_g + eps), std unbiased; a group of one has
-                                  mean 0 and std 1; returns = advantages
-    dr_grpo                       Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783):
-                                  GRPO without the std division, A_i = s_i - mean_g; its losses default
-                                  to seq-mean-token-sum-norm (token sums over a constant)
-    rloo                          Ahmadian et al. 2024 (arXiv:2402.14740): A_i = s_i - mean of the OTHER
-                                  samples of the group; a group of one has baseline 0 (verl's loop version)
-    reinforce_plus_plus           Hu 2025 (arXiv:2501.03262): G_t = r_t + gamma G_(t+1) over the valid tokens,
-                                  a masked span (a tool's observation) carried through undiscounted (verl's
-                                  fix, verl-project/verl#7300); A = whiten(G) over the valid tokens
-    reinforce_plus_plus_baseline  the same paper: A = whiten(s_i - mean_g) over the valid tokens (eps 1e-8)
-    remax                         Li et al. 2023 (arXiv:2310.10505): G_t = sum_(t'>=t) r_t', A = G_t - b_i
-                                  with b_i the score of the greedy response to the same prompt
-
-DAPO (Yu et al. 2025, arXiv:2503.14476) is GRPO plus clip-higher, token-mean aggregation, dynamic
-sampling and the overlong penalty: see ``verl_ds.algos.sampling``.
-
-``get_advantage_estimator(name)`` returns an :class:`AdvantageEstimator`, called the same way for every entry;
-its flags say what the caller must provide. Group estimators need all samples of a group in the same call.
+"""Advantage estimators behind one registry, in verl's semantics (``verl/trainer/ppo/core_algos.py``): token_rewards
+and response_mask (B, R) in, (advantages, returns) (B, R) float32 out, zero outside the response. A response's score
+is the sum of its token rewards; group statistics are float64, over samples that must share the call. DAPO (Yu et
+al. 2025, arXiv:2503.14476) is GRPO plus clip-higher, token-mean aggregation and ``verl_ds.algos.sampling``.
 """
 from __future__ import annotations
 
@@ -68,7 +42,9 @@ def _group_scores(token_rewards, response_mask, group_index):
 
 def compute_grpo_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
                            eps: float = 1e-6, norm_by_std: bool = True):
-    """GRPO outcome advantage (norm_by_std=False: Dr.GRPO), see the module docstring; returns = advantages."""
+    """GRPO (Shao et al. 2024, arXiv:2402.03300): A_i = (s_i - mean_g) / (std_g + eps), unbiased std, a group of
+    one has mean 0 and std 1; norm_by_std=False is Dr.GRPO (Liu et al. 2025, arXiv:2503.20783), A_i = s_i - mean_g.
+    returns = advantages."""
     eps = check_positive_number(eps, "eps")
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     _, mean, std = group_count_mean_std(scores, inverse, n_groups)
@@ -78,8 +54,8 @@ def compute_grpo_advantage(token_rewards: torch.Tensor, response_mask: torch.Ten
 
 
 def compute_rloo_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index):
-    """RLOO advantage: the score minus the mean score of the other samples of its group (0 for a group
-    of one); returns = advantages."""
+    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): the score minus the mean score of the other samples of its
+    group (0 for a group of one, as verl's loop); returns = advantages."""
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     count = group_sums(torch.ones_like(scores), inverse, n_groups)[inverse]
     others = group_sums(scores, inverse, n_groups)[inverse] - scores
@@ -89,18 +65,16 @@ def compute_rloo_advantage(token_rewards: torch.Tensor, response_mask: torch.Ten
 
 
 def _discounted_returns(r: torch.Tensor, m: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma G_(next valid token) on valid tokens, 0 elsewhere; (B, R) float32. A masked span
-    inside a row (a tool's observation) passes G on with no discount step, as verl's fix does
-    (verl-project/verl#7300), so an outcome reward on the last turn reaches every turn: it is GAE with
-    values 0 and lam 1, whose compact scan already bridges masked spans."""
+    """G_t = r_t + gamma G_(next valid token), 0 off the mask: GAE with values 0 and lam 1, which carries G through a
+    masked span (a tool's observation) undiscounted, as verl-project/verl#7300, so a last-turn reward reaches all."""
     g, _ = compute_gae_torch(r, torch.zeros_like(r), m, gamma, 1.0)
     return torch.where(m, g, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
 def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0,
                                    *, whiten_fn: Callable | None = None):
-    """REINFORCE++: discounted returns (gamma in [0, 1]) carried through masked spans, whitened over the
-    valid tokens; ``whiten_fn(x, response_mask)`` replaces the local :func:`masked_whiten` (eps 1e-8, as verl)."""
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns carried through masked spans, whitened over the
+    valid tokens by ``whiten_fn(x, response_mask)`` (default :func:`masked_whiten`, eps 1e-8 as verl)."""
     gamma = check_unit_interval(gamma, "gamma")
     r, m = _prepare(token_rewards, response_mask)
     returns = _discounted_returns(r, m, gamma)
@@ -110,8 +84,8 @@ def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, response_mask: t
 
 def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, group_index,
                                             *, whiten_fn: Callable | None = None):
-    """REINFORCE++ with a group baseline: (score - group mean) on every response token, whitened over the
-    valid tokens (eps 1e-8, as verl, whose ``epsilon`` is unused; a group of one has mean 0)."""
+    """REINFORCE++ with a group baseline (the same paper): (score - group mean) on every response token, whitened
+    over the valid tokens (eps 1e-8, as verl; a group of one has mean 0)."""
     scores, m, inverse, n_groups = _group_scores(token_rewards, response_mask, group_index)
     _, mean, _ = group_count_mean_std(scores, inverse, n_groups)
     centered = _spread(scores - mean, m)
@@ -121,7 +95,7 @@ def compute_reinforce_pp_baseline_advantage(token_rewards: torch.Tensor, respons
 
 
 def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Tensor, baseline_scores: torch.Tensor):
-    """ReMax: returns G_t = sum of the response's rewards from t on, advantages G_t - baseline_scores (B,)."""
+    """ReMax (Li et al. 2023, arXiv:2310.10505): A = G_t - baseline_scores (B,), G_t the rewards from t on."""
     r, m = _prepare(token_rewards, response_mask)
     check_float_tensor(baseline_scores, "baseline_scores")
     if tuple(baseline_scores.shape) != (r.shape[0],):
@@ -137,9 +111,8 @@ def compute_remax_advantage(token_rewards: torch.Tensor, response_mask: torch.Te
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """A registered estimator, called as ``est(token_rewards, response_mask, *, values, group_index,
-    baseline_scores, gamma, lam, eps, whiten_fn) -> (advantages, returns)``; the flags say which optional inputs it
-    needs, ``kl_placement`` / ``loss_agg_mode`` what ``algo.kl_placement`` / ``algo.loss_agg_mode=auto`` mean."""
+    """A registered estimator, ``est(token_rewards, response_mask, *, values, group_index, baseline_scores, gamma,
+    lam, eps, whiten_fn)``; its flags say which inputs it needs and what ``auto`` means for the algo keys."""
     name: str
     fn: Callable
     needs_critic: bool = False

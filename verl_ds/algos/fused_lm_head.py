@@ -1,27 +1,7 @@
-"""Log-probs and entropy straight from the final hidden states and the LM-head weight, never building
-the (N, V) logits (``model.fused_lm_head``).
-
-Tokens are taken ``chunk_rows`` at a time and the vocabulary ``vocab_chunk`` weight rows at a time;
-each (rows, vocab_chunk) tile of logits updates per-token statistics with an online log-sum-exp
-(Milakov & Gimelshein 2018, arXiv:1805.02867). As ``verl_ds.algos.logprob``, it works in base 2
-(exp2 is cheaper than exp at the same accuracy): the matmul itself scales the tile to
-y = (hidden @ W_c^T + b_c) log2(e) / t, then with the running max m, s = sum_v 2^(y_v - m) and
-d = sum_v 2^(y_v - m) (y_v - m) (rescaled by 2^(m_old - m_new) when the max grows) and the label's y_y,
-    log p_y = ln2 (y_y - m - log2 s),     H = ln2 (log2 s - d / s).
-The backward recomputes each tile (no (N, V) tensor is saved either) and, with w_v = log2 p_v,
-    dL/dx_v = p_v (a + b w_v) + 1[v = y] g_lp / t,   a = -(g_lp + g_H H) / t,  b = -ln2 g_H / t
-for the raw logits x (d log p_y / dx_v = (1[v = y] - p_v) / t, dH / dx_v = -p_v (ln p_v + H) / t);
-the tile of dL/dx then gives dL/dhidden += G W_c, dL/dW_c += G^T hidden, dL/db_c += column sums of G,
-accumulated in float32.
-
-The forward walks token ranges, the backward vocabulary ranges. Peak extra memory: two or three
-(chunk_rows x vocab_chunk) float32 tiles and, in the backward, the (N, H) float32 hidden-gradient
-accumulator and one (vocab_chunk x H) float32 weight-gradient chunk.
-
-verl's ``FusedLinearForPPO`` (verl/utils/experimental/torch_functional.py) chunks over tokens only,
-each chunk with full-vocabulary logits; here tiles bound both sides. This is the torch path (CPU, and
-CUDA without a kernel); there is no Triton kernel for it yet: none could be run or tested on this
-project's GPU-less CI.
+"""Log-probs and entropy straight from the final hidden states and the LM-head weight, never building the (N, V)
+logits (``model.fused_lm_head``): (token chunk x vocabulary chunk) tiles with an online log-sum-exp (Milakov &
+Gimelshein 2018, arXiv:1805.02867) in base 2, as ``verl_ds.algos.logprob``. verl's ``FusedLinearForPPO``
+(verl/utils/experimental/torch_functional.py) chunks tokens only; tiles bound both sides. A torch path, no kernel.
 """
 from __future__ import annotations
 
@@ -59,8 +39,7 @@ def default_chunks(n: int, v: int, device: torch.device, chunk_rows: int | None 
 
 
 def _tile(h, w_c, b_c, k, out32, lowp):
-    """out32 <- (h @ w_c^T + b_c) * k in float32. In float32 the scale rides in the matmul; a low-precision
-    matmul rounds its output once (as the unfused logits), then the float32 copy is scaled."""
+    """out32 <- (h @ w_c^T + b_c) * k in float32; a low-precision matmul rounds once, as the unfused logits."""
     if lowp is None:
         if b_c is None:
             return torch.addmm(out32.new_zeros(()), h, w_c.t(), beta=0.0, alpha=k, out=out32)  # input ignored
@@ -77,6 +56,11 @@ def _vocab_ranges(v: int, vchunk: int) -> list[tuple[int, int]]:
 
 
 class _FusedLinearLogProbs(torch.autograd.Function):
+    """Per tile y = (h W_c^T + b_c) log2(e) / t, running max m, s = sum 2^(y - m), d = sum 2^(y - m) (y - m):
+    log p_y = ln2 (y_y - m - log2 s), H = ln2 (log2 s - d / s). The backward recomputes each tile; with w = log2 p,
+    dL/dx_v = p_v (a + b w_v) + 1[v = y] g_lp / t, a = -(g_lp + g_H H) / t, b = -ln2 g_H / t, then dh += G W_c and
+    dW_c += G^T h in float32. Extra memory: two or three tiles, and the backward's (N, H) float32 gradient."""
+
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_t: float, want_ent: bool, rows: int, vchunk: int,
                 ignore_index: int):
@@ -212,9 +196,8 @@ class _FusedLinearLogProbs(torch.autograd.Function):
 def fused_linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                           temperature: float = 1.0, bias: torch.Tensor | None = None, want_entropy: bool = True, *,
                           chunk_rows: int | None = None, vocab_chunk: int | None = None, ignore_index: int = -100):
-    """(log softmax(z) at ``labels``, entropy of softmax(z) or None), z = (hidden @ weight^T + bias) / temperature,
-    without materialising z: (N,) float32, differentiable w.r.t. hidden, weight and bias. A label
-    ``ignore_index`` gets log-prob 0 and no gradient through it."""
+    """(log softmax(z) at ``labels``, entropy or None), z = (hidden @ weight^T + bias) / temperature, (N,) float32
+    without materialising z; differentiable; a label ``ignore_index`` gets 0 and no gradient."""
     check_float_tensor(hidden, "hidden")
     check_float_tensor(weight, "weight")
     check_tensor(labels, "labels")

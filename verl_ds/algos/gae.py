@@ -1,21 +1,7 @@
-"""Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over (B, T) rows (T = R, the
-response width) with a response mask, with the semantics of verl's ``compute_gae_advantage_return``.
-
-Walking t backwards with a carry (next value v, running advantage g), a valid token does
-    g <- r_t + gamma * v - V_t + gamma * lam * g ;  v <- V_t
-and a masked token changes neither, so trailing padding bootstraps from 0 and masked spans inside a
-response are bridged. The advantage at t is g after step t; returns = advantages + values.
-
-No Python loop over t. The valid tokens of each row are compacted in reverse order against the right
-end (one scatter): slot T-1-k holds the k-th valid token, the slots left of them are empty. There the
-recursion is a forward discounted cumulative sum A_j = delta_j + c A_{j-1} with c = gamma * lam, which
-in float64 is A_j = S_j / w_j with w_j = c**(J - j) and S = cumsum(w * delta), J the block's last slot. The
-weights before j are all smaller than w_j, so the cumsum adds small terms first and the division does
-not amplify rounding (error ~ eps * max|delta| / (1 - c)). Blocks keep w >= 1e-200: a single block when
-c**T stays above that (always for gamma * lam near 1, including 1), otherwise blocks of L slots with
-c**L ~ 1e-200, where the carry from the previous block is its last local value (what it leaves out is
-c**L times smaller, below float64 resolution). A masked token holds the advantage of the next valid
-token to its right, the same compact slot as that token: one gather serves every position.
+"""Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over (B, R) rows with a response mask,
+in verl's semantics (``compute_gae_advantage_return``): walking t backwards, a valid token does g <- r_t + gamma v -
+V_t + gamma lam g and v <- V_t, a masked one changes neither (trailing padding bootstraps from 0, masked spans are
+bridged); advantages = g after step t, returns = advantages + values. No Python loop over t: see ``_scan_compact``.
 """
 from __future__ import annotations
 
@@ -41,7 +27,9 @@ def _block_len(c: float, t: int) -> int:
 
 
 def _scan_compact(delta: torch.Tensor, c: float) -> torch.Tensor:
-    """A_j = delta_j + c * A_{j-1} along dim 1 of a (b, T) float64 tensor (A_{-1} = 0), in place."""
+    """A_j = delta_j + c A_{j-1} along dim 1 of a (b, T) float64 tensor, in place: A_j = S_j / w_j, w_j = c**(J - j),
+    S = cumsum(w delta). Earlier weights are smaller, so rounding stays ~eps max|delta| / (1 - c); blocks of L slots
+    keep w >= 1e-200, each carrying in the previous block's last value (what that drops is below float64's grain)."""
     b, t = delta.shape
     blk = _block_len(c, t)
     if blk >= t:
@@ -97,8 +85,7 @@ def compute_gae_torch(token_rewards: torch.Tensor, values: torch.Tensor, respons
 
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
                 gamma: float = 1.0, lam: float = 1.0):
-    """(advantages, returns) (B, R) float32 with verl's masked-carry semantics (module docstring); masked
-    positions hold the carried advantage (callers mask them). No whitening here."""
+    """(advantages, returns) (B, R) float32 in verl's semantics; masked positions hold the carried advantage."""
     check_float_tensor(token_rewards, "token_rewards")
     check_float_tensor(values, "values")
     if token_rewards.dim() != 2:

@@ -1,7 +1,5 @@
-"""Group ids -> 0..G-1 and per-group statistics, vectorised over samples (scatter adds, no loop over groups).
-
-A group is the set of samples drawn for one prompt (GRPO, RLOO, DAPO's dynamic sampling). Ids are any
-hashables: an integer tensor, a numpy array, or a Python sequence (verl passes uuid strings).
+"""Group ids (any hashables: verl passes uuid strings) -> 0..G-1, and per-group statistics vectorised over samples
+with scatter adds. A group is the samples drawn for one prompt.
 """
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ import torch
 
 
 def group_inverse(group_index, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
-    """(inverse, G): ``inverse[i]`` in 0..G-1 is the group of sample i, an int64 (B,) tensor on ``device``;
-    G the number of distinct ids."""
+    """(inverse, G): sample i's group in 0..G-1, an int64 (B,) tensor on ``device``, and the number of ids."""
     if isinstance(group_index, torch.Tensor):
         if group_index.dim() != 1 or group_index.is_floating_point() or group_index.is_complex():
             raise TypeError(f"group_index as a tensor must be a 1-D integer tensor of B ids, got dtype "

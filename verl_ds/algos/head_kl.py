@@ -1,12 +1,6 @@
-"""The exact full-vocabulary symmetric KL between two models from their LM-head inputs, a chunk of tokens at a
-time: ``algo.kl_kind=full_symmetric`` in the loss.
-
-For token i with actor logits x_i = h_i W^T + b and reference logits y_i = g_i U^T + c (h, g the final hidden
-states, W, U the LM heads), J_i = 0.5 (KL(p_i||q_i) + KL(q_i||p_i)), p = softmax(x/t), q = softmax(y/t),
-is :func:`verl_ds.algos.full_symmetric_kl` (the Triton kernel on CUDA, the chunked torch twin elsewhere) of
-the two logit chunks. Only ``chunk_rows`` tokens' logits of each model exist at once: the forward keeps no
-logits, and the backward recomputes each chunk's (with grad into h, W, b only; the reference is a constant)
-and accumulates dJ/dh, dJ/dW, dJ/db in float32.
+"""The exact full-vocabulary symmetric KL between two models from their LM-head inputs (``algo.kl_kind=full_symmetric``
+in the loss): :func:`verl_ds.algos.full_symmetric_kl` of ``chunk_rows`` tokens' logits at a time. No logits are kept;
+the backward recomputes each chunk's, with grad into the actor's h, W, b only, summed in float32.
 """
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ _CUDA_CHUNK_ELEMS = 1 << 26
 
 
 def default_kl_chunk_rows(n: int, v: int, device: torch.device) -> int:
-    """Tokens per chunk for n tokens and vocabulary v on ``device``."""
     elems = _CUDA_CHUNK_ELEMS if device.type == "cuda" else _CPU_CHUNK_ELEMS
     return max(1, min(max(n, 1), elems // max(v, 1)))
 

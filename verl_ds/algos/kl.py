@@ -1,18 +1,7 @@
-"""KL estimators: per-token from sampled log-probs, and the exact full-vocabulary symmetric KL.
-
-Per token (the estimators of Schulman, "Approximating KL Divergence", 2020, as verl's ``kl_penalty``),
-with d = log_probs - ref_log_probs for tokens sampled from pi:
-    k1 ("kl")          d                      unbiased for KL(pi||ref), can be negative
-    abs                |d|
-    k2 ("mse")         d^2 / 2                its gradient is that of the true reverse KL
-    k3 ("low_var_kl")  exp(-d) - 1 + d        >= 0, unbiased, low variance; d clamped to [-20, 20]
-                                              and the result to [-10, 10] as verl does
-    symmetric          0.5 d (1 - exp(-d))    >= 0, unbiased for 0.5 (KL(pi||ref) + KL(ref||pi)),
-                                              since E_pi[exp(-d) (-d)] = KL(ref||pi); d clamped to [-20, 20]
-    full_symmetric     the same from sampled  in the loss the actor computes the exact value over the whole
-                       log-probs              vocabulary instead (``verl_ds.algos.head_kl``, loss placement only)
-
-The estimators are a registry (``register_kl_estimator``); ``KL_KINDS`` is a live view of the names.
+"""KL estimators, a registry (``KL_KINDS``): per token from sampled log-probs (Schulman, "Approximating KL
+Divergence", 2020, as verl's ``kl_penalty``), with d = log_probs - ref_log_probs: k1 = d, abs = |d|, k2 = d^2 / 2,
+k3 = exp(-d) - 1 + d (>= 0, low variance), symmetric = 0.5 d (1 - exp(-d)) (>= 0, unbiased for 0.5 (KL(pi||ref) +
+KL(ref||pi))), d clamped to [-20, 20] and k3 to [-10, 10] as verl; and the exact full-vocabulary symmetric KL.
 """
 from __future__ import annotations
 
@@ -85,12 +74,8 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str) 
 
 
 class _SymmetricKL(torch.autograd.Function):
-    """0.5 * sum_v (p_v - q_v)(x_v - y_v), x = logits/t, y = ref/t, chunk by chunk; (N,) float32.
-
-    With D = x - y and E_p[D] = sum_v p_v D_v, the gradients are
-        dJ/dx_v = 0.5 (p_v (D_v - E_p[D]) + p_v - q_v)
-        dJ/dy_v = 0.5 (q_v (E_q[D] - D_v) + q_v - p_v)
-    and the softmaxes are recomputed per chunk in the backward."""
+    """0.5 sum_v (p_v - q_v)(x_v - y_v), x = logits/t, y = ref/t, per chunk -> (N,) float32; D = x - y, backward:
+    dJ/dx_v = 0.5 (p_v (D_v - E_p[D]) + p_v - q_v), dJ/dy_v = 0.5 (q_v (E_q[D] - D_v) + q_v - p_v)."""
 
     @staticmethod
     def forward(ctx, logits, ref_logits, inv_t: float, rows: int):
@@ -148,8 +133,8 @@ class _SymmetricKL(torch.autograd.Function):
 
 
 def _chunk_stats(c, c_ref, inv_t, bufs):
-    """softmax(c/t), softmax(c_ref/t) and D / ln2 = (c - c_ref)/(t ln2) for one chunk, in the fp32 scratch
-    bufs. Base 2 because torch's exp2 costs ~60% of its exp at the same accuracy."""
+    """softmax(c/t), softmax(c_ref/t) and D / ln2 for one chunk in the fp32 scratch bufs; base 2 because exp2 is
+    cheaper than exp at the same accuracy (benchmarks/README.md)."""
     r = c.shape[0]
     p, q, d = bufs[0][:r], bufs[1][:r], bufs[2][:r]
     # x/(t ln2) in fp32 (a (1, 1) fp32 scale promotes bf16/fp16 chunks in the same pass)
@@ -167,8 +152,7 @@ def _chunk_stats(c, c_ref, inv_t, bufs):
 
 def full_symmetric_kl_torch(logits2d: torch.Tensor, ref_logits2d: torch.Tensor, temperature: float = 1.0, *,
                             chunk_rows: int | None = None) -> torch.Tensor:
-    """Torch path of :func:`full_symmetric_kl` on (N, V) logits (or (B, T, V) blocks), flat (N,) float32; no
-    input checks. The Triton kernel's test reference."""
+    """Torch path of :func:`full_symmetric_kl` (no checks), flat (N,) float32: the Triton kernel's test reference."""
     rows = rows_per_chunk(logits2d.shape[-1], logits2d.device, chunk_rows)
     return _SymmetricKL.apply(logits2d, ref_logits2d, 1.0 / float(temperature), rows)
 
@@ -182,9 +166,8 @@ def _same_row_blocks(logits, ref_logits):
 
 
 def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Exact 0.5 * (KL(p||q) + KL(q||p)) per position (...) float32, p = softmax(logits/t), q = softmax(ref_logits/t):
-    0.5 * sum_v (p_v - q_v)(x_v - y_v) (the log-sum-exp terms cancel), chunk by chunk with no (..., V)
-    temporaries. Differentiable w.r.t. ``logits`` (and ``ref_logits`` if it requires grad)."""
+    """Exact 0.5 (KL(p||q) + KL(q||p)) per position (...) float32, p = softmax(logits/t), q = softmax(ref_logits/t),
+    chunk by chunk with no (..., V) temporaries; differentiable (w.r.t. ref_logits too if it requires grad)."""
     check_float_tensor(logits, "logits")
     check_float_tensor(ref_logits, "ref_logits")
     check_same_shape(logits, "logits", ref_logits, "ref_logits")

@@ -1,15 +1,6 @@
-"""KL coefficient controllers, one interface: ``.name``, ``.value``, ``.update(current_kl, n_samples)``,
-``state_dict()``, ``load_state_dict()``; built by name through a registry (:func:`make_kl_controller`).
-
-    fixed    a constant coefficient
-    band     after each update: KL > 1.5 * target -> coef *= 1.5; KL < 0.5 * target -> coef *= 0.8
-             (factors configurable), clamped to [min_coef, max_coef]
-    ziegler  Ziegler et al. 2019 (arXiv:1909.08593) proportional controller:
-             e = clip(KL / target - 1, -0.2, 0.2); coef *= 1 + e * n_samples / horizon
-
-Observed KL. ``current_kl`` is the TOKEN MEAN of the trainer's per-token KL over every rank's response tokens
-(:func:`observed_kl`); verl feeds the batch mean of each sequence's token mean instead, which changes with how the
-batch is split over ranks. ``n_samples`` is global too, or the Ziegler controller moves dp_size times too slowly.
+"""KL coefficient controllers (fixed, band, ziegler), built by name (:func:`make_kl_controller`). ``current_kl`` is
+the token mean of the per-token KL over every rank's response tokens (verl's mean of sequence means depends on the
+split over ranks), and ``n_samples`` is global, or Ziegler's controller would move dp_size times too slowly.
 """
 from __future__ import annotations
 
@@ -27,8 +18,7 @@ KL_CTRL_KINDS = KL_CONTROLLERS.view()  # fixed, band, ziegler
 
 
 def register_kl_controller(name: str, *, aliases: tuple = ()):
-    """Class decorator adding a KL controller ``cls(init_kl_coef, target_kl, horizon, **kwargs)``; sets
-    ``cls.name`` to ``name`` (the kind its state_dict records)."""
+    """Class decorator registering ``cls(init_kl_coef, target_kl, horizon, **kwargs)``; sets ``cls.name``."""
     def add(cls):
         KL_CONTROLLERS.register(name, aliases=aliases)(cls)
         cls.name = name
@@ -189,8 +179,7 @@ class BandKLController(_KLController):
 
 def make_kl_controller(kind: str, init_kl_coef: float, target_kl: float | None = None, horizon: int = 10000,
                        **kwargs) -> _KLController:
-    """Build a registered controller by name; extra keywords go to the controller (band: up, down, min_coef,
-    max_coef)."""
+    """A registered controller by name; extra keywords go to it (band: up, down, min_coef, max_coef)."""
     name = KL_CONTROLLERS.canonical(kind)
     cls = KL_CONTROLLERS.get(name)
     accepted = inspect.signature(cls).parameters

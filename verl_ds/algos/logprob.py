@@ -1,21 +1,6 @@
-"""Token log-probs and entropy of softmax(logits / temperature), one pass over the vocabulary.
-
-The torch path walks the rows of the (N, V) logits in chunks sized to stay in cache, so no second
-logits-sized tensor is ever built (no full ``log_softmax``, no full ``logits / temperature`` copy):
-the extra memory is one or two fp32 scratch chunks plus O(N) per-row statistics.
-
-It works in base 2, because torch's exp2 costs ~60% of its exp at the same 1-ulp accuracy: with
-k = log2(e) / t, y_v = k z_v (one fused multiply-add with the shift), a per-row shift S,
-e_v = 2^(y_v - S) and s = sum_v e_v:
-    log p_y = ln2 (y_y - S) - ln s,    H = ln s - ln2 sum_v e_v (y_v - S) / s.
-The shift is the row's max for the entropy. For log-probs alone it is y_y itself: no max pass over
-the row (its first, memory-bound read), log p_y = -ln s to the last bit, and a row where some logit
-exceeds the label's by more than ~88/t overflows s and is redone with its max.
-
-The backward is a custom autograd.Function that recomputes e_v chunk by chunk from the saved S and
-ln s instead of saving the softmax (p_v = e_v / s):
-    d log p_y / dz_v = (1[v = y] - p_v) / t
-    dH / dz_v        = -p_v (log p_v + H) / t
+"""Token log-probs and entropy of softmax(logits / temperature) in one pass over the vocabulary, walking the (N, V)
+rows in cache-sized chunks: no second logits-sized tensor, only fp32 scratch chunks and O(N) row statistics. Base 2,
+as exp2 is cheaper than exp at the same accuracy; the formulas are on ``_LogProbEntropy``.
 """
 from __future__ import annotations
 
@@ -39,7 +24,6 @@ _NEG_FLOOR = -1.0e4
 
 
 def rows_per_chunk(n_cols: int, device: torch.device, chunk_rows: int | None = None) -> int:
-    """Rows per scratch chunk for an (N, n_cols) input on ``device``."""
     if chunk_rows is not None:
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
             raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
@@ -49,9 +33,11 @@ def rows_per_chunk(n_cols: int, device: torch.device, chunk_rows: int | None = N
 
 
 class _LogProbEntropy(torch.autograd.Function):
-    """(logits (N, V) or (B, T, V), labels (N,) / (B, T) or None) -> (logprob, entropy), flat (N,) float32.
-
-    An output that was not asked for (no labels / want_ent=False) is an empty tensor."""
+    """(logits (N, V) or (B, T, V), labels or None) -> (logprob, entropy), flat (N,) float32 (empty if not asked).
+    With k = log2(e) / t, y = k z, a row shift S, e_v = 2^(y_v - S) and s = sum e: log p_y = ln2 (y_y - S) - ln s,
+    H = ln s - ln2 sum e (y - S) / s. S is the row max for the entropy, else y_y itself (no max pass, log p_y = -ln s
+    exactly; a row whose s overflows, a logit ~88/t above the label's, is redone with its max). The backward
+    recomputes e per chunk: d log p_y / dz_v = (1[v = y] - p_v) / t, dH / dz_v = -p_v (log p_v + H) / t."""
 
     @staticmethod
     def forward(ctx, logits, labels, inv_t: float, want_ent: bool, chunk_rows: int):
@@ -179,8 +165,7 @@ class _LogProbEntropy(torch.autograd.Function):
 
 def logprobs_and_entropy_torch(logits2d: torch.Tensor, labels: torch.Tensor | None, temperature: float = 1.0,
                                compute_entropy: bool = True, *, chunk_rows: int | None = None):
-    """Torch path: log softmax(logits2d / t) at ``labels`` (None: no log-probs) and the entropy, flat (N,)
-    float32, of (N, V) or (B, T, V) logits; no input checks. The Triton kernels' test reference."""
+    """Torch path (no checks), flat (N,) float32 of (N, V) or (B, T, V) logits: the Triton kernels' test reference."""
     if labels is None and not compute_entropy:
         return None, None
     rows = rows_per_chunk(logits2d.shape[-1], logits2d.device, chunk_rows)
@@ -246,8 +231,7 @@ def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch
 
 
 def logprobs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
-    """(log softmax(logits / t) at ``labels``, entropy of softmax(logits / t)) from one pass over the logits,
-    (...) float32 each, differentiable."""
+    """(log softmax(logits / t) at ``labels``, entropy) (...) float32 each, from one pass, differentiable."""
     logits2d, flat_labels, temperature = _check_inputs(logits, labels, temperature)
     lp, ent = _dispatch(logits2d, flat_labels, temperature, compute_entropy=True)
     return lp.view(labels.shape), ent.view(labels.shape)

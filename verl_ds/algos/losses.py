@@ -1,6 +1,5 @@
-"""PPO losses: the clipped surrogate with dual clip and the clipped value loss (verl's ``vanilla`` policy
-loss and ``compute_value_loss``). Both return (loss, metrics): the loss a 0-d float32 tensor with grad,
-the metrics 0-d detached float32 tensors (no host sync here: the trainer syncs once per step)."""
+"""PPO losses (verl's ``vanilla`` policy loss and ``compute_value_loss``) and importance weights for off-policy tokens.
+Each loss returns (0-d float32 loss, detached 0-d metrics): no host sync here."""
 from __future__ import annotations
 
 import numbers
@@ -24,11 +23,10 @@ def _check_btensors(ref_name, ref, **others):
 
 def truncated_is_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor,
                          cap: float = 2.0):
-    """Truncated importance sampling weights (TIS: Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-    You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; verl's ``tis_imp_ratio_cap``):
-    w = min(exp(old_log_probs - rollout_log_probs), cap) per token, the trainer's probability of a sampled token
-    over the sampler's (vLLM, a bf16 rollout), capped to bound the variance. Returns (weights (B, R) without grad,
-    0 on padding; metrics is_weight_mean and is_capped_frac, the share of valid tokens over the cap)."""
+    """Truncated importance sampling (TIS: Yao et al. 2025, https://fengyao.notion.site/off-policy-rl; verl's
+    ``tis_imp_ratio_cap``): w = min(exp(old_log_probs - rollout_log_probs), cap) per token, the trainer's over the
+    sampler's probability (vLLM, a bf16 rollout). Returns (weights (B, R) without grad, 0 on padding; metrics
+    is_weight_mean and is_capped_frac)."""
     m, ratio, cap = _sampler_ratio(("old_log_probs", old_log_probs), ("rollout_log_probs", rollout_log_probs),
                                    response_mask, cap, "a weight is capped at cap; below 1 every on-policy token is "
                                                        "down-weighted")
@@ -52,14 +50,10 @@ def _sampler_ratio(new: tuple, behav: tuple, response_mask: torch.Tensor, cap: f
 
 def decoupled_is_weights(prox_log_probs: torch.Tensor, behav_log_probs: torch.Tensor, response_mask: torch.Tensor,
                          cap: float = 2.0):
-    """Behaviour importance weights of the decoupled PPO objective (AReaL: Fu et al. 2025, arXiv:2505.24298, eq. 5):
-    w = pi_prox / pi_behav per token, where pi_behav produced the token (``rollout_log_probs``: the sampler's,
-    possibly an older actor version, or several versions within one partial rollout) and pi_prox is the proximal
-    policy the clipped ratio is taken against (``old_log_probs``: the actor before this update). With these weights
-    ``policy_loss`` computes w * max(-A r, -A clip(r)), r = pi / pi_prox: the trust region is around pi_prox, not
-    around a stale behaviour policy. A token whose weight exceeds ``cap`` is left out (weight 0), as AReaL's
-    ``behav_imp_weight_cap`` does, where truncated IS would keep it at ``cap``. Returns (weights, metrics) as
-    ``truncated_is_weights`` (is_capped_frac: the share of valid tokens left out)."""
+    """Behaviour weights of the decoupled PPO objective (AReaL: Fu et al. 2025, arXiv:2505.24298, eq. 5): w = pi_prox
+    / pi_behav per token, pi_behav the sampler (``rollout_log_probs``, maybe older actors), pi_prox the actor before
+    this update (``old_log_probs``): the trust region is around pi_prox, not a stale behaviour policy. A token over
+    ``cap`` gets weight 0, as AReaL's ``behav_imp_weight_cap``. Returns as ``truncated_is_weights``."""
     m, ratio, cap = _sampler_ratio(("prox_log_probs", prox_log_probs), ("behav_log_probs", behav_log_probs),
                                    response_mask, cap, "tokens whose weight exceeds it are left out; below 1 on-policy "
                                                        "tokens would be")
@@ -73,12 +67,9 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 clip_ratio_c: float | None = 3.0, loss_agg_mode: str = "token-mean", normalizer=None,
                 is_weights: torch.Tensor | None = None, max_len: int | None = None):
     """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with dual clip (Ye et al. 2019,
-    arXiv:1912.09729), as verl's ``vanilla``.
-
-    With rho = exp(clamp(log_probs - old_log_probs, -20, 20)): L = max(-A rho, -A clip(rho, 1 - low, 1 + high)),
-    and where A < 0 it is capped at -c A (clip_ratio_c = c > 1; None disables the dual clip); aggregated by
-    :func:`agg_loss`. Metrics: pg_clipfrac, pg_clipfrac_lower (the dual clip's share) and ppo_kl. ``is_weights``
-    (B, R) multiply each token's loss before aggregation (no gradient through them), as verl's vanilla loss."""
+    arXiv:1912.09729), as verl's ``vanilla``: rho = exp(clamp(log_probs - old_log_probs, -20, 20)), L = max(-A rho,
+    -A clip(rho, 1 - low, 1 + high)), capped at -c A where A < 0 (c = clip_ratio_c; None: off). ``is_weights``
+    (B, R) scale each token's loss, with no gradient. Metrics: pg_clipfrac, pg_clipfrac_lower, ppo_kl."""
     _check_btensors("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
     if is_weights is not None:
         _check_btensors("log_probs", log_probs, is_weights=is_weights)
@@ -122,12 +113,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                response_mask: torch.Tensor, cliprange_value: float | None = 0.5,
                loss_agg_mode: str = "token-mean", normalizer=None, max_len: int | None = None):
-    """Clipped value loss 0.5 * agg(max((V - G)^2, (V_clip - G)^2)), V_clip = V_old + clip(V - V_old, +-eps),
-    G the returns (as in verl's ``compute_value_loss``).
-
-    cliprange_value = None or 0 disables clipping: the loss is 0.5 * agg((V - G)^2). (With eps = 0 the
-    clipped form would be max((V - G)^2, (V_old - G)^2), whose gradient is 0 wherever V is closer to G
-    than V_old: the critic could not learn.) Metrics: vf_clipfrac and vpred_mean."""
+    """0.5 agg(max((V - G)^2, (V_clip - G)^2)), V_clip = V_old + clip(V - V_old, +-eps), as verl's; eps None or 0: no
+    clipping (at eps = 0 the gradient would vanish where V is nearer G than V_old). Metrics: vf_clipfrac, vpred_mean."""
     _check_btensors("values", values, old_values=old_values, returns=returns)
     m = as_bool_mask(response_mask, "response_mask", values.shape, "values")
     zero = torch.zeros((), dtype=torch.float32, device=values.device)

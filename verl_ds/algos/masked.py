@@ -1,11 +1,5 @@
-"""Masked reductions and loss aggregation (verl's ``masked_mean``/``masked_whiten`` and ``agg_loss`` modes).
-
-Masked-out values are replaced by 0 before anything is multiplied or summed, so a NaN or inf in
-padding never reaches a result or a gradient. Masks are bool, or 0/1 integer/float tensors.
-
-The aggregation modes are a registry: ``@register_loss_agg("name")`` on
-``fn(loss_mat, response_mask, normalizer, max_len) -> 0-d float32`` adds one (``loss_mat`` arrives as
-float32 with zeros outside the mask, ``response_mask`` as bool); ``LOSS_AGG_MODES`` is a live view.
+"""Masked reductions and loss aggregation (verl's ``masked_mean``/``masked_whiten`` and ``agg_loss`` modes). Masked-out
+values become 0 before anything is multiplied or summed, so a NaN in padding never reaches a result or a gradient.
 """
 from __future__ import annotations
 
@@ -21,7 +15,8 @@ LOSS_AGG_MODES = LOSS_AGGREGATIONS.view()
 
 
 def register_loss_agg(name: str, *, aliases: tuple = ()):
-    """Decorator adding a loss aggregation ``fn(loss_mat, response_mask, normalizer, max_len) -> 0-d``."""
+    """Decorator adding a loss aggregation ``fn(loss_mat, response_mask, normalizer, max_len) -> 0-d`` (float32
+    ``loss_mat`` with zeros outside the bool mask)."""
     return LOSS_AGGREGATIONS.register(name, aliases=aliases)
 
 
@@ -118,15 +113,13 @@ def _seq_mean_token_sum_norm(xm, m, norm, max_len):
 
 def agg_loss(loss_mat: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean", normalizer=None, *,
              max_len: int | None = None) -> torch.Tensor:
-    """Aggregate a per-token loss ``loss_mat`` (B, R) over ``response_mask`` (B, R) into a 0-d float32 loss.
-    Modes (X = loss_mat, m = response_mask; a sequence counts when it has a valid token):
+    """Aggregate a per-token loss X = ``loss_mat`` (B, R) over m = ``response_mask`` (B, R) into a 0-d float32 loss:
       token-mean               sum(X m) / N_tok
       seq-mean-token-sum       sum_i sum_t X m / N_seq
       seq-mean-token-mean      sum_i (sum_t X m / sum_t m) / N_seq        (GRPO)
       seq-mean-token-sum-norm  sum(X m) / (N_seq * C), C = max_len or R   (Dr.GRPO)
-    ``normalizer`` (a positive number or 0-d tensor), when given, replaces the local N_tok (token-mean)
-    or N_seq (seq-* modes): the trainer passes the mini-batch's global count, so the micro-batch losses add up
-    to the exact global mean. Without it, an all-masked batch gives 0."""
+    ``normalizer`` replaces N_tok / N_seq: the trainer passes the mini-batch's global count, so micro-batch losses
+    add up to the global mean."""
     check_float_tensor(loss_mat, "loss_mat")
     if loss_mat.dim() != 2:
         raise ValueError(f"loss_mat must have shape (B, R), got shape {tuple(loss_mat.shape)}")

@@ -1,8 +1,5 @@
-"""Name -> implementation registries for the swappable numerics (KL estimators, loss aggregation modes,
-KL controllers, advantage estimators), so callers look a part up by name instead of an if-chain.
-
-Each entry has a canonical name, optional aliases and free-form metadata. Registering a name twice raises;
-an unknown name raises ValueError listing the valid names and the closest matches.
+"""Name -> implementation registries for the swappable numerics, instead of if-chains: registering a name twice
+raises, and an unknown name raises a ValueError listing the valid names and the closest.
 """
 from __future__ import annotations
 
@@ -15,17 +12,13 @@ from typing import Any, Callable
 
 @dataclass(frozen=True)
 class Entry:
-    """One registered implementation: its canonical ``name``, the object ``fn`` and its ``meta`` dict."""
     name: str
     fn: Any
     meta: dict = field(default_factory=dict)
 
 
 class Registry:
-    """Thread-safe registry of named implementations.
-
-    ``what`` names one entry in messages ("KL kind"), ``noun`` the list ("kinds"):
-    ``unknown KL kind 'k4'; valid kinds: k1, kl, ...``."""
+    """Thread-safe; ``what`` names an entry in messages ("KL kind"), ``noun`` the list ("kinds")."""
 
     def __init__(self, what: str, noun: str = "names"):
         self.what, self.noun = what, noun
@@ -73,7 +66,6 @@ class Registry:
         return self._alias[name]
 
     def canonical(self, name) -> str:
-        """The canonical name for ``name`` (an alias resolves to its entry's name)."""
         with self._lock:
             if isinstance(name, str) and (name in self._entries or name in self._alias):
                 return self._canonical_locked(name)
@@ -83,13 +75,11 @@ class Registry:
         raise ValueError(f"unknown {self.what} {name!r}; valid {self.noun}: {', '.join(valid)}{hint}")
 
     def entry(self, name) -> Entry:
-        """The :class:`Entry` registered under ``name`` (or one of its aliases)."""
         canonical = self.canonical(name)
         with self._lock:
             return self._entries[canonical]
 
     def get(self, name):
-        """The implementation registered under ``name`` (or one of its aliases)."""
         return self.entry(name).fn
 
     def names(self, *, aliases: bool = True) -> tuple:

@@ -1,10 +1,5 @@
-"""DAPO's sampling-side pieces and evaluation estimators, as pure functions.
-
-- :func:`overlong_reward_penalty`: DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, eq. 13).
-- :func:`groups_with_signal`: DAPO's dynamic sampling keeps only groups whose scores are not all equal
-  (an all-equal group has zero GRPO advantage, so it adds no gradient).
-- :func:`pass_at_k`: the unbiased pass@k estimator of Chen et al. 2021 (Codex, arXiv:2107.03374),
-  in its numerically stable product form; :func:`mean_at_k`: the expected share of correct samples.
+"""DAPO's sampling-side pieces (Yu et al. 2025, arXiv:2503.14476: the soft overlong penalty, eq. 13, and dynamic
+sampling's groups with signal) and evaluation estimators (pass@k of Chen et al. 2021, arXiv:2107.03374; mean@k).
 """
 from __future__ import annotations
 
@@ -45,7 +40,7 @@ def overlong_reward_penalty(response_length: torch.Tensor, max_new_tokens: int, 
 
 
 def groups_with_signal(scores: torch.Tensor, group_index) -> torch.Tensor:
-    """(B,) bool: True for samples whose group's (B,) scores are not all equal (a group of one has no signal)."""
+    """(B,) bool: True where the group's scores are not all equal (an all-equal group has zero GRPO advantage)."""
     check_float_tensor(scores, "scores")
     if scores.dim() != 1:
         raise ValueError(f"scores must have shape (B,), got shape {tuple(scores.shape)}")
@@ -80,8 +75,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def mean_at_k(n: int, c: int, k: int) -> float:
-    """mean@k: the expected share of correct answers among k samples drawn without replacement from the
-    n (c correct), the hypergeometric mean c / n for every k (so mean@k = pass@1). Requires 1 <= k <= n."""
+    """mean@k: the expected share of correct samples among k drawn from n (c correct), c / n for every k (= pass@1)."""
     n, c, k = _check_nck(n, c, k)
     return c / n
 

@@ -1,7 +1,5 @@
-"""Build the tokenizer, the HF models and their DeepSpeed engines (actor, critic, reference, a reward model).
-
-Under ZeRO-3 every model is created already partitioned (``engines.zero3.partitioned_construction``), even while
-loading ``model.path``; ``build_engines`` is the one call for the PPO components.
+"""Build the tokenizer, the HF models and their DeepSpeed engines (actor, critic, reference, a reward model); under
+ZeRO-3 every model is created already partitioned (``engines.zero3``), even while loading ``model.path``.
 """
 from __future__ import annotations
 
@@ -85,9 +83,8 @@ def _param_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_tiny_weights(model: torch.nn.Module, seed: int, std: float, prefix: str = "") -> None:
-    """Initialise a config-built model as HF does Llama/Qwen2 (Linear/Embedding weights ~ N(0, std), biases and the
-    padding row 0), each parameter from a generator seeded by (seed, ``prefix`` + name): the same values on every
-    rank, ZeRO stage and world size, whatever the global RNG. Prefix "model." gives a critic the actor's values."""
+    """HF's Llama/Qwen2 init (N(0, std) weights, zero biases and padding row), each parameter from its own (seed,
+    ``prefix`` + name) generator: the same on any rank, stage or world size (prefix "model.": a critic's backbone)."""
     for module_name, module in model.named_modules():
         if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             continue
@@ -105,8 +102,7 @@ def init_tiny_weights(model: torch.nn.Module, seed: int, std: float, prefix: str
 
 
 def build_actor_model(cfg: Config, tok, seed_offset: int = 0, *, ds_config: Optional[dict] = None):
-    """The actor (or reference) HF causal LM from ``model.path`` or a tiny config; with a ZeRO-3 ``ds_config`` it is
-    created partitioned, and every rank must call this."""
+    """The actor (or reference) HF causal LM, created partitioned under a ZeRO-3 ``ds_config`` (every rank calls it)."""
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]), partitioned_construction(ds_config):
@@ -125,8 +121,7 @@ def build_actor_model(cfg: Config, tok, seed_offset: int = 0, *, ds_config: Opti
 
 
 def build_critic_model(cfg: Config, tok, actor_model=None, *, ds_config: Optional[dict] = None):
-    """The critic: the LM backbone plus a scalar value head; a tiny critic's backbone is copied from ``actor_model``
-    shard by shard. With a ZeRO-3 ``ds_config`` the backbone is created partitioned."""
+    """The backbone plus a scalar value head; a tiny critic's backbone is copied from ``actor_model`` shard by shard."""
     from verl_ds.models.value import VALUE_HEAD_FILE, CriticLM
 
     path = cfg.model.critic_path or cfg.model.path
@@ -211,8 +206,7 @@ OPTIMIZERS = {"torch_adamw": _torch_adamw, "deepspeed_cpu_adam": _deepspeed_cpu_
 
 
 def optimizer_name(cfg: Config) -> str:
-    """DeepSpeed's CPU Adam when the optimizer is offloaded from a GPU; torch AdamW otherwise (CPU runs
-    need no compiled op, and with the optimizer on the GPU torch's fused/foreach AdamW is the fast one)."""
+    """DeepSpeed's CPU Adam when the optimizer is offloaded from a GPU, else torch AdamW (no compiled op needed)."""
     offloaded = cfg.deepspeed.offload_optimizer and cfg.deepspeed.zero_stage > 0
     return "deepspeed_cpu_adam" if offloaded and uses_gpu(cfg) else "torch_adamw"
 
@@ -242,10 +236,8 @@ def make_engine(model, cfg: Config, derived: Derived, role: str, lr: float = 0.0
 
 
 def skip_lone_rank_allreduce(engine) -> bool:
-    """Turn off a ZeRO-0 engine's gradient all-reduce when it has no data-parallel peer; returns whether it did.
-    On one rank the stage-0 path still flattens, all-reduces and copies back every gradient, for an identity;
-    ``enable_backward_allreduce`` is DeepSpeed's own switch for engines that reduce elsewhere. Stages 1-3 reduce
-    through their ZeRO optimizer and are left alone."""
+    """Turn off (DeepSpeed's own switch) a lone ZeRO-0 rank's gradient all-reduce, which flattens and copies back
+    every gradient for an identity; returns whether it did. Stages 1-3 reduce in their ZeRO optimizer."""
     if engine.zero_optimization_stage() != 0 or engine.dp_world_size != 1 or not engine.enable_backward_allreduce:
         return False
     engine.enable_backward_allreduce = False
@@ -254,12 +246,10 @@ def skip_lone_rank_allreduce(engine) -> bool:
 
 def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("actor", "ref", "critic"),
                   sft_warmup: Optional[Callable] = None) -> dict:
-    """The DeepSpeed engines of ``roles`` (a subset of actor, ref, critic); every rank must call this.
-
-    The reference and a tiny critic's backbone are copied from the actor shard by shard. ``sft_warmup(engine)``
-    first trains a temporary actor engine (AdamW at ``actor.lr``, weight decay 0.01, no gradient accumulation: one
-    ``engine.backward(loss); engine.step()`` per step) under a forked RNG, and every role starts from its weights.
-    LoRA (``*.lora_rank`` > 0) wraps the actor / the critic's backbone last; a LoRA actor gets no reference."""
+    """The DeepSpeed engines of ``roles`` (a subset of actor, ref, critic); every rank must call this. The reference
+    and a tiny critic's backbone are copied from the actor shard by shard; ``sft_warmup(engine)`` first trains a
+    temporary actor engine (no gradient accumulation: one ``backward``/``step`` per step) whose weights every role
+    starts from. LoRA wraps the actor / the critic's backbone last; a LoRA actor gets no reference."""
     unknown = sorted(set(roles) - {"actor", "ref", "critic"})
     if unknown:
         raise ValueError(f"build_engines: unknown roles {unknown}; expected a subset of ('actor', 'ref', 'critic')")

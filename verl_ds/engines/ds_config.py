@@ -19,12 +19,10 @@ def uses_gpu(cfg: Config) -> bool:
 
 def make_ds_config(cfg: Config, derived: Derived, role: str, grad_clip: float = 0.0,
                    gpu: Optional[bool] = None) -> dict:
-    """DeepSpeed config for ``role`` in {"actor", "critic", "ref"}; batch sizes are derived, never patched later.
-
-    The reference (and a reward model) is an inference engine: ZeRO-3 when the actor is, else stage 0 (every rank
-    holds the actor whole anyway), as DeepSpeed-Chat's ``_init_ref`` (microsoft/DeepSpeedExamples,
-    ``dschat/rlhf/rlhf_engine.py``). The optimizer is passed to ``deepspeed.initialize`` (``engines.build``):
-    DeepSpeed's "AdamW" type would be a JIT-compiled FusedAdam on CPU. ``gpu`` None: from ``trainer.device``."""
+    """DeepSpeed config for ``role`` in {"actor", "critic", "ref"}, batch sizes derived. The reference is an inference
+    engine: ZeRO-3 when the actor is, else stage 0, as DeepSpeed-Chat's ``_init_ref`` (microsoft/DeepSpeedExamples,
+    ``dschat/rlhf/rlhf_engine.py``). The optimizer goes to ``deepspeed.initialize``: DeepSpeed's "AdamW" type would
+    be a JIT-compiled FusedAdam on CPU."""
     ds = cfg.deepspeed
     gpu = uses_gpu(cfg) if gpu is None else gpu
     pin = bool(gpu)  # pinned host buffers speed up GPU<->CPU copies; on a CPU-only run they only cost

@@ -1,7 +1,5 @@
-"""LoRA adapters through ``peft`` (Hu et al. 2021, https://arxiv.org/abs/2106.09685; https://huggingface.co/docs/peft).
-
-Only the adapters train, on a frozen base that ZeRO-3 partitions like any weight; the reference is the actor with its
-adapters off (peft's ``disable_adapter()``), not a second model. Merged weights: ``verl_ds.engines.hf_weights``.
+"""LoRA adapters through ``peft`` (Hu et al. 2021, https://arxiv.org/abs/2106.09685; https://huggingface.co/docs/peft):
+only the adapters train, on a frozen base, and the reference is the actor with its adapters off, not a second model.
 """
 from __future__ import annotations
 
@@ -65,7 +63,6 @@ def _require_peft():
 
 
 def is_peft_model(module) -> bool:
-    """Whether ``module`` (or the module under a DeepSpeed engine) is a peft model."""
     module = getattr(module, "module", module)
     return callable(getattr(module, "get_base_model", None)) and hasattr(module, "peft_config")
 
@@ -79,9 +76,8 @@ def adaptable_module_names(model: torch.nn.Module) -> list:
 
 
 def resolve_target_modules(model: torch.nn.Module, targets, who: str) -> list:
-    """The module names (or dotted suffixes) peft should adapt: ``all-linear`` is every Linear/Conv1D but the output
-    head (peft's meaning), ``output-head`` the head unless it is tied to the input embedding (then a warning). An
-    unmatched or tied name is a ConfigError naming the key and close names (a tied adapter cannot be merged)."""
+    """Names (or dotted suffixes) for peft: ``all-linear`` is every Linear/Conv1D but the output head (peft's meaning),
+    ``output-head`` the untied head; an unmatched or tied name is a ConfigError naming the key and close names."""
     key = "actor.lora_target_modules" + (" (the critic's adapters)" if who == "critic" else "")
     targets = list(targets)
     if not targets:
@@ -149,8 +145,7 @@ def check_fused_head(peft_model) -> None:
 
 
 class GradOnlyDropout(torch.nn.Dropout):
-    """LoRA dropout only under grad (the update): the no-grad rollout, old and reference passes must score the same
-    deterministic function."""
+    """LoRA dropout under grad only: the no-grad rollout, old and reference passes must score one function."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x) if torch.is_grad_enabled() else x

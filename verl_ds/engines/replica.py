@@ -1,7 +1,5 @@
-"""A lean generation replica of a (ZeRO-3) actor: a resident whole copy, built once and refreshed in place.
-
-``generate`` on a ZeRO-3 module gathers every layer at every token; the replica runs with no collectives for one
-copy of the actor in the training dtype. Where that does not fit (``verl-ds plan``): ``rollout.gather_params=false``.
+"""A resident whole copy of a (ZeRO-3) actor for ``generate``, built once and refreshed in place: no collective per
+token, for one copy of the actor in the training dtype (too big: ``rollout.gather_params=false``, ``verl-ds plan``).
 """
 from __future__ import annotations
 

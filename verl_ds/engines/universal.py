@@ -27,8 +27,7 @@ def client_state() -> dict:
 
 
 def convert(src_tag_dir: str, dst_tag_dir: str) -> str:
-    """Convert the DeepSpeed checkpoint in ``src_tag_dir`` (``<dir>/<tag>``) to the universal format in
-    ``dst_tag_dir`` unless a complete conversion is already there; one process (rank 0) calls this."""
+    """Convert ``src_tag_dir`` to the universal format in ``dst_tag_dir`` unless done already (rank 0 calls this)."""
     if os.path.isfile(os.path.join(dst_tag_dir, DONE)):
         return dst_tag_dir
     from deepspeed.checkpoint import ds_to_universal

@@ -1,7 +1,6 @@
-"""vLLM as the rollout engine: one colocated, in-process vLLM engine per rank (tensor parallel size 1).
-
-New weights stream in from memory one module at a time; sampled tokens come back with their untruncated log-probs,
-log softmax(logits / T), from a wrap of the V1 sampler's top-k/top-p step. docs/vllm.md has the details.
+"""vLLM as the rollout engine: one colocated, in-process vLLM engine per rank (tensor parallel size 1). New weights
+stream in from memory one module at a time; samples come back with untruncated log-probs, log softmax(logits / T),
+from a wrap of the V1 sampler's top-k/top-p step. docs/vllm.md has the details.
 """
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def _install_untruncated_logprobs(worker) -> bool:
 
 
 def _row_seeds(entropy, rows: int) -> list[int]:
-    """Distinct 31-bit per-row seeds from an int or a list of ints (a SeedSequence: seeds s and s+1 share no
-    stream)."""
+    """Distinct 31-bit per-row seeds (a SeedSequence: seeds s and s+1 share no stream)."""
     import numpy as np
 
     return [int(x) >> 1 for x in np.random.SeedSequence(entropy).generate_state(rows, dtype=np.uint32)]
@@ -70,9 +68,8 @@ class VLLMRolloutEngine:
                  gpu_memory_utilization: float = 0.5, kv_cache_memory_bytes: Optional[int] = None,
                  enforce_eager: Optional[bool] = None, enable_sleep_mode: bool = False,
                  load_format: str = "auto", **engine_kwargs):
-        """model_dir: an HF model directory (config.json and, unless load_format="dummy", weights); pad/eos ids
-        default to its config's. On CPU kv_cache_memory_bytes defaults to 256 MiB and enforce_eager to True (compiled
-        start-up is slow there); engine_kwargs go to ``vllm.LLM`` unchanged."""
+        """model_dir: an HF model directory (weights unless load_format="dummy"); pad/eos ids default to its config's.
+        On CPU kv_cache_memory_bytes defaults to 256 MiB and enforce_eager to True (slow compiled start-up)."""
         vllm = import_vllm()
         from transformers import AutoConfig
 
@@ -148,10 +145,9 @@ class VLLMRolloutEngine:
         return engine
 
     def sync_weights(self, named_tensors: Iterable, strict: bool = True) -> float:
-        """Stream (HF name, tensor) pairs into vLLM; yield a module's parameters together and keep them valid until
-        the next module's (vLLM buffers a layer until it is complete). strict: every parameter must come. Resets the
-        prefix cache; returns the seconds taken. A bad pair ends the stream and raises after the reload; the weights
-        are then mixed and ``generate`` refuses to run until a complete sync succeeds."""
+        """Stream (HF name, tensor) pairs into vLLM, a module's parameters together and valid until the next module's
+        (vLLM buffers a layer until complete); strict: all must come. Returns the seconds taken. A bad pair raises
+        after the reload, and ``generate`` refuses the mixed weights until a complete sync succeeds."""
         t0 = time.perf_counter()
         seen: set[str] = set()
         problems: list[BaseException] = []
@@ -197,9 +193,8 @@ class VLLMRolloutEngine:
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, n: int = 1, greedy: bool = False,
                  seed: Optional[int] = None, stop_token_ids: Sequence[int] = ()) -> VLLMGeneration:
-        """``n`` samples of up to ``max_new_tokens`` per prompt (token-id lists, no padding): a ``VLLMGeneration`` of
-        len(prompts) * n rows. ``seed`` fixes the samples (None: the engine's own counter, never the global RNG);
-        ``stop_token_ids`` end a response as EOS does (an agent's turn), for this call."""
+        """``n`` samples of up to ``max_new_tokens`` per prompt (token-id lists): len(prompts) * n rows. ``seed`` fixes
+        them (None: the engine's counter, never the global RNG); ``stop_token_ids`` end a response, for this call."""
         prompts = self._check_generate(prompt_token_ids, max_new_tokens, temperature, top_k, top_p, n, greedy, seed)
         from vllm import SamplingParams
 
@@ -306,9 +301,8 @@ class VLLMRolloutEngine:
 
 
 def gathered_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) of every parameter, one submodule at a time: ZeRO-3 parameters are gathered per
-    submodule (a collective: every rank must drain it) and cloned, since vLLM keeps a fused layer's tensors (q/k/v
-    -> qkv_proj) across submodules while DeepSpeed frees each gather."""
+    """(HF name, full tensor) per parameter, gathered one submodule at a time (a collective: drain it on every rank)
+    and cloned: vLLM keeps a fused layer's tensors (q/k/v -> qkv_proj) while DeepSpeed frees each gather."""
     for prefix, sub in module.named_modules():
         params = list(sub.named_parameters(recurse=False))
         with gathered([p for _, p in params]):
@@ -317,8 +311,7 @@ def gathered_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, to
 
 
 def _expected_parameters(config) -> tuple[dict[str, tuple], set[str]]:
-    """({HF parameter name: shape} including tied aliases such as lm_head.weight, the names that must come), for
-    a config's causal LM built on the meta device (no memory)."""
+    """({HF name: shape} with tied aliases, the names that must come) of a config's causal LM on the meta device."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):

@@ -12,16 +12,14 @@ import torch.distributed as dist
 
 
 def zero3_config(ds_config: Optional[dict]) -> bool:
-    """Whether a DeepSpeed config dict asks for ZeRO stage 3 (parameter partitioning)."""
     return bool(ds_config) and int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
 
 
 @contextlib.contextmanager
 def partitioned_construction(ds_config: Optional[dict]) -> Iterator[None]:
-    """HF models built in this block are ZeRO-3 partitioned as they are created (transformers' ``HfDeepSpeedConfig``,
-    https://huggingface.co/docs/transformers/main/en/deepspeed#non-trainer-deepspeed-integration); every rank must
-    enter it, and it is a no-op below stage 3. Unset on exit: HF code run later on one rank would hang in a
-    collective."""
+    """HF models built in this block are created ZeRO-3 partitioned (transformers' ``HfDeepSpeedConfig``,
+    https://huggingface.co/docs/transformers/main/en/deepspeed#non-trainer-deepspeed-integration; every rank enters;
+    a no-op below stage 3). Unset on exit: HF code later run on one rank would hang in a collective."""
     if not zero3_config(ds_config):
         yield
         return

@@ -1,15 +1,5 @@
-"""Shared pieces of the kernels: launch checks, block sizes and the online log-sum-exp row pass.
-
-The row pass (``row_softmax_stats``) is the heart of the log-prob, entropy and fused KL kernels: one
-read of a row of logits keeps a running max ``m``, the sum of exponentials ``s = sum_v e^{x_v - m}``
-and ``t = sum_v e^{x_v - m} (x_v - m)``. Then ``lse = m + log s`` and the entropy is
-``H = lse - E_p[x] = log s - t / s``. Keeping ``t`` relative to the running max (instead of the
-textbook ``sum p x``) avoids the cancellation of two numbers of size |x| when logits are ~1e4.
-The pass returns ``m`` and ``log s`` separately, not their sum: ``log p_k = (x_k - m) - log s``
-keeps full precision for a near-certain token, where ``x_k - (m + log s)`` would round a log-prob
-of -1e-6 to 0 once ``m`` is ~20 (the fp32 spacing there is 2e-6).
-When the max moves from ``m`` to ``m'`` both sums are rescaled by ``alpha = e^{m - m'}`` and
-``t`` also gains ``(m - m') s`` because every ``x - m`` becomes ``x - m'``.
+"""Shared pieces of the kernels: launch checks, launch sizes and the online log-sum-exp row pass
+(``row_softmax_stats``) behind the log-prob, entropy and KL kernels.
 """
 from __future__ import annotations
 
@@ -29,7 +19,6 @@ NEG_BIG = tl.constexpr(-3.0e38)
 
 
 def check_runnable(tensor: torch.Tensor, op: str) -> None:
-    """Raise a RuntimeError saying why a Triton kernel cannot run on ``tensor`` here, if it cannot."""
     reason = dispatch.triton_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"{op}: the Triton kernel cannot run: {reason}")
@@ -88,28 +77,22 @@ VOCAB_LAUNCH_OVERRIDE: dict | None = None
 
 
 def vocab_meta(n_cols: int) -> dict:
-    """Launch meta-parameters (vocab block per loop step, warps) of the row-streaming kernels. One program
-    streams one row, so occupancy comes from N (thousands of rows). On CUDA a 4096-wide
-    block with 8 warps gives each thread 16 values (two 16-byte loads for bf16) per step and keeps
-    ~8 KB in flight per program; several programs per SM hide the latency. No autotuning: with
-    the constexpr and dtype variants it would compile and time hundreds of kernels per process.
-    The interpreter pays ~5 ms per loop iteration almost whatever the block, so it takes blocks
-    of up to 32768 (V = 32003 is one iteration).
-    """
+    """Launch sizes of the row-streaming kernels (one program per row): on CUDA 4096-wide blocks with 8 warps, no
+    autotuning (hundreds of variants to compile); the interpreter pays per iteration, so it takes up to 32768."""
     if VOCAB_LAUNCH_OVERRIDE is not None:
         return dict(VOCAB_LAUNCH_OVERRIDE)
     block = max(16, min(triton.next_power_of_2(n_cols), 32768 if INTERPRETING_AT_IMPORT else 4096))
     return {"BLOCK_V": block, "num_warps": 8 if block >= 2048 else 4}
 
 
+# One read of a row keeps the running max m, s = sum e^{x - m} and t = sum e^{x - m} (x - m): lse = m + log s and
+# H = log s - t / s. t relative to the running max avoids cancelling two numbers of size |x| (logits ~1e4). m and
+# log s come back apart: log p_k = (x_k - m) - log s keeps a near-certain token's -1e-6, which x_k - (m + log s)
+# rounds to 0 once m ~ 20. When the max moves to m', both sums scale by e^{m - m'} and t also gains (m - m') s.
 @triton.jit
 def row_softmax_stats(row_ptr, n_cols, inv_temperature, WITH_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One online pass over x = ``row_ptr[0:n_cols] * inv_temperature``; returns (max x, log sum e^{x - max},
-    entropy) in fp32 (lse = the first plus the second).
-
-    ``n_cols == 0`` runs no iteration (how ignored rows cost nothing); the results are then junk
-    and the caller overwrites them.
-    """
+    """One online pass over x = ``row_ptr[0:n_cols] * inv_temperature`` -> (max x, log sum e^{x - max}, entropy) in
+    fp32; ``n_cols == 0`` (an ignored row) runs no iteration and returns junk the caller overwrites."""
     offs = tl.arange(0, BLOCK_V)
     m = tl.full((), NEG_BIG, tl.float32)
     s = tl.zeros((), tl.float32)

@@ -1,9 +1,5 @@
-"""Choose between the fused Triton kernels and the torch paths of ``verl_ds.algos``.
-
-``VERL_DS_KERNELS=auto`` (default) uses Triton for CUDA tensors when Triton is importable and a
-GPU driver is active, torch otherwise. ``triton`` forces the kernels (with ``TRITON_INTERPRET=1``
-they run on CPU tensors, which is how the tests reach them) and raises a clear error when they
-cannot run; ``torch`` forces the torch paths.
+"""Triton kernels or the torch paths of ``verl_ds.algos``: ``VERL_DS_KERNELS=auto`` (Triton for CUDA tensors when it
+can launch), ``triton`` (forced; ``TRITON_INTERPRET=1`` runs it on CPU tensors, as the tests do) or ``torch``.
 """
 from __future__ import annotations
 

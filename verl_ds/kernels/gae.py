@@ -1,26 +1,5 @@
-"""Masked GAE over (B, T) in verl's semantics, as an associative scan.
-
-verl (``compute_gae_advantage_return`` in ``verl/trainer/ppo/core_algos.py``) walks t = T-1 .. 0 carrying the next valid
-value v+ and the running advantage g (both 0 at the start):
-    g' = r_t + gamma v+ - V_t + gamma lam g
-    if mask_t: v+ <- V_t, g <- g'        (a masked position passes both through unchanged)
-    advantages_t = g,  returns_t = g + V_t
-so trailing padding bootstraps from 0 and masked spans inside a response are bridged with no extra
-decay. The torch twin is ``verl_ds.algos.gae.compute_gae_torch``.
-
-Scan formulation. v+_t is the value at the first valid position after t (0 if none), a function
-of the mask and values only. Given it, each step is the affine map g <- a_t g + b_t with
-    a_t = gamma lam, b_t = r_t + gamma v+_t - V_t   where mask_t,     a_t = 1, b_t = 0   elsewhere,
-and affine maps compose associatively: applying (a1, b1) then (a2, b2) is (a1 a2, b1 a2 + b2).
-v+ itself is a scan of the maps v <- (mask ? V : v), i.e. (a, b) = (1 - mask, mask V), over the
-positions after t. Both are computed by ``tl.associative_scan`` over a block of the row read in
-reverse time order (a forward scan: Triton's reverse=True with a non-commutative combine has been
-unreliable on GPU, triton #4362), in chunks whose carry (v+, g) passes to the next-earlier chunk.
-
-Why a scan: a per-row reverse loop is T dependent steps of a few loads each, so on a GPU its time is about T memory
-latencies whatever B is; the scan reads each row once with coalesced loads and does O(log BLOCK_T) dependent steps
-per chunk (``benchmarks/kernel_speed.py`` times it against verl's loop). Triton's CPU interpreter runs a custom-combine
-scan one element at a time in Python (~0.2 ms per element); CPU tensors take the torch path instead.
+"""Masked GAE over (B, T) in verl's semantics as an associative scan (torch twin: ``verl_ds.algos.gae``): a GPU
+reads each row once in O(log BLOCK_T) dependent steps per chunk, where a reverse loop pays T memory latencies.
 """
 from __future__ import annotations
 
@@ -42,6 +21,11 @@ def _affine_combine(a1, b1, a2, b2):
     return a1 * a2, b1 * a2 + b2
 
 
+# Each step is the affine map g <- a g + b: a = gamma lam, b = r_t + gamma v+_t - V_t where mask_t, else a = 1, b = 0,
+# with v+_t the value at the first valid position after t, itself a scan of v <- (mask ? V : v). Applying (a1, b1)
+# then (a2, b2) is (a1 a2, b1 a2 + b2), associative. The row is read in reverse time order with a forward scan
+# (reverse=True with a non-commutative combine was unreliable on GPU, triton #4362), in chunks whose carry (v+, g)
+# passes to the next-earlier chunk.
 @triton.jit
 def _gae_scan_kernel(
     rewards_ptr, values_ptr, mask_ptr, adv_ptr, ret_ptr, n_steps,
@@ -104,8 +88,7 @@ def _check_inputs(token_rewards, values, response_mask, gamma, lam):
 
 def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor,
                 gamma: float, lam: float):
-    """Masked GAE (verl semantics, module docstring) with a Triton kernel, no gradient: (advantages, returns),
-    each (B, T) float32, of (B, T) rewards, values and a bool mask."""
+    """Masked GAE with the Triton kernel, no gradient: (advantages, returns) (B, T) float32; a bool mask."""
     _check_inputs(token_rewards, values, response_mask, gamma, lam)
     check_runnable(token_rewards, "compute_gae")
     n_rows, n_steps = token_rewards.shape

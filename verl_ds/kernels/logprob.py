@@ -1,17 +1,6 @@
-"""Fused log-prob + entropy of the chosen tokens from logits (N, V), in one read of the logits.
-
-With x = logits / temperature, p = softmax(x), lse = logsumexp(x):
-    logprob_n = x_{n, y_n} - lse_n              entropy_n = lse_n - sum_v p_v x_v
-The torch twin is ``verl_ds.algos.logprob.logprobs_and_entropy_torch``. Nothing of size (N, V) is
-kept between forward and backward: the backward re-reads the logits and rebuilds p from the saved
-row max and log-sum (lse = max + log-sum, kept apart for precision, see _utils). Rows whose label
-is ``ignore_index`` run no loop iteration and get logprob = entropy = 0 and a zero gradient.
-
-Gradient (per row, k over the vocabulary, g_l and g_H the incoming gradients):
-    d logprob / d x_k = [k == y] - p_k
-    d entropy / d x_k = d(lse - sum_v p_v x_v) / d x_k = p_k - (p_k + p_k x_k - p_k E_p[x])
-                      = -p_k (x_k - E_p[x]) = -p_k (log p_k + H)      (since E_p[x] = lse - H)
-    d / d logits_k    = (g_l ([k == y] - p_k) - g_H p_k (log p_k + H)) / temperature
+"""Fused log-prob + entropy of the chosen tokens from (N, V) logits in one read (torch twin:
+``verl_ds.algos.logprob.logprobs_and_entropy_torch``). Nothing (N, V) is kept: the backward re-reads the logits and
+rebuilds p from each row's saved max and log-sum. Rows labelled ``ignore_index`` stream no column and get 0.
 """
 from __future__ import annotations
 
@@ -62,6 +51,8 @@ def _logprob_entropy_fwd_kernel(
         tl.store(entropy_ptr + row, entropy)
 
 
+# With x = logits / T and E_p[x] = lse - H: d logprob / d x_k = [k == y] - p_k and d entropy / d x_k = -p_k (x_k -
+# E_p[x]) = -p_k (log p_k + H), so d / d logits_k = (g_l ([k == y] - p_k) - g_H p_k (log p_k + H)) / T.
 @triton.jit
 def _logprob_entropy_bwd_kernel(
     logits_ptr, logits_row_stride, grad_logits_ptr, grad_row_stride, labels_ptr, max_ptr, log_sum_ptr, entropy_ptr,
@@ -87,7 +78,7 @@ def _logprob_entropy_bwd_kernel(
         x = tl.load(logits_ptr + row * logits_row_stride + cols, mask=cols < n_read, other=0.0)
         log_p = (x.to(tl.float32) * inv_temperature - m) - log_s
         p = tl.exp(log_p)
-        # 3. The formula of the module docstring.
+        # 3. The formula above the kernel.
         grad = g_lp * (tl.where(cols == label, 1.0, 0.0) - p)
         if HAS_GRAD_ENTROPY:
             # p == 0 (a -inf logit, masked vocabulary) must give 0, not 0 * -inf
@@ -97,8 +88,7 @@ def _logprob_entropy_bwd_kernel(
 
 
 def logprob_entropy_forward(logits, labels, temperature, with_entropy, ignore_index):
-    """Launch the forward. logits (N, V) with unit column stride -> logprob, entropy or None, stats, where
-    stats (2, N) holds each row's max and log-sum for the backward; all fp32."""
+    """Launch the forward: (N, V) logits -> logprob, entropy or None, stats (2, N) of row max and log-sum; fp32."""
     n_rows, n_cols = logits.shape
     logprob = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     stats = torch.empty(2, n_rows, dtype=torch.float32, device=logits.device)

@@ -1,15 +1,6 @@
-"""Log-probs (and entropy) of the response tokens straight from a causal LM's (B, R+1, V) logits.
-
-Position t of the logits predicts token t+1, so the R response tokens are predicted by positions
-0..R-1 and the last position predicts nothing. Slicing ``logits[:, :-1]`` and flattening it for a
-row kernel copies the whole (B, R, V) block (about 20 GB at 65536 tokens x 152064 bf16), and autograd
-keeps that copy alive until the backward. Here the kernel reads the logits in place instead: the
-(B, R+1, V) tensor is viewed as (B*(R+1), V) rows and the last position of each sample gets the label
-``ignore_index``, for which the kernel streams no column and returns 0 with a zero gradient
-(``verl_ds/kernels/logprob.py``). Nothing of the logits' size is allocated in the forward; the backward
-allocates only the gradient of the logits themselves.
-
-On the torch path ``verl_ds.algos`` already reads a (B, R, V) slice in row blocks without copying it.
+"""Log-probs (and entropy) of the response tokens read in place from a causal LM's (B, R+1, V) logits: slicing
+``logits[:, :-1]`` would copy the block (about 20 GB at 65536 tokens x 152064 bf16) and keep it for the backward.
+The last position of each sample gets ``ignore_index``: the kernel streams no column for it and returns 0.
 """
 from __future__ import annotations
 

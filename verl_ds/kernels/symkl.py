@@ -1,16 +1,6 @@
-"""Full-vocabulary symmetric KL between actor and reference logits.
-
-Symmetric KL (half the Jeffreys divergence), with x = logits / T, y = ref_logits / T, p = softmax(x),
-q = softmax(y) and d = x - y:
-    J = (KL(p||q) + KL(q||p)) / 2 = 1/2 sum_v (p_v - q_v)(log p_v - log q_v) = 1/2 (E_p[d] - E_q[d])
-(the log-sum-exp terms cancel because sum_v (p_v - q_v) = 0), so one online pass over both rows
-with two running maxima gives it. The torch twin is ``verl_ds.algos.kl.full_symmetric_kl_torch``.
-
-Gradient w.r.t. x (none flows to the reference), using d p_v / d x_k = p_v ([v == k] - p_k):
-    d/dx_k sum_v p_v d_v = p_k d_k - p_k E_p[d] + p_k        (the last p_k from d d_k / d x_k = 1)
-    d/dx_k sum_v q_v d_v = q_k
-    dJ/dx_k = 1/2 (p_k (d_k - E_p[d] + 1) - q_k),   and d/d logits_k = dJ/dx_k / T.
-The backward re-reads both rows and rebuilds p and q from the saved log-sum-exps and E_p[d].
+"""Full-vocabulary symmetric KL between actor and reference logits in one online pass over both rows (torch twin:
+``verl_ds.algos.kl.full_symmetric_kl_torch``): J = 1/2 (KL(p||q) + KL(q||p)) = 1/2 (E_p[d] - E_q[d]), d = x - y,
+x = logits / T, y = ref_logits / T (the log-sum-exps cancel). No gradient flows to the reference.
 """
 from __future__ import annotations
 
@@ -68,6 +58,8 @@ def _symkl_fwd_kernel(
     tl.store(stats_ptr + 4 * n_rows + row, mean_d_p)
 
 
+# From d p_v / d x_k = p_v ([v == k] - p_k): dJ/dx_k = 1/2 (p_k (d_k - E_p[d] + 1) - q_k), d/d logits_k = dJ/dx_k / T;
+# p and q are rebuilt from the saved log-sum-exps and E_p[d].
 @triton.jit
 def _symkl_bwd_kernel(
     x_ptr, x_row_stride, y_ptr, y_row_stride, grad_x_ptr, grad_row_stride, grad_kl_ptr,
@@ -88,7 +80,7 @@ def _symkl_bwd_kernel(
         y = tl.load(y_ptr + row * y_row_stride + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
         x = x * inv_temperature
         y = y * inv_temperature
-        # 2. Rebuild p and q; dJ/dx_k from the module docstring.
+        # 2. Rebuild p and q; dJ/dx_k as above the kernel.
         p = tl.exp((x - m_x) - log_s_x)
         q = tl.exp((y - m_y) - log_s_y)
         grad = g * (tl.where(p > 0, p * (x - y - mean_d_p + 1.0), 0.0) - q)
@@ -134,8 +126,7 @@ class SymmetricKLFunction(torch.autograd.Function):
 
 
 def full_symmetric_kl(logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-row 1/2 (KL(p||q) + KL(q||p)) (N,) float32 of (N, V) logits and ref_logits (a constant) at
-    ``temperature``, fused in Triton (one pass)."""
+    """Per-row 1/2 (KL(p||q) + KL(q||p)) (N,) float32 of (N, V) logits and constant ref_logits, one Triton pass."""
     check_float_2d("logits", logits)
     check_float_2d("ref_logits", ref_logits, logits.shape[0])
     if ref_logits.shape != logits.shape:
