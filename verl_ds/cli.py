@@ -111,8 +111,8 @@ def _run(job, cfg, launch, banner: str, format_summary, processes: int) -> int:
 
 
 def cmd_train(args) -> int:
-    from verl_ds.config import check_startup
     from verl_ds.dist import detect_launch
+    from verl_ds.run.startup import check_startup
 
     cfg = _load(args)
     launch = detect_launch(local_rank_arg=args.local_rank)
@@ -148,13 +148,16 @@ def cmd_train(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from verl_ds.config import check_startup, describe, validate
+    from verl_ds.config import describe
+    from verl_ds.run.checks import check_config
+    from verl_ds.run.limits import registry_choices
+    from verl_ds.run.startup import check_startup
 
     if args.describe:
-        print(describe())
+        print(describe(registry_choices()))
         return 0
     cfg = _load(args)
-    (check_startup if args.check else validate)(cfg, args.world_size)
+    (check_startup if args.check else check_config)(cfg, args.world_size)
     print(cfg.to_yaml() if not args.json else json.dumps(cfg.to_dict(), indent=1))  # server.token redacted
     return 0
 

@@ -6,8 +6,9 @@ import re
 import shlex
 from typing import Optional, Sequence
 
-from verl_ds.config import Config, sequence_tokens, validate
+from verl_ds.config import Config, sequence_tokens
 from verl_ds.memory_plan import GiB, device_memory, estimate_memory, model_size
+from verl_ds.run.checks import check_config
 
 # Used on the command lines; each launcher has its own default (29500), which collides between jobs.
 DEFAULT_PORT = 29500
@@ -122,7 +123,7 @@ def plan(cfg: Config, world_size: int, nodes: int = 1, gpus_per_node: Optional[i
          memory_gib: Optional[float] = None) -> str:
     """The plan as text; a config that cannot run at this world size fails here with its ConfigError."""
     gpus_per_node = _check_topology(world_size, nodes, gpus_per_node)
-    derived = validate(cfg, world_size)
+    derived = check_config(cfg, world_size)
     sizes = {"actor": model_size(cfg, "actor"), "critic": model_size(cfg, "critic")}
     mem = estimate_memory(cfg, derived, nodes, gpus_per_node, sizes)
     r, a = cfg.rollout, cfg.actor

@@ -13,8 +13,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from verl_ds.config import Config, RunLimits, Spec, check_value, hot_fields, initial_state
+from verl_ds.config import Config, RunLimits, Spec, check_value, hot_fields
 from verl_ds.config.fields import base_type, choices_of, nullable
+from verl_ds.run.limits import initial_state, registry_choices, run_limits
 
 __all__ = ["StateKey", "SharedState", "StateValidationError", "UnknownStateKeyError", "SnapshotError", "STATE_KEYS",
            "HOT_KEYS"]
@@ -73,7 +74,7 @@ def _hot_keys() -> list[StateKey]:
     defaults = initial_state(Config())
     out = []
     for key, dotted, annotation, spec in hot_fields():
-        allowed = choices_of(annotation, spec)
+        allowed = choices_of(annotation, spec) or registry_choices().get(dotted)
         if allowed is not None:  # concrete names only: the config resolves its 'auto' before the run
             spec = dataclasses.replace(spec, choices=tuple(allowed), config_only=())
         out.append(StateKey(key, annotation, defaults[key], spec, hot=True, config_key=dotted))
@@ -134,7 +135,7 @@ class SharedState:
 
     def __init__(self, rank: int | None = None, limits: RunLimits | None = None):
         if limits is not None and not isinstance(limits, RunLimits):
-            raise TypeError(f"limits must be a RunLimits (from verl_ds.config.run_limits(cfg)), got "
+            raise TypeError(f"limits must be a RunLimits (from verl_ds.run.limits.run_limits(cfg)), got "
                             f"{type(limits).__name__}")
         self._rank = rank
         self._limits = limits
@@ -147,8 +148,6 @@ class SharedState:
     @classmethod
     def from_config(cls, cfg: Config, rank: int | None = None) -> "SharedState":
         """The run's limits and step-0 values, the same on every rank without a collective."""
-        from verl_ds.config import run_limits
-
         state = cls(rank, limits=run_limits(cfg))
         with state._lock:
             state._apply(state._validate(initial_state(cfg), allow_read_only=False))

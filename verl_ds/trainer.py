@@ -17,7 +17,7 @@ from verl_ds import dist as vdist
 from verl_ds.asyncrl.split import make_async_rollout
 from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
-from verl_ds.config import Config, check_startup, write_run_config
+from verl_ds.config import Config, write_run_config
 from verl_ds.control import StepBoundary, start_control_server
 from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics, sample_means_over_ranks
 from verl_ds.models.ppo import LOSS_SHARE_METRICS
@@ -27,6 +27,7 @@ from verl_ds.report import summarize
 from verl_ds.reward_trial import check_swap_rows, trial
 from verl_ds.reward_spec import parse_reward_swap
 from verl_ds.rollout import SamplingError, collect, rollout_and_score, sampler_mismatch
+from verl_ds.run.startup import check_startup
 from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
                              raise_if_any_rank_failed)
 from verl_ds.runtime.preemption import stop_for_preemption

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from verl_ds.config import ConfigError, load_config, validate
+from verl_ds.config import ConfigError, load_config
+from verl_ds.run.checks import check_config
 
 from e2e_utils import ROOT, base_env, read_metrics, run_train
 
@@ -15,7 +16,7 @@ USER_ENV = ["agent.environment=parity_env:ParityHint", "reward.functions=[]"]
 
 
 def _check(overrides, world_size=1):
-    return validate(load_config(None, overrides), world_size)
+    return check_config(load_config(None, overrides), world_size)
 
 
 def _data(tmp_path):

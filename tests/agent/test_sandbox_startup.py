@@ -9,7 +9,8 @@ import pytest
 from verl_ds.agent import sandbox
 from verl_ds.agent.env import ToolEnvironment
 from verl_ds.agent.tools import ToolSet, calc, python
-from verl_ds.config import ConfigError, check_startup, load_config
+from verl_ds.config import ConfigError, load_config
+from verl_ds.run.startup import check_startup
 
 
 class PythonToolEnv(ToolEnvironment):

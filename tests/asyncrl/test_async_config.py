@@ -2,7 +2,8 @@
 what would make the generation thread enter a collective; the keys are checked like any other."""
 import pytest
 
-from verl_ds.config import ConfigError, check_startup, load_config
+from verl_ds.config import ConfigError, load_config
+from verl_ds.run.startup import check_startup
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -11,7 +11,8 @@ import torch
 
 from e2e_utils import ROOT, TRAIN, base_env
 from verl_ds.cli import main
-from verl_ds.config import TOKEN_ENV, ConfigError, check_startup, load_config
+from verl_ds.config import TOKEN_ENV, ConfigError, load_config
+from verl_ds.run.startup import check_startup
 
 QUICK = ["trainer.total_steps=1", "trainer.loggers=[plot]"]  # bounded, should a case ever get past the gate
 

@@ -5,8 +5,10 @@ import logging
 
 import pytest
 
-from verl_ds.config import Config, ConfigError, initial_state, load_config, run_limits, validate
+from verl_ds.config import Config, ConfigError, load_config, validate
 from verl_ds.config.schema import iter_fields
+from verl_ds.run.checks import check_config
+from verl_ds.run.limits import initial_state, kl_placement_of, run_limits
 from verl_ds.state import HOT_KEYS, STATE_KEYS, SharedState, StateValidationError
 
 # written out by hand from the task's defaults, not read from the code under test
@@ -99,7 +101,7 @@ def test_max_new_tokens_is_limited_by_the_built_in_models_context():
     with pytest.raises(StateValidationError, match="300 exceeds this run's limit 224"):
         state.load_state_dict({"values": {"max_new_tokens": 300}, "version": 1})
     with pytest.raises(ConfigError, match=r"rollout.max_new_tokens: 225 exceeds this run's limit 224"):
-        validate(load_config(None, ["rollout.max_new_tokens=225"]))
+        check_config(load_config(None, ["rollout.max_new_tokens=225"]))
     assert SharedState(rank=0).stage({"max_new_tokens": 1048576})  # without limits only the static range applies
 
 
@@ -113,7 +115,7 @@ def test_max_new_tokens_is_limited_by_a_local_models_config_json(tmp_path):
     assert run_limits(cfg).upper["max_new_tokens"].max == 16  # 48 - 32
     with pytest.raises(ConfigError, match=rf"rollout.max_new_tokens: 17 exceeds this run's limit 16 "
                                           rf"\(max_position_embeddings of model.path '{actor}'=48"):
-        validate(load_config(None, [f"model.path={actor}", "data.max_prompt_length=32", "rollout.max_new_tokens=17"]))
+        check_config(load_config(None, [f"model.path={actor}", "data.max_prompt_length=32", "rollout.max_new_tokens=17"]))
     state = SharedState.from_config(cfg, rank=0)
     with pytest.raises(StateValidationError, match=r"17 exceeds this run's limit 16"):
         state.stage({"max_new_tokens": 17})
@@ -124,10 +126,9 @@ def test_max_new_tokens_is_limited_by_a_local_models_config_json(tmp_path):
 
 def test_kl_kind_auto_resolves_for_the_placement():
     in_reward, in_loss = load_config(), load_config(None, ["algo.kl_placement=loss"])
-    assert validate(in_reward).kl_kind == "k1" and validate(in_loss).kl_kind == "low_var_kl"
-    assert initial_state(in_loss)["kl_kind"] == "low_var_kl"
+    assert initial_state(in_reward)["kl_kind"] == "k1" and initial_state(in_loss)["kl_kind"] == "low_var_kl"
     assert SharedState.from_config(in_loss, rank=0)["kl_kind"] == "low_var_kl"
-    assert validate(load_config(None, ["algo.kl_placement=loss", "algo.kl_kind=k2"])).kl_kind == "k2"
+    assert initial_state(load_config(None, ["algo.kl_placement=loss", "algo.kl_kind=k2"]))["kl_kind"] == "k2"
 
 
 @pytest.mark.parametrize("estimator, n, placement", [("gae", 1, "reward"), ("grpo", 4, "loss"), ("dr_grpo", 4, "loss"),
@@ -137,18 +138,18 @@ def test_kl_kind_auto_resolves_for_the_placement():
 def test_kl_placement_auto_follows_the_estimator(estimator, n, placement):
     cfg = load_config(None, [f"algo.adv_estimator={estimator}", f"rollout.n={n}"])
     assert cfg.algo.kl_placement == "auto"
-    derived = validate(cfg)
-    assert derived.kl_placement == placement
-    assert derived.kl_kind == ("low_var_kl" if placement == "loss" else "k1") == initial_state(cfg)["kl_kind"]
+    check_config(cfg)
+    assert kl_placement_of(cfg) == placement
+    assert initial_state(cfg)["kl_kind"] == ("low_var_kl" if placement == "loss" else "k1")
     assert run_limits(cfg).kl_placement == placement
     other = "reward" if placement == "loss" else "loss"  # an explicit placement wins
-    assert validate(load_config(None, [f"algo.adv_estimator={estimator}", f"rollout.n={n}",
-                                       f"algo.kl_placement={other}"])).kl_placement == other
+    assert kl_placement_of(load_config(None, [f"algo.adv_estimator={estimator}", f"rollout.n={n}",
+                                              f"algo.kl_placement={other}"])) == other
 
 
 def test_grpo_refuses_k1_with_its_auto_placement_in_the_loss():
     with pytest.raises(ConfigError, match=r"algo.kl_kind: 'k1' in the loss"):
-        validate(load_config(None, ["algo.adv_estimator=grpo", "rollout.n=4", "algo.kl_kind=k1"]))
+        check_config(load_config(None, ["algo.adv_estimator=grpo", "rollout.n=4", "algo.kl_kind=k1"]))
     state = SharedState.from_config(load_config(None, ["algo.adv_estimator=grpo", "rollout.n=4"]), rank=0)
     with pytest.raises(StateValidationError):
         state.stage({"kl_kind": "k1"})
@@ -157,7 +158,7 @@ def test_grpo_refuses_k1_with_its_auto_placement_in_the_loss():
 @pytest.mark.parametrize("kind", ["k1", "kl"])
 def test_a_zero_gradient_estimator_in_the_loss_is_refused_in_config_and_hot_path(kind):
     with pytest.raises(ConfigError, match=rf"algo.kl_kind: '{kind}' in the loss .*regularises nothing.*low_var_kl"):
-        validate(load_config(None, ["algo.kl_placement=loss", f"algo.kl_kind={kind}"]))
+        check_config(load_config(None, ["algo.kl_placement=loss", f"algo.kl_kind={kind}"]))
     state = SharedState.from_config(load_config(None, ["algo.kl_placement=loss"]), rank=0)
     with pytest.raises(StateValidationError) as info:
         state.stage({"kl_kind": kind})

@@ -3,16 +3,19 @@ in the loss, refused in the reward by name at start-up (exit 2) and in a hot upd
 import pytest
 
 from verl_ds.cli import main
-from verl_ds.config import ConfigError, load_config, validate
+from verl_ds.config import ConfigError, load_config
+from verl_ds.run.checks import check_config
+from verl_ds.run.limits import initial_state, kl_placement_of
 from verl_ds.state import SharedState, StateValidationError
 
 
 def test_accepted_in_the_loss_and_refused_in_the_reward_at_startup(capsys, tmp_path):
     cfg = load_config(None, ["algo.adv_estimator=grpo", "rollout.n=4", "algo.kl_kind=full_symmetric"])  # auto: loss
-    assert validate(cfg).kl_kind == "full_symmetric" and validate(cfg).kl_placement == "loss"
+    check_config(cfg)
+    assert initial_state(cfg)["kl_kind"] == "full_symmetric" and kl_placement_of(cfg) == "loss"
     with pytest.raises(ConfigError, match=r"algo.kl_kind: 'full_symmetric' .* can only be a loss term: set "
                                           r"algo.kl_placement=loss"):
-        validate(load_config(None, ["algo.kl_placement=reward", "algo.kl_kind=full_symmetric"]))
+        check_config(load_config(None, ["algo.kl_placement=reward", "algo.kl_kind=full_symmetric"]))
     status = main(["train", "algo.kl_kind=full_symmetric", f"trainer.output_dir={tmp_path}/run",
                    "trainer.total_steps=1", "trainer.loggers=[plot]"])  # gae: auto puts the KL in the reward
     err = capsys.readouterr().err

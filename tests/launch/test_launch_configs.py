@@ -10,6 +10,7 @@ import pytest
 from launch_testutil import CONFIGS, QWEN25_05B, QWEN25_7B, ROOT, config_only_dir, job_configs
 
 from verl_ds.config import ConfigError, load_config, validate
+from verl_ds.run.checks import check_config
 from verl_ds.engines.ds_config import make_ds_config, merge_user_ds_config
 
 
@@ -38,7 +39,7 @@ def test_config_validates_and_generates_deepspeed_json_at_its_world_sizes(path):
     sizes = world_sizes(path)
     cfg = load_config(path)
     for world in sizes:
-        derived = validate(cfg, world)
+        derived = check_config(cfg, world)
         assert derived.prompts_per_rank * world == cfg.rollout.batch_size
         for role in ("actor", "critic", "ref"):
             ds = make_ds_config(cfg, derived, role)

@@ -1,5 +1,5 @@
 """A corpus of bad configurations, each with the message it must give. Every one fails in the checks run before
-anything is built (load_config -> config.check_startup: validate, then paths, reward code, run directory, ...;
+anything is built (load_config -> run.startup.check_startup: check_config, then paths, reward code, run directory, ...;
 then the prompt sets), naming the key. CORPUS runs those checks in this process; CLI_CORPUS runs each case
 through the real entry point (launch/train.py, all cases in one process: cli_batch.py) and wants exit status 2
 with one `verl_ds: error:` line."""
@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from e2e_utils import ROOT, TRAIN, base_env
-from verl_ds.config import ConfigError, check_startup, load_config
+from verl_ds.config import ConfigError, load_config
+from verl_ds.run.startup import check_startup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -69,7 +70,7 @@ CORPUS = [
     (["deepspeed.config_file={tmp}/not_json.json"], 1, r"deepspeed.config_file: '.*/not_json.json' is not valid JSON: Expecting"),
     (["deepspeed.config_file={tmp}/list.json"], 1, r"deepspeed.config_file: '.*/list.json' must hold a JSON object, got a JSON list"),
     (["deepspeed.config_file={tmp}"], 1, r"deepspeed.config_file: '.*' is a directory; expected a file"),
-    # paths, checked by config.check_startup before anything is built
+    # paths, checked by run.startup.check_startup before anything is built
     (["model.path={tmp}/missing"], 1, r"model.path: '.*/missing' does not exist"),
     (["model.path={tmp}/file.txt"], 1, r"model.path: '.*/file.txt' is not a directory"),
     (["model.path={tmp}/empty"], 1, r"model.path: '.*/empty' has no model files \(looked for config.json\)"),

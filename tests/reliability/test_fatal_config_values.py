@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from e2e_utils import FAST, ROOT, TRAIN, base_env, merged
-from verl_ds.config import ConfigError, check_startup, load_config
+from verl_ds.config import ConfigError, load_config
+from verl_ds.run.startup import check_startup
 
 CASES = [
     (["reward.functions=[{name: parity, weight: 1e300}]"],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from verl_ds.config import ConfigError, load_config
-from verl_ds.config.startup import check_startup
+from verl_ds.run.startup import check_startup
 from verl_ds.models import PolicyModel
 from verl_ds.tasks import parity
 from verl_ds.tokenizer import build_tokenizer

@@ -139,7 +139,7 @@ def test_launch_sft_under_torchrun(tmp_path):
     assert [r["step"] for r in rows(out)] == [0, 1, 2]
     report = json.loads((out / "data_report.json").read_text())
     assert report["train"]["kept"] == 64 and report["val"]["kept"] == 8
-    from verl_ds.config import check_startup
+    from verl_ds.run.startup import check_startup
 
     # the RL job's start-up gate takes it as model.path (config.json and tokenizer files present)
     check_startup(load_config(None, [f"model.path={out / 'hf_actor'}", f"trainer.output_dir={tmp_path / 'ppo'}"]))

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from verl_ds.cli import main
-from verl_ds.config import ConfigError, check_startup, load_config, validate
+from verl_ds.config import ConfigError, load_config, validate
+from verl_ds.run.startup import check_startup
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "models"))
 

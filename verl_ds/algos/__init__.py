@@ -12,6 +12,8 @@ from .advantages import (
     compute_rloo_advantage,
     get_advantage_estimator,
     register_advantage_estimator,
+    resolve_kl_placement,
+    resolve_loss_agg_mode,
 )
 from .gae import compute_gae, compute_gae_torch
 from .kl import KL_KINDS, full_symmetric_kl, full_symmetric_kl_torch, kl_penalty, register_kl_estimator
@@ -36,6 +38,7 @@ __all__ = [
     "compute_grpo_advantage", "compute_rloo_advantage", "compute_reinforce_pp_advantage",
     "compute_reinforce_pp_baseline_advantage", "compute_remax_advantage",
     "AdvantageEstimator", "register_advantage_estimator", "get_advantage_estimator", "ADV_ESTIMATOR_NAMES",
+    "resolve_kl_placement", "resolve_loss_agg_mode",
     "masked_mean", "masked_var", "masked_whiten", "agg_loss", "LOSS_AGG_MODES", "register_loss_agg",
     "policy_loss", "value_loss",
     "FixedKLController", "BandKLController", "ZieglerKLController", "make_kl_controller", "register_kl_controller", "KL_CTRL_KINDS", "observed_kl",

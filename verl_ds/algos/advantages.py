@@ -158,6 +158,18 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
     return ADVANTAGE_ESTIMATORS.get(name)
 
 
+def resolve_kl_placement(kl_placement: str, adv_estimator: str) -> str:
+    """``algo.kl_placement``: ``auto`` -> the estimator's convention (in the loss for grpo, dr_grpo and the REINFORCE++
+    pair, in the reward for gae, rloo and remax); ``reward`` and ``loss`` are returned as they are."""
+    return get_advantage_estimator(adv_estimator).kl_placement if kl_placement == "auto" else kl_placement
+
+
+def resolve_loss_agg_mode(loss_agg_mode: str, adv_estimator: str) -> str:
+    """``algo.loss_agg_mode``: ``auto`` -> the estimator's aggregation (seq-mean-token-sum-norm for dr_grpo,
+    token-mean for the others); any other mode is returned as it is."""
+    return get_advantage_estimator(adv_estimator).loss_agg_mode if loss_agg_mode == "auto" else loss_agg_mode
+
+
 @register_advantage_estimator("gae", needs_critic=True)
 def _gae(token_rewards, response_mask, *, values, gamma, lam, **_):
     adv, ret = compute_gae(token_rewards, values, response_mask, gamma, lam)

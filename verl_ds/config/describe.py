@@ -1,7 +1,9 @@
 """The key reference: a markdown table generated from the fields (docs/config.md is its output)."""
 from __future__ import annotations
 
+import dataclasses
 import json
+from typing import Mapping, Optional
 
 from .fields import choices_of, type_name
 from .schema import default_of, iter_fields
@@ -17,10 +19,13 @@ def _allowed(tp, spec) -> str:
     return f"`{text}`" if text else ""
 
 
-def describe() -> str:
-    """Markdown table of every key: type, default, allowed values, SharedState name when hot-updatable, help."""
+def describe(registry_choices: Optional[Mapping[str, tuple]] = None) -> str:
+    """Markdown table of every key: type, default, allowed values, SharedState name when hot-updatable, help.
+    ``registry_choices``: key -> the names its registry holds (``verl_ds.run.limits.registry_choices()``)."""
     lines = ["| key | type | default | allowed | hot | help |", "|---|---|---|---|---|---|"]
     for dotted, tp, spec, f in iter_fields():
+        if registry_choices and dotted in registry_choices:
+            spec = dataclasses.replace(spec, choices=tuple(registry_choices[dotted]))
         default = default_of(f)
         hot = f"`{spec.hot}`" if spec.hot else ""
         name = "str" if choices_of(tp, spec) is not None else type_name(tp)

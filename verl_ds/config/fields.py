@@ -13,7 +13,7 @@ import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -37,9 +37,9 @@ class Spec:
     """What a value of one field may be, beyond its type annotation.
 
     lo/hi: bounds (None: unbounded), inclusive unless lo_open/hi_open. hot: the SharedState key that carries
-    the field while training runs (None: fixed for the run). choices: allowed strings (a tuple, or a callable
-    returning one for registries that fill at import). config_only: choices the config resolves before the run
-    (never held by SharedState). finite: refuse NaN/inf. nonempty: refuse ''. items: the type of a list's items.
+    the field while training runs (None: fixed for the run). choices: allowed strings (a key naming a registry entry
+    has none here: the registry checks it when the run is built). config_only: choices the config resolves before
+    the run (never held by SharedState). finite: refuse NaN/inf. nonempty: refuse ''. items: the type of a list's items.
     secret: redacted on output.
     """
 
@@ -49,16 +49,12 @@ class Spec:
     hi: Optional[float] = None
     hi_open: bool = False
     hot: Optional[str] = None
-    choices: Union[tuple, Callable[[], tuple], None] = None
+    choices: Optional[tuple] = None
     config_only: tuple = ()
     finite: bool = True
     nonempty: bool = False
     items: Optional[type] = None
     secret: bool = False
-
-    def allowed(self) -> Optional[tuple]:
-        """The allowed choices (evaluated now when they come from a registry), or None."""
-        return tuple(self.choices()) if callable(self.choices) else self.choices
 
     def range_text(self) -> Optional[str]:
         """``"(0.0, 1.0]"``: parentheses mark open (or absent) bounds; None without bounds."""
@@ -128,7 +124,7 @@ def choices_of(tp, spec: Spec) -> Optional[tuple]:
     inner = [a for a in (_union_args(tp) or (tp,)) if a is not type(None)]
     if len(inner) == 1 and typing.get_origin(inner[0]) is Literal:
         return typing.get_args(inner[0])
-    return spec.allowed()
+    return spec.choices
 
 
 def suggest(name: str, options) -> str:

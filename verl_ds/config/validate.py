@@ -1,5 +1,6 @@
 """Cross-field rules and derived sizes: what a config means for a given world size, without touching any file
-except the small ones it names (a DeepSpeed JSON, a model's config.json for its context length)."""
+except the DeepSpeed JSON it names. Rules that need the package's registries run when the run is built
+(``verl_ds.run.checks``)."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,6 @@ from dataclasses import dataclass
 
 from .deepspeed import check_deepspeed_file
 from .fields import ConfigError, show
-from .limits import kl_placement_rule, resolve_kl_kind, resolve_kl_placement, run_limits
 from .model_fields import check_config_overrides, tiny_model_fields
 from .schema import MAX_REWARD_WEIGHT, Config, hot_fields
 
@@ -27,8 +27,6 @@ class Derived:
     mini_batch_per_rank: int  # samples per rank per optimizer step
     grad_accum: int  # actor micro-batches per optimizer step
     samples_per_rank: int = 0
-    kl_kind: str = "k1"  # algo.kl_kind with 'auto' resolved for the KL placement
-    kl_placement: str = "reward"  # algo.kl_placement with 'auto' resolved for the advantage estimator
 
 
 def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
@@ -50,8 +48,7 @@ def _batch_arithmetic(cfg: Config, world_size: int) -> Derived:
                           f"actor.mini_batch_size/world_size = {a.mini_batch_size}/{world_size} = {per_rank}")
     return Derived(world_size=world_size, prompts_per_rank=r.batch_size // world_size,
                    mini_batches_per_epoch=samples // a.mini_batch_size, mini_batch_per_rank=per_rank,
-                   grad_accum=per_rank // a.micro_batch_size, samples_per_rank=samples // world_size,
-                   kl_kind=resolve_kl_kind(cfg.algo.kl_kind, kl_placement_of(cfg)), kl_placement=kl_placement_of(cfg))
+                   grad_accum=per_rank // a.micro_batch_size, samples_per_rank=samples // world_size)
 
 
 def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
@@ -71,31 +68,15 @@ def _check_sequence_parallel(cfg: Config, world_size: int) -> None:
                           f"model.config_overrides): each rank attends heads/{sp} of them")
 
 
-def kl_placement_of(cfg: Config) -> str:
-    """Where this config puts the KL term: ``algo.kl_placement`` with ``auto`` resolved ("reward" or "loss")."""
-    return resolve_kl_placement(cfg.algo.kl_placement, cfg.algo.adv_estimator)
-
-
 def _check_kl_controller(cfg: Config) -> None:
     """An adaptive controller multiplies the coefficient: started at 0 it stays 0, while the reference it makes
     the run build scores every step for nothing."""
-    from verl_ds.algos.kl_ctrl import KL_CONTROLLERS  # local: the numerics import torch
-
-    kind = KL_CONTROLLERS.canonical(cfg.algo.kl_ctrl)
+    kind = cfg.algo.kl_ctrl
     if cfg.algo.kl_coef == 0 and kind != "fixed":
         raise ConfigError(f"algo.kl_coef: 0 with algo.kl_ctrl={kind} would stay 0 for the whole run (the {kind} "
                           f"controller multiplies the coefficient), while a reference model is built and run every "
                           f"step; set algo.kl_coef > 0 as the controller's starting point (e.g. 0.01), or "
                           f"algo.kl_ctrl=fixed to train without a KL term and without a reference")
-
-
-def _check_estimator(cfg: Config) -> None:
-    from verl_ds.algos import get_advantage_estimator  # local: the numerics import torch
-
-    if get_advantage_estimator(cfg.algo.adv_estimator).needs_groups and cfg.rollout.n < 2:
-        raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator} compares the "
-                          "responses sampled for the same prompt; with one per prompt every advantage is 0. "
-                          "Set rollout.n >= 2")
 
 
 def _check_reward_functions(cfg: Config) -> None:
@@ -115,53 +96,10 @@ def _check_reward_functions(cfg: Config) -> None:
                                   f"{MAX_REWARD_WEIGHT:g}] (weighted scores are float32)")
             if not isinstance(per_token, bool):
                 raise ConfigError(f"{where}.per_token: expected a bool (true/false), got {show(per_token)}")
-            from verl_ds.rewards import SEQUENCE_REWARDS  # local: the config does not import the reward code
-
-            if per_token and name in SEQUENCE_REWARDS:
-                raise ConfigError(f"{where}.per_token: the shipped reward {name!r} scores whole sequences (one "
-                                  "float per sample); per_token must be false")
         else:
             name = spec
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {show(spec)}")
-
-
-def _check_agent(cfg: Config, world_size: int) -> None:
-    """Multi-turn rollouts: the environment loads and takes its arguments, the environment scores (no reward
-    functions), the budget fits the model, and what episodes cannot do yet is refused by name."""
-    from .limits import context_length
-
-    a = cfg.agent
-    from verl_ds.agent.registry import BUILTIN_AGENT_TASKS, environment_class, make_environment  # local: light
-
-    try:
-        environment_class(a.environment)
-    except ValueError as exc:
-        raise ConfigError(f"agent.environment: {exc}") from None
-    try:
-        make_environment(a.environment, a.env_args)
-    except ValueError as exc:
-        raise ConfigError(f"agent.env_args: {exc}") from None
-    if cfg.reward.functions or cfg.reward.model_path is not None:
-        raise ConfigError(f"agent.environment={a.environment!r}: the environment's rewards score the trajectories; "
-                          f"set reward.functions: [] and no reward.model_path (got functions={show(cfg.reward.functions)}"
-                          f", model_path={show(cfg.reward.model_path)})")
-    if cfg.algo.overlong_buffer:
-        raise ConfigError("algo.overlong_buffer: DAPO's overlong penalty is for single responses; with "
-                          "agent.environment the limits are agent.max_turns and agent.max_context_tokens (set 0)")
-    if cfg.data.train_files is None and a.environment not in BUILTIN_AGENT_TASKS:
-        raise ConfigError(f"agent.environment={a.environment!r} has no built-in data set (only "
-                          f"{list(BUILTIN_AGENT_TASKS)} do); set data.train_files to rows its reset takes")
-    m = cfg.model
-    found = ((tiny_model_fields(cfg)["max_position_embeddings"], "model.config_overrides.max_position_embeddings")
-             if m.path is None else context_length(m.path))
-    if found is not None and a.max_context_tokens > found[0]:
-        raise ConfigError(f"agent.max_context_tokens={a.max_context_tokens} is larger than {found[1]}={found[0]}: "
-                          "a trajectory must fit the model's context")
-    if world_size > 1 and cfg.rollout.engine == "hf" and not cfg.rollout.gather_params:
-        raise ConfigError("rollout.gather_params=false: with agent.environment on several ranks each rank runs as many "
-                          "generate calls as its own episodes need, and per-token gathering is a collective; set "
-                          "rollout.gather_params: true")
 
 
 def _check_dpo(cfg: Config) -> None:
@@ -208,20 +146,9 @@ def _check_async(cfg: Config) -> None:
                           f"{'; '.join(bad)}; use rollout.mode=sync")
 
 
-def initial_state(cfg: Config) -> dict:
-    """SharedState's hot values at step 0, from the config (kl_kind resolved, use_kl_penalty effective)."""
-    out = {}
-    for key, dotted in STATE_FROM_CONFIG.items():
-        section, name = dotted.split(".")
-        out[key] = getattr(getattr(cfg, section), name)
-    out["kl_kind"] = resolve_kl_kind(cfg.algo.kl_kind, kl_placement_of(cfg))
-    out["use_kl_penalty"] = cfg.algo.use_kl_penalty and (cfg.algo.kl_coef > 0 or cfg.algo.kl_ctrl != "fixed")
-    return out
-
-
 def validate(cfg: Config, world_size: int = 1) -> Derived:
-    """Check cross-field rules (batch arithmetic, model shape, KL estimator and placement, this run's limits on
-    hot keys, reward entries, the DeepSpeed JSON) and derive per-rank sizes; ConfigError naming the key."""
+    """Check cross-field rules (batch arithmetic, model shape, the KL controller, reward entries, data, async
+    rollouts, the DeepSpeed JSON) and derive per-rank sizes; ConfigError naming the key."""
     if not isinstance(cfg, Config):
         raise TypeError(f"validate expects a Config (from load_config), got {type(cfg).__name__}")
     derived = _batch_arithmetic(cfg, world_size)
@@ -229,22 +156,8 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
         raise ConfigError(f"deepspeed.offload: param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}")
     check_config_overrides(cfg)
     _check_sequence_parallel(cfg, world_size)
-    _check_estimator(cfg)
     _check_kl_controller(cfg)
-    why = kl_placement_rule(kl_placement_of(cfg), cfg.algo.kl_kind)
-    if why is not None:
-        raise ConfigError(f"algo.kl_kind: {why}")
-    limits = run_limits(cfg)
-    room = limits.upper.get("max_new_tokens")
-    if room is not None and room.max < 1:
-        raise ConfigError(f"data.max_prompt_length={cfg.data.max_prompt_length} leaves no room for a response "
-                          f"({room.why})")
-    state = initial_state(cfg)
-    for key, reason in limits.check(state, state).items():
-        raise ConfigError(f"{STATE_FROM_CONFIG[key]}: {reason}")
-    if cfg.agent.environment is not None:
-        _check_agent(cfg, world_size)
-    else:
+    if cfg.agent.environment is None:  # an environment's rules need the agent registry: verl_ds.run.checks
         _check_reward_functions(cfg)
     _check_data(cfg)
     _check_dpo(cfg)

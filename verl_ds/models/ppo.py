@@ -72,12 +72,10 @@ class PPOModel(TrainableRole):
             from verl_ds.config import AlgoConfig
 
             algo = AlgoConfig()
-        from verl_ds.config.limits import resolve_kl_placement, resolve_loss_agg_mode
-
         self.algo = algo
         self._estimator = algos.get_advantage_estimator(algo.adv_estimator)
-        self._kl_placement = resolve_kl_placement(algo.kl_placement, algo.adv_estimator)  # "reward" or "loss"
-        self._loss_agg_mode = resolve_loss_agg_mode(algo.loss_agg_mode, algo.adv_estimator)
+        self._kl_placement = algos.resolve_kl_placement(algo.kl_placement, algo.adv_estimator)  # "reward" or "loss"
+        self._loss_agg_mode = algos.resolve_loss_agg_mode(algo.loss_agg_mode, algo.adv_estimator)
         if self._estimator.needs_critic and critic is None:
             raise MissingModuleError(f"Missing required module: critic (algo.adv_estimator={algo.adv_estimator!r} "
                                      f"estimates advantages with a critic; the critic-free estimators are "

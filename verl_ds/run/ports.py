@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Optional
 
-from .fields import ConfigError
+from verl_ds.config import ConfigError
 
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
 

@@ -1,21 +1,25 @@
 """The start-up gate: every check that can refuse a job before torch.distributed is initialised or any model is
-built. ``check_startup(cfg, world_size)`` runs ``validate`` and then looks at the machine: model, tokenizer, data
-and reward paths, reward functions, the sandbox for model-written code, the run directory, the checkpoint to
+built. ``check_startup(cfg, world_size)`` runs ``check_config`` and then looks at the machine: model, tokenizer,
+data and reward paths, reward functions, the sandbox for model-written code, the run directory, the checkpoint to
 resume, the device, and the control server's exposure. Each problem is one ConfigError naming the key, what was
-expected and what was found."""
+expected and what was found (docs/config.md)."""
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import sys
 from typing import Optional
 
-from .fields import ConfigError
-from .model_fields import tiny_model_fields
-from .ports import check_bind
-from .schema import TOKEN_ENV, Config
-from .validate import Derived, validate
+from verl_ds import checkpoint
+from verl_ds.agent.code_reward import code_tests_reward
+from verl_ds.agent.registry import make_environment
+from verl_ds.agent.sandbox import SandboxUnavailable, require_sandbox
+from verl_ds.agent.tools import python
+from verl_ds.attention_layout import resolve_attn_implementation
+from verl_ds.config import TOKEN_ENV, Config, ConfigError, Derived, is_loopback, tiny_model_fields
+from verl_ds.rewards import resolve_reward_fn
+from verl_ds.run.checks import check_config
+from verl_ds.run.ports import check_bind
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                     "spiece.model", "sentencepiece.bpe.model")
@@ -88,8 +92,6 @@ def _check_parquet(key: str, path: str) -> None:
 
 
 def _check_reward_code(cfg: Config) -> None:
-    from verl_ds.rewards import resolve_reward_fn
-
     specs = [(f"reward.functions[{i}]", s if isinstance(s, str) else s.get("name"))
              for i, s in enumerate(cfg.reward.functions)]
     specs += [(f"server.swappable_rewards[{i}]", s) for i, s in enumerate(cfg.server.swappable_rewards)]
@@ -102,17 +104,11 @@ def _check_reward_code(cfg: Config) -> None:
 
 def _model_code_users(cfg: Config) -> list[str]:
     """The keys whose setting runs model-written code: the code_tests reward, an environment with the python tool."""
-    from verl_ds.agent.code_reward import code_tests_reward
-    from verl_ds.rewards import resolve_reward_fn
-
     names = [(f"reward.functions[{i}]", s if isinstance(s, str) else s.get("name"))
              for i, s in enumerate(cfg.reward.functions)]
     names += [(f"server.swappable_rewards[{i}]", s) for i, s in enumerate(cfg.server.swappable_rewards)]
     users = [f"{where}={name}" for where, name in names if resolve_reward_fn(name) is code_tests_reward]
     if cfg.agent.environment is not None:
-        from verl_ds.agent.registry import make_environment
-        from verl_ds.agent.tools import python
-
         try:
             tools = getattr(make_environment(cfg.agent.environment, cfg.agent.env_args), "tools", None)
         except Exception:  # noqa: BLE001 - a broken environment is refused where it is built, with its own message
@@ -128,8 +124,6 @@ def _check_sandbox(cfg: Config, rank: int) -> None:
     users = _model_code_users(cfg)
     if not users:
         return
-    from verl_ds.agent.sandbox import SandboxUnavailable, require_sandbox
-
     try:
         line = require_sandbox(cfg.agent.allow_weak_sandbox)
     except SandboxUnavailable as exc:
@@ -151,8 +145,6 @@ def _check_resume(cfg: Config) -> None:
     resume = cfg.trainer.resume
     if resume in ("auto", "none"):
         return
-    from verl_ds import checkpoint
-
     hint = (f"expected a checkpoint directory global_step_<N> (under {os.path.join(cfg.trainer.output_dir, 'checkpoints')!r}"
             f" for this run), or 'auto' / 'none'")
     try:
@@ -235,31 +227,11 @@ def _check_sequence_parallel_heads(cfg: Config) -> None:
 def _check_attention(cfg: Config) -> None:
     import torch
 
-    from verl_ds.attention_layout import resolve_attn_implementation
-
     cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     try:
         resolve_attn_implementation(cfg.model.attn_implementation, "cuda" if cuda else "cpu")
     except ValueError as exc:
         raise ConfigError(f"model.attn_implementation: {exc}") from None
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` only reaches this machine (127.0.0.0/8, ::1, or a name resolving only there);
-    '', '0.0.0.0' and '::' mean every interface."""
-    if not host:
-        return False
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        pass
-    if host == "localhost":
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
 
 
 def _check_server(cfg: Config, rank: int) -> None:
@@ -283,10 +255,10 @@ def _check_server(cfg: Config, rank: int) -> None:
 
 
 def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
-    """Everything that can refuse the job before anything is built: ``validate(cfg, world_size)``, then paths,
+    """Everything that can refuse the job before anything is built: ``check_config(cfg, world_size)``, then paths,
     reward functions, the sandbox, the run directory (created), the checkpoint to resume, the device and the server (on
     ``rank`` 0, that its address can be bound). Returns the Derived sizes; raises ConfigError naming the key."""
-    derived = validate(cfg, world_size)
+    derived = check_config(cfg, world_size)
     _check_device(cfg)
     _check_attention(cfg)
     _check_models(cfg)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 
 from verl_ds.config import (AgentConfig, AlgoConfig, Config, ConfigError, CriticConfig, Derived, RewardConfig,
-                            RolloutConfig, ServerConfig, check_startup)
+                            RolloutConfig, ServerConfig)
+from verl_ds.run.checks import check_registry_names
+from verl_ds.run.startup import check_startup
 
 
 def stage_view(cfg: Config) -> Config:
@@ -21,6 +23,7 @@ def stage_view(cfg: Config) -> Config:
 
 def check_stage(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
     """Refuse a bad supervised job before anything is built (ConfigError naming the key); returns the sizes."""
+    check_registry_names(cfg)  # every key's value is checked, as the loader checks the others
     a = cfg.actor
     if a.mini_batch_size % world_size:
         raise ConfigError(f"actor.mini_batch_size={a.mini_batch_size} (rows per optimizer step, summed over ranks) "
