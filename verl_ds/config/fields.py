@@ -1,10 +1,6 @@
-"""Field declarations shared by the job config and SharedState: one ``Spec`` per hyper-parameter.
-
-A config field is ``_f(default, help, min=..., max=..., gt=..., lt=..., hot="state_key", ...)``; the same
-``Spec`` (range, choices, finiteness, help) checks a value loaded from YAML and a value sent to
-``PATCH /v1/state``, so the two can never disagree. ``check_value`` returns ``(value, None)`` or
-``(None, reason)``; callers prefix the key.
-"""
+"""One ``Spec`` per hyper-parameter, shared by the job config and SharedState: the same range, choices and
+finiteness check a value loaded from YAML and one sent to ``PATCH /v1/state``, so the two can never disagree.
+``check_value`` returns ``(value, None)`` or ``(None, reason)``; callers prefix the key."""
 from __future__ import annotations
 
 import difflib

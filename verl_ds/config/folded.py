@@ -1,4 +1,4 @@
-"""Keys folded into others (issue 32: fewer keys, the same features). A config that still sets one is refused
+"""Keys folded into others (fewer keys, the same features). A config that still sets one is refused
 (exit 2) with the key that replaces it and what to write there for the value it gave, never ignored."""
 from __future__ import annotations
 

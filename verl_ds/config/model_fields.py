@@ -1,9 +1,6 @@
-"""``model.config_overrides``: the HF config fields of the model built from config (verl's ``override_config``).
-
-The tiny model starts from ``TINY_MODEL``; the overrides are checked against the family's config class (a field
-it does not have, or a value of another type than its default, is a ConfigError naming
-``model.config_overrides.<field>``), so a typo cannot silently build another model.
-"""
+"""``model.config_overrides``: the HF config fields of the model built from config (verl's ``override_config``),
+checked against the family's config class (an unknown field or a value of another type is a ConfigError naming
+``model.config_overrides.<field>``), so a typo cannot silently build another model."""
 from __future__ import annotations
 
 from .fields import ConfigError, show, suggest

@@ -48,7 +48,7 @@ REMOVED_KEYS = {
                                  "trainer.checkpoint_digest=full, else each file's first and last MiB",
     "server.max_body_bytes": "request bodies are capped at 64 KiB, far above what a route takes (a state update or a "
                              "reward swap: a few hundred bytes)",
-    # CPU-only speed switches (issue 32)
+    # CPU-only speed switches
     "model.cpu_linear": "oneDNN Linear layers for AMD CPUs left the package (no GPU counterpart); delete the key: "
                         "float32 CPU Linears use F.linear",
     "deepspeed.grad_accumulation_fusion": "a ZeRO-0 CPU optimisation that left the package; delete the key: weight "

@@ -1,9 +1,6 @@
-"""DeepSpeed settings for CPU runs only; on CUDA DeepSpeed's defaults stand.
-
-``memory_efficient_linear: false`` under ZeRO-3: DeepSpeed's default swaps ``torch.nn.functional.linear`` for its
-own autograd Function process-wide once a ZeRO-3 model is built, which saves activation memory on a GPU but only
-costs time on a CPU (the same update either way). Figures: benchmarks/README.md, "Measurements behind defaults".
-"""
+"""DeepSpeed settings for CPU runs only (on CUDA DeepSpeed's defaults stand): ``memory_efficient_linear: false``
+under ZeRO-3, since DeepSpeed's process-wide swap of ``F.linear`` saves activation memory on a GPU but only costs
+time on a CPU (the same update either way). Figures: benchmarks/README.md, "Measurements behind defaults"."""
 from __future__ import annotations
 
 __all__ = ["zero3_overrides"]
