@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import math
 import numbers
-import queue
-import threading
 import time
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from verl_ds.agent.chat_tokens import ChatTokens
 from verl_ds.agent.env import Environment, Step, StepBudget, run_in_budget
+from verl_ds.threads import DaemonPool
 
 __all__ = ["EpisodeLimits", "Trajectory", "run_episodes", "END_REASONS", "engine_turns"]
 
@@ -89,45 +87,6 @@ def engine_turns(engine, pad_token_id: int, stop_token_ids: Sequence[int] = (), 
     return generate
 
 
-class _DaemonPool:
-    """Daemon worker threads: a step abandoned at its timeout (Python cannot stop a thread) does not delay the trainer's
-    exit, as a ThreadPoolExecutor's workers would (they are joined at exit)."""
-
-    def __init__(self, workers: int):
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: list = []
-        for i in range(workers):
-            threading.Thread(target=self._work, name=f"verl_ds-env-{i}", daemon=True).start()
-        self._workers = workers
-
-    def submit(self, fn, *args) -> Future:
-        fut: Future = Future()
-        self._pending.append(fut)
-        self._tasks.put((fut, fn, args))
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            fut, fn, args = task
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(fn(*args))
-            except Exception as e:  # the environment's failure, handed to the caller
-                fut.set_exception(e)
-            except BaseException as e:  # noqa: BLE001 (raised by the environment: see _Escaped)
-                fut.set_exception(_Escaped(e))
-
-    def shutdown(self) -> None:
-        for fut in self._pending:
-            fut.cancel()  # not started yet: never run
-        for _ in range(self._workers):
-            self._tasks.put(None)
-
-
 class _Escaped(Exception):
     """A SystemExit or KeyboardInterrupt an environment raised in a worker: it ends that trajectory. A real Ctrl-C is
     raised in the main thread (Python runs signal handlers there) and stops the run."""
@@ -142,10 +101,15 @@ def _raised(e: BaseException) -> str:
 
 def _timed(budget: StepBudget, fn, *args):
     start = time.monotonic()
-    return run_in_budget(budget, fn, *args), time.monotonic() - start
+    try:
+        return run_in_budget(budget, fn, *args), time.monotonic() - start
+    except Exception:
+        raise
+    except BaseException as e:  # noqa: BLE001 (raised by the environment: see _Escaped)
+        raise _Escaped(e) from e
 
 
-def _call_all(pool: _DaemonPool, calls: list, timeout_s: float) -> list:
+def _call_all(pool: DaemonPool, calls: list, timeout_s: float) -> list:
     """Run ``calls`` ((fn, arg, budget), ...) in ``pool``: (result, seconds) or the exception, each. Every budget is
     cancelled on the way out, so a step still running starts no more tool calls."""
     futures = [pool.submit(_timed, budget, fn, arg) for fn, arg, budget in calls]
@@ -170,7 +134,7 @@ def run_episodes(generate: GenerateFn, chat: ChatTokens, envs: Sequence[Environm
     """Run one episode per (environment, sample) pair to its end; returns the trajectories in order."""
     if len(envs) != len(samples):
         raise ValueError(f"run_episodes: {len(envs)} environments for {len(samples)} samples")
-    pool = _DaemonPool(max(1, min(workers, len(envs))))
+    pool = DaemonPool(max(1, min(workers, len(envs))), "verl_ds-env")
     try:
         trajs = []
         resets = [(e.reset, s, StepBudget(limits.max_tool_calls)) for e, s in zip(envs, samples)]

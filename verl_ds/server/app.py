@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 from typing import Any, Callable
 
 from verl_ds.server.jsonio import HTTPError, dumps, parse_json_object
 from verl_ds.server.protocol import (BODY_ANNOUNCED, BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES, check_framing,
                                      warn_throttled)
 from verl_ds.server.views import ROUTE_LIST, resolve, shown_method
+from verl_ds.threads import DaemonPool as WorkerPool  # the name server.control imports
 
 __all__ = ["ControlApp", "WorkerPool"]
 
@@ -21,48 +20,6 @@ log = logging.getLogger("verl_ds.server")
 
 class _ClientGone(Exception):
     """The client disconnected: nobody is left to answer."""
-
-
-class WorkerPool:
-    """Daemon threads for views, which may wait on the SharedState lock at a step boundary; daemon, so a stuck
-    view never holds up the interpreter's exit."""
-
-    def __init__(self, n: int, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(n)]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable, *args) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._queue.put((loop, future, fn, args))
-        return future
-
-    def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            loop, future, fn, args = item
-            try:
-                outcome = (True, fn(*args))
-            except BaseException as e:  # noqa: BLE001 - handed to the request, which answers 500
-                outcome = (False, e)
-            try:
-                loop.call_soon_threadsafe(_settle, future, *outcome)
-            except RuntimeError:  # the loop is closed: the server stopped while this view ran
-                pass
-
-
-def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
-    if future.done():  # the request was cancelled (server stopping)
-        return
-    if ok:
-        future.set_result(value)
-    else:
-        future.set_exception(value)
 
 
 class _Request:
@@ -137,8 +94,9 @@ class ControlApp:
             if handler.mutating:
                 self.control.check_auth(req.headers.get("authorization", []))
                 raw = await self._read_body(req, receive, started)
-                body = await self.pool.submit(parse_json_object, raw)
-            status, payload = await self.pool.submit(handler.fn, self.control, route.arg, body, req.client)
+                body = await asyncio.wrap_future(self.pool.submit(parse_json_object, raw))
+            status, payload = await asyncio.wrap_future(
+                self.pool.submit(handler.fn, self.control, route.arg, body, req.client))
             return status, payload, None, False
         except HTTPError as e:
             return e.status, {"error": e.message, "status": e.status, **e.extra}, e.headers, e.close
