@@ -6,8 +6,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from verl_ds.batch_layout import (ALIASES, DESIGN_FIELDS, EXTRA_FIELDS, FIELDS, FLOAT_FIELDS, REQUIRED_FOR_LOSS,
-                                  ROLLOUT_FIELDS, BatchValidationError, canonical as _canonical, check_batch,
+from verl_ds.batch_layout import (DESIGN_FIELDS, EXTRA_FIELDS, FIELD_ALIASES, FIELDS, FLOAT_FIELDS, REQUIRED_FOR_LOSS,
+                                  ROLLOUT_FIELDS, BatchValidationError, canonical as _canonical, check_layout,
                                   close_hint)
 
 __all__ = ["RolloutBatch", "FIELDS", "DESIGN_FIELDS", "EXTRA_FIELDS", "REQUIRED_FOR_LOSS", "ROLLOUT_FIELDS",
@@ -61,7 +61,7 @@ class RolloutBatch:
         self._data[name] = value
 
     def __contains__(self, name: object) -> bool:
-        name = ALIASES.get(name, name) if isinstance(name, str) else name
+        name = FIELD_ALIASES.get(name, name) if isinstance(name, str) else name
         return name in FIELDS and self._data[name] is not None
 
     @classmethod
@@ -71,13 +71,13 @@ class RolloutBatch:
             return batch
         if isinstance(batch, Mapping):
             fields = {str(k): v for k, v in batch.items() if k != "extras"}
-            unknown = [k for k in fields if ALIASES.get(k, k) not in FIELDS]
+            unknown = [k for k in fields if FIELD_ALIASES.get(k, k) not in FIELDS]
             if unknown:
                 raise BatchValidationError(unknown[0], f"{who} has unknown field(s) {unknown}{close_hint(unknown[0])} "
                                                        f"Fields: {list(FIELDS)}")
             for k, v in fields.items():
                 if v is not None and not isinstance(v, torch.Tensor):
-                    raise BatchValidationError(ALIASES.get(k, k), f"{who}[{k!r}] must be a torch.Tensor, got "
+                    raise BatchValidationError(FIELD_ALIASES.get(k, k), f"{who}[{k!r}] must be a torch.Tensor, got "
                                                                    f"{type(v).__name__}")
             return cls(extras=dict(batch.get("extras") or {}), **fields)
         raise TypeError(f"{who} must be a RolloutBatch or a mapping of field name -> tensor (e.g. "
@@ -161,8 +161,8 @@ class RolloutBatch:
                    next_observation=cls.make_next_observation(observation, pad_token_id), extras=extras)
 
     def validate(self, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> "RolloutBatch":
-        """``batch_layout.check_batch``; returns self."""
-        check_batch(self, pad_token_id, required)
+        """``batch_layout.check_layout``; returns self."""
+        check_layout(self, pad_token_id, required)
         return self
 
     # ---- reshaping ------------------------------------------------------------------------------

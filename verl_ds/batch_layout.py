@@ -36,8 +36,8 @@ _SPEC: dict[str, tuple[tuple[str, ...], torch.dtype]] = {
         "returns")},
 }
 FLOAT_FIELDS = tuple(f for f, (_, dt) in _SPEC.items() if dt == torch.float32)
-ALIASES = {"logprob": "old_log_probs", "ref_logprob": "ref_log_probs", "value": "values", "old_value": "values",
-            "score": "scores", "reward": "token_rewards", "advantage": "advantages", "return": "returns"}
+FIELD_ALIASES = {"logprob": "old_log_probs", "ref_logprob": "ref_log_probs", "value": "values", "old_value": "values",
+                 "score": "scores", "reward": "token_rewards", "advantage": "advantages", "return": "returns"}
 
 
 class BatchValidationError(ValueError):
@@ -50,20 +50,20 @@ class BatchValidationError(ValueError):
 
 def close_hint(name: str) -> str:
     """"; did you mean ...?" naming the fields (or aliases) close to an unknown ``name``, or ""."""
-    close = difflib.get_close_matches(name, FIELDS + tuple(ALIASES), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, FIELDS + tuple(FIELD_ALIASES), n=3, cutoff=0.6)
     return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
 def canonical(name: str) -> str:
     """The field an alias or a name stands for; AttributeError naming close matches for an unknown one."""
-    name = ALIASES.get(name, name)
+    name = FIELD_ALIASES.get(name, name)
     if name not in FIELDS:
         raise AttributeError(f"RolloutBatch has no field {name!r}{close_hint(name)} Fields: {list(FIELDS)} "
                              "(per-sample non-tensor data goes in batch.extras)")
     return name
 
 
-def check_batch(batch, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> None:
+def check_layout(batch, pad_token_id: int, required: Iterable[str] = REQUIRED_FOR_LOSS) -> None:
     """``RolloutBatch.validate``: presence, shapes, dtypes, masks, finiteness and padding of every field set; the first
     problem raises BatchValidationError naming the field, what was expected and what was found."""
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):

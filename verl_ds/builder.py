@@ -14,8 +14,8 @@ from verl_ds.engines.build import build_engines, build_reward_engine, load_token
 
 log = logging.getLogger(__name__)
 
-ALIASES = {"actor": ("ppo_actor", "policy"), "critic": ("value", "ppo_critic"), "ref": ("reference",),
-           "reward": ("reward_model",)}
+ROLE_ALIASES = {"actor": ("ppo_actor", "policy"), "critic": ("value", "ppo_critic"), "ref": ("reference",),
+                "reward": ("reward_model",)}
 
 
 @dataclass
@@ -101,7 +101,7 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
         models["ref"] = AdaptersOffReferenceModel(engines["actor"], **scoring)
     registry = ModelRegistry()
     for role, model in models.items():
-        registry.register(role, model, aliases=ALIASES[role])
+        registry.register(role, model, aliases=ROLE_ALIASES[role])
     ppo = PPOModel(state=state, algo=cfg.algo, registry=registry,
                    is_cap=cfg.rollout.is_cap if cfg.rollout.is_correction else None, is_mode=cfg.rollout.is_mode,
                    **models)

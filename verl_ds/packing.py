@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from verl_ds.attention_layout import LAYOUT_KWARG, AttentionLayout
-from verl_ds.rows import ResponseIndex, check_batch, index_responses, position_ids_from_mask, prompt_groups
+from verl_ds.rows import ResponseIndex, check_ids_and_mask, index_responses, position_ids_from_mask, prompt_groups
 
 __all__ = ["Packed", "pack", "unpack", "count_micro_batches", "token_budget_micro_batches",
            "agree_num_micro_batches", "micro_batch_groups"]
@@ -71,7 +71,7 @@ def _no_prompt_rows(mask: torch.Tensor, response_width: int) -> None:
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int | None = None) -> Packed:
     """``input_ids`` (B, T) without padding; with ``response_width`` each row's last response token is left out."""
-    input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
+    input_ids, mask = check_ids_and_mask(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     full = mask
     if response_width is not None:

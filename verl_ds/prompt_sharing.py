@@ -9,7 +9,7 @@ import torch
 
 from verl_ds.attention_layout import LAYOUT_KWARG, AttentionLayout
 from verl_ds.packing import PACK_NAMES, _no_prompt_rows, check_response_width, last_response_token
-from verl_ds.rows import ResponseIndex, check_batch, index_responses, position_ids_from_mask, prompt_groups
+from verl_ds.rows import ResponseIndex, check_ids_and_mask, index_responses, position_ids_from_mask, prompt_groups
 
 __all__ = ["SharedPacked", "group_layout", "pack_shared_prompts"]
 
@@ -58,7 +58,7 @@ class SharedPacked:
 def pack_shared_prompts(input_ids: torch.Tensor, attention_mask: torch.Tensor, response_width: int,
                         share_prefixes: bool = False) -> SharedPacked:
     """Pack ``input_ids`` (B, T), whose last ``response_width`` columns are responses, one copy per distinct prompt."""
-    input_ids, mask = check_batch(input_ids, attention_mask, "pack", PACK_NAMES)
+    input_ids, mask = check_ids_and_mask(input_ids, attention_mask, "pack", PACK_NAMES)
     B, T = input_ids.shape
     R = check_response_width(response_width, T)
     _no_prompt_rows(mask, R)

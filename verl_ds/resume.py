@@ -9,7 +9,7 @@ from typing import Optional
 from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
 from verl_ds.checkpoint_manifest import read_manifest
-from verl_ds.control import AUDIT_FILE, JOURNAL_FILE
+from verl_ds.step_boundary import AUDIT_FILE, JOURNAL_FILE
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A reward's trial before it replaces the active one, so one that cannot score this run fails at the step boundary
-(where ``verl_ds.control`` rolls it back) instead of failing the next step."""
+(where ``verl_ds.step_boundary`` rolls it back) instead of failing the next step."""
 from __future__ import annotations
 
 import torch

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["ResponseIndex", "check_batch", "prompt_groups", "position_ids_from_mask", "index_responses"]
+__all__ = ["ResponseIndex", "check_ids_and_mask", "prompt_groups", "position_ids_from_mask", "index_responses"]
 
 
 class ResponseIndex(NamedTuple):
@@ -20,7 +20,7 @@ class ResponseIndex(NamedTuple):
     take: torch.Tensor | None = None
 
 
-def check_batch(observation: Any, mask: Any, who: str, names: tuple = ("observation", "mask")) -> tuple:
+def check_ids_and_mask(observation: Any, mask: Any, who: str, names: tuple = ("observation", "mask")) -> tuple:
     """(ids as int64, mask as bool) of a (B, T) batch; a (B, T, T) mask is refused (some HF models mask all out)."""
     ids, m = names
     if not isinstance(observation, torch.Tensor):

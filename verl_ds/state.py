@@ -143,7 +143,7 @@ class SharedState:
         self._values: dict[str, Any] = {k: d.default for k, d in STATE_KEYS.items()}
         self._version = 0
         self._staged: list[dict] = []
-        self.on_stage: Optional[Callable[[list[dict], int], None]] = None  # stage()'s journal (verl_ds.control)
+        self.on_stage: Optional[Callable[[list[dict], int], None]] = None  # stage()'s journal (verl_ds.step_boundary)
 
     @classmethod
     def from_config(cls, cfg: Config, rank: int | None = None) -> "SharedState":

@@ -18,7 +18,7 @@ from verl_ds.asyncrl.split import make_async_rollout
 from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config, write_run_config
-from verl_ds.control import StepBoundary, start_control_server
+from verl_ds.step_boundary import StepBoundary, start_control_server
 from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics, sample_means_over_ranks
 from verl_ds.models.ppo import LOSS_SHARE_METRICS
 from verl_ds.models.sequence_parallel import turns
@@ -128,7 +128,7 @@ class Trainer:
             self._abandon(step, data_position)
             raise
         if vdist.any_rank(rollout is None):
-            self.guard.check_batch(None, planned_updates=self._planned_updates())  # the draw failed: no batch
+            self.guard.skip_batch(None, planned_updates=self._planned_updates())  # the draw failed: no batch
             return {**self.guard.end_step(step, None), "training/global_step": step}
         batch = rollout.batch
         temperature = hot["temperature"]  # this step's value, identical on every rank
@@ -156,7 +156,7 @@ class Trainer:
                 batch, whiten_fn=vdist.global_masked_whiten,
                 baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
         # a non-finite value on any rank skips the update on every rank
-        if not self.guard.check_batch(batch, planned_updates=self._planned_updates()):
+        if not self.guard.skip_batch(batch, planned_updates=self._planned_updates()):
             batch.validate(tok.pad_token_id, required=self._required_fields(old_log_probs=not shortcut))
             if self.ppo.needs_critic:
                 with t("update_critic"):

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # builds a real trainer (DeepSpeed engines) in a 
 WORKER = r'''
 import json, sys
 from verl_ds.config import load_config
-from verl_ds.control import start_control_server
+from verl_ds.step_boundary import start_control_server
 from verl_ds.dist import detect_launch
 from verl_ds.trainer import Trainer
 sys.path.insert(0, sys.argv[2])

@@ -55,13 +55,13 @@ def test_response_length_from_eos():
     assert RolloutBatch.response_length_from_eos(ids, 2).tolist() == [2, 3, 1]
 
 
-ALIASES = {"logprob": "old_log_probs", "ref_logprob": "ref_log_probs", "value": "values", "old_value": "values",
-           "score": "scores", "reward": "token_rewards", "advantage": "advantages", "return": "returns"}
+FIELD_ALIASES = {"logprob": "old_log_probs", "ref_logprob": "ref_log_probs", "value": "values", "old_value": "values",
+                 "score": "scores", "reward": "token_rewards", "advantage": "advantages", "return": "returns"}
 
 
 def test_design_names_are_aliases():
     b = make_batch()
-    for alias, field in ALIASES.items():
+    for alias, field in FIELD_ALIASES.items():
         assert b[alias] is b[field] is getattr(b, alias) is getattr(b, field), alias
         assert alias in b and field in b
     new = torch.zeros(4, 4)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from verl_ds.rows import check_batch, index_responses, position_ids_from_mask, prompt_groups
+from verl_ds.rows import check_ids_and_mask, index_responses, position_ids_from_mask, prompt_groups
 
 PAD = 0
 
@@ -82,25 +82,25 @@ def test_check_batch_names_what_is_wrong():
     obs = torch.ones(2, 5, dtype=torch.long)
     with pytest.raises(ValueError, match=r"who: mask must have the shape of observation, \(B, T\) = \(2, 5\), got "
                                          r"\(2, 5, 5\) \(pass the \(B, T\) attention mask, not a \(B, T, T\)"):
-        check_batch(obs, torch.ones(2, 5, 5, dtype=torch.bool), "who")
+        check_ids_and_mask(obs, torch.ones(2, 5, 5, dtype=torch.bool), "who")
     with pytest.raises(ValueError, match=r"who: mask rows \[1\] have no real token"):
-        check_batch(obs, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), "who")
+        check_ids_and_mask(obs, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]), "who")
     with pytest.raises(ValueError, match=r"who: mask must hold only 0/1, got values \[2\]"):
-        check_batch(obs, torch.full((2, 5), 2), "who")
+        check_ids_and_mask(obs, torch.full((2, 5), 2), "who")
     with pytest.raises(TypeError, match="who: mask must be bool \\(or 0/1 integers\\), got dtype torch.float32"):
-        check_batch(obs, torch.ones(2, 5), "who")  # float masks are refused
+        check_ids_and_mask(obs, torch.ones(2, 5), "who")  # float masks are refused
     with pytest.raises(TypeError, match=r"who: mask must be a \(B, T\) bool tensor, got list"):
-        check_batch(obs, [[1] * 5] * 2, "who")
+        check_ids_and_mask(obs, [[1] * 5] * 2, "who")
     with pytest.raises(ValueError, match=r"who: mask is on meta but observation is on cpu"):
-        check_batch(obs, torch.ones(2, 5, dtype=torch.bool, device="meta"), "who")
+        check_ids_and_mask(obs, torch.ones(2, 5, dtype=torch.bool, device="meta"), "who")
     with pytest.raises(TypeError, match=r"who: observation must be a \(B, T\) int64 tensor of token ids, got list"):
-        check_batch([[1, 2]], None, "who")
+        check_ids_and_mask([[1, 2]], None, "who")
     with pytest.raises(ValueError, match=r"who: observation must be 2-D \(B, T\), got shape \(3,\)"):
-        check_batch(torch.ones(3, dtype=torch.long), None, "who")
+        check_ids_and_mask(torch.ones(3, dtype=torch.long), None, "who")
     with pytest.raises(ValueError, match=r"who: observation is empty: shape \(2, 0\)"):
-        check_batch(torch.ones(2, 0, dtype=torch.long), None, "who")
+        check_ids_and_mask(torch.ones(2, 0, dtype=torch.long), None, "who")
     with pytest.raises(TypeError, match="who: input_ids must hold int64 token ids, got dtype torch.float32"):
-        check_batch(torch.ones(2, 2), None, "who", ("input_ids", "attention_mask"))
-    ids, mask = check_batch(torch.ones(2, 5, dtype=torch.int32), torch.ones(2, 5, dtype=torch.long), "who")
+        check_ids_and_mask(torch.ones(2, 2), None, "who", ("input_ids", "attention_mask"))
+    ids, mask = check_ids_and_mask(torch.ones(2, 5, dtype=torch.int32), torch.ones(2, 5, dtype=torch.long), "who")
     assert ids.dtype == torch.int64 and mask.dtype == torch.bool
-    assert check_batch(obs, None, "who")[1].tolist() == [[True] * 5] * 2
+    assert check_ids_and_mask(obs, None, "who")[1].tolist() == [[True] * 5] * 2

@@ -133,7 +133,7 @@ def test_guard_counts_writes_records_and_stops_after_max_bad_steps(tmp_path):
     bad.token_rewards[0, 2] = float("nan")
     for step, batch, expect in ((1, good, False), (2, bad, True), (3, good, False), (4, bad, True), (5, bad, True)):
         guard.begin_step()
-        assert guard.check_batch(batch, planned_updates=4) is expect
+        assert guard.skip_batch(batch, planned_updates=4) is expect
         m = guard.end_step(step, batch, ["x", "y", "z"])
         assert m["training/skipped_updates"] == (4.0 if expect else 0.0)
         if step < 5:
@@ -161,9 +161,9 @@ def test_a_failed_draw_skips_the_step_with_no_batch(tmp_path):
     """The rollout raised SamplingError: the trainer has no batch to check, only the error."""
     guard = NonFiniteGuard(max_bad_steps=3, run_dir=str(tmp_path))
     guard.begin_step()
-    assert guard.check_batch(None) is False  # no batch and no error: nothing to skip
+    assert guard.skip_batch(None) is False  # no batch and no error: nothing to skip
     guard.sampling_error = "sampling failed: probability tensor contains either `inf`, `nan` or element < 0"
-    assert guard.check_batch(None, planned_updates=2) is True
+    assert guard.skip_batch(None, planned_updates=2) is True
     m = guard.end_step(7, None)
     assert (m["training/nonfinite_steps"], m["training/skipped_updates"], m["training/consecutive_bad_steps"]) == (
         1.0, 2.0, 1.0)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from verl_ds.control import AUDIT_FILE, JOURNAL_FILE, StepBoundary
+from verl_ds.step_boundary import AUDIT_FILE, JOURNAL_FILE, StepBoundary
 from verl_ds.models import RewardModel
 from verl_ds.reward_spec import parse_reward_swap
 from verl_ds.rewards import resolve_reward_fn

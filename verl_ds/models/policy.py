@@ -9,7 +9,7 @@ import torch
 from verl_ds.kernels.response_logprob import response_logprobs
 from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, forward_params, left_align_prompts,
                                  unwrap_module, update_from_config)
-from verl_ds.rows import check_batch, position_ids_from_mask
+from verl_ds.rows import check_ids_and_mask, position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["PolicyModel", "ReferenceModel", "AdaptersOffReferenceModel", "active_dropout"]
@@ -92,7 +92,7 @@ class ReferenceModel(LogProbRole):
         ``temperature``, differentiable; with return_entropy also the entropies (B, R). Padded response positions
         hold garbage: mask them. ``head_kl`` (``verl_ds.models.full_kl``): its column comes back last, (B, R)."""
         who = f"{type(self).__name__}.get_logprob"
-        observation, mask = check_batch(observation, mask, who)
+        observation, mask = check_ids_and_mask(observation, mask, who)
         if not isinstance(action, torch.Tensor) or action.dim() != 2 or action.shape[0] != observation.shape[0]:
             got = tuple(action.shape) if isinstance(action, torch.Tensor) else type(action).__name__
             raise ValueError(f"{who}: action must be (B, R) = ({observation.shape[0]}, R) response ids, got {got}")
@@ -208,7 +208,7 @@ class PolicyModel(ReferenceModel, ActionRole, TrainableRole):
         """(action (B, R) int64 right-padded after EOS, log_probs, entropy (B, R) float32) for left-padded prompts,
         before top-k/top-p truncation: the distribution ``get_logprob`` recomputes (else the PPO ratio is biased)."""
         who = "PolicyModel.get_action"
-        observation, mask = check_batch(observation, mask, who)
+        observation, mask = check_ids_and_mask(observation, mask, who)
         _check_sampling(temperature, top_k, top_p, who)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"{who}: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")

@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import TrainableRole, ValueRole, last_token_index, left_align_prompts, update_from_config
-from verl_ds.rows import check_batch, position_ids_from_mask
+from verl_ds.models.base import TrainableRole, ValueRole, at_last_token, left_align_prompts, update_from_config
+from verl_ds.rows import check_ids_and_mask, position_ids_from_mask
 from verl_ds.state import SharedState
 
 __all__ = ["CriticLM", "ValueModel", "VALUE_HEAD_FILE"]
@@ -136,16 +136,16 @@ class ValueModel(ValueRole, TrainableRole):
     def get_value(self, observation: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) float32: the value at the last real token of each row (a (B,) output is taken as is)."""
         who = "ValueModel.get_value"
-        observation, mask = check_batch(observation, mask, who)
+        observation, mask = check_ids_and_mask(observation, mask, who)
         values = self._raw(observation, mask)
         if values.dim() == 1:
             return values
-        return values.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
+        return at_last_token(values, mask)
 
     def get_values(self, observation: torch.Tensor, mask: torch.Tensor | None, response_length: int) -> torch.Tensor:
         """(B, R) float32 values[:, -R-1:-1]: the state before each response token (as verl's critic)."""
         who = "ValueModel.get_values"
-        observation, mask = check_batch(observation, mask, who)
+        observation, mask = check_ids_and_mask(observation, mask, who)
         T = observation.shape[1]
         if isinstance(response_length, bool) or not isinstance(response_length, int) or not 1 <= response_length < T:
             raise ValueError(f"{who}: response_length (the response width R) must be an int with 1 <= R < T={T}, "

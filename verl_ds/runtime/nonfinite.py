@@ -52,7 +52,7 @@ def json_float(x: float):
 
 
 class NonFiniteGuard:
-    """Per step, in order: ``begin_step``, ``check_batch`` before the updates, ``skip_update`` before each backward,
+    """Per step, in order: ``begin_step``, ``skip_batch`` before the updates, ``skip_update`` before each backward,
     ``after_update`` after each optimizer step, ``end_step`` for the metrics, ``raise_if_exhausted`` after logging."""
 
     def __init__(self, max_bad_steps: int, run_dir: str, rank: int = 0, world_size: int = 1):
@@ -73,8 +73,9 @@ class NonFiniteGuard:
         self._updates: dict[str, int] = {}
         self.sampling_error: Optional[str] = None
 
-    def check_batch(self, batch, planned_updates: int = 0) -> bool:
-        """Collective: True on every rank when any rank's batch is non-finite or missing (sampling failed)."""
+    def skip_batch(self, batch, planned_updates: int = 0) -> bool:
+        """Whether to skip this step's updates (collective): True on every rank when any rank's batch is non-finite or
+        missing (sampling failed)."""
         local = batch is not None and any(f in batch and batch[f] is not None and not is_finite(batch[f])
                                           for f in PIPELINE)
         self._bad_batch = vdist.any_rank(local or self.sampling_error is not None)
