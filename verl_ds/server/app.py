@@ -11,9 +11,9 @@ from verl_ds.server.jsonio import HTTPError, dumps, parse_json_object
 from verl_ds.server.protocol import (BODY_ANNOUNCED, BODY_TRUNCATED, HEAD_TOO_LARGE, MAX_HEADER_BYTES, check_framing,
                                      warn_throttled)
 from verl_ds.server.views import ROUTE_LIST, resolve, shown_method
-from verl_ds.threads import DaemonPool as WorkerPool  # the name server.control imports
+from verl_ds.threads import DaemonPool
 
-__all__ = ["ControlApp", "WorkerPool"]
+__all__ = ["ControlApp"]
 
 log = logging.getLogger("verl_ds.server")
 
@@ -51,7 +51,7 @@ class _Request:
 class ControlApp:
     """ASGI 3 application of one ``ControlServer`` (``control``; that module imports this one, never the reverse)."""
 
-    def __init__(self, control: Any, pool: WorkerPool):
+    def __init__(self, control: Any, pool: DaemonPool):
         self.control, self.pool = control, pool
         self.in_progress = 0  # only touched on the event loop
 

@@ -18,10 +18,11 @@ from uvicorn.server import ServerState
 
 from verl_ds.config import TOKEN_ENV, is_loopback  # one definition for the config gate and the server
 from verl_ds.registry import ModelRegistry
-from verl_ds.server.app import ControlApp, WorkerPool
+from verl_ds.server.app import ControlApp
 from verl_ds.server.jsonio import HTTPError
 from verl_ds.server.protocol import MAX_HEADER_BYTES, ConnectionLimits, ControlProtocol
 from verl_ds.state import SharedState
+from verl_ds.threads import DaemonPool
 
 __all__ = ["ControlServer", "TOKEN_ENV", "URL_FILE", "is_loopback", "MAX_HEADER_BYTES"]
 
@@ -124,7 +125,7 @@ class ControlServer:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pool: WorkerPool | None = None
+        self._pool: DaemonPool | None = None
         self._filter = _RedactToken(self)
         self.started_at: float | None = None
         self.url: str | None = None
@@ -144,7 +145,7 @@ class ControlServer:
             if self.allow_reward_code:
                 log.warning("control server: !!! server.allow_reward_code=true: anyone with the token can make every "
                             "rank import and run arbitrary Python code via POST /v1/models/reward !!!")
-            self._pool = WorkerPool(_WORKERS, "verl_ds-control-view")
+            self._pool = DaemonPool(_WORKERS, "verl_ds-control-view")
             loop = asyncio.new_event_loop()
             ready: dict = {}
             started = threading.Event()
