@@ -6,7 +6,7 @@ import torch
 
 from verl_ds.models import RewardFunctionError, RewardModel
 
-from models_testutil import EOS, PAD, TokenScorer
+from models_testutil import EOS, PAD, VOCAB, TokenScorer
 
 
 def texts(batch):
@@ -59,6 +59,31 @@ def test_get_reward_from_threads_is_consistent(tiny_scorer, make_rollout):
         t.join()
     for g in got:
         torch.testing.assert_close(g, want)
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "rollout"])
+def test_last_token_scorer_matches_a_loop_over_rows(tiny_scorer, padding):
+    """The scorer the RL reward and the RM loss share: a loop's last attended column of each row, any padding side."""
+    from verl_ds.models.reward import LastTokenScorer
+
+    B, T, lengths = 5, 7, [7, 1, 4, 6, 3]
+    ids = torch.randint(3, VOCAB, (B, T), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        start = {"left": T - n, "right": 0, "rollout": (T - n) // 2}[padding]  # rollout: left prompt, right response
+        mask[i, start:start + n] = True
+    last = [max(j for j in range(T) if mask[i, j]) for i in range(B)]
+    table = TokenScorer({t: float(t) for t in range(VOCAB)})
+    hand = LastTokenScorer(table)(ids, mask, "test")
+    assert hand.tolist() == [float(ids[i, last[i]]) for i in range(B)]
+    scorer = LastTokenScorer(tiny_scorer)
+    got = scorer(ids, mask, "test")
+    assert got.requires_grad  # the RM job trains through it
+    scorer.close()
+    assert not tiny_scorer.score._forward_hooks
+    for i in range(B):  # each row alone, unpadded: the score at its last token
+        want = per_token_scores_reference(tiny_scorer, ids[i, last[i] + 1 - lengths[i]:last[i] + 1].unsqueeze(0))
+        torch.testing.assert_close(got[i].detach(), want[0], atol=1e-5, rtol=0)
 
 
 def test_batch_mode_scores_on_last_response_token_and_weighted_sum(make_rollout):

@@ -49,10 +49,10 @@ def left_align_prompts(observation: torch.Tensor, mask: torch.Tensor,
     return torch.cat([prompt_ids, observation[:, P:]], 1), torch.cat([prompt_mask, mask[:, P:]], 1)
 
 
-def last_token_index(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of the last True column of each row of a (B, T) bool mask."""
-    T = mask.shape[1]
-    return (T - 1 - mask.flip(-1).int().argmax(-1)).long()
+def at_last_token(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B,) ``values`` (B, T) at the last True column of each row of the (B, T) bool mask: left or right padding."""
+    last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
+    return values.gather(1, last.long().unsqueeze(1)).squeeze(1)
 
 
 class BaseModel(ABC):

@@ -1,6 +1,6 @@
 """RewardModel: a neural scorer and/or reward functions ``fn(prompts, responses, batch)`` returning (B,) scores
 (placed on the last response token) or, with ``per_token=True``, (B, R) rewards, composed as a weighted sum. A
-failure raises RewardFunctionError naming the function and the sample.
+failure raises RewardFunctionError naming the function and the sample. LastTokenScorer also scores the RM job's loss.
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from verl_ds.models.base import RewardRole, last_token_index, unwrap_module
-from verl_ds.rows import check_batch, position_ids_from_mask
+from verl_ds.models.base import RewardRole, at_last_token, unwrap_module
+from verl_ds.rows import check_ids_and_mask, position_ids_from_mask
 from verl_ds.state import SharedState
 from verl_ds.verifiable import Scores
 
-__all__ = ["RewardModel", "RewardFunctionError", "EOS_REWARD_MODES"]
+__all__ = ["RewardModel", "RewardFunctionError", "LastTokenScorer", "EOS_REWARD_MODES"]
 
 EOS_REWARD_MODES = ("zero", "keep")
 
@@ -38,6 +38,53 @@ class _RewardFn:
     fn: Callable
     weight: float
     per_token: bool
+
+
+class LastTokenScorer:
+    """A one-label classifier's (B,) float32 score at each row's last real token, for the RL reward and the RM loss.
+    HF's pooling (``input_ids != pad_token_id``) drops a final EOS when pad == eos: a hook reads the head per token."""
+
+    def __init__(self, model: nn.Module):
+        self.model, self._slot = model, threading.local()  # thread-local: concurrent callers never share a capture
+        head = getattr(unwrap_module(model), "score", None)
+        self.hook = head.register_forward_hook(self._grab) if isinstance(head, nn.Module) else None
+
+    def _grab(self, module, args, output):
+        if getattr(self._slot, "active", False):
+            self._slot.per_token = output
+
+    def __call__(self, observation: torch.Tensor, mask: torch.Tensor, who: str) -> torch.Tensor:
+        """``observation`` (B, T) int64, ``mask`` (B, T) bool, either padding side; position ids from the mask."""
+        B, T = observation.shape
+        self._slot.active, self._slot.per_token = True, None
+        try:
+            out = self.model(input_ids=observation, attention_mask=mask.long(),
+                             position_ids=position_ids_from_mask(mask))
+            per_token = self._slot.per_token
+        finally:
+            self._slot.active, self._slot.per_token = False, None
+        scores = per_token if per_token is not None else (out.logits if hasattr(out, "logits") else out)
+        if not isinstance(scores, torch.Tensor):
+            raise TypeError(f"{who}: the scorer must return a Tensor or an output with .logits, got "
+                            f"{type(scores).__name__}")
+        if scores.dim() == 3 and scores.shape[-1] == 1:
+            scores = scores.squeeze(-1)
+        if scores.dim() == 3:
+            raise ValueError(f"{who}: the scorer has {scores.shape[-1]} labels; a reward model needs num_labels=1")
+        if tuple(scores.shape) == (B, T):
+            scores = at_last_token(scores, mask)
+        elif tuple(scores.shape) == (B, 1):
+            scores = scores.squeeze(1)  # a pooled (B, num_labels=1) classifier output
+        elif tuple(scores.shape) != (B,):
+            raise ValueError(f"{who}: the scorer returned shape {tuple(scores.shape)}; expected (B, T) per-token, "
+                             f"(B, 1) pooled or (B,) scores with B={B}, T={T}")
+        return scores.float()
+
+    def close(self) -> None:
+        """Remove the hook (when the scorer is discarded but the model lives on)."""
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
 
 
 def _check_weight(weight: Any, who: str) -> float:
@@ -75,19 +122,7 @@ class RewardModel(RewardRole):
         self.micro_batch_size, self.num_workers = micro_batch_size, num_workers
         self._lock = threading.RLock()
         self._fns: tuple[_RewardFn, ...] = ()  # replaced, never mutated: compute_rewards reads one snapshot
-        # The HF classifier pools with `input_ids != pad_token_id`, which drops a final EOS when pad == eos.
-        # A forward hook on its `score` head captures the per-token scores instead; the capture slot is
-        # thread-local, so concurrent get_reward calls never see each other's tensors.
-        self._capture = threading.local()
-        self._hook = None
-        head = getattr(unwrap_module(model), "score", None) if model is not None else None
-        if isinstance(head, nn.Module):
-            slot = self._capture
-
-            def _grab(module, args, output):
-                if getattr(slot, "active", False):
-                    slot.per_token = output
-            self._hook = head.register_forward_hook(_grab)
+        self._scorer = LastTokenScorer(model) if model is not None else None
 
     @property
     def tokenizer(self):
@@ -95,9 +130,8 @@ class RewardModel(RewardRole):
 
     def close(self) -> None:
         """Remove the capture hook from the scorer (when this RewardModel is discarded but the scorer lives on)."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        if self._scorer is not None:
+            self._scorer.close()
 
     # ---- functions -----------------------------------------------------------------------------------
     def register_reward_fn(self, fn: Callable, name: str | None = None, weight: float = 1.0,
@@ -145,36 +179,10 @@ class RewardModel(RewardRole):
         if self.model is None:
             raise ValueError(f"{who}: this RewardModel has no neural scorer (only reward functions: "
                              f"{[f.name for f in self._fns]}); use compute_rewards")
-        observation, mask = check_batch(observation, mask, who)
+        observation, mask = check_ids_and_mask(observation, mask, who)
         mb = self.micro_batch_size
-        return torch.cat([self._score(observation[i:i + mb], mask[i:i + mb], who)
+        return torch.cat([self._scorer(observation[i:i + mb], mask[i:i + mb], who)
                           for i in range(0, observation.shape[0], mb)])
-
-    def _score(self, observation: torch.Tensor, mask: torch.Tensor, who: str) -> torch.Tensor:
-        B, T = observation.shape
-        self._capture.active, self._capture.per_token = True, None
-        try:
-            out = self.model(input_ids=observation, attention_mask=mask.long(),
-                             position_ids=position_ids_from_mask(mask))
-            per_token = self._capture.per_token
-        finally:
-            self._capture.active, self._capture.per_token = False, None
-        scores = per_token if per_token is not None else (out.logits if hasattr(out, "logits") else out)
-        if not isinstance(scores, torch.Tensor):
-            raise TypeError(f"{who}: the scorer must return a Tensor or an output with .logits, got "
-                            f"{type(scores).__name__}")
-        if scores.dim() == 3 and scores.shape[-1] == 1:
-            scores = scores.squeeze(-1)
-        if scores.dim() == 3:
-            raise ValueError(f"{who}: the scorer has {scores.shape[-1]} labels; a reward model needs num_labels=1")
-        if tuple(scores.shape) == (B, T):
-            scores = scores.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
-        elif tuple(scores.shape) == (B, 1):
-            scores = scores.squeeze(1)  # a pooled (B, num_labels=1) classifier output
-        elif tuple(scores.shape) != (B,):
-            raise ValueError(f"{who}: the scorer returned shape {tuple(scores.shape)}; expected (B, T) per-token, "
-                             f"(B, 1) pooled or (B,) scores with B={B}, T={T}")
-        return scores.float()
 
     # ---- composition ---------------------------------------------------------------------------------
     def compute_rewards(self, batch: Any, prompts: Sequence[str], responses: Sequence[str],

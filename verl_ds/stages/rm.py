@@ -1,11 +1,13 @@
 """Reward-model training: a sequence classifier (one label) with the Bradley-Terry loss on preference pairs
-(``verl-ds rm``; docs/stages.md). A sequence's reward is the score head's output at its last real token, as the RL
-job's ``verl_ds.models.reward.RewardModel`` scores a rollout; the export loads as the RL job's ``reward.model_path``."""
+(``verl-ds rm``; docs/stages.md). A sequence's reward is the RL job's ``LastTokenScorer`` score, so the export loads as
+the RL job's ``reward.model_path`` and scores a rollout as it was trained."""
 from __future__ import annotations
 
 import torch
 
 from verl_ds.config import Config
+from verl_ds.hf_module import unwrap_module
+from verl_ds.models.reward import LastTokenScorer
 from verl_ds.stages.spine import StageData, StageJob
 
 
@@ -40,42 +42,6 @@ def build_reward_classifier(cfg: Config, tok, ds_config: dict | None = None):
     return model if has_partitioned_params(model) else model.to(_dtype(cfg))
 
 
-class _ScoreCapture:
-    """The score head's per-token output (B, T, 1) of the next forward, as ``RewardModel`` reads it."""
-
-    def __init__(self, model):
-        from verl_ds.hf_module import unwrap_module
-
-        head = getattr(unwrap_module(model), "score", None)
-        if not isinstance(head, torch.nn.Module):
-            raise TypeError(f"the reward model must be a HF sequence classifier with a `score` head, got "
-                            f"{type(unwrap_module(model)).__name__}")
-        self.out = None
-        self._hook = head.register_forward_hook(self._grab)
-
-    def _grab(self, module, args, output):
-        self.out = output
-
-    def remove(self) -> None:
-        self._hook.remove()
-
-
-def sequence_rewards(model, capture: _ScoreCapture, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(B,) the score head's output at each row's last real token (differentiable; position ids from the mask, so
-    pad == eos tokenizers work)."""
-    from verl_ds.models.base import last_token_index
-    from verl_ds.rows import position_ids_from_mask
-
-    capture.out = None
-    model(input_ids=input_ids, attention_mask=mask.long(), position_ids=position_ids_from_mask(mask))
-    per_token = capture.out
-    capture.out = None
-    if per_token is None or per_token.dim() != 3 or per_token.shape[-1] != 1:
-        got = None if per_token is None else tuple(per_token.shape)
-        raise ValueError(f"the reward model's score head must give one value per token (B, T, 1), got {got}")
-    return per_token.squeeze(-1).gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1).float()
-
-
 class RewardModelJob(StageJob):
     """The reward-model job."""
 
@@ -94,7 +60,10 @@ class RewardModelJob(StageJob):
         return build_reward_classifier(self.cfg, self.tokenizer, ds_config)
 
     def setup(self) -> None:
-        self.capture = _ScoreCapture(self.engine)
+        self.scorer = LastTokenScorer(self.engine)
+        if self.scorer.hook is None:  # HF's own pooling would score a different token than the RL job reads
+            raise TypeError(f"the reward model must be a HF sequence classifier with a `score` head, got "
+                            f"{type(unwrap_module(self.engine)).__name__}")
 
     def units(self, items: list) -> int:
         return len(items)
@@ -110,7 +79,7 @@ class RewardModelJob(StageJob):
 
         batch = collate_pairs(items, self.tokenizer.pad_token_id)
         ids, mask = batch["input_ids"].to(self.engine.device), batch["attention_mask"].to(self.engine.device)
-        r = sequence_rewards(self.engine, self.capture, ids, mask)
+        r = self.scorer(ids, mask, "RewardModelJob.rewards")
         return r[:len(items)], r[len(items):]
 
     def loss(self, items: list, normalizer: torch.Tensor) -> tuple:
@@ -123,10 +92,8 @@ class RewardModelJob(StageJob):
                                                                   "margin": m["margin"] * n}
 
     def close(self) -> None:
-        capture = getattr(self, "capture", None)
-        if capture is not None:
-            capture.remove()
-            self.capture = None
+        if getattr(self, "scorer", None) is not None:
+            self.scorer.close()
         super().close()
 
 
