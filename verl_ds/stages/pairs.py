@@ -1,20 +1,14 @@
 """Preference data for the reward-model and DPO jobs: (prompt, chosen, rejected) rows in TRL's formats
-(https://huggingface.co/docs/trl/dataset_formats#preference), tokenized, and their batches. A bad row is skipped
-and counted by reason (``REASONS``), as the prompt data set does; formats and reasons: docs/stages.md."""
+(https://huggingface.co/docs/trl/dataset_formats#preference), tokenized, and their batches; docs/stages.md."""
 from __future__ import annotations
-
-import json
-import os
 
 import torch
 
-from verl_ds.data import REASONS as _FILE_REASONS
-from verl_ds.data_files import read_json_lines, read_parquet, read_saved_dataset
+from verl_ds.data_files import FILE_REASONS, RowDataset, has_surrogates, is_messages
 
 FIELDS = ("prompt", "chosen", "rejected")
-REASONS = {k: _FILE_REASONS[k] for k in ("non_utf8", "invalid_json", "huge_number", "duplicate_key",
-                                         "non_finite_number", "too_deep", "not_an_object", "duplicate_row")}
-REASONS.update({
+REASONS = {
+    **FILE_REASONS,
     "missing_field": "chosen or rejected is missing",
     "non_string_field": "prompt, chosen or rejected is neither a string nor a list of {role, content} messages",
     "mixed_formats": "some of prompt, chosen and rejected are strings and others message lists",
@@ -28,69 +22,46 @@ REASONS.update({
     "overlong": "prompt longer than max_prompt_length (with overlong='skip') or a completion longer than "
                 "max_completion_length (skipped)",
     "truncated": "prompt longer than max_prompt_length (kept, cut from the left)",
-})
-_SHOW = 3
+}
 
 
-class PreferenceDataset(torch.utils.data.Dataset):
+class PreferenceDataset(RowDataset):
     """Tokenized pairs. Item: {"prompt_ids", "chosen_ids", "rejected_ids": list[int], "prompt": str}; completion ids
     exclude the prompt (the loss positions are theirs)."""
 
-    def __init__(self, items: list[dict], problems: dict[str, list[str]], n_rows: int, source: str):
-        self.items, self.problems, self.n_rows, self.source = items, problems, n_rows, source
+    REASONS = REASONS
+    ROWS = "preference rows"
+    NOUN, EXPECTED = "preference pairs", f"expected fields {list(FIELDS)}, prompt optional"
 
     @classmethod
-    def from_file(cls, path, tokenizer, *, split: str | None = None, **limits) -> "PreferenceDataset":
-        """Load .jsonl / .json / .parquet or a ``datasets`` directory (``split`` picks from a DatasetDict)."""
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path: expected a file or directory path, got {type(path).__name__}")
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise ValueError(f"preference data {path!r} does not exist")
-        if os.path.isdir(path):
-            rows = read_saved_dataset(path, split)
-        else:
-            ext = os.path.splitext(path)[1].lower()
-            readers = {".jsonl": read_json_lines, ".ndjson": read_json_lines, ".json": read_json_lines,
-                       ".parquet": read_parquet}
-            if ext not in readers:
-                raise ValueError(f"preference data {path!r}: unsupported extension {ext!r}; expected one of "
-                                 f"{sorted(readers)} or a directory saved with datasets' save_to_disk")
-            rows = readers[ext](path)
-        return _build(cls, rows, tokenizer, source=path, count_duplicates=True, **limits)
-
-    @classmethod
-    def from_records(cls, records, tokenizer, *, source: str = "records", **limits) -> "PreferenceDataset":
-        """Build from a list of dicts. ``max_prompt_length``: a longer prompt is cut from the left (or skipped,
-        ``overlong="skip"``); ``max_completion_length``: a longer pair is skipped (cut, it is not what was ranked)."""
-        if isinstance(records, (str, bytes, dict)) or not hasattr(records, "__iter__"):
-            raise TypeError(f"records: expected a list of dicts, got {type(records).__name__}")
-        rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
-        return _build(cls, rows, tokenizer, source=source, **limits)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.items[i]
-
-    def report(self) -> dict[str, int]:
-        """{reason: count} of the rows skipped (or, "duplicate_row", kept and counted)."""
-        return {reason: len(where) for reason, where in self.problems.items()}
-
-    def summary(self) -> str:
-        """One line: rows read, kept, and each reason with its count and first locations."""
-        head = f"{self.source}: kept {len(self.items)} of {self.n_rows} preference rows"
-        parts = []
-        for reason, where in self.problems.items():
-            more = f", +{len(where) - _SHOW} more" if len(where) > _SHOW else ""
-            parts.append(f"{reason} {len(where)} ({', '.join(where[:_SHOW])}{more})")
-        return head + ("; " + "; ".join(parts) if parts else "")
-
-
-def _is_messages(value) -> bool:
-    return (isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value))
+    def _items(cls, rows, tokenizer, bad, *, source: str, max_prompt_length: int | None = None,
+               max_completion_length: int | None = None, overlong: str = "truncate"):
+        """A longer prompt is cut from the left (or skipped, ``overlong="skip"``); a longer completion skips the pair
+        (cut, it is not what was ranked)."""
+        chat_tokens = None
+        for where, row, reason in rows:
+            reason = reason or _check_row(row)
+            if reason is None:
+                chat = None
+                if not isinstance(row["chosen"], str):
+                    chat = chat_tokens = chat_tokens or _chat_tokens(tokenizer)
+                out = _tokenize(tokenizer, row, chat)
+                if isinstance(out, str):
+                    reason = out
+            if reason is None:
+                p_ids, c_ids, r_ids, text = out
+                if max_completion_length is not None and max(len(c_ids), len(r_ids)) > max_completion_length:
+                    reason = "overlong"
+                elif max_prompt_length is not None and len(p_ids) > max_prompt_length:
+                    if overlong == "skip":
+                        reason = "overlong"
+                    else:
+                        bad("truncated", where)
+                        p_ids = p_ids[-max_prompt_length:]
+            if reason is not None:
+                bad(reason, where)
+                continue
+            yield where, row, {"prompt_ids": p_ids, "chosen_ids": c_ids, "rejected_ids": r_ids, "prompt": text}
 
 
 def _texts(value) -> list[str]:
@@ -104,17 +75,13 @@ def _check_row(row) -> str | None:
     if "chosen" not in row or "rejected" not in row:
         return "missing_field"
     values = [row[k] for k in FIELDS if k in row]
-    kinds = {"str" if isinstance(v, str) else "messages" if _is_messages(v) else None for v in values}
+    kinds = {"str" if isinstance(v, str) else "messages" if is_messages(v) else None for v in values}
     if None in kinds:
         return "non_string_field"
     if len(kinds) > 1:
         return "mixed_formats"
-    for v in values:
-        for text in _texts(v):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                return "invalid_unicode"
+    if has_surrogates(text for v in values for text in _texts(v)):
+        return "invalid_unicode"
     if row["chosen"] == row["rejected"]:
         return "identical"
     return None
@@ -208,58 +175,6 @@ def _chat_tokens(tokenizer):
         return ChatTokens(tokenizer)
     except TemplateError:
         return "chat_template_error"
-
-
-def _check_limit(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
-
-
-def _build(cls, rows, tokenizer, *, source, count_duplicates=False, max_prompt_length=None,
-           max_completion_length=None, overlong="truncate"):
-    if not callable(tokenizer):
-        raise TypeError(f"tokenizer: expected a HuggingFace tokenizer, got {type(tokenizer).__name__}")
-    _check_limit("max_prompt_length", max_prompt_length)
-    _check_limit("max_completion_length", max_completion_length)
-    if overlong not in ("truncate", "skip"):
-        raise ValueError(f"overlong: expected 'truncate' or 'skip', got {overlong!r}")
-    problems: dict[str, list[str]] = {}
-    items, seen, chat_tokens = [], {}, None
-    for where, row, reason in rows:
-        reason = reason or _check_row(row)
-        if reason is None:
-            chat = None
-            if not isinstance(row["chosen"], str):
-                chat = chat_tokens = chat_tokens or _chat_tokens(tokenizer)
-            out = _tokenize(tokenizer, row, chat)
-            if isinstance(out, str):
-                reason = out
-        if reason is None:
-            p_ids, c_ids, r_ids, text = out
-            if max_completion_length is not None and max(len(c_ids), len(r_ids)) > max_completion_length:
-                reason = "overlong"
-            elif max_prompt_length is not None and len(p_ids) > max_prompt_length:
-                if overlong == "skip":
-                    reason = "overlong"
-                else:
-                    problems.setdefault("truncated", []).append(where)
-                    p_ids = p_ids[-max_prompt_length:]
-        if reason is not None:
-            problems.setdefault(reason, []).append(where)
-            continue
-        if count_duplicates:  # kept (a repeat weights a pair, maybe on purpose) but counted
-            key = json.dumps(row, sort_keys=True, default=repr, ensure_ascii=False)
-            if key in seen:
-                problems.setdefault("duplicate_row", []).append(f"{where}={seen[key]}")
-            else:
-                seen[key] = where
-        items.append({"prompt_ids": p_ids, "chosen_ids": c_ids, "rejected_ids": r_ids, "prompt": text})
-    dataset = cls(items, problems, len(rows), source)
-    if not items:
-        fields = next((sorted(row) for _, row, _ in rows if isinstance(row, dict)), [])
-        raise ValueError(f"{source}: no usable preference pairs (expected fields {list(FIELDS)}, prompt optional; "
-                         f"fields of the first row: {fields}). {dataset.summary()}")
-    return dataset
 
 
 def collate_pairs(items: list[dict], pad_token_id: int) -> dict:

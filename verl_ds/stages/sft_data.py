@@ -1,14 +1,13 @@
-"""SFT rows with TRL's field names (https://huggingface.co/docs/trl/dataset_formats), tokenized with a loss mask on
-the completion / assistant tokens only: each assistant turn's content and end-of-turn token, what a rollout
-samples. Bad rows are skipped and counted by reason, as in ``verl_ds.data``; formats and limits: docs/stages.md."""
+"""SFT rows in TRL's formats (https://huggingface.co/docs/trl/dataset_formats), tokenized with the loss on each
+assistant turn's content and end-of-turn token only: what a rollout samples. Formats and limits: docs/stages.md."""
 from __future__ import annotations
 
-from verl_ds.data import REASONS as PROMPT_REASONS, PromptDataset, read_rows
+from verl_ds.data_files import FILE_REASONS, RowDataset, has_surrogates, is_messages
 
 REASONS = {
-    **{k: PROMPT_REASONS[k] for k in ("non_utf8", "invalid_json", "huge_number", "duplicate_key", "non_finite_number",
-                                      "too_deep", "not_an_object", "invalid_unicode", "chat_template_error",
-                                      "duplicate_row")},
+    **FILE_REASONS,
+    "invalid_unicode": "prompt or completion holds unpaired surrogates",
+    "chat_template_error": "the tokenizer's chat template rejected the messages",
     "missing_fields": "row has neither 'messages' nor the prompt field and 'completion'",
     "bad_messages": "messages are not a non-empty list of {role: str, content: str}",
     "bad_fields": "prompt and completion are not both strings or both message lists",
@@ -22,25 +21,43 @@ REASONS = {
 }
 
 
-class SFTDataset(PromptDataset):
+class SFTDataset(RowDataset):
     """Tokenized SFT rows. Item: {"prompt_ids", "response_ids", "loss_mask"} (lists; loss_mask over the response)."""
 
-    @classmethod
-    def from_file(cls, path: str, tokenizer, *, split: str | None = None, **options) -> "SFTDataset":
-        """Rows of a JSON-lines / Parquet file or a datasets directory; options as ``from_records``."""
-        return _build(cls, read_rows(path, split), tokenizer, source=path, count_duplicates=True, **options)
+    REASONS = REASONS
+    NOUN, EXPECTED = "SFT rows", "expected 'messages', or {prompt_key!r} and 'completion'"
 
     @classmethod
-    def from_records(cls, records: list, tokenizer, *, source: str = "records", **options) -> "SFTDataset":
-        """Rows from a list of dicts. Options: prompt_key ("prompt"), max_prompt_length, max_completion_length (None: no
-        limit), overlong ("truncate" | "skip"), apply_chat_template (False)."""
-        rows = [(f"record {i}", row, None) for i, row in enumerate(records)]
-        return _build(cls, rows, tokenizer, source=source, **options)
-
-
-def _is_messages(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    def _items(cls, rows, tokenizer, bad, *, source: str, prompt_key: str = "prompt",
+               max_prompt_length: int | None = None, max_completion_length: int | None = None,
+               overlong: str = "truncate", apply_chat_template: bool = False):
+        """A longer prompt is cut from the left, a longer completion from the right (or the row skipped,
+        ``overlong="skip"``)."""
+        for where, row, reason in rows:
+            if reason is None:
+                ids, mask, reason = row_tokens(row, tokenizer, prompt_key, apply_chat_template)
+            if reason is None and 1 not in mask:
+                reason = "empty_completion"
+            if reason is None:
+                start = mask.index(1)
+                end = len(mask) - mask[::-1].index(1)  # tokens after the last trained one predict nothing we train
+                prompt, response, loss_mask = ids[:start], ids[start:end], mask[start:end]
+                if not prompt:
+                    reason = "empty_prompt"  # the first trained token needs a token to be predicted from
+            if reason is not None:
+                bad(reason, where)
+                continue
+            long_prompt = max_prompt_length is not None and len(prompt) > max_prompt_length
+            long_response = max_completion_length is not None and len(response) > max_completion_length
+            if long_prompt or long_response:
+                bad("overlong" if overlong == "skip" else "truncated", where)
+                if overlong == "skip":
+                    continue
+                if long_prompt:
+                    prompt = prompt[-max_prompt_length:]
+                if long_response:
+                    response, loss_mask = response[:max_completion_length], loss_mask[:max_completion_length]
+            yield where, row, {"prompt_ids": prompt, "response_ids": response, "loss_mask": loss_mask}
 
 
 def _encode(tok, text: str, specials: bool) -> list:
@@ -117,18 +134,15 @@ def row_tokens(row, tok, prompt_key: str, apply_chat_template: bool) -> tuple:
     if not isinstance(row, dict):
         return None, None, "not_an_object"
     if "messages" in row:
-        if not _is_messages(row["messages"]):
+        if not is_messages(row["messages"]):
             return None, None, "bad_messages"
         return chat_tokens(tok, row["messages"])
     if prompt_key not in row or "completion" not in row:
         return None, None, "missing_fields"
     prompt, completion = row[prompt_key], row["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
-        for text in (prompt, completion):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:
-                return None, None, "invalid_unicode"
+        if has_surrogates((prompt, completion)):
+            return None, None, "invalid_unicode"
         if not prompt.strip():
             return None, None, "empty_prompt"
         if not completion.strip():
@@ -139,55 +153,6 @@ def row_tokens(row, tok, prompt_key: str, apply_chat_template: bool) -> tuple:
         if not prompt_ids:
             return None, None, "empty_prompt"
         return (ids, mask, None) if completion_ids else (None, None, "empty_completion")
-    if _is_messages(prompt) and _is_messages(completion):
+    if is_messages(prompt) and is_messages(completion):
         return chat_tokens(tok, prompt + completion, first_trained=len(prompt))
     return None, None, "bad_fields"
-
-
-def _build(cls, rows, tok, *, prompt_key="prompt", max_prompt_length=None, max_completion_length=None,
-           overlong="truncate", apply_chat_template=False, source="records", count_duplicates=False):
-    from verl_ds.data import _row_key
-
-    if overlong not in ("truncate", "skip"):
-        raise ValueError(f"overlong: expected 'truncate' or 'skip', got {overlong!r}")
-    problems: dict = {}
-    items, where_kept, first_seen = [], [], {}
-    for where, row, reason in rows:
-        ids = mask = None
-        if reason is None:
-            ids, mask, reason = row_tokens(row, tok, prompt_key, apply_chat_template)
-        if reason is None and 1 not in mask:
-            reason = "empty_completion"
-        if reason is None:
-            start = mask.index(1)
-            end = len(mask) - mask[::-1].index(1)  # tokens after the last trained one predict nothing we train
-            prompt, response, loss_mask = ids[:start], ids[start:end], mask[start:end]
-            if not prompt:
-                reason = "empty_prompt"  # the first trained token needs a token to be predicted from
-        if reason is not None:
-            problems.setdefault(reason, []).append(where)
-            continue
-        long_prompt = max_prompt_length is not None and len(prompt) > max_prompt_length
-        long_response = max_completion_length is not None and len(response) > max_completion_length
-        if long_prompt or long_response:
-            problems.setdefault("overlong" if overlong == "skip" else "truncated", []).append(where)
-            if overlong == "skip":
-                continue
-            if long_prompt:
-                prompt = prompt[-max_prompt_length:]
-            if long_response:
-                response, loss_mask = response[:max_completion_length], loss_mask[:max_completion_length]
-        if count_duplicates:
-            key = _row_key(row)
-            if key in first_seen:
-                problems.setdefault("duplicate_row", []).append(f"{where}={first_seen[key]}")
-            else:
-                first_seen[key] = where
-        items.append({"prompt_ids": prompt, "response_ids": response, "loss_mask": loss_mask})
-        where_kept.append(where)
-    dataset = cls(items, problems, len(rows), source, where=where_kept)
-    if not items:
-        fields = next((sorted(row) for _, row, _ in rows if isinstance(row, dict)), [])
-        raise ValueError(f"{source}: no usable SFT rows (expected 'messages', or {prompt_key!r} and 'completion'; "
-                         f"fields of the first row: {fields}). {dataset.summary()}")
-    return dataset
