@@ -155,7 +155,7 @@ BOTH_OUTPUTS = ("naive +entropy", "ours torch", "ours triton", "verl logprobs_fr
 def implementations(device, triton_ok: bool):
     """name -> callable per hot path; a None callable is listed as not available, with the reason."""
     ours_lp = _optional("verl_ds.algos.logprob", "logprobs_and_entropy_torch")
-    ours_kl = _optional("verl_ds.algos.kl", "full_symmetric_kl_torch")
+    ours_kl = _optional("verl_ds.algos.full_kl", "full_symmetric_kl_torch")
     ours_gae = _optional("verl_ds.algos.gae", "compute_gae_torch")
     trl_sls = _optional("trl.trainer.utils", "selective_log_softmax")
     verl_lp = _optional("verl.utils.torch_functional", "logprobs_from_logits")
@@ -181,7 +181,7 @@ def implementations(device, triton_ok: bool):
     }
     symkl = {
         "naive two log_softmax": (naive_symkl, None),
-        "ours torch": ((lambda z, r: ours_kl(z, r, 1.0)) if ours_kl else None, "verl_ds.algos.kl missing"),
+        "ours torch": ((lambda z, r: ours_kl(z, r, 1.0)) if ours_kl else None, "verl_ds.algos.full_kl missing"),
         "ours triton": ((lambda z, r: tri["kl"](z, r)) if tri else None, no_gpu),
     }
     gae = {

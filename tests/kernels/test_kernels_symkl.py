@@ -97,11 +97,11 @@ def test_symkl_errors_name_the_argument():
         full_symmetric_kl(logits, ref_logits, temperature=-1.0)
 
 
-# --- against the torch twins in verl_ds.algos.kl (principle 12) -------------------------------------
+# --- against the torch twins in verl_ds.algos.full_kl (principle 12) --------------------------------
 
 @pytest.mark.parametrize("dtype,temperature", [(torch.float32, 1.0), (torch.bfloat16, 0.8)])
 def test_full_symmetric_kl_matches_algos_torch_path(dtype, temperature):
-    from verl_ds.algos.kl import full_symmetric_kl_torch
+    from verl_ds.algos.full_kl import full_symmetric_kl_torch
     logits, ref_logits = _pair(9, 1003, dtype)
     x = logits.clone().requires_grad_()
     x_t = logits.clone().requires_grad_()
@@ -115,7 +115,7 @@ def test_full_symmetric_kl_matches_algos_torch_path(dtype, temperature):
 
 
 def test_algos_dispatch_reaches_the_kernel(monkeypatch):
-    from verl_ds.algos import kl as algos_kl
+    from verl_ds.algos import full_kl as algos_kl
     from verl_ds.kernels import symkl as kernel_module
     calls = []
     monkeypatch.setattr(kernel_module, "full_symmetric_kl",

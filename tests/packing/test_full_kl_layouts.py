@@ -112,17 +112,17 @@ def test_padded_fused_head_scores_a_batch_like_the_logits_path():
 def test_no_model_builds_more_than_a_chunk_of_logits(monkeypatch, layout):
     """A spy on the heads' outputs and on the KL's logit chunks: neither model's LM head returns (n, V) logits, and
     each chunk holds at most chunk_rows tokens' logits per model, forward and backward."""
-    import verl_ds.algos.head_kl as head_kl
+    import verl_ds.algos.full_kl as full_kl
 
     chunk_rows = 3
-    monkeypatch.setattr(head_kl, "_CPU_CHUNK_ELEMS", chunk_rows * VOCAB)
-    seen, real = [], head_kl.full_symmetric_kl
+    monkeypatch.setattr(full_kl, "_HEAD_CPU_ELEMS", chunk_rows * VOCAB)
+    seen, real = [], full_kl.full_symmetric_kl
 
     def spy(x, y, t):
         seen.append((tuple(x.shape), tuple(y.shape)))
         return real(x, y, t)
 
-    monkeypatch.setattr(head_kl, "full_symmetric_kl", spy)
+    monkeypatch.setattr(full_kl, "full_symmetric_kl", spy)
     actor_lm, ref_lm = tiny_lm("llama", seed=1), tiny_lm("llama", seed=2)
     widths = []
     for lm in (actor_lm, ref_lm):

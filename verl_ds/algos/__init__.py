@@ -16,7 +16,8 @@ from .advantages import (
     resolve_loss_agg_mode,
 )
 from .gae import compute_gae, compute_gae_torch
-from .kl import KL_KINDS, full_symmetric_kl, full_symmetric_kl_torch, kl_penalty, register_kl_estimator
+from .full_kl import full_symmetric_kl, full_symmetric_kl_torch
+from .kl import KL_KINDS, kl_penalty, register_kl_estimator
 from .kl_ctrl import (
     KL_CTRL_KINDS,
     BandKLController,

@@ -1,5 +1,5 @@
 """Full-vocabulary symmetric KL between actor and reference logits in one online pass over both rows (torch twin:
-``verl_ds.algos.kl.full_symmetric_kl_torch``): J = 1/2 (KL(p||q) + KL(q||p)) = 1/2 (E_p[d] - E_q[d]), d = x - y,
+``verl_ds.algos.full_kl.full_symmetric_kl_torch``): J = 1/2 (KL(p||q) + KL(q||p)) = 1/2 (E_p[d] - E_q[d]), d = x - y,
 x = logits / T, y = ref_logits / T (the log-sum-exps cancel). No gradient flows to the reference.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from verl_ds.algos.head_kl import head_symmetric_kl
+from verl_ds.algos.full_kl import head_symmetric_kl
 
 __all__ = ["RefHeadRows", "HeadSymmetricKL", "logprobs_with_full_kl"]
 
