@@ -1,4 +1,4 @@
-"""verl_ds/kernels/response_logprob.py: response log-probs from (B, R+1, V) logits without a copy of the logits.
+"""verl_ds/algos/response_logprob.py: response log-probs from (B, R+1, V) logits without a copy of the logits.
 
 Equal (forward and backward) to the path the policy uses today, ``logprobs_and_entropy(logits[:, :-1], labels)``,
 and to a float64 reference; an allocation recorder (a TorchDispatchMode that sees every op's new output
@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from verl_ds.algos import logprobs_and_entropy
-from verl_ds.kernels.response_logprob import response_logprobs
+from verl_ds.algos.response_logprob import response_logprobs
 
 
 def _storage_id(x):

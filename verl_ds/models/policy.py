@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from verl_ds.kernels.response_logprob import response_logprobs
+from verl_ds.algos.response_logprob import response_logprobs
 from verl_ds.models.base import (ActionRole, LogProbRole, TrainableRole, forward_params, left_align_prompts,
                                  unwrap_module, update_from_config)
 from verl_ds.rows import check_ids_and_mask, position_ids_from_mask

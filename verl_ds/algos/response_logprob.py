@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
+from verl_ds.kernels import dispatch
+
+from .logprob import logprobs_and_entropy, logprobs_from_logits
 
 IGNORE_INDEX = -100
 
@@ -37,12 +39,10 @@ def response_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: f
     _check(logits, labels)
     use_triton = logits.dtype != torch.float64 and dispatch.backend_for(logits) == "triton"
     if not use_triton:
-        from verl_ds.algos import logprobs_and_entropy, logprobs_from_logits
-
         if compute_entropy:
             return logprobs_and_entropy(logits[:, :-1], labels, temperature)
         return logprobs_from_logits(logits[:, :-1], labels, temperature), None
-    from .logprob import logprobs_and_entropy as kernel
+    from verl_ds.kernels.logprob import logprobs_and_entropy as kernel  # local: needs triton
 
     B, T, V = logits.shape
     labels = labels.to(torch.int64)
