@@ -150,7 +150,7 @@ def cmd_train(args) -> int:
 def cmd_config(args) -> int:
     from verl_ds.config import describe
     from verl_ds.run.checks import check_config
-    from verl_ds.run.limits import registry_choices
+    from verl_ds.resolved_config import registry_choices
     from verl_ds.run.startup import check_startup
 
     if args.describe:

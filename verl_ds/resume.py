@@ -34,7 +34,7 @@ def save_checkpoint(trainer) -> str:
 
 def resume_from(trainer, step_dir: str, verify: bool = True) -> int:
     """Restore everything from ``step_dir`` (collective; ``verify=False``: the caller verified it); returns its step."""
-    from verl_ds.run.limits import initial_state
+    from verl_ds.resolved_config import initial_state
 
     # another world size is fine (DeepSpeed's universal checkpoint; data order and RNG policy: verl_ds.checkpoint)
     saved = ckpt.load(step_dir, trainer.c.engines, verify=verify_mode(step_dir) if verify else None,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from verl_ds.config import Config, RunLimits, Spec, check_value, hot_fields
 from verl_ds.config.fields import base_type, choices_of, nullable
-from verl_ds.run.limits import initial_state, registry_choices, run_limits
+from verl_ds.resolved_config import initial_state, registry_choices, run_limits
 
 __all__ = ["StateKey", "SharedState", "StateValidationError", "UnknownStateKeyError", "SnapshotError", "STATE_KEYS",
            "HOT_KEYS"]
@@ -135,7 +135,7 @@ class SharedState:
 
     def __init__(self, rank: int | None = None, limits: RunLimits | None = None):
         if limits is not None and not isinstance(limits, RunLimits):
-            raise TypeError(f"limits must be a RunLimits (from verl_ds.run.limits.run_limits(cfg)), got "
+            raise TypeError(f"limits must be a RunLimits (from verl_ds.resolved_config.run_limits(cfg)), got "
                             f"{type(limits).__name__}")
         self._rank = rank
         self._limits = limits

@@ -8,7 +8,7 @@ import pytest
 from verl_ds.config import Config, ConfigError, load_config, validate
 from verl_ds.config.schema import iter_fields
 from verl_ds.run.checks import check_config
-from verl_ds.run.limits import initial_state, kl_placement_of, run_limits
+from verl_ds.resolved_config import initial_state, kl_placement_of, run_limits
 from verl_ds.state import HOT_KEYS, STATE_KEYS, SharedState, StateValidationError
 
 # written out by hand from the task's defaults, not read from the code under test

@@ -5,7 +5,7 @@ import pytest
 from verl_ds.cli import main
 from verl_ds.config import ConfigError, load_config
 from verl_ds.run.checks import check_config
-from verl_ds.run.limits import initial_state, kl_placement_of
+from verl_ds.resolved_config import initial_state, kl_placement_of
 from verl_ds.state import SharedState, StateValidationError
 
 

@@ -5,7 +5,7 @@ import pytest
 from verl_ds.config import ConfigError, load_config
 from verl_ds.config.schema import iter_fields
 from verl_ds.run.checks import check_config
-from verl_ds.run.limits import registry_choices
+from verl_ds.resolved_config import registry_choices
 from verl_ds.stages.gate import check_stage
 from verl_ds.state import STATE_KEYS
 

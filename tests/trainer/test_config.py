@@ -6,7 +6,7 @@ import pytest
 from verl_ds.config import Config, ConfigError, describe, load_config, parse_override, validate
 from verl_ds.engines.ds_config import make_ds_config, merge_user_ds_config
 from verl_ds.run.checks import check_config
-from verl_ds.run.limits import registry_choices
+from verl_ds.resolved_config import registry_choices
 
 
 def test_defaults_validate_and_derive():

@@ -21,7 +21,7 @@ def _allowed(tp, spec) -> str:
 
 def describe(registry_choices: Optional[Mapping[str, tuple]] = None) -> str:
     """Markdown table of every key: type, default, allowed values, SharedState name when hot-updatable, help.
-    ``registry_choices``: key -> the names its registry holds (``verl_ds.run.limits.registry_choices()``)."""
+    ``registry_choices``: key -> the names its registry holds (``verl_ds.resolved_config.registry_choices()``)."""
     lines = ["| key | type | default | allowed | hot | help |", "|---|---|---|---|---|---|"]
     for dotted, tp, spec, f in iter_fields():
         if registry_choices and dotted in registry_choices:

@@ -1,5 +1,5 @@
 """Limits on hot hyper-parameters that depend on the run, shared by the config checks and SharedState's hot updates:
-the KL estimator a KL placement can use, and the response length (computed in ``verl_ds.run.limits``)."""
+the KL estimator a KL placement can use, and the response length (computed in ``verl_ds.resolved_config``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,7 +57,7 @@ _NO_REFERENCE = ("this run has no reference model (it started with algo.kl_coef=
 
 @dataclass(frozen=True)
 class RunLimits:
-    """Limits of one run that hot updates must respect (``SharedState(rank, limits=verl_ds.run.limits.run_limits(cfg))``).
+    """Limits of one run that hot updates must respect (``SharedState(rank, limits=verl_ds.resolved_config.run_limits(cfg))``).
     ``reference``: whether the run built a frozen reference (without one, KL keys cannot turn a KL term on)."""
     upper: Mapping[str, Bound] = field(default_factory=dict)
     kl_placement: str = "reward"

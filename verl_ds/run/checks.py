@@ -12,7 +12,7 @@ from verl_ds.config.fields import show
 from verl_ds.config.model_fields import tiny_model_fields
 from verl_ds.config.schema import iter_fields
 from verl_ds.rewards import SEQUENCE_REWARDS
-from verl_ds.run.limits import context_length, initial_state, kl_placement_of, registry_choices, run_limits
+from verl_ds.resolved_config import context_length, initial_state, kl_placement_of, registry_choices, run_limits
 
 
 def check_registry_names(cfg: Config) -> None:

@@ -75,12 +75,3 @@ class DPOJob(StageJob):
 
 
 JOB = DPOJob
-
-
-def main(argv=None) -> int:
-    """``verl-ds dpo`` (``launch/dpo.py``): argv are ``--config F`` and ``key=value`` overrides."""
-    import sys
-
-    from verl_ds.cli import main as cli_main
-
-    return cli_main(["dpo", *(sys.argv[1:] if argv is None else argv)])

@@ -98,12 +98,3 @@ class RewardModelJob(StageJob):
 
 
 JOB = RewardModelJob
-
-
-def main(argv=None) -> int:
-    """``verl-ds rm`` (``launch/rm.py``): argv are ``--config F`` and ``key=value`` overrides."""
-    import sys
-
-    from verl_ds.cli import main as cli_main
-
-    return cli_main(["rm", *(sys.argv[1:] if argv is None else argv)])

@@ -1,5 +1,6 @@
 """The config resolved against the package's registries: the names the registry keys may take, ``auto`` resolved
-for the advantage estimator, SharedState's values at step 0, and this run's limits on hot keys (docs/config.md)."""
+for the advantage estimator, SharedState's values at step 0 and this run's limits on hot keys (docs/config.md).
+It sits below SharedState and the run, which both take these."""
 from __future__ import annotations
 
 import json
