@@ -1,6 +1,6 @@
-"""How verl_ds's code is written (README, "How the code is written"): modules of at most 400 lines, module docstrings that say
-what a module is for in at most five lines (the detail lives in docs/), no issue numbers or benchmark diaries in
-code (their history is in git, their figures in benchmarks/README.md)."""
+"""How verl_ds's code is written (README, "How the code is written"): modules of at most 400 lines, module
+docstrings that say what a module is for in at most five lines (the detail lives in docs/), no issue numbers or
+benchmark diaries in code (their history is in git, their figures in benchmarks/README.md)."""
 from __future__ import annotations
 
 import ast
