@@ -21,6 +21,8 @@ def _make_pipeline(out: str, args: list, timeout: int = 900) -> subprocess.Compl
     flags = " ".join([*args, "--output-dir", out])
     env = base_env()
     env.pop("OMP_NUM_THREADS")  # as a user's shell: the pipeline is one process
+    for key in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS"):  # under `make test` the inner make would say make[1]
+        env.pop(key, None)
     return subprocess.run(["make", "-s", "pipeline", f"PIPELINE_ARGS={flags}"], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
