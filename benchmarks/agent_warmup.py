@@ -1,4 +1,5 @@
-"""What the agent cold start (verl_ds.agent.warmup.sft_warmup) leaves a tiny from-scratch model able to do.
+"""What the agent cold start (verl_ds.sft_loss.warm_up on verl_ds.agent.warmup.demonstrations) leaves a tiny
+from-scratch model able to do.
 
 Builds the tiny Llama of a config (``--config``, default configs/agent_calc.yaml when present, with ``-o key=value``
 overrides), warms it up as plain torch (AdamW with the config's actor.lr, grad_clip and weight decay, no DeepSpeed),
@@ -25,12 +26,13 @@ from verl_ds.agent.episodes import EpisodeLimits, engine_turns, run_episodes  # 
 from verl_ds.agent.registry import make_environment  # noqa: E402
 from verl_ds.agent.tiny import build_agent_tokenizer, builtin_rows  # noqa: E402
 from verl_ds.agent.tools import parse_tool_calls  # noqa: E402
-from verl_ds.agent.warmup import sft_warmup  # noqa: E402
+from verl_ds.agent.warmup import WARMUP_LR, demonstrations  # noqa: E402
 from verl_ds.config import tiny_model_fields  # noqa: E402
+from verl_ds.sft_loss import warm_up  # noqa: E402
 
 
 class PlainEngine(torch.nn.Module):
-    """The engine contract sft_warmup needs (forward, backward, step, device) over a plain model and AdamW."""
+    """The engine contract warm_up needs (forward, backward, step, device) over a plain model and AdamW."""
 
     def __init__(self, model, lr: float, weight_decay: float, grad_clip: float):
         super().__init__()
@@ -155,8 +157,8 @@ def main(argv=None):
         engine = PlainEngine(model, cfg.actor.lr, 0.01, cfg.actor.grad_clip)  # as build_engines' warm-up engine
         n_params = sum(p.numel() for p in model.parameters())
         start = time.time()
-        losses = sft_warmup(engine, tok, args.env, args.steps, seed=args.seed, batch_size=args.batch_size,
-                            **({"lr": args.lr} if args.lr else {}))
+        demos = demonstrations(args.env, tok, args.steps * args.batch_size, seed=args.seed)
+        losses = warm_up(engine, demos, tok.pad_token_id, batch_size=args.batch_size, lr=args.lr or WARMUP_LR)
         warm_s = time.time() - start
         k = max(1, len(losses) // 10)
         print(f"warmup env={args.env} params={n_params} steps={args.steps} loss_first={sum(losses[:k]) / k:.3f} "

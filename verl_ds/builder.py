@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from verl_ds import algos
 from verl_ds.config import Config, ConfigError, Derived, sequence_tokens
@@ -61,21 +61,8 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
         roles.append("ref")
     if algos.get_advantage_estimator(cfg.algo.adv_estimator).needs_critic:
         roles.append("critic")
-    warmup = None
-    if cfg.actor.sft_warmup_steps:
-        if cfg.data.train_files is not None:
-            raise ConfigError("actor.sft_warmup_steps needs the built-in task (data.train_files is set)")
-        from verl_ds.tasks import parity
-
-        def warmup(engine):
-            if cfg.agent.environment is not None:  # the built-in agent task's demonstrations
-                from verl_ds.agent.warmup import sft_warmup
-
-                return sft_warmup(engine, tok, cfg.agent.environment, cfg.actor.sft_warmup_steps,
-                                  seed=cfg.trainer.seed + 7)
-            parity.sft_warmup(engine, tok, cfg.actor.sft_warmup_steps, seed=cfg.trainer.seed + 7)
     # every model is created already partitioned under ZeRO-3; the reference is the (warmed-up) initial policy
-    engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup)
+    engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup_of(cfg, tok))
 
     state = SharedState.from_config(cfg, rank=rank)  # the run's limits and step-0 values, the same on every rank
     packed, shared = _packing_decision(cfg, engines, say=rank == 0)  # shared: one copy per prompt in the packed rows
@@ -110,6 +97,19 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
         state.set("reward_name", reward_name(cfg.reward.functions, cfg.reward.model_path))
     return Components(tokenizer=tok, train_set=train_set, val_set=val_set, sampler=sampler, engines=engines,
                       state=state, registry=registry, ppo=ppo, sequence_parallel=sp)
+
+
+def warmup_of(cfg: Config, tok) -> Optional[Callable]:
+    """``actor.sft_warmup_steps`` steps of the SFT loss on the built-in task's demonstrations, or None."""
+    from verl_ds.sft_loss import WARMUP_BATCH, warm_up
+    from verl_ds.tasks import builtin_task
+
+    steps, task = cfg.actor.sft_warmup_steps, builtin_task(cfg)
+    if steps and task is None:
+        raise ConfigError("actor.sft_warmup_steps needs the built-in task (data.train_files is set)")
+    seed = cfg.trainer.seed + 7  # demonstrations apart from the prompt rows
+    return None if not steps else lambda engine: warm_up(
+        engine, task.demonstrations(tok, steps * WARMUP_BATCH, seed), tok.pad_token_id, lr=task.warmup_lr)
 
 
 def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool]:
@@ -176,7 +176,7 @@ def load_data(cfg: Config) -> PromptData:
     """The tokenizer and the checked (train, val) prompt sets (ConfigError naming the key), before torch.distributed."""
     from verl_ds.data import PromptDataset
     from verl_ds.rewards import unscorable_rows
-    from verl_ds.tasks import parity
+    from verl_ds.tasks import builtin_task
     from verl_ds.verifiable import set_math_verify_timeout
 
     set_math_verify_timeout(cfg.reward.math_verify_timeout_s)  # the start-up check below parses the references
@@ -184,17 +184,10 @@ def load_data(cfg: Config) -> PromptData:
     common = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
                   overlong=cfg.data.overlong, apply_chat_template=cfg.data.apply_chat_template,
                   passthrough_keys=list(cfg.data.passthrough_keys) or None)
-    if cfg.data.train_files is None and cfg.agent.environment is not None:
-        from verl_ds.agent.tiny import builtin_rows
-
-        env, seed = cfg.agent.environment, cfg.trainer.seed
-        train = PromptDataset.from_records(builtin_rows(env, cfg.data.num_train_prompts, seed), tok, **common)
-        val = PromptDataset.from_records(builtin_rows(env, cfg.data.num_val_prompts, 10_000 + seed), tok, **common)
-    elif cfg.data.train_files is None:
-        train = PromptDataset.from_records(parity.generate_prompts(cfg.data.num_train_prompts, seed=cfg.trainer.seed),
-                                           tok, **common)
-        val = PromptDataset.from_records(parity.generate_prompts(cfg.data.num_val_prompts,
-                                                                 seed=10_000 + cfg.trainer.seed), tok, **common)
+    task = builtin_task(cfg)
+    if task is not None:
+        train = PromptDataset.from_records(task.rows(cfg.data.num_train_prompts, cfg.trainer.seed), tok, **common)
+        val = PromptDataset.from_records(task.rows(cfg.data.num_val_prompts, 10_000 + cfg.trainer.seed), tok, **common)
     else:
         train = _from_file("data.train_files", cfg.data.train_files, tok, common)
         val = _from_file("data.val_files", cfg.data.val_files, tok, common) if cfg.data.val_files else None

@@ -12,7 +12,8 @@ import torch
 from verl_ds.agent import make_environment, parse_tool_calls
 from verl_ds.agent.chat_tokens import ChatTokens
 from verl_ds.agent.tiny import build_agent_tokenizer, builtin_rows
-from verl_ds.agent.warmup import CALL_FRACTION, demonstration, demonstration_tokens, sft_warmup
+from verl_ds.agent.warmup import CALL_FRACTION, demonstration, demonstration_tokens, demonstrations
+from verl_ds.sft_loss import warm_up
 
 TOK = build_agent_tokenizer()
 CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "47 * 83"}}</tool_call>'
@@ -143,7 +144,7 @@ def test_demonstration_tokens_label_the_assistant_turns_only():
 
 
 class PlainEngine(torch.nn.Module):
-    """The engine contract of sft_warmup over a plain model and AdamW (no DeepSpeed needed for the contract)."""
+    """The engine contract of warm_up over a plain model and AdamW (no DeepSpeed needed for the contract)."""
 
     def __init__(self, model, lr):
         super().__init__()
@@ -185,9 +186,8 @@ def test_the_cold_start_teaches_the_call_but_not_to_call():
             return sum(torch.softmax(model(torch.tensor([p])).logits[0, -1], -1)[call_id].item() for p in prompts) / len(prompts)
 
     engine = PlainEngine(model, lr=1e-5)
-    losses = sft_warmup(engine, TOK, "calc", steps=150, seed=0, batch_size=16, lr=3e-3)
+    losses = warm_up(engine, demonstrations("calc", TOK, 150 * 16, seed=0), TOK.pad_token_id, lr=3e-3)
     assert len(losses) == 150
-    assert engine.optimizer.param_groups[0]["lr"] == 1e-5  # the engine's own rate is back for RL
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 / 3, losses
     # the decision is supervised at CALL_FRACTION (2%) though most demonstrations call: the warmed model seldom
     # calls (labelling every decision would teach it to call in most episodes) ...
@@ -203,6 +203,6 @@ def test_the_cold_start_teaches_the_call_but_not_to_call():
     assert well >= 12
 
 
-def test_sft_warmup_refuses_what_it_has_no_demonstrations_for():
-    with pytest.raises(ValueError, match="no demonstrations for environment 'chess'.*calc, guess_number"):
-        sft_warmup(PlainEngine(tiny_llama(), 1e-3), TOK, "chess", steps=1, seed=0)
+def test_there_are_no_demonstrations_for_an_unknown_task():
+    with pytest.raises(ValueError, match="no built-in data for environment 'chess'.*calc, guess_number"):
+        demonstrations("chess", TOK, 16, seed=0)

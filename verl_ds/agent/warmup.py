@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from verl_ds.agent.chat_tokens import ChatTokens
 from verl_ds.agent.registry import make_environment
-from verl_ds.agent.tiny import BUILTIN_TASKS, builtin_rows
+from verl_ds.agent.tiny import builtin_rows
 
-__all__ = ["sft_warmup", "demonstration", "demonstration_tokens", "CALL_FRACTION", "FEEDBACK_FRACTION"]
+__all__ = ["demonstrations", "demonstration", "demonstration_tokens", "CALL_FRACTION", "FEEDBACK_FRACTION"]
 
 CALL_FRACTION = 0.02  # calc: the share of labelled first-token decisions that open a tool call
 SKILL_FRACTION = 0.8  # calc: the share of conversations that call the tool (most with the decision unlabelled)
@@ -89,55 +87,14 @@ def _decision_kept(messages: list, rng: random.Random) -> bool:
     return rng.random() < f * (1 - s) / (s * (1 - f))
 
 
-def _batch(chat: ChatTokens, conversations: list, decisions: list, pad_id: int) -> dict:
-    """Right-padded input_ids / attention_mask / labels (-100 off the assistant turns)."""
-    pieces = [demonstration_tokens(chat, c, d) for c, d in zip(conversations, decisions)]
-    width = max(len(ids) for ids, _ in pieces)
-    input_ids = torch.full((len(pieces), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(pieces), width), dtype=torch.long)
-    labels = torch.full((len(pieces), width), -100, dtype=torch.long)
-    for row, (ids, mask) in enumerate(pieces):
-        input_ids[row, :len(ids)], attention[row, :len(ids)] = torch.tensor(ids), 1
-        labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), -100)
-    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels}
-
-
-def sft_warmup(engine, tokenizer, env_name: str, steps: int, seed: int, batch_size: int = 16,
-               lr: float | None = WARMUP_LR) -> list[float]:
-    """Supervised warm start of ``engine`` on ``steps`` batches of ``env_name`` demonstrations (the same on every rank)
-    at ``lr`` (None: the optimizer's own; restored after). Returns each step's mean loss over assistant tokens."""
-    if env_name not in BUILTIN_TASKS:
-        raise ValueError(f"sft_warmup: no demonstrations for environment {env_name!r}; built-in: "
-                         f"{', '.join(BUILTIN_TASKS)}")
-    if steps < 1 or batch_size < 1:
-        raise ValueError(f"sft_warmup: steps and batch_size must be >= 1, got {steps} and {batch_size}")
-    tools = make_environment(env_name).tools
-    chat = ChatTokens(tokenizer, tools.schemas if tools is not None else None)
-    rng = random.Random(seed * 7919 + 17)
-    rows = builtin_rows(env_name, steps * batch_size, seed=seed + 1_000_003)  # not the training rows
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    groups = getattr(getattr(engine, "optimizer", None), "param_groups", None) or []
-    saved = [g["lr"] for g in groups]
-    if lr is not None:
-        for g in groups:
-            g["lr"] = lr
-    try:
-        return _train(engine, chat, env_name, rows, steps, batch_size, rng, pad_id)
-    finally:
-        for g, old in zip(groups, saved):
-            g["lr"] = old
-
-
-def _train(engine, chat, env_name, rows, steps, batch_size, rng, pad_id) -> list[float]:
-    engine.train()
-    device = engine.device
-    losses = []
-    for i in range(steps):
-        conversations = [demonstration(env_name, r, rng) for r in rows[i * batch_size:(i + 1) * batch_size]]
+def demonstrations(env_name: str, tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """``n`` (ids, mask) demonstrations of ``env_name`` (the same on every rank), on rows apart from the training
+    rows; ``random`` is drawn as the first cold start drew it (16 conversations, then their decisions)."""
+    rows = builtin_rows(env_name, n, seed=seed + 1_000_003)
+    chat = ChatTokens(tokenizer, getattr(make_environment(env_name).tools, "schemas", None))
+    rng, out = random.Random(seed * 7919 + 17), []
+    for i in range(0, n, 16):
+        conversations = [demonstration(env_name, r, rng) for r in rows[i:i + 16]]
         decisions = [env_name != "calc" or _decision_kept(c, rng) for c in conversations]
-        batch = _batch(chat, conversations, decisions, pad_id)
-        loss = engine(**{k: v.to(device) for k, v in batch.items()}).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
-    return losses
+        out += [demonstration_tokens(chat, c, d) for c, d in zip(conversations, decisions)]
+    return out

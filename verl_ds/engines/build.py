@@ -23,24 +23,16 @@ log = logging.getLogger(__name__)
 
 
 def load_tokenizer(cfg: Config):
-    """The configured tokenizer (local path) or the built-in word-level one; pad set and left padding."""
+    """The configured tokenizer (local path), the built-in task's, or the word-level one; pad set, left padding."""
     from transformers import AutoTokenizer
 
+    from verl_ds.tasks import builtin_task
     from verl_ds.tokenizer import build_tokenizer
 
     path = cfg.model.tokenizer_path or cfg.model.path
-    from verl_ds.agent.registry import BUILTIN_AGENT_TASKS
-
-    if path is None and cfg.data.train_files is None and cfg.agent.environment in BUILTIN_AGENT_TASKS:
-        from verl_ds.agent.tiny import build_agent_tokenizer
-
-        tok = build_agent_tokenizer()  # the built-in agent tasks' words, tool-call tokens and chat template
-    elif path is None:
-        from verl_ds.tasks import parity
-
-        # the built-in task's own small vocabulary: a fresh model then samples task words, not 280 others
-        vocab = parity.VOCAB if cfg.data.train_files is None else None
-        tok = build_tokenizer(vocab)
+    if path is None:
+        task = builtin_task(cfg)
+        tok = task.tokenizer() if task is not None else build_tokenizer()
     else:
         if not os.path.isdir(path):
             raise ConfigError(f"model.tokenizer_path/model.path: {path!r} is not a directory")

@@ -5,24 +5,8 @@ from __future__ import annotations
 import torch
 
 from verl_ds.config import Config, ConfigError
+from verl_ds.sft_loss import response_nll
 from verl_ds.stages.spine import StageData, StageJob
-
-
-def collate(items: list, pad_token_id: int, device=None) -> tuple:
-    """(observation (B, P+R), mask (B, P+R) bool, loss_mask (B, R) float): prompts left-padded to P, responses
-    right-padded to R, as an RL rollout batch."""
-    P = max(len(x["prompt_ids"]) for x in items)
-    R = max(len(x["response_ids"]) for x in items)
-    obs = torch.full((len(items), P + R), pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((len(items), P + R), dtype=torch.bool)
-    loss_mask = torch.zeros((len(items), R), dtype=torch.float32)
-    for i, x in enumerate(items):
-        p, r = len(x["prompt_ids"]), len(x["response_ids"])
-        obs[i, P - p:P] = torch.as_tensor(x["prompt_ids"])
-        obs[i, P:P + r] = torch.as_tensor(x["response_ids"])
-        mask[i, P - p:P + r] = True
-        loss_mask[i, :r] = torch.as_tensor(x["loss_mask"], dtype=torch.float32)
-    return obs.to(device), mask.to(device), loss_mask.to(device)
 
 
 def load_sft_data(cfg: Config) -> StageData:
@@ -87,20 +71,8 @@ class SFTJob(StageJob):
         return len(item["prompt_ids"]) + len(item["response_ids"])
 
     def loss(self, items: list, normalizer: torch.Tensor) -> tuple:
-        obs, mask, loss_mask = collate(items, self.tokenizer.pad_token_id, self.engine.device)
-        R = loss_mask.shape[1]
-        log_probs = self.model.get_logprob(obs, obs[:, -R:], mask)
-        nll = -(log_probs * loss_mask).sum()
+        nll = response_nll(self.model, items, self.tokenizer.pad_token_id, self.engine.device)
         return nll / normalizer.to(nll.device, nll.dtype), {"loss": nll.detach()}
 
 
 JOB = SFTJob
-
-
-def main(argv=None) -> int:
-    """``verl-ds sft`` (``launch/sft.py``): argv are ``--config F`` and ``key=value`` overrides."""
-    import sys
-
-    from verl_ds.cli import main as cli_main
-
-    return cli_main(["sft", *(sys.argv[1:] if argv is None else argv)])

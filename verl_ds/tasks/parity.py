@@ -89,17 +89,10 @@ def parity_reward(prompts: list[str], responses: list[str], batch=None,
     return rewards
 
 
-def sft_warmup(engine, tokenizer, steps: int, seed: int, batch_size: int = 16) -> None:
-    """Supervised warm start of a DeepSpeed actor ``engine`` on optimal responses, the same batches on every rank."""
-    pairs = sft_examples(steps * batch_size, seed=seed)
-    engine.train()
-    for i in range(steps):
-        chunk = pairs[i * batch_size:(i + 1) * batch_size]
-        enc = tokenizer([p + " " + r for p, r in chunk], return_tensors="pt", padding=True)
-        enc = {k: v.to(engine.device) for k, v in enc.items()}
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        engine.backward(engine(**enc, labels=labels).loss)
-        engine.step()
+def demonstrations(tokenizer, n: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """`n` (ids, mask) warm-up demonstrations of `sft_examples`, trained on every token after the first (LM loss)."""
+    ids = [tokenizer(prompt + " " + response)["input_ids"] for prompt, response in sft_examples(n, seed=seed)]
+    return [(x, [0] + [1] * (len(x) - 1)) for x in ids]
 
 
 def preference_pairs(n: int, seed: int, candidates: int = 4, length: int = RESPONSE_LENGTH) -> list[dict]:
