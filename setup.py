@@ -35,7 +35,7 @@ setup(
         "plot": ["matplotlib>=3.7"],
         "math": ["math-verify>=0.9"],  # the math_verify reward
         "bench": ["trl>=1.16"],  # benchmarks/e2e_vs_trl.py
-        "lora": ["peft>=0.13"],  # actor.lora_rank / critic.lora_rank > 0 (verl_ds.engines.lora)
+        "lora": ["peft>=0.13"],  # actor.lora_rank / critic.lora_rank > 0 (verl_ds.weights.lora)
     },
     entry_points={"console_scripts": ["verl-ds=verl_ds.cli:main"]},
 )

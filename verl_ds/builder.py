@@ -38,7 +38,7 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     """Tokenizer, data (``data``: already loaded by ``load_data``), engines, SharedState, models and registry, on
     every rank (collective)."""
     from verl_ds.sampler import DistributedPromptSampler
-    from verl_ds.engines.lora import lora_spec
+    from verl_ds.weights.lora import lora_spec
     from verl_ds.models import PolicyModel, PPOModel, ReferenceModel, ValueModel
     from verl_ds.models.policy import AdaptersOffReferenceModel
     from verl_ds.registry import ModelRegistry

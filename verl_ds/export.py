@@ -12,8 +12,8 @@ from typing import Optional, Union
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.engines.hf_weights import hf_model, weight_buffers, weight_groups
-from verl_ds.engines.zero3 import gathered
+from verl_ds.weights.hf_weights import hf_model, weight_buffers, weight_groups
+from verl_ds.weights.zero3 import gathered
 
 INDEX_FILE = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -185,7 +185,7 @@ def export_adapter(engine_module, tokenizer, directory: str, base_model_path: Op
     without one the frozen base goes to ``directory/base``, so ``PeftModel.from_pretrained(base, directory)`` works."""
     from safetensors.torch import save_file
 
-    from verl_ds.engines.lora import ADAPTER_NAME, adapter_state_dict, adapters_off, is_peft_model
+    from verl_ds.weights.lora import ADAPTER_NAME, adapter_state_dict, adapters_off, is_peft_model
 
     module = getattr(engine_module, "module", engine_module)
     if not is_peft_model(module):

@@ -93,7 +93,7 @@ class HFRolloutEngine:
         """Sync the replica to the actor after every update (collective under ZeRO-3; no-op without gather_params)."""
         if not self.gather_params:
             return
-        from verl_ds.engines.replica import GenerationReplica
+        from verl_ds.weights.replica import GenerationReplica
 
         if self._replica is None:  # built once, in the training dtype, on the engines' device
             self._replica = GenerationReplica(self.module, device=self.device)

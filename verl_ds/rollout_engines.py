@@ -52,7 +52,7 @@ def build_rollout_engine(cfg: Config, actor, tokenizer, *, state=None, rank: int
 
 @register_rollout_engine("hf")
 def build_hf(cfg: Config, actor, tokenizer, *, state=None, rank: int = 0, lora=None):
-    """HF generate; with a LoRA actor the replica holds the merged weights (``verl_ds.engines.hf_weights``)."""
+    """HF generate; with a LoRA actor the replica holds the merged weights (``verl_ds.weights.hf_weights``)."""
     from verl_ds.generation import HFRolloutEngine
 
     return HFRolloutEngine(actor, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

@@ -15,8 +15,8 @@ from verl_ds.asyncrl.placement import receive_weights, send_weights, split_group
 from verl_ds.config import load_config
 from verl_ds.config.validate import validate
 from verl_ds.engines.build import build_actor_model, build_engines, load_tokenizer
-from verl_ds.engines.hf_weights import weight_groups
-from verl_ds.engines.zero3 import gathered
+from verl_ds.weights.hf_weights import weight_groups
+from verl_ds.weights.zero3 import gathered
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 pl = split_groups(rank, world, "127.0.0.1", int(os.environ["MASTER_PORT"]), rollout_ranks=1, timeout_s=120)

@@ -10,7 +10,7 @@ from verl_ds.cli import main
 from verl_ds.config import ConfigError, iter_fields, load_config, validate
 from verl_ds.config.folded import FOLDED_KEYS
 from verl_ds.engines.ds_config import make_ds_config
-from verl_ds.engines.lora import lora_spec
+from verl_ds.weights.lora import lora_spec
 from verl_ds.memory_plan import model_size
 from verl_ds.rollout_engines import build_rollout_engine
 

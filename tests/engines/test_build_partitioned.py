@@ -17,7 +17,7 @@ from verl_ds import dist as vdist
 from verl_ds.config import load_config, validate
 from verl_ds.engines.build import build_actor_model, build_engines, build_reward_engine, load_tokenizer
 from verl_ds.engines.ds_config import make_ds_config
-from verl_ds.engines.zero3 import full_numel, is_partitioned
+from verl_ds.weights.zero3 import full_numel, is_partitioned
 
 stage, sft, reward_path = int(sys.argv[2]), sys.argv[3] == "sft", sys.argv[4]
 vdist.init_distributed(vdist.detect_launch(), 300, "cpu")

@@ -1,4 +1,4 @@
-"""One process, plain (un-partitioned) modules: the pieces of engines/zero3.py, the replica and the export that do
+"""One process, plain (un-partitioned) modules: the pieces of weights/zero3.py, the replica and the export that do
 not need ranks; their bad inputs are named. The 2-rank ZeRO-3 behaviour is in test_build_partitioned.py and
 test_replica_export.py."""
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from verl_ds.engines.replica import GenerationReplica
-from verl_ds.engines.zero3 import copy_param, copy_params, persistent_buffers
+from verl_ds.weights.replica import GenerationReplica
+from verl_ds.weights.zero3 import copy_param, copy_params, persistent_buffers
 from verl_ds.export import export_hf, parse_size
 
 

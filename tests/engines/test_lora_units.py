@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("peft")
 
 from verl_ds.config import ConfigError, load_config  # noqa: E402
-from verl_ds.engines import lora  # noqa: E402
-from verl_ds.engines.hf_weights import weight_groups  # noqa: E402
+from verl_ds.weights import lora  # noqa: E402
+from verl_ds.weights.hf_weights import weight_groups  # noqa: E402
 from verl_ds.export import export_adapter  # noqa: E402
 
 VOCAB = 40
@@ -150,7 +150,7 @@ def test_output_head_symbol(caplog):
     from transformers import LlamaModel
 
     tied = tiny_llama(tied=True)
-    with caplog.at_level("WARNING", logger="verl_ds.engines.lora"):
+    with caplog.at_level("WARNING", logger="verl_ds.weights.lora"):
         got = lora.resolve_target_modules(tied, ["all-linear", "output-head"], "actor")
     assert "lm_head" not in got and "o_proj" in got
     assert "output head 'lm_head' is tied to ['model.embed_tokens']" in caplog.text

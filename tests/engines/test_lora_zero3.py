@@ -17,7 +17,7 @@ from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from verl_ds import dist as vdist
 from verl_ds.builder import build
 from verl_ds.config import load_config, validate
-from verl_ds.engines import lora
+from verl_ds.weights import lora
 from verl_ds.engines.build import build_actor_model, load_tokenizer
 from verl_ds.export import export_adapter, export_hf
 from verl_ds.models import ReferenceModel

@@ -18,8 +18,8 @@ from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 from transformers import AutoModelForCausalLM, LlamaConfig
 from memtrack import LiveBytes
 from verl_ds import dist as vdist
-from verl_ds.engines.replica import GenerationReplica
-from verl_ds.engines.zero3 import full_numel, partitioned_construction
+from verl_ds.weights.replica import GenerationReplica
+from verl_ds.weights.zero3 import full_numel, partitioned_construction
 from verl_ds.export import export_hf
 
 out_dir = sys.argv[2]

@@ -6,7 +6,7 @@ import torch
 
 from verl_ds.config import load_config
 from verl_ds.dist import detect_launch
-from verl_ds.engines.zero3 import partitioned_construction
+from verl_ds.weights.zero3 import partitioned_construction
 from verl_ds.sft_loss import collate
 from verl_ds.stages.sft import SFTJob
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verl_ds.engines.hf_weights import weight_groups
-from verl_ds.engines.zero3 import gathered
+from verl_ds.weights.hf_weights import weight_groups
+from verl_ds.weights.zero3 import gathered
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 

@@ -1,5 +1,5 @@
 """Build the tokenizer, the HF models and their DeepSpeed engines (actor, critic, reference, a reward model); under
-ZeRO-3 every model is created already partitioned (``engines.zero3``), even while loading ``model.path``.
+ZeRO-3 every model is created already partitioned (``weights.zero3``), even while loading ``model.path``.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from verl_ds.config import Config, ConfigError, Derived
 from verl_ds.config.model_fields import tiny_model_fields
 from verl_ds.engines.ds_config import make_ds_config, uses_gpu
-from verl_ds.engines.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
-from verl_ds.engines.zero3 import (copy_param, copy_params, full_shape, has_partitioned_params,
+from verl_ds.weights.lora import LORA_SEED_OFFSET, apply_lora, check_fused_head, lora_spec
+from verl_ds.weights.zero3 import (copy_param, copy_params, full_shape, has_partitioned_params,
                                    partitioned_construction, release_free_memory)
 
 log = logging.getLogger(__name__)
@@ -248,7 +248,7 @@ def build_engines(cfg: Config, derived: Derived, tok, roles: Sequence[str] = ("a
     actor_lora, critic_lora = lora_spec(cfg, "actor"), lora_spec(cfg, "critic")
     if actor_lora is not None and "ref" in roles:
         raise ValueError("build_engines: with actor.lora_rank > 0 no reference engine is built (the reference is "
-                         "the actor with its adapters off: verl_ds.engines.lora.adapters_off)")
+                         "the actor with its adapters off: verl_ds.weights.lora.adapters_off)")
     ds = {role: make_ds_config(cfg, derived, role, gpu=uses_gpu(cfg)) for role in ("actor", "ref", "critic")}
     need_actor = "actor" in roles or sft_warmup is not None
     actor_model = build_actor_model(cfg, tok, ds_config=ds["actor"]) if need_actor else None

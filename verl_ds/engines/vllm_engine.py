@@ -14,7 +14,7 @@ import torch
 
 from verl_ds.engines.vllm_process import (TESTED_VLLM, check_cpu_head_dim, import_vllm, keep_default_process_group,
                                           preserved_process_state)
-from verl_ds.engines.zero3 import gathered, is_partitioned
+from verl_ds.weights.zero3 import gathered, is_partitioned
 
 __all__ = ["VLLMRolloutEngine", "VLLMGeneration", "gathered_named_parameters", "import_vllm", "check_cpu_head_dim"]
 

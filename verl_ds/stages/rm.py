@@ -18,7 +18,7 @@ def build_reward_classifier(cfg: Config, tok, ds_config: dict | None = None):
 
     from verl_ds.config import ConfigError
     from verl_ds.engines.build import _dtype, _tiny_lm_config, check_vocab, disable_dropout, init_tiny_weights
-    from verl_ds.engines.zero3 import has_partitioned_params, partitioned_construction
+    from verl_ds.weights.zero3 import has_partitioned_params, partitioned_construction
 
     with torch.random.fork_rng(devices=[]), partitioned_construction(ds_config):
         torch.manual_seed(cfg.model.init_seed)

@@ -129,7 +129,7 @@ class StageJob:
         from verl_ds.config import ConfigError
         from verl_ds.engines.build import build_engines, make_engine
         from verl_ds.engines.ds_config import make_ds_config, uses_gpu
-        from verl_ds.engines.lora import LORA_SEED_OFFSET, OUTPUT_HEAD, apply_lora, lora_spec
+        from verl_ds.weights.lora import LORA_SEED_OFFSET, OUTPUT_HEAD, apply_lora, lora_spec
 
         cfg, roles = self.cfg, tuple(self.engine_roles())
         lora = lora_spec(cfg, "actor")

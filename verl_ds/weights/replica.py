@@ -8,8 +8,8 @@ from typing import Optional
 
 import torch
 
-from verl_ds.engines.hf_weights import hf_model, weight_buffers, weight_groups
-from verl_ds.engines.zero3 import gathered
+from verl_ds.weights.hf_weights import hf_model, weight_buffers, weight_groups
+from verl_ds.weights.zero3 import gathered
 
 
 def _source_dtype(module: torch.nn.Module) -> torch.dtype:

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from verl_ds.config import ConfigError
-from verl_ds.engines.zero3 import gathered
+from verl_ds.weights.zero3 import gathered
 
 log = logging.getLogger(__name__)
 

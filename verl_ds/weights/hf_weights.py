@@ -1,5 +1,5 @@
 """A model's weights as a plain HF model names them, one module at a time: the one source of the generation
-replica (``engines.replica``) and the HF export (``verl_ds.export``). A LoRA model comes out as its base with each
+replica (``weights.replica``) and the HF export (``verl_ds.export``). A LoRA model comes out as its base with each
 adapted weight merged (W + B A * alpha / r) while its layer is gathered, never in place; a tied parameter comes once.
 """
 from __future__ import annotations
@@ -8,11 +8,11 @@ from typing import Callable
 
 import torch
 
-from verl_ds.engines.zero3 import full_shape, persistent_buffers
+from verl_ds.weights.zero3 import full_shape, persistent_buffers
 
 
 def _is_peft(module) -> bool:
-    from verl_ds.engines.lora import is_peft_model
+    from verl_ds.weights.lora import is_peft_model
 
     return is_peft_model(module)
 
