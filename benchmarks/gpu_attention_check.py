@@ -100,7 +100,7 @@ def build(impl: str, size: dict, dtype: str, device: str, vocab: int, max_length
             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
                 m.weight.mul_(std / model.config.initializer_range)
     model = model.to(device)
-    # the implementation the trainer would pack rows with (builder._packing_decision): without it the probe switches
+    # the implementation the trainer would pack rows with (builder.packing_decision): without it the probe switches
     # the model to the per-sequence loop whatever was asked
     implementation = resolve_attn_implementation(cfg.model.attn_implementation, torch.device(device).type)
     support = packing_support(model, max_length, share=True, implementation=implementation)

@@ -112,9 +112,9 @@ def worker(result: str, args: list[str]) -> int:
 
     import torch
 
-    from verl_ds import resume
+    from verl_ds.trainer import Trainer
 
-    resume.save_checkpoint = lambda trainer: None  # fit() imports it at call time: no multi-GiB write at the end
+    Trainer.save_checkpoint = lambda trainer: None  # no multi-GiB write at the end
     sys.argv = [os.path.join(ROOT, "launch", "train.py"), *args]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")

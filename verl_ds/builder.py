@@ -65,7 +65,8 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
     engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup_of(cfg, tok))
 
     state = SharedState.from_config(cfg, rank=rank)  # the run's limits and step-0 values, the same on every rank
-    packed, shared = _packing_decision(cfg, engines, say=rank == 0)  # shared: one copy per prompt in the packed rows
+    packed, shared = packing_decision(cfg.model, engines, say=rank == 0, longest=sequence_tokens(cfg),
+                                      share=cfg.model.share_prompts and cfg.rollout.n > 1)  # one copy per prompt
     fused = cfg.model.fused_lm_head
     prefixes = shared and cfg.model.share_response_prefixes  # and of its samples' common response prefixes
     from verl_ds.models.sequence_parallel import setup_sequence_parallel
@@ -112,9 +113,11 @@ def warmup_of(cfg: Config, tok) -> Optional[Callable]:
         engine, task.demonstrations(tok, steps * WARMUP_BATCH, seed), tok.pad_token_id, lr=task.warmup_lr)
 
 
-def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool]:
-    """(packed, shared): packed rows and shared prompts, probed on the models built (``packing_support``); a family
-    they would get wrong falls back to padded batches or plain packing, with one log line."""
+def packing_decision(model, engines: dict, say: bool, longest: int, share: bool = False,
+                     remove_padding: Optional[bool] = None) -> tuple[bool, bool]:
+    """(packed, shared): packed rows and (with ``share``) shared prompts, probed on the models built
+    (``packing_support``; ``model``: the config's model section); a family they would get wrong falls back to padded
+    batches or plain packing, with one log line."""
     import torch
 
     from verl_ds.attention_layout import resolve_attn_implementation
@@ -122,12 +125,11 @@ def _packing_decision(cfg: Config, engines: dict, say: bool) -> tuple[bool, bool
     from verl_ds.models.families import packing_support
 
     device_type = torch.device(device_of(next(iter(engines.values())))).type
-    implementation = resolve_attn_implementation(cfg.model.attn_implementation, device_type)
-    if not cfg.model.remove_padding:
+    implementation = resolve_attn_implementation(model.attn_implementation, device_type)
+    if not (model.remove_padding if remove_padding is None else remove_padding):
         _padded_attention(engines, implementation, say)
         return False, False
-    want_shared = cfg.model.share_prompts and cfg.rollout.n > 1
-    longest = sequence_tokens(cfg)
+    want_shared = share
     support = {role: packing_support(e, longest, share=want_shared and role != "critic", implementation=implementation)
                for role, e in engines.items()}
     refused = [(role, s.packing) for role, s in support.items() if s.packing is not None]

@@ -1,4 +1,4 @@
-"""The trainer spine: ``fit`` runs ``train_step`` until ``trainer.total_steps``.
+"""The RL job: ``train_step`` under ``runtime.job.Job``'s loop, until ``trainer.total_steps``.
 A step is these phases in order, each one call under the timer ``timing_s/<phase>``: boundary (hot changes), gen,
 reward, old_log_prob, ref and values (only when needed), adv, update_critic, update_actor, weight_sync, kl_ctrl.
 Construction is ``verl_ds.builder.build``; the numerics are ``verl_ds.algos``; checkpoints ``verl_ds.checkpoint``."""
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections import defaultdict
 from typing import Optional
@@ -17,9 +16,8 @@ from verl_ds import dist as vdist
 from verl_ds.asyncrl.split import make_async_rollout
 from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
-from verl_ds.config import Config, write_run_config
-from verl_ds.step_boundary import StepBoundary, start_control_server
-from verl_ds.metrics import MetricsLogger, Timings, reduce_metrics, sample_means_over_ranks
+from verl_ds.config import Config
+from verl_ds.metrics import Timings, reduce_metrics, sample_means_over_ranks
 from verl_ds.models.ppo import LOSS_SHARE_METRICS
 from verl_ds.models.sequence_parallel import turns
 from verl_ds.packing import micro_batch_groups
@@ -28,35 +26,20 @@ from verl_ds.reward_trial import check_swap_rows, trial
 from verl_ds.reward_spec import parse_reward_swap
 from verl_ds.rollout import SamplingError, collect, rollout_and_score, sampler_mismatch
 from verl_ds.run.startup import check_startup
-from verl_ds.runtime import (NonFiniteError, NonFiniteGuard, PreemptionHandler, StepFailed, explains_rank_failures,
-                             raise_if_any_rank_failed)
-from verl_ds.runtime.preemption import stop_for_preemption
-from verl_ds.runtime.run_lock import lock_run_dir
+from verl_ds.runtime import StepFailed, raise_if_any_rank_failed
+from verl_ds.runtime.job import Job
+from verl_ds.step_boundary import StepBoundary, start_control_server
 
 log = logging.getLogger(__name__)
 
 
-class Trainer:
-    """Builds a run from a ``Config`` (``verl_ds.builder``) and runs ``fit()``."""
+class Trainer(Job):
+    """The RL job: built from a ``Config`` (``verl_ds.builder``); ``fit()`` is ``runtime.job.Job``'s."""
 
     def __init__(self, cfg: Config, launch: vdist.LaunchInfo, data=None):
-        self.cfg = cfg
-        self.derived = check_startup(cfg, launch.world_size, launch.rank)  # one gate: fails before any model is built
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device
-        self.preemption = PreemptionHandler().install()  # SIGTERM/USR1/INT/HUP: checkpoint, exit 75
-        vdist.init_distributed(launch, cfg.trainer.dist_timeout_s, self.device)
-        self.rank, self.world = vdist.rank(), vdist.world_size()
-        self.is_main = self.rank == 0
-        vdist.seed_everything(cfg.trainer.seed * 1000 + self.rank)
-        self.out_dir = cfg.trainer.output_dir
-        self.ckpt_root = os.path.join(self.out_dir, "checkpoints")
-        self.run_lock = lock_run_dir(self.out_dir)  # a second job on this directory is refused, naming the first
-        if self.is_main:
-            write_run_config(cfg, os.path.join(self.out_dir, "config.yaml"))  # secrets redacted, mode 0600
-        vdist.barrier()
-        self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard="tensorboard" in cfg.trainer.loggers,
-                                     wandb="wandb" in cfg.trainer.loggers, config=cfg.to_dict())
-        self.guard = NonFiniteGuard(cfg.trainer.max_bad_steps, self.out_dir, self.rank, self.world)
+        # one gate: fails before torch.distributed starts or any model is built
+        super().__init__(cfg, launch, check_startup(cfg, launch.world_size, launch.rank))
+        self.progress_name = cfg.algo.adv_estimator
         self.c = build(cfg, self.derived, self.rank, self.world, self.out_dir, data=data)
         self.state, self.registry, self.ppo, self.tokenizer = self.c.state, self.c.registry, self.c.ppo, self.c.tokenizer
         spec = {"functions": list(cfg.reward.functions), "model_path": cfg.reward.model_path,
@@ -75,20 +58,19 @@ class Trainer:
 
             self.rollout_fn = agent_rollout_fn(AgentSpec.from_config(cfg))
         self.asyncrl = make_async_rollout(self)  # rollout.mode one_step_off / streaming: a generation thread
-        self._listeners, self._last_saved = [], None  # event listeners; the step last checkpointed (or None)
         self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
 
     @property
     def actor_engine(self):
         return self.c.engines["actor"]
 
-    def add_event_listener(self, fn) -> None:
-        """``fn(event, step)`` is called at ``step_begin`` and at the checkpoint's points (tests inject faults)."""
-        self._listeners.append(fn)
+    @property
+    def engines(self) -> dict:
+        return self.c.engines
 
-    def _emit(self, event: str, step: int) -> None:
-        for fn in self._listeners:
-            fn(event, step)
+    @property
+    def global_step(self) -> int:
+        return self.state.get("global_step")
 
     def _install_reward(self, reward) -> None:
         self.ppo.swap("reward", reward)  # registered under "reward" (aliases kept), version bumped
@@ -293,81 +275,69 @@ class Trainer:
 
         return evaluate(self)
 
-    @explains_rank_failures  # a dead or silent rank: RankFailure saying so, not a bare gloo error
-    def fit(self) -> dict:
-        """Run until ``trainer.total_steps``; returns a summary (reward before/after, time, tokens/s)."""
-        from tqdm.auto import tqdm
+    def started(self) -> None:
+        if self.is_main and self.cfg.server.enabled:  # a change is announced for a step of the restored run
+            self.server = start_control_server(self)
 
-        from verl_ds.resume import fall_back_after_resume, maybe_resume, save_checkpoint
+    def progress(self, metrics: dict) -> dict:
+        return {"score": f"{metrics.get('rollout/score/mean', float('nan')):.3f}",
+                "kl": f"{metrics.get('kl_ctrl/observed', 0.0):.3f}"}
 
-        cfg = self.cfg
-        try:
-            resumed = start = maybe_resume(self)
-            if self.is_main and cfg.server.enabled:
-                self.server = start_control_server(self)
-            if start == 0:
-                self.metrics.log(0, self.evaluate())
-            t0, tokens, fell_back = time.perf_counter(), 0.0, False
-            self._last_saved = start or None  # a resumed run with nothing left to do re-saves nothing
-            bar = tqdm(total=cfg.trainer.total_steps, initial=start, desc=cfg.algo.adv_estimator, dynamic_ncols=True,
-                       disable=not (self.is_main and "progress_bar" in cfg.trainer.loggers))
-            while self.state.get("global_step") < cfg.trainer.total_steps:
-                signal_name = self.preemption.stop_requested()  # collective: every rank stops at the same step
-                if signal_name:
-                    stop_for_preemption(self, signal_name)  # checkpoint, then exit 75 (the sbatch script requeues)
-                metrics = self.train_step()
-                step = int(metrics["training/global_step"])
-                tokens += metrics.get("perf/total_num_tokens", 0.0)
-                val_every = cfg.trainer.val_every
-                if step == cfg.trainer.total_steps or (val_every and step % val_every == 0):
-                    metrics.update(self.evaluate())
-                self.metrics.log(step, metrics)
-                try:
-                    self.guard.raise_if_exhausted()  # NonFiniteError after trainer.max_bad_steps bad steps in a row
-                except NonFiniteError:
-                    if fell_back or not fall_back_after_resume(self, step, resumed):  # once, right after a resume
-                        raise
-                    resumed = self._last_saved = bar.n = self.state.get("global_step")
-                    fell_back = True
-                    continue
-                bar.update(1)
-                bar.set_postfix(score=f"{metrics.get('rollout/score/mean', float('nan')):.3f}",
-                                kl=f"{metrics.get('kl_ctrl/observed', 0.0):.3f}")
-                if cfg.trainer.save_every and step % cfg.trainer.save_every == 0:
-                    save_checkpoint(self)
-                    self._last_saved = step
-            bar.close()
-            if self._last_saved != self.state.get("global_step"):
-                save_checkpoint(self)
-            export_dir = self.export_hf() if cfg.trainer.export != "none" else None
-        except (NonFiniteError, StepFailed):  # every rank raised here: save what was trained so far, then end
-            step = self.state.get("global_step")
-            if step > 0 and self._last_saved != step:
-                log.error("the run is ending on a fault at step %d: checkpoint %s written first", step,
-                          save_checkpoint(self))
-            self.close(code=1)
-            raise
-        except BaseException:
-            self.close(code=1)
-            raise
+    def summarize(self, start, elapsed, tokens, export_dir, first, last) -> dict:
         # the rows come from <output_dir>/metrics.jsonl, the whole run's (summarize reads it)
-        summary = summarize([], self.state.get("global_step"), time.perf_counter() - t0, tokens,
-                            self.out_dir, export_dir, plot="plot" in cfg.trainer.loggers, write=self.is_main, resumed_from=start)
-        self.close()
-        return summary
+        return summarize([], self.global_step, elapsed, tokens, self.out_dir, export_dir,
+                         plot="plot" in self.cfg.trainer.loggers, write=self.is_main, resumed_from=start)
 
-    def export_hf(self, directory: Optional[str] = None) -> str:
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint_state(self) -> dict:
+        """SharedState, model states, the active reward, the sampler, the guard (and the async queues: collective)."""
+        reg = self.registry
+        return {"shared_state": self.state.state_dict(), "global_step": self.global_step,
+                "models": {name: reg.get(name).state_dict() for name in reg.names()},
+                "registry_versions": reg.versions(), "reward_spec": self.boundary.reward_spec,
+                "sampler": self.c.sampler.state_dict(), "reliability": self.guard.state_dict(),
+                **({"async": self.asyncrl.state_dict()} if self.asyncrl else {})}
+
+    def load_checkpoint_state(self, saved: dict) -> int:
+        from verl_ds.resolved_config import initial_state
+
+        st = self.state
+        st.load_state_dict(saved["shared_state"])
+        if self.is_main:
+            for key, value in initial_state(self.cfg).items():
+                if st.get(key) != value:
+                    log.info("resume: %s = %r from the checkpoint (a hot value) wins over the config's %r", key,
+                             st.get(key), value)
+        spec = saved.get("reward_spec")
+        if spec and spec != self.boundary.reward_spec:  # a reward swapped over HTTP before the checkpoint
+            if self.is_main:
+                log.info("resume: the reward active at the checkpoint (%s) wins over the config's", spec)
+            self.boundary.restore(spec)  # checked and tried like a swap: one that fails now is refused, not fatal
+        for name, sd in saved["models"].items():
+            if name in self.registry:
+                self.registry.get(name).load_state_dict(sd)
+        self.registry.restore_versions({k: v for k, v in saved["registry_versions"].items() if k in self.registry})
+        self.c.sampler.load_state_dict(saved["sampler"])
+        self.guard.load_state_dict(saved.get("reliability", {}))
+        if self.asyncrl is not None and "async" in saved:
+            self.asyncrl.load_state_dict(saved["async"])
+        # the generation replica still holds the weights it last copied (a fallback replaced them): copy them again
+        self.registry.get("actor").rollout_engine.refresh()
+        step = int(saved["global_step"])
+        self.boundary.schedule_replay(step)
+        return step
+
+    def export(self, directory: str) -> str:
         """The trained actor per ``trainer.export`` (merged when it is none), written by rank 0, and the tokenizer."""
         from verl_ds.export import export_actor, export_format
 
-        directory = directory or os.path.join(self.out_dir, "hf_actor")
         export_actor(self.actor_engine.module, self.tokenizer, directory, export_format(self.cfg),
                      base_model_path=self.cfg.model.path)
         return directory
 
     def close(self, code: int = 0) -> None:
         """Stop async generation (split ranks exit with ``code``), server, rollout engine; flush logs (idempotent)."""
-        self.preemption.uninstall()
         getattr(self.asyncrl, "close", lambda code: None)(code)  # first: the generation thread may use the engine
         close_sampler = getattr(self.registry.get("actor").rollout_engine, "close", None)
         if close_sampler is not None:  # vLLM's shutdown destroys its groups: before vdist.shutdown() ends ours
@@ -377,7 +347,4 @@ class Trainer:
             self.server = None
         # changes still staged: dropped (audited) when the run is complete, else journaled for a resume
         self.boundary.close(completed=self.state.get("global_step") >= self.cfg.trainer.total_steps)
-        self.metrics.close()
-        if self.run_lock is not None:
-            self.run_lock.release()
-            self.run_lock = None
+        super().close(code)

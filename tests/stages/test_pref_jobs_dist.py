@@ -1,6 +1,6 @@
-"""The reward-model and DPO jobs through their launchers (launch/rm.py, launch/dpo.py) in subprocesses: two ranks
-(torchrun, ZeRO-3) train exactly as one rank on the same global batches, and a run stopped and resumed from its
-checkpoint continues exactly as the run that never stopped (the LoRA DPO job too)."""
+"""The reward-model and DPO jobs through their launchers (launch/rm.py, launch/dpo.py) in subprocesses: a run stopped
+and resumed from its checkpoint continues exactly as the run that never stopped (the LoRA DPO job too). Two ranks
+against one, and a resume at another world size: tests/stages/test_stage_reliability.py."""
 import os
 import sys
 
@@ -16,10 +16,11 @@ FAST = ["model.config_overrides.hidden_size=32", "model.config_overrides.interme
         "actor.mini_batch_size=8", "actor.micro_batch_size=2", "trainer.loggers=[]",
         "trainer.total_steps=3", "actor.lr=1e-2"]
 # what must agree step by step (timings differ)
-KEYS = {"rm": ("rm/loss", "rm/accuracy", "rm/margin", "actor/grad_norm", "val/accuracy", "val/loss"),
+KEYS = {"sft": ("sft/loss", "sft/units", "actor/grad_norm", "val/loss"),
+        "rm": ("rm/loss", "rm/accuracy", "rm/margin", "actor/grad_norm", "val/accuracy", "val/loss"),
         "dpo": ("dpo/loss", "dpo/rewards/chosen", "dpo/rewards/rejected", "dpo/rewards/margins", "dpo/logps/chosen",
                 "actor/grad_norm", "val/loss", "val/rewards/accuracies")}
-EXPORT = {"rm": "hf_reward_model", "dpo": "hf_actor"}
+EXPORT = {"sft": "hf_actor", "rm": "hf_reward_model", "dpo": "hf_actor"}
 
 
 def run_stage(stage: str, out, overrides=(), nproc: int = 1):
@@ -60,14 +61,6 @@ def assert_same_run(a, b, stage, steps, exact: bool):
             # Adam divides by sqrt(v): for a weight whose gradient is near 0, the last-bit difference of a sum over
             # two ranks moves its step by up to ~1e-3 of lr (1e-2 here); 1.4e-5 seen on a 2-core AMD EPYC
             torch.testing.assert_close(wa[name], wb[name], atol=1e-4, rtol=1e-4, msg=name)
-
-
-@pytest.mark.parametrize("stage", ["rm", "dpo"])
-def test_two_ranks_equal_one_rank(tmp_path, stage):
-    run_stage(stage, tmp_path / "one")
-    run_stage(stage, tmp_path / "two", nproc=2)
-    assert_same_run(tmp_path / "one", tmp_path / "two", stage, steps=(1, 2, 3), exact=False)
-    assert rows(tmp_path / "one")[3][f"{stage}/units"] == 8.0  # pairs per step, summed over ranks
 
 
 @pytest.mark.parametrize("stage, extra", [("rm", []), ("dpo", ["actor.lora_rank=4", "actor.lr=5e-2"])])

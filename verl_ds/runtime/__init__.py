@@ -1,4 +1,5 @@
-"""Run-time safety: preemption (checkpoint and exit 75), explained rank failures, the non-finite guard."""
+"""Run-time safety: preemption (checkpoint and exit 75), explained rank failures, the non-finite guard; and
+``runtime.job.Job``, the one loop that applies them to every job."""
 from verl_ds.runtime.nonfinite import NonFiniteError, NonFiniteGuard
 from verl_ds.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionHandler
 from verl_ds.runtime.rank_failure import (RankFailure, StepFailed, explains_rank_failures, is_peer_failure,

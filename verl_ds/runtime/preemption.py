@@ -65,22 +65,3 @@ class PreemptionHandler:
             return None
         return self.received or "a preemption signal (on another rank)"
 
-
-def stop_for_preemption(trainer, signal_name: str) -> None:
-    """Checkpoint the finished steps (if the last checkpoint is older), close, and raise Preempted (exit 75)."""
-    import os
-
-    from verl_ds.resume import save_checkpoint
-
-    step = trainer.state.get("global_step")
-    if step > 0 and trainer._last_saved != step:
-        save_checkpoint(trainer)
-    saved = os.path.join(trainer.ckpt_root, f"global_step_{step}") if step > 0 else None
-    if getattr(trainer, "asyncrl", None) is not None:  # split placement: the generation ranks exit 75 as well
-        trainer.asyncrl.close(PREEMPTED_EXIT_CODE)
-    trainer.close()
-    exc = Preempted(signal_name, step, saved)
-    if trainer.is_main or trainer.preemption.received:
-        print(f"[rank{trainer.rank}] {exc.message}", flush=True)
-    vdist.barrier()
-    raise exc

@@ -1,24 +1,21 @@
-"""The job spine of the supervised-style stages (SFT, reward model, DPO): the RL job's config, engines, data order,
-checkpoints, metrics and export around one loss. A stage subclasses ``StageJob`` and fills in its hooks
+"""The supervised-style jobs (SFT, reward model, DPO): the RL job's engines and data order around one loss, under
+the loop every job runs (``runtime.job.Job``). A stage subclasses ``StageJob`` and fills in its hooks
 (docs/stages.md, "A stage of your own")."""
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections import defaultdict
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from verl_ds import checkpoint as ckpt
 from verl_ds import dist as vdist
-from verl_ds.config import Config, write_run_config
-from verl_ds.metrics import MetricsLogger, reduce_metrics
-from verl_ds.runtime import Preempted, PreemptionHandler, explains_rank_failures
-from verl_ds.runtime.run_lock import lock_run_dir
-from verl_ds.stages.gate import check_stage, stage_view
+from verl_ds.config import Config
+from verl_ds.metrics import reduce_metrics
+from verl_ds.runtime.job import Job
+from verl_ds.stages.gate import check_stage
 
 log = logging.getLogger(__name__)
 
@@ -30,32 +27,18 @@ class StageData(NamedTuple):
     val: Any
 
 
-class StageJob:
-    """One supervised-style job on the RL job's engines; a stage overrides the hooks."""
+class StageJob(Job):
+    """One supervised-style job on the RL job's engines, under ``runtime.job.Job``'s loop; a stage overrides the
+    hooks below."""
 
-    name = "stage"  # metric prefix, progress bar, checkpoint tag
+    name = "stage"  # metric prefix, progress bar, checkpoint kind
     export_name = "hf_actor"  # the export's directory under trainer.output_dir
     lora_task_type: Optional[str] = "CAUSAL_LM"  # peft's task type of the adapters of a model from build_model
     packs_rows = True  # False: padded batches whatever model.remove_padding says (a loss whose forward is not packed)
 
     def __init__(self, cfg: Config, launch: vdist.LaunchInfo, data: Optional[StageData] = None):
-        self.cfg = cfg
-        self.derived = check_stage(cfg, launch.world_size, launch.rank)
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" \
-            else cfg.trainer.device
-        self.preemption = PreemptionHandler().install()
-        vdist.init_distributed(launch, cfg.trainer.dist_timeout_s, self.device)
-        self.rank, self.world = vdist.rank(), vdist.world_size()
-        self.is_main = self.rank == 0
-        vdist.seed_everything(cfg.trainer.seed * 1000 + self.rank)
-        self.out_dir = cfg.trainer.output_dir
-        self.ckpt_root = os.path.join(self.out_dir, "checkpoints")
-        self.run_lock = lock_run_dir(self.out_dir)
-        if self.is_main:
-            write_run_config(cfg, os.path.join(self.out_dir, "config.yaml"))
-        vdist.barrier()
-        self.metrics = MetricsLogger(self.out_dir, enabled=self.is_main, tensorboard="tensorboard" in cfg.trainer.loggers,
-                                     wandb="wandb" in cfg.trainer.loggers, config=cfg.to_dict())
+        self.kind = self.progress_name = self.name
+        super().__init__(cfg, launch, check_stage(cfg, launch.world_size, launch.rank))
         data = type(self).load_data(cfg) if data is None else data
         self.tokenizer, self.train_set, self.val_set = data
         if self.is_main:
@@ -64,16 +47,24 @@ class StageJob:
 
         self.sampler = DistributedPromptSampler(len(self.train_set), cfg.actor.mini_batch_size // self.world,
                                                 self.rank, self.world, seed=cfg.trainer.seed)
-        self.engines = self._build_engines()
-        self.engine = self.engines["actor"]
-        from verl_ds.builder import _packing_decision
+        self._engines = self._build_engines()
+        self.engine = self._engines["actor"]
+        from verl_ds.builder import packing_decision
+        from verl_ds.config.limits import sequence_tokens
 
         # packed rows where the model family supports them exactly (a tiny probe forward), padded batches otherwise
-        view = stage_view(cfg)
-        view.model.remove_padding = cfg.model.remove_padding and self.packs_rows
-        self.packed = _packing_decision(view, self.engines, say=self.is_main)[0]
-        self.step, self._last_saved, self.bad_steps = 0, None, 0
+        self.packed = packing_decision(cfg.model, self._engines, say=self.is_main, longest=sequence_tokens(cfg),
+                                       remove_padding=cfg.model.remove_padding and self.packs_rows)[0]
+        self.step = 0
         self.setup()
+
+    @property
+    def engines(self) -> dict:
+        return self._engines
+
+    @property
+    def global_step(self) -> int:
+        return self.step
 
     # ------------------------------------------------------------------ hooks
 
@@ -168,55 +159,42 @@ class StageJob:
         return [[items[i] for i in g] for g in groups]
 
     def train_step(self, items: Optional[list] = None) -> dict:
-        """One optimizer step on this rank's rows of the next global batch (or ``items``); its metrics, all ranks'."""
+        """One optimizer step on this rank's rows of the next global batch (or ``items``); its metrics, all ranks'.
+        A non-finite loss on any rank drops the step on every rank (the guard: counted, with a forensic record)."""
         from verl_ds.models.base import optimizer_step
 
         start = time.perf_counter()
+        self.guard.begin_step()
         if items is None:
             items = [self.train_set[i] for i in self.sampler.next_batch()]
         total = vdist.all_reduce_sum(torch.tensor(float(self.units(items)), dtype=torch.float64)).clamp(min=1.0)
         normalizer = total / self.world
-        sums, result, losses, skip = defaultdict(float), None, [], False
+        sums, norm = defaultdict(float), None
         groups = self.micro_batches(items)
         for i, group in enumerate(groups):
             loss, parts = self.loss(group, normalizer)
             last = i == len(groups) - 1
-            losses.append(loss.detach().reshape(()).float())
-            # a non-finite loss on any rank drops the whole step on every rank (optimizer_step: NaN gradients under
-            # ZeRO, which DeepSpeed's overflow check skips; dropped gradients at stage 0)
-            skip = last and vdist.any_rank(not bool(torch.isfinite(torch.stack(losses)).all()))
+            skip = self.guard.skip_update(loss, at_boundary=last)
             result = optimizer_step(self.engine, None, loss, self.cfg.actor.lr, type(self).__name__, skip=skip,
-                                    boundary=last) or result
+                                    boundary=last)
+            if result is not None:  # the optimizer step
+                self.guard.after_update("actor", result, bad_loss=skip)
+                norm = result["grad_norm"]
             for k, v in parts.items():
                 sums[k] = sums[k] + v.detach().to("cpu", torch.float64)
         self.step += 1
         metrics = {f"{self.name}/{k}": v / float(total) for k, v in reduce_metrics(dict(sums), op="sum").items()}
-        norm = result.get("grad_norm") if result else None
         if norm is not None:
             metrics["actor/grad_norm"] = float(norm)
-        self._check_finite(skip, result, norm, metrics)
+        metrics.update(self.guard.end_step(self.step, None))
         elapsed = time.perf_counter() - start
         metrics.update({f"{self.name}/units": float(total), "actor/lr": self.cfg.actor.lr,
                         "timing_s/step": reduce_metrics({"t": elapsed}, op="mean")["t"],
                         "training/global_step": self.step})
         return metrics
 
-    def _check_finite(self, skip: bool, result: Optional[dict], norm, metrics: dict) -> None:
-        """Count a step whose loss or gradient norm was not finite (update skipped); NonFiniteError if one was applied."""
-        from verl_ds.runtime import NonFiniteError
-
-        bad = skip or (norm is not None and not torch.isfinite(torch.as_tensor(float(norm))))
-        if bad and result is not None and not result["skipped"]:
-            raise NonFiniteError(f"step {self.step}: DeepSpeed applied an update from non-finite gradients (zero stage "
-                                 f"{result.get('zero_stage')}); resume from the last checkpoint", None)
-        self.bad_steps = self.bad_steps + 1 if bad else 0
-        metrics["training/skipped_step"] = float(bad)
-        if bad:
-            log.warning("step %d: non-finite loss or gradient norm: update skipped (%d consecutive of at most "
-                        "trainer.max_bad_steps=%d)", self.step, self.bad_steps, self.cfg.trainer.max_bad_steps)
-
     @torch.no_grad()
-    def validate(self) -> dict:
+    def evaluate(self) -> dict:
         """``val/<key>``: each loss metric's global mean over the held-out rows (a contiguous share per rank)."""
         if self.val_set is None:
             return {}
@@ -225,7 +203,7 @@ class StageJob:
             return {}
         mine = [self.val_set[i] for i in range(self.rank * per, (self.rank + 1) * per)]
         total = vdist.all_reduce_sum(torch.tensor(float(self.units(mine)), dtype=torch.float64)).clamp(min=1.0)
-        size, sums = self.cfg.rollout.log_prob_micro_batch_size, defaultdict(float)
+        size, sums = self.cfg.actor.micro_batch_size, defaultdict(float)
         self.engine.eval()
         try:
             for i in range(0, per, size):
@@ -236,104 +214,25 @@ class StageJob:
             self.engine.train()
         return {f"val/{k}": v / float(total) for k, v in reduce_metrics(dict(sums), op="sum").items()}
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ the loop's hooks
 
-    def save_checkpoint(self) -> str:
-        """A complete checkpoint: the trained engines, every rank's RNG, the step and the data position."""
-        state = {"global_step": self.step, "stage": self.name, "sampler": self.sampler.state_dict(),
-                 "bad_steps": self.bad_steps}
-        path = ckpt.save(self.ckpt_root, self.step, self.engines, state, keep_last=self.cfg.trainer.keep_last,
-                         digest=self.cfg.trainer.checkpoint_digest)
-        self._last_saved = self.step
-        return path
+    def checkpoint_state(self) -> dict:
+        return {"global_step": self.step, "sampler": self.sampler.state_dict(), "reliability": self.guard.state_dict()}
 
-    def _restore(self, _job, step_dir: str, verify: bool = True) -> int:
-        from verl_ds.resume import verify_mode
-
-        saved = ckpt.load(step_dir, self.engines, verify=verify_mode(step_dir) if verify else None,
-                          seed=self.cfg.trainer.seed)
-        if saved.get("stage") != self.name:
-            raise ckpt.CheckpointError(f"{step_dir} was written by the {saved.get('stage') or 'RL (train)'} job, not "
-                                       f"by {self.name}; give this job its own trainer.output_dir, or resume=none")
+    def load_checkpoint_state(self, saved: dict) -> int:
         self.sampler.load_state_dict(saved["sampler"])
-        self.bad_steps = int(saved.get("bad_steps", 0))
-        self.step = self._last_saved = int(saved["global_step"])
-        self.metrics.truncate_after(self.step)
-        if self.is_main:
-            log.info("resumed from %s (step %d)", step_dir, self.step)
+        # "bad_steps": the consecutive count in checkpoints of the stage jobs before they shared the guard
+        self.guard.load_state_dict(saved.get("reliability", {"consecutive": saved.get("bad_steps", 0)}))
+        self.step = int(saved["global_step"])
         return self.step
 
-    def _stop_for_preemption(self, signal_name: str) -> None:
-        if self.step > 0 and self._last_saved != self.step:
-            self.save_checkpoint()
-        saved = os.path.join(self.ckpt_root, f"global_step_{self.step}") if self.step > 0 else None
-        self.close()
-        exc = Preempted(signal_name, self.step, saved)
-        if self.is_main:
-            print(f"[rank{self.rank}] {exc.message}", flush=True)
-        vdist.barrier()
-        raise exc
+    def progress(self, metrics: dict) -> dict:
+        return {"loss": f"{metrics.get(f'{self.name}/loss', float('nan')):.4f}"}
 
-    # ------------------------------------------------------------------ the loop
-
-    @explains_rank_failures
-    def fit(self) -> dict:
-        """Run (or resume) until ``trainer.total_steps``; checkpoint, export; returns a summary."""
-        from tqdm.auto import tqdm
-
-        from verl_ds.resume import maybe_resume
-
-        cfg, t0 = self.cfg, time.perf_counter()
-        first = last = None
-        try:
-            start = maybe_resume(self, restore=self._restore)
-            self.step = start
-            if start == 0:
-                first = self.validate()
-                if first:
-                    self.metrics.log(0, first)
-            bar = tqdm(total=cfg.trainer.total_steps, initial=start, desc=self.name, dynamic_ncols=True,
-                       disable=not (self.is_main and "progress_bar" in cfg.trainer.loggers))
-            while self.step < cfg.trainer.total_steps:
-                signal_name = self.preemption.stop_requested()  # collective: every rank stops at the same step
-                if signal_name:
-                    self._stop_for_preemption(signal_name)
-                metrics = self.train_step()
-                every = cfg.trainer.val_every
-                if self.step == cfg.trainer.total_steps or (every and self.step % every == 0):
-                    last = self.validate()
-                    metrics.update(last)
-                self.metrics.log(self.step, metrics)
-                if self.bad_steps >= cfg.trainer.max_bad_steps:
-                    from verl_ds.runtime import NonFiniteError
-
-                    raise NonFiniteError(f"{self.bad_steps} consecutive steps with a non-finite loss or gradient norm "
-                                         f"(trainer.max_bad_steps={cfg.trainer.max_bad_steps}), each update skipped; "
-                                         "check the data, actor.lr and model.dtype, then resume from the last "
-                                         "checkpoint", None)
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics.get(f'{self.name}/loss', float('nan')):.4f}")
-                if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
-                    self.save_checkpoint()
-            bar.close()
-            if self._last_saved != self.step:
-                self.save_checkpoint()
-            export_dir = self.export(os.path.join(self.out_dir, self.export_name)) if cfg.trainer.export != "none" else None
-        except BaseException:
-            self.close()
-            raise
-        summary = {"stage": self.name, "steps": self.step, "resumed_from": start, "time_s": time.perf_counter() - t0,
-                   "val_start": first, "val_end": last, "export_dir": export_dir, "output_dir": self.out_dir}
-        self.close()
-        return summary
-
-    def close(self) -> None:
-        """Uninstall the signal handlers, flush the loggers, release the run directory; safe to call twice."""
-        self.preemption.uninstall()
-        self.metrics.close()
-        if self.run_lock is not None:
-            self.run_lock.release()
-            self.run_lock = None
+    def summarize(self, start, elapsed, tokens, export_dir, first, last) -> dict:
+        return {"stage": self.name, "steps": self.step, "resumed_from": start, "time_s": elapsed,
+                "val_start": first or None, "val_end": last or None, "export_dir": export_dir,
+                "output_dir": self.out_dir}
 
 
 def format_summary(summary: dict) -> str:
