@@ -1,5 +1,6 @@
-"""What the streaming resume tests share (test_async_resume_world.py, test_split_resume.py): a reward that tells
-which prompts a step trained, the run's overrides, and the check that the resumed steps trained the saved run's."""
+"""What the streaming resume tests share (test_async_resume_world.py, test_split_resume.py, test_async_e2e.py): a
+reward that tells which prompts a step trained, the runs' overrides, and the check that the resumed steps trained the
+saved run's."""
 import pytest
 
 from e2e_utils import read_metrics
@@ -12,6 +13,12 @@ def score(prompts, responses, batch):
     return [zlib.crc32(p.encode()) % 1000 / 1000 for p in prompts]
 '''
 PER_STEP = 4  # rollout.batch_size: prompts per global batch
+# the synchronous GRPO job that streaming at max_staleness 0 must equal bit for bit (conftest.sync_grpo_run runs it
+# once on 2 ranks for test_async_e2e.py and test_split_resume.py); max_staleness, unused by sync, is set in both runs:
+# SharedState's change counter (state/version) counts it
+GRPO = ["algo.adv_estimator=grpo", "rollout.n=2", f"rollout.batch_size={PER_STEP}", "actor.mini_batch_size=8",
+        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none"]
+SYNC_GRPO = [*GRPO, "trainer.total_steps=4", "trainer.save_every=2", "rollout.max_staleness=0"]
 
 
 def assert_equal_runs(got: dict, expected: dict) -> None:

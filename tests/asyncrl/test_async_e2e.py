@@ -11,12 +11,11 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "reliability"))
 from e2e_utils import read_metrics, run_train  # noqa: E402
 from reliability_testutil import launch, metric_steps  # noqa: E402
+from resume_testutil import GRPO, SYNC_GRPO  # noqa: E402
 from verl_ds import safe_state  # noqa: E402
 
 pytestmark = pytest.mark.slow  # real training runs / several processes
 
-GRPO = ["algo.adv_estimator=grpo", "rollout.n=2", "rollout.batch_size=4", "actor.mini_batch_size=8",
-        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none"]
 # wall-clock measurements differ between any two runs; everything else must not
 CLOCK = ("timing_s/", "perf/throughput", "async/", "time/")
 
@@ -26,11 +25,9 @@ def _trained(rows: list) -> dict:
             if "training/global_step" in r}
 
 
-def test_max_staleness_0_is_the_synchronous_run_bit_for_bit_and_resumes_exactly(tmp_path):
-    # max_staleness (unused by sync) set in both: SharedState's change counter (state/version) counts it
-    common = [*GRPO, "trainer.total_steps=4", "trainer.save_every=2", "rollout.max_staleness=0"]
-    sync, s0, part = (str(tmp_path / n) for n in ("sync", "s0", "part"))
-    run_train(sync, common, nproc=2, timeout=900)
+def test_max_staleness_0_is_the_synchronous_run_bit_for_bit_and_resumes_exactly(tmp_path, sync_grpo_run):
+    common = SYNC_GRPO  # sync_grpo_run: this job on 2 ranks, synchronous
+    sync, s0, part = sync_grpo_run, *(str(tmp_path / n) for n in ("s0", "part"))
     run_train(s0, [*common, "rollout.mode=streaming"], nproc=2, timeout=900)
     expected, got = _trained(read_metrics(sync)), _trained(read_metrics(s0))
     assert sorted(expected) == [1, 2, 3, 4]

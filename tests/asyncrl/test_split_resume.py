@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "reliability"))
 from e2e_utils import run_train  # noqa: E402
-from resume_testutil import PER_STEP, assert_equal_runs, assert_resumed_like_saved, rows, streaming_run  # noqa: E402
+from resume_testutil import GRPO, PER_STEP, SYNC_GRPO, assert_equal_runs, assert_resumed_like_saved, rows  # noqa: E402
 from reliability_testutil import launch, metric_steps  # noqa: E402
 from verl_ds import safe_state  # noqa: E402
 
@@ -26,17 +26,18 @@ SPLIT = ["rollout.split_ranks=1"]
 @pytest.mark.parametrize("saved, resumed", [((2, SPLIT), (2, SPLIT)), ((3, SPLIT), (2, SPLIT)), ((1, []), (2, SPLIT)),
                                             ((2, SPLIT), (1, []))],
                          ids=["split-same-world", "split-2-trainers-to-1", "colocated-to-split", "split-to-colocated"])
-def test_a_resumed_split_streaming_run_trains_the_saved_queue_and_prompts_next(tmp_path, saved, resumed):
-    common = streaming_run(tmp_path)
+def test_a_resumed_split_streaming_run_trains_the_saved_queue_and_prompts_next(tmp_path, saved_streaming_run, saved,
+                                                                               resumed):
     (saved_nproc, saved_split), (resumed_nproc, resumed_split) = saved, resumed
     saved_trainers = saved_nproc - len(saved_split)
-    if saved_split and saved_trainers > 1:
-        # one generation rank makes every trainer's batches in turn: two update epochs per step give it the time to
-        # queue a whole step for each trainer before the save at step 2 (one epoch left the second trainer's batch
-        # in flight at the save in 1 clean-clone CI run of 4)
-        common.append("actor.ppo_epochs=2")
-    first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    run_train(first, [*common, *saved_split], nproc=saved_nproc, timeout=900)
+    # one generation rank makes every trainer's batches in turn: two update epochs per step give it the time to
+    # queue a whole step for each trainer before the save at step 2 (one epoch left the second trainer's batch
+    # in flight at the save in 1 clean-clone CI run of 4)
+    epochs = ["actor.ppo_epochs=2"] if saved_split and saved_trainers > 1 else []
+    # split-same-world and split-to-colocated resume one saved run, colocated-to-split test_async_resume_world.py's
+    first, common = saved_streaming_run(saved_nproc, [*epochs, *saved_split])
+    common = [o for o in common if o not in saved_split]
+    second = str(tmp_path / "second")
     step_dir = os.path.join(first, "checkpoints", "global_step_2")
     state = safe_state.load(os.path.join(step_dir, "trainer_state.json"))["async"]
     assert state["mode"] == "streaming" and len(state["ranks"]) == saved_trainers
@@ -81,8 +82,6 @@ def test_usr1_to_every_task_checkpoints_the_generation_ranks_queues_and_every_ra
         assert row["response_length/mean"] == pytest.approx(sum(means) / 2, rel=1e-6)
 
 
-GRPO = ["algo.adv_estimator=grpo", "rollout.n=2", f"rollout.batch_size={PER_STEP}", "actor.mini_batch_size=8",
-        "actor.micro_batch_size=4", "trainer.val_every=0", "trainer.export=none"]
 CLOCK = ("timing_s/", "perf/throughput", "async/", "time/")  # wall-clock figures, and the async bookkeeping
 
 
@@ -91,11 +90,11 @@ def _trained(out: str) -> dict:
 
 
 @pytest.mark.timeout(2400)
-def test_max_staleness_0_with_two_trainers_per_generation_rank_is_the_synchronous_run_also_after_a_resume(tmp_path):
-    common = [*GRPO, "trainer.total_steps=4", "trainer.save_every=2", "rollout.max_staleness=0"]
+def test_max_staleness_0_with_two_trainers_per_generation_rank_is_the_synchronous_run_also_after_a_resume(
+        tmp_path, sync_grpo_run):
+    common = SYNC_GRPO  # sync_grpo_run: this job on 2 ranks, synchronous
     split = ["rollout.mode=streaming", *SPLIT]
-    sync, whole, part = (str(tmp_path / n) for n in ("sync", "whole", "part"))
-    run_train(sync, common, nproc=2, timeout=900)
+    sync, whole, part = sync_grpo_run, *(str(tmp_path / n) for n in ("whole", "part"))
     run_train(whole, [*common, *split], nproc=3, timeout=900)
     expected = _trained(sync)
     assert sorted(expected) == [1, 2, 3, 4]
