@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from verl_ds import dist as vdist
-from verl_ds.asyncrl.split import make_async_rollout
+from verl_ds.asyncrl.source import RolloutRun
+from verl_ds.asyncrl.split import make_rollout_source
 from verl_ds.batch import REQUIRED_FOR_LOSS
 from verl_ds.builder import build, build_reward
 from verl_ds.config import Config
@@ -24,7 +25,7 @@ from verl_ds.packing import micro_batch_groups
 from verl_ds.report import summarize
 from verl_ds.reward_trial import check_swap_rows, trial
 from verl_ds.reward_spec import parse_reward_swap
-from verl_ds.rollout import SamplingError, collect, rollout_and_score, sampler_mismatch
+from verl_ds.rollout import SamplingError, rollout_and_score, sampler_mismatch
 from verl_ds.run.startup import check_startup
 from verl_ds.runtime import StepFailed, raise_if_any_rank_failed
 from verl_ds.runtime.job import Job
@@ -57,7 +58,8 @@ class Trainer(Job):
             from verl_ds.agent.rollout import AgentSpec, agent_rollout_fn
 
             self.rollout_fn = agent_rollout_fn(AgentSpec.from_config(cfg))
-        self.asyncrl = make_async_rollout(self)  # rollout.mode one_step_off / streaming: a generation thread
+        # rollout.mode and placement: on the step (sync), a generation thread, or generation ranks
+        self.rollout_source = make_rollout_source(RolloutRun.of(self))
         self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
 
     @property
@@ -91,15 +93,9 @@ class Trainer(Job):
         self.guard.begin_step()
         self._emit("step_begin", step)
         hot = self.state.snapshot()
-        rollout, error, algo = None, None, cfg.algo
-        sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
-        data_position = None if hasattr(self.asyncrl, "unwind") else self.c.sampler.state_dict()  # see _abandon
+        rollout, error = None, None
         try:
-            rollout = self.asyncrl.next_rollout(step, t) if self.asyncrl else collect(  # rollout.mode (asyncrl)
-                self._prompts, self.registry.get("actor"), self.registry.get("reward"), tok, sampling=sampling,
-                n=cfg.rollout.n, timings=t, dynamic=algo.dynamic_sampling, max_rounds=algo.max_sampling_rounds,
-                overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
-                greedy_baseline=self.ppo.needs_baseline, rollout_fn=self.rollout_fn)
+            rollout = self.rollout_source.next_rollout(step, t)
         except SamplingError as exc:  # non-finite logits: skip the step everywhere, with a forensic record
             self.guard.sampling_error = str(exc)
         except Exception as exc:  # e.g. a reward function failing on one rank: every rank must stop together
@@ -107,7 +103,7 @@ class Trainer(Job):
         try:
             raise_if_any_rank_failed(error, f"step {step} failed before any update")
         except StepFailed:  # the fault's checkpoint is of the step before, and resumes with this step's prompts
-            self._abandon(step, data_position)
+            self._abandon(step)
             raise
         if vdist.any_rank(rollout is None):
             self.guard.skip_batch(None, planned_updates=self._planned_updates())  # the draw failed: no batch
@@ -150,7 +146,7 @@ class Trainer(Job):
                                                           cfg.actor.max_tokens_per_micro_batch)
                 metrics.update(actor_metrics)
             with t("weight_sync"):
-                (self.asyncrl or self.registry.get("actor").rollout_engine).refresh()
+                self.rollout_source.refresh()
             if self.is_main:  # which weights produced a rollout: the actor's optimizer steps so far
                 self.state.set("actor_version", self.state.get("actor_version") + actor_steps)
             if self.ppo.ref is not None:
@@ -173,20 +169,10 @@ class Trainer(Job):
         metrics.update(self.guard.end_step(step, batch, rollout.responses))
         return metrics
 
-    def _prompts(self) -> dict:
-        """This rank's prompts for the step, collated and on the engines' device."""
-        from verl_ds.data import collate_prompts
-
-        items = [self.c.train_set[i] for i in self.c.sampler.next_batch()]
-        return collate_prompts(items, self.tokenizer.pad_token_id, self.actor_engine.device)
-
-    def _abandon(self, step: int, data_position: Optional[dict]) -> None:
+    def _abandon(self, step: int) -> None:
         """Undo a step that failed before any update (collective): its count, and its prompts go back."""
         self.boundary.uncross(step)
-        if data_position is None:  # a colocated generation thread draws ahead from the sampler: its groups go back
-            self.asyncrl.unwind()
-        else:
-            self.c.sampler.load_state_dict(data_position)
+        self.rollout_source.rewind()
 
     def _on_policy_shortcut(self, hot: dict) -> bool:
         """Whether the old-log-prob forward can be skipped: one epoch and one mini-batch (on-policy), no KL in the
@@ -297,7 +283,7 @@ class Trainer(Job):
                 "models": {name: reg.get(name).state_dict() for name in reg.names()},
                 "registry_versions": reg.versions(), "reward_spec": self.boundary.reward_spec,
                 "sampler": self.c.sampler.state_dict(), "reliability": self.guard.state_dict(),
-                **({"async": self.asyncrl.state_dict()} if self.asyncrl else {})}
+                **({} if (source := self.rollout_source.state_dict()) is None else {"async": source})}
 
     def load_checkpoint_state(self, saved: dict) -> int:
         from verl_ds.resolved_config import initial_state
@@ -320,8 +306,7 @@ class Trainer(Job):
         self.registry.restore_versions({k: v for k, v in saved["registry_versions"].items() if k in self.registry})
         self.c.sampler.load_state_dict(saved["sampler"])
         self.guard.load_state_dict(saved.get("reliability", {}))
-        if self.asyncrl is not None and "async" in saved:
-            self.asyncrl.load_state_dict(saved["async"])
+        self.rollout_source.load_state_dict(saved.get("async"))
         # the generation replica still holds the weights it last copied (a fallback replaced them): copy them again
         self.registry.get("actor").rollout_engine.refresh()
         step = int(saved["global_step"])
@@ -338,7 +323,7 @@ class Trainer(Job):
 
     def close(self, code: int = 0) -> None:
         """Stop async generation (split ranks exit with ``code``), server, rollout engine; flush logs (idempotent)."""
-        getattr(self.asyncrl, "close", lambda code: None)(code)  # first: the generation thread may use the engine
+        self.rollout_source.close(code)  # first: the generation thread may use the engine
         close_sampler = getattr(self.registry.get("actor").rollout_engine, "close", None)
         if close_sampler is not None:  # vLLM's shutdown destroys its groups: before vdist.shutdown() ends ours
             close_sampler()

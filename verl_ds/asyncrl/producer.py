@@ -14,6 +14,7 @@ import torch
 from verl_ds import dist as vdist
 from verl_ds.asyncrl.queue import Group, ProducerError, SampleQueue
 from verl_ds.asyncrl.reshard import rank_part
+from verl_ds.asyncrl.source import RolloutRun, RolloutSource
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, _pad_to, collect, rollout_and_score
 
@@ -68,35 +69,35 @@ class WeightGate:
         self.poke(run)
 
 
-class AsyncRollout:
-    """The trainer's rollouts in one_step_off / streaming mode: ``next_rollout`` replaces ``rollout.collect``,
-    ``refresh`` the weight refresh; ``state_dict`` carries the queue, prompts in flight and the sampler."""
+class AsyncRollout(RolloutSource):
+    """The trainer's rollouts in one_step_off / streaming mode: ``next_rollout`` takes from the queue the generation
+    thread fills, ``refresh`` the weight refresh; ``state_dict`` carries the queue, prompts in flight and the sampler."""
 
-    def __init__(self, trainer):
-        cfg = trainer.cfg
-        self.trainer, self.cfg, self.mode = trainer, cfg, cfg.rollout.mode
-        self.engine = trainer.registry.get("actor").rollout_engine
-        self.per_step = trainer.c.sampler.batch_size  # prompts (groups) per rank and step
-        first = 1 if self.mode == "one_step_off" else max(1, int(trainer.state.get("max_staleness")))
-        self.queue = SampleQueue(self.per_step * (1 + first), name=f"rank {trainer.rank}")
+    def __init__(self, run: RolloutRun):
+        cfg = run.cfg
+        self.run, self.cfg, self.mode = run, cfg, cfg.rollout.mode
+        self.engine = run.registry.get("actor").rollout_engine
+        self.per_step = run.sampler.batch_size  # prompts (groups) per rank and step
+        first = 1 if self.mode == "one_step_off" else max(1, int(run.state.get("max_staleness")))
+        self.queue = SampleQueue(self.per_step * (1 + first), name=f"rank {run.rank}")
         # half the collective timeout: a silent generation thread is reported (naming this rank) while the other
         # ranks still wait in the step's next collective, within trainer.dist_timeout_s
         self.wait_s = 0.5 * float(cfg.trainer.dist_timeout_s)
         self.gate = WeightGate(0, mid_response=self.mode == "streaming", timeout=self.wait_s,
-                               name=f"rank {trainer.rank}")
+                               name=f"rank {run.rank}")
         self._inflight: list = []  # [data set index, version at its start] of prompts drawn, not yet queued
         # what comes before the sampler's next batch, in order: data set indices to generate (again: stale under
         # "regenerate", or in flight at a save) and saved Groups to queue as they are (a resume at another world size)
         self._todo: list = []
         self._consumed = self._requested = 0  # groups trained on so far; the step the trainer waits for
-        self._taken: list = []  # the groups the step in progress took (``unwind``)
+        self._taken: list = []  # the groups the step in progress took (``rewind``)
         self._thread: Optional[threading.Thread] = None
         self._stop, self.busy_s, self._busy_mark, self.error = False, 0.0, 0.0, None
 
     # ------------------------------------------------------------------ the trainer's side
 
     def staleness_bound(self) -> int:
-        return 1 if self.mode == "one_step_off" else int(self.trainer.state.get("max_staleness"))
+        return 1 if self.mode == "one_step_off" else int(self.run.state.get("max_staleness"))
 
     def next_rollout(self, step: int, timings: Timings) -> Rollout:
         """This rank's rollout for ``step``: ``per_step`` groups from the queue, none older than the bound."""
@@ -112,7 +113,7 @@ class AsyncRollout:
                                               on_returned=self._untook)
         self._taken = groups
         self.gate.poke(lambda: None)  # as before: the generation thread at a decoding step or between batches
-        pad = self.trainer.tokenizer.pad_token_id
+        pad = self.run.tokenizer.pad_token_id
         width = max(g.batch.prompt_width for g in groups)
         rwidth = max(g.batch.response_width for g in groups)
         from verl_ds.batch import RolloutBatch
@@ -148,7 +149,7 @@ class AsyncRollout:
         self._consumed = step * self.per_step
         self.engine.step_hook = self.gate.hook
         self.engine.generate = self._exclusive(self.engine.generate)
-        self._thread = threading.Thread(target=self._run, name=f"verl-ds-rollout-rank{self.trainer.rank}",
+        self._thread = threading.Thread(target=self._run, name=f"verl-ds-rollout-rank{self.run.rank}",
                                         daemon=True)
         self._thread.start()
 
@@ -169,7 +170,7 @@ class AsyncRollout:
     def _untook(self, groups: list) -> None:
         self._consumed -= len(groups)
 
-    def unwind(self) -> None:
+    def rewind(self) -> None:
         """A failed step's groups go back to the queue's front, so the fault's checkpoint holds them."""
         taken, self._taken = self._taken, []
         self.queue.give_back(taken, self._untook)
@@ -186,7 +187,6 @@ class AsyncRollout:
 
     def _run(self) -> None:
         self.gate.producer = threading.get_ident()
-        tr = self.trainer
         try:
             while not self._stop:
                 if self._todo and isinstance(self._todo[0], Group):  # a saved group: queued as it is, in its turn
@@ -197,14 +197,14 @@ class AsyncRollout:
                     if self._stop:
                         break
                     t0 = time.perf_counter()
-                    ro, indices = self._generate(tr)
+                    ro, indices = self._generate()
                     self.busy_s += time.perf_counter() - t0
                 for group in self._groups(ro, indices):
                     self.queue.put(group, on_put=self._landed)
         except BaseException as exc:  # noqa: BLE001 - the trainer's next take reports it, naming this rank
             if not self._stop:
                 self.error = exc
-                log.error("rank %d: the rollout thread failed: %s: %s", tr.rank, type(exc).__name__, exc)
+                log.error("rank %d: the rollout thread failed: %s: %s", self.run.rank, type(exc).__name__, exc)
             self.queue.close(exc)
 
     def _landed(self, group: Group) -> None:
@@ -213,26 +213,22 @@ class AsyncRollout:
                 del self._inflight[k]
                 return
 
-    def _generate(self, tr):
+    def _generate(self):
         """One generation call (gate held): the head of ``_todo`` (up to a saved group), else the sampler's batch."""
-        from verl_ds.data import collate_prompts
-
+        run = self.run
         with self.queue.lock:  # drawn and registered in flight together (a checkpoint sees both or neither)
             if self._todo:
                 k = next((j for j, x in enumerate(self._todo[:self.per_step]) if isinstance(x, Group)),
                          min(self.per_step, len(self._todo)))
                 indices, self._todo = self._todo[:k], self._todo[k:]
             else:
-                indices = list(tr.c.sampler.next_batch())
+                indices = list(run.sampler.next_batch())
             self._inflight.extend([i, self.gate.version] for i in indices)
-        items = [tr.c.train_set[i] for i in indices]
-        prompts = collate_prompts(items, tr.tokenizer.pad_token_id, tr.actor_engine.device)
-        hot, algo = tr.state.snapshot(), self.cfg.algo
-        sampling = {k: hot[k] for k in ("max_new_tokens", "temperature", "top_k", "top_p")}
-        ro = collect(lambda: prompts, tr.registry.get("actor"), tr.registry.get("reward"), tr.tokenizer,
-                     sampling=sampling, n=self.cfg.rollout.n, timings=Timings(),
+        prompts, algo = run.prompts(indices), self.cfg.algo
+        ro = collect(lambda: prompts, run.registry.get("actor"), run.registry.get("reward"), run.tokenizer,
+                     sampling=run.sampling(), n=self.cfg.rollout.n, timings=Timings(),
                      overlong=(algo.overlong_buffer, algo.overlong_penalty_factor),
-                     greedy_baseline=tr.ppo.needs_baseline, rollout_fn=self._sample)
+                     greedy_baseline=run.needs_baseline(), rollout_fn=self._sample)
         return ro, indices
 
     def _sample(self, actor, reward, tokenizer, prompts, **kw) -> Rollout:
@@ -269,23 +265,25 @@ class AsyncRollout:
         with self.queue.lock:
             mine = {"queue": self.queue.snapshot(), "inflight": [list(x) for x in self._inflight],
                     "redo": [x.to_state() if isinstance(x, Group) else int(x) for x in self._todo],
-                    "sampler": self.trainer.c.sampler.state_dict()}
+                    "sampler": self.run.sampler.state_dict()}
         return {"mode": self.mode, "world_size": vdist.world_size(), "ranks": vdist.gather_object(mine)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: Optional[dict]) -> None:
         """Restore this rank's part before the generation thread starts: queued groups first, then the prompts in
         flight, generated again with the restored weights; at another world size dealt by ``reshard``."""
-        device = self.trainer.actor_engine.device
+        if state is None:  # a synchronous run's checkpoint: the sampler's position, restored by the trainer
+            return
+        device = self.run.device
         if "ranks" not in state:  # a split run's checkpoint from before its queues were saved: nothing to restore
             log.warning("resume: the checkpoint holds no rollout queues (%s); generating from the data position",
                         state.get("mode"))
             return
-        mine, notes = rank_part(state, vdist.world_size(), vdist.rank(), drop_last=self.trainer.c.sampler.drop_last)
+        mine, notes = rank_part(state, vdist.world_size(), vdist.rank(), drop_last=self.run.sampler.drop_last)
         for k, line in enumerate(notes if vdist.rank() == 0 else ()):
             (log.info if k == 0 else log.warning)("resume: %s", line)
         self.queue.restore(mine["queue"], device=device)
         self._todo = [Group.from_state(x, device) if isinstance(x, dict) else int(x) for x in mine["redo"]]
-        self.trainer.c.sampler.load_state_dict(mine["sampler"])
+        self.run.sampler.load_state_dict(mine["sampler"])
 
 
 __all__ = ["AsyncRollout", "WeightGate", "ProducerError"]

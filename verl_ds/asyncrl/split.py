@@ -12,6 +12,7 @@ import torch
 
 from verl_ds.asyncrl.bridge import _REQUEST, _STOP, _WEIGHTS, _control, _recv_obj, send_rollout
 from verl_ds.asyncrl.placement import Placement, receive_weights, send_weights
+from verl_ds.asyncrl.source import RolloutRun, RolloutSource, SyncRollout
 from verl_ds.asyncrl.split_state import gather_states, restore_part, send_part
 from verl_ds.metrics import Timings
 from verl_ds.rollout import Rollout, collect
@@ -28,34 +29,37 @@ def current():
     return _current.get("placement")
 
 
-class RemoteRollout:
+class RemoteRollout(RolloutSource):
     """The training ranks' side: ``next_rollout`` receives the batch, ``refresh`` sends the weights."""
 
-    def __init__(self, trainer, placement: Placement):
-        self.trainer, self.pl = trainer, placement
-        self.src = placement.n_train + trainer.rank % (placement.world - placement.n_train)
+    def __init__(self, run: RolloutRun, placement: Placement):
+        self.run, self.pl = run, placement
+        self.src = placement.n_train + run.rank % (placement.world - placement.n_train)
         self._started, self._closed = False, False
         self._restore, self._broken = None, False  # the part to send at the start (a resume); the bridge failed
+        self._position = None  # the sampler's position before the step's draw (``rewind``)
 
     def _payload(self) -> dict:
-        tr = self.trainer
+        run = self.run
         # the whole SharedState (values and version) and the active reward: every hot change applied at this step
         # boundary reaches the generation ranks with the request for the batch they make next
-        return {"state": tr.state.state_dict(), "reward_spec": dict(tr.boundary.reward_spec),
-                "step": int(tr.state.get("global_step")), "samplers": tr.c.sampler.state_dict()}
+        return {"state": run.state.state_dict(), "reward_spec": dict(run.reward_spec()),
+                "step": int(run.state.get("global_step")), "samplers": run.sampler.state_dict()}
 
     def _send(self) -> None:
         _control(self.pl.bridge, _WEIGHTS, payload=self._payload())
-        send_weights(self.trainer.actor_engine.module, self.pl)
+        send_weights(self.run.actor_engine.module, self.pl)
 
     def next_rollout(self, step: int, timings: Timings) -> Rollout:
+        self._position = self.run.sampler.state_dict()
         with timings("gen_wait"):
             try:
                 if not self._started:  # the generation ranks start from this run's weights and data position
                     self._send()
-                    send_part(self)  # streaming: the generation rank's queues as of the checkpoint (split_state)
+                    if self.run.cfg.rollout.mode == "streaming":  # the generation rank's queues as of the checkpoint
+                        send_part(self.pl, self.src, self._restore)
                     self._started = True
-                self.trainer.c.sampler.next_batch()  # in step with what was generated for this rank (checkpoints)
+                self.run.sampler.next_batch()  # in step with what was generated for this rank (checkpoints)
                 _control(self.pl.bridge, _REQUEST, payload=self._payload())  # the batch made ahead; start the next
                 msg = _recv_obj(self.pl.bridge, self.src)
             except RuntimeError as exc:  # gloo: the peer closed the connection, or the bridge's timeout passed
@@ -66,7 +70,7 @@ class RemoteRollout:
                                     f"or failed (its log says why): {str(exc).splitlines()[0]}") from None
         from verl_ds.batch import RolloutBatch
 
-        device = self.trainer.actor_engine.device
+        device = self.run.device
         batch = RolloutBatch(extras=msg["extras"], **msg["fields"]).to(device)
         return Rollout(batch=batch, responses=msg["responses"], metrics=msg["metrics"],
                        per_sample={k: v.to(device) for k, v in msg["per_sample"].items()})
@@ -75,16 +79,22 @@ class RemoteRollout:
         """After the update: the weights go to the generation ranks (a collective of every rank)."""
         t0 = time.perf_counter()
         self._send()
-        self.trainer.registry.get("actor").rollout_engine.refresh()  # validation samples on this rank's replica
+        self.run.registry.get("actor").rollout_engine.refresh()  # validation samples on this rank's replica
         self.sync_s = time.perf_counter() - t0
+
+    def rewind(self) -> None:
+        """The trainers' data position goes back (the generation ranks' queues are saved as they are)."""
+        self.run.sampler.load_state_dict(self._position)
 
     def state_dict(self) -> dict:
         """The generation ranks' queues, in the colocated format (a collective of every rank: ``split_state``)."""
-        return gather_states(self)
+        return gather_states(self.pl, self.src, self.run.cfg.rollout.mode, self.run.sampler,
+                             self._restore, self._started, self._broken)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state) -> None:
         """Keep this rank's part of ``state`` (at this world size, or dealt by ``reshard``) for the generation rank."""
-        self._restore = restore_part(self, state)
+        if state is not None:  # a synchronous run's checkpoint: the generation ranks start from the data position
+            self._restore = restore_part(state, self.run.cfg.rollout, self.run.sampler, self.run.device)
 
     def close(self, code: int = 0) -> None:
         """Tell the generation ranks to stop (every training rank calls it, at the end or on a failure)."""
@@ -214,10 +224,12 @@ def start(cfg, launch, data):
     return dataclasses.replace(launch, world_size=pl.n_train), None
 
 
-def make_async_rollout(trainer):
-    """The trainer's rollouts for an asynchronous ``rollout.mode``: generation ranks or thread; None for ``sync``."""
-    if trainer.cfg.rollout.split_ranks:
-        return RemoteRollout(trainer, current())
+def make_rollout_source(run: RolloutRun) -> RolloutSource:
+    """The source for ``rollout.mode`` and placement: generation ranks, a generation thread, or the step itself."""
+    if run.cfg.rollout.split_ranks:
+        return RemoteRollout(run, current())
+    if run.cfg.rollout.mode == "sync":
+        return SyncRollout(run)
     from verl_ds.asyncrl.producer import AsyncRollout
 
-    return None if trainer.cfg.rollout.mode == "sync" else AsyncRollout(trainer)
+    return AsyncRollout(run)

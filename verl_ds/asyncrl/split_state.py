@@ -36,54 +36,54 @@ def _empty(sampler) -> dict:
 
 # ---------------------------------------------------------------------- the training ranks' side (RemoteRollout)
 
-def gather_states(remote) -> dict:
-    """Every training rank's queue state from the generation ranks (a collective of every rank of the job)."""
-    tr, mode = remote.trainer, remote.trainer.cfg.rollout.mode
-    if mode != "streaming" or not remote._started:
+def gather_states(placement, src: int, mode: str, sampler, restored, started: bool, broken: bool) -> dict:
+    """Every training rank's queue state from the generation ranks (a collective of every rank of the job):
+    ``src`` is this rank's generation rank, ``restored`` the part a resume kept for it (``restore_part``)."""
+    if mode != "streaming" or not started:
         # one_step_off: the batch made ahead is made again from the trainer's data position; not started yet (a
         # failure right after a resume): the restored part, unchanged
-        mine = remote._restore or _empty(tr.c.sampler)
+        mine = restored or _empty(sampler)
         mine = {"inflight": [], **mine}
-    elif vdist.any_rank(remote._broken):  # a generation rank failed: the bridge is gone
+    elif vdist.any_rank(broken):  # a generation rank failed: the bridge is gone
         log.warning("checkpoint: the generation ranks' queues cannot be saved (a generation rank failed): the resume "
                     "generates again from the trainers' data position (prompts handed back for regeneration are lost)")
-        mine = _empty(tr.c.sampler)
+        mine = _empty(sampler)
     else:
-        _control(remote.pl.bridge, _SAVE)
-        mine = _recv_obj(remote.pl.bridge, remote.src)
+        _control(placement.bridge, _SAVE)
+        mine = _recv_obj(placement.bridge, src)
     return {"mode": mode, "world_size": vdist.world_size(), "placement": "split", "ranks": vdist.gather_object(mine)}
 
 
-def restore_part(remote, state: dict):
-    """This training rank's part of ``state`` for its generation rank at the start; None with nothing to restore."""
-    tr = remote.trainer
+def restore_part(state: dict, rollout_cfg, sampler, device):
+    """This training rank's part of ``state`` for its generation rank at the start; None with nothing to restore
+    (``rollout_cfg``: the config's rollout section, ``device``: where a fresh RNG stream is read)."""
     if "ranks" not in state:
         log.warning("resume: the checkpoint holds no rollout queues (%s); generating from the data position",
                     state.get("mode"))
         return None
-    mine, notes = rank_part(state, vdist.world_size(), vdist.rank(), drop_last=tr.c.sampler.drop_last)
+    mine, notes = rank_part(state, vdist.world_size(), vdist.rank(), drop_last=sampler.drop_last)
     for k, line in enumerate(notes if vdist.rank() == 0 else ()):
         (log.info if k == 0 else log.warning)("resume: %s", line)
-    if tr.cfg.rollout.mode != "streaming":
+    if rollout_cfg.mode != "streaming":
         held = len(mine["queue"]) + len(mine["redo"])
         if vdist.any_rank(held > 0):
             from verl_ds.checkpoint import CheckpointError
 
             raise CheckpointError(f"resume: the checkpoint holds queued groups or prompts in flight (saved with "
-                             f"rollout.mode={state.get('mode')}), which rollout.mode={tr.cfg.rollout.mode} with "
-                             f"rollout.split_ranks={tr.cfg.rollout.split_ranks} cannot restore: resume with "
+                             f"rollout.mode={state.get('mode')}), which rollout.mode={rollout_cfg.mode} with "
+                             f"rollout.split_ranks={rollout_cfg.split_ranks} cannot restore: resume with "
                              f"rollout.mode=streaming, or without rollout.split_ranks")
         return None  # the generation ranks start from the trainers' data position
     if "rng" not in mine:  # as verl_ds.checkpoint restores RNGs: saved rank r's stream, else this rank's own
         saved = state["ranks"][vdist.rank()].get("rng") if vdist.rank() < len(state["ranks"]) else None
-        mine = {**mine, "rng": saved if saved is not None else rng_now(tr.actor_engine.device)}
+        mine = {**mine, "rng": saved if saved is not None else rng_now(device)}
     return mine
 
 
-def send_part(remote) -> None:
-    """At the start (after the first weights): this rank's restored part, or None, to its generation rank."""
-    if remote.trainer.cfg.rollout.mode == "streaming":
-        _send_obj(remote.pl.bridge, remote._restore, remote.src)
+def send_part(placement, src: int, part) -> None:
+    """At the start of streaming (after the first weights): this rank's restored part, or None, to generation rank
+    ``src``."""
+    _send_obj(placement.bridge, part, src)
 
 
 # ---------------------------------------------------------------------- the generation rank's side (_Streamer)
