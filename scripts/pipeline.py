@@ -26,8 +26,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-# every job: one rank, ZeRO-3 as the defaults, the default job's lengths
-COMMON = ["data.max_prompt_length=16", "rollout.max_new_tokens=8", "trainer.loggers=[]", "trainer.resume=none"]
+# every job: one rank, ZeRO-3 as the defaults, the default job's lengths (each job's completion limit is its own key)
+COMMON = ["data.max_prompt_length=16", "trainer.loggers=[]", "trainer.resume=none"]
+COMPLETION_TOKENS = 8
 # the tiny Llama of configs/default.yaml, built from config by the SFT job only: the later jobs start from its export
 # (model.path), whose config.json defines the model (verl-ds refuses model.config_overrides with model.path)
 SHAPE = ["model.config_overrides.hidden_size=64", "model.config_overrides.intermediate_size=128",
@@ -46,13 +47,16 @@ def config(out: str, name: str, overrides: list):
 def run_stage(job_name: str, out: str, overrides: list) -> dict:
     """A supervised-style job (sft, rm, dpo) as ``verl-ds <job_name>`` runs it; returns its summary."""
     from verl_ds.dist import detect_launch
+    from verl_ds.stages.gate import check_stage
     from verl_ds.stages.spine import format_summary
 
     import importlib
 
     job_cls = importlib.import_module(f"verl_ds.stages.{job_name}").JOB
-    cfg = config(out, job_name, overrides)
-    summary = job_cls(cfg, detect_launch({})).fit()
+    cfg = config(out, job_name, [f"{job_name}.max_completion_length={COMPLETION_TOKENS}", *overrides])
+    launch = detect_launch({})
+    check_stage(cfg, launch.world_size, launch.rank, job=job_name)  # the gate of `verl-ds <job_name>`
+    summary = job_cls(cfg, launch).fit()
     print(format_summary(summary), flush=True)
     return summary
 
@@ -66,7 +70,7 @@ def run_ppo(out: str, overrides: list) -> list:
     from verl_ds.tasks import parity
     from verl_ds.trainer import Trainer
 
-    cfg = config(out, "ppo", overrides)
+    cfg = config(out, "ppo", [f"rollout.max_new_tokens={COMPLETION_TOKENS}", *overrides])
     trainer = Trainer(cfg, detect_launch({}), data=load_data(cfg))
     inner, scores = trainer.rollout_fn, []
 

@@ -80,7 +80,8 @@ def cmd_stage(args) -> int:
     job_cls = stage_module(args.command).JOB
     cfg = _load(args, os.path.join(os.path.dirname(DEFAULT_CONFIG), f"{args.command}.yaml"))
     launch = detect_launch(local_rank_arg=args.local_rank)
-    check_stage(cfg, launch.world_size, launch.rank)  # refused before torch.distributed or any model starts
+    # refused before torch.distributed or any model starts
+    check_stage(cfg, launch.world_size, launch.rank, job=args.command)
     _logging(launch.rank)
     data = job_cls.load_data(cfg)  # unusable data exits 2 before torch.distributed
     _set_threads(launch)

@@ -40,11 +40,13 @@ def test_defaults_are_trl_defaults():
 def test_shipped_rm_and_dpo_configs_are_valid_jobs():
     import os
 
-    from verl_ds.stages.gate import stage_view
+    from verl_ds.run.checks import check_stage_config
+    from verl_ds.stages.gate import unread_keys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for name, out in (("rm", "runs/rm"), ("dpo", "runs/dpo")):
         cfg = load_config(os.path.join(root, "configs", f"{name}.yaml"), [])
-        validate(stage_view(cfg))
+        check_stage_config(cfg, 1, f"{name}.max_completion_length")
+        assert unread_keys(cfg, name) == {}  # no key of the RL job or of another stage
         assert cfg.trainer.output_dir == out and cfg.data.train_files is None  # the built-in pairs
     assert load_config(os.path.join(root, "configs", "dpo.yaml"), []).dpo.loss == "sigmoid"

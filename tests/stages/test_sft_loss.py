@@ -22,7 +22,7 @@ def make_job(tmp_path, *overrides):
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
     cfg = load_config(None, [f"trainer.output_dir={tmp_path / 'run'}", f"data.train_files={path}",
                              "model.config_overrides.hidden_size=32", "model.config_overrides.intermediate_size=64", "actor.mini_batch_size=8",
-                             "actor.micro_batch_size=4", "trainer.loggers=[plot]", "rollout.max_new_tokens=16",
+                             "actor.micro_batch_size=4", "trainer.loggers=[plot]", "sft.max_completion_length=16",
                              *overrides])
     return SFTJob(cfg, detect_launch({}))
 

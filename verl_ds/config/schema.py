@@ -193,11 +193,22 @@ class RewardConfig:
 
 
 @dataclass
+class SFTConfig:
+    max_completion_length: int = _f(8, "The SFT job (verl-ds sft): a row's completion tokens at most (everything after the first trained token), and at most the model's context minus data.max_prompt_length; a longer completion is cut from the right, or the row skipped (data.overlong).", min=1, max=1 << 20)
+
+
+@dataclass
+class RMConfig:
+    max_completion_length: int = _f(8, "The reward-model job (verl-ds rm): chosen and rejected completion tokens at most, and at most the model's context minus data.max_prompt_length; a pair with a longer one is skipped (cut, it is no longer what was ranked).", min=1, max=1 << 20)
+
+
+@dataclass
 class DPOConfig:
     beta: float = _f(0.1, "The DPO job (verl-ds dpo): beta, the strength of the implicit KL constraint to the reference (Rafailov et al. 2023); with loss ipo, IPO's regularisation tau (Azar et al. 2023).", gt=0.0, max=1e3)
     loss: Literal["sigmoid", "ipo"] = _f("sigmoid", "DPO loss: sigmoid, -log sigmoid(beta x) on the completions' summed log-prob ratios x; ipo, (x - 1/(2 beta))^2 on their per-token means (as TRL).")
     label_smoothing: float = _f(0.0, "Conservative DPO (Mitchell 2023): the probability that a pair's labels are flipped; the sigmoid loss only.", min=0.0, lt=0.5)
     reference_free: bool = _f(False, "No reference model: its log-probs are taken as 0 (a uniform reference), so no reference engine is built.")
+    max_completion_length: int = _f(8, "Chosen and rejected completion tokens at most (as TRL's DPOConfig), and at most the model's context minus data.max_prompt_length; a pair with a longer one is skipped.", min=1, max=1 << 20)
 
 
 @dataclass
@@ -255,6 +266,8 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

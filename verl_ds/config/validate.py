@@ -146,25 +146,57 @@ def _check_async(cfg: Config) -> None:
                           f"{'; '.join(bad)}; use rollout.mode=sync")
 
 
-def validate(cfg: Config, world_size: int = 1) -> Derived:
-    """Check cross-field rules (batch arithmetic, model shape, the KL controller, reward entries, data, async
-    rollouts, the DeepSpeed JSON) and derive per-rank sizes; ConfigError naming the key."""
-    if not isinstance(cfg, Config):
-        raise TypeError(f"validate expects a Config (from load_config), got {type(cfg).__name__}")
-    derived = _batch_arithmetic(cfg, world_size)
+def _check_common(cfg: Config, derived: Derived) -> None:
+    """The rules of the keys every job reads (the RL job and the supervised ones): ZeRO offload, the model shape, the
+    sequence-parallel degree, the dpo section, the checkpoint to resume, the DeepSpeed JSON."""
     if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
         raise ConfigError(f"deepspeed.offload: param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}")
     check_config_overrides(cfg)
-    _check_sequence_parallel(cfg, world_size)
-    _check_kl_controller(cfg)
-    if cfg.agent.environment is None:  # an environment's rules need the agent registry: verl_ds.run.checks
-        _check_reward_functions(cfg)
-    _check_data(cfg)
+    _check_sequence_parallel(cfg, derived.world_size)
     _check_dpo(cfg)
-    if cfg.rollout.mode != "sync" or cfg.rollout.split_ranks:
-        _check_async(cfg)
     if cfg.trainer.resume not in ("auto", "none") and not os.path.isdir(cfg.trainer.resume):
         raise ConfigError(f"trainer.resume: expected 'auto', 'none' or an existing checkpoint directory, "
                           f"got {cfg.trainer.resume!r}")
     check_deepspeed_file(cfg, derived)
+
+
+def validate(cfg: Config, world_size: int = 1) -> Derived:
+    """Check the RL job's cross-field rules (batch arithmetic, the KL controller, reward entries, data, async
+    rollouts) and those of every job (``_check_common``), and derive per-rank sizes; ConfigError naming the key."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"validate expects a Config (from load_config), got {type(cfg).__name__}")
+    derived = _batch_arithmetic(cfg, world_size)
+    _check_kl_controller(cfg)
+    if cfg.agent.environment is None:  # an environment's rules need the agent registry: verl_ds.run.checks
+        _check_reward_functions(cfg)
+    _check_data(cfg)
+    if cfg.rollout.mode != "sync" or cfg.rollout.split_ranks:
+        _check_async(cfg)
+    _check_common(cfg, derived)
+    return derived
+
+
+def validate_stage(cfg: Config, world_size: int = 1) -> Derived:
+    """A supervised job's rules (``verl-ds sft|rm|dpo``): its batch arithmetic (a step is ``actor.mini_batch_size``
+    rows, no rollout) and the rules of every job; the sizes the engines need. The RL-only sections are not read."""
+    if not isinstance(cfg, Config):
+        raise TypeError(f"validate_stage expects a Config (from load_config), got {type(cfg).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be an int >= 1, got {world_size!r}")
+    a = cfg.actor
+    if a.mini_batch_size % world_size:
+        raise ConfigError(f"actor.mini_batch_size={a.mini_batch_size} (rows per optimizer step, summed over ranks) "
+                          f"must be divisible by the world size {world_size}")
+    per_rank = a.mini_batch_size // world_size
+    if per_rank % a.micro_batch_size:
+        raise ConfigError(f"actor.micro_batch_size={a.micro_batch_size} must divide the per-rank rows of a step "
+                          f"actor.mini_batch_size/world_size = {a.mini_batch_size}/{world_size} = {per_rank}")
+    if cfg.data.train_files is None and cfg.data.val_files is not None:
+        raise ConfigError("data.val_files is set but data.train_files is not: the built-in task generates both; set "
+                          "data.train_files too")
+    # one optimizer step per batch of rows: the RL job's sizes with a "rollout" of mini_batch_size rows
+    derived = Derived(world_size=world_size, prompts_per_rank=per_rank, mini_batches_per_epoch=1,
+                      mini_batch_per_rank=per_rank, grad_accum=per_rank // a.micro_batch_size,
+                      samples_per_rank=per_rank)
+    _check_common(cfg, derived)
     return derived

@@ -1,18 +1,22 @@
 """The config checked against the package: ``verl_ds.config.validate`` plus the rules that need a registry (the
 names of estimators, KL estimators and loss aggregations, an estimator's groups, the KL placement, this run's limits
-on hot keys, the agent environment, the shipped rewards). No file, device or port: that is ``check_startup``."""
+on hot keys, the agent environment, the shipped rewards); ``check_stage_config`` is a supervised job's counterpart.
+No file, device or port: that is ``verl_ds.run.startup``."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 from verl_ds import algos
 from verl_ds.agent.registry import BUILTIN_AGENT_TASKS, environment_class, make_environment
-from verl_ds.config import STATE_FROM_CONFIG, Config, ConfigError, Derived, check_value, kl_placement_rule, validate
+from verl_ds.config import (STATE_FROM_CONFIG, Config, ConfigError, Derived, check_value, kl_placement_rule, validate,
+                            validate_stage)
 from verl_ds.config.fields import show
 from verl_ds.config.model_fields import tiny_model_fields
 from verl_ds.config.schema import iter_fields
 from verl_ds.rewards import SEQUENCE_REWARDS
-from verl_ds.resolved_config import context_length, initial_state, kl_placement_of, registry_choices, run_limits
+from verl_ds.resolved_config import (context_length, initial_state, kl_placement_of, registry_choices,
+                                     rope_fixed_length, run_limits)
 
 
 def check_registry_names(cfg: Config) -> None:
@@ -96,4 +100,46 @@ def check_config(cfg: Config, world_size: int = 1) -> Derived:
         _check_agent(cfg, world_size)
     else:
         _check_sequence_rewards(cfg)
+    return derived
+
+
+def _check_row_length(cfg: Config, completion_key: str) -> None:
+    """A supervised job's longest row, ``data.max_prompt_length`` plus its completion limit, fits the trained model's
+    context and stays where a length-dependent RoPE scaling is fixed: the RL job's rule for its response
+    (``run_limits``), on the one model such a job trains."""
+    section, name = completion_key.split(".")
+    completion, prompt, path = getattr(getattr(cfg, section), name), cfg.data.max_prompt_length, cfg.model.path
+    fit = "prompt and completion must fit the model's context"
+    limits = []  # (tokens, where, why); on a tie the first listed is named
+    if path is None:
+        limits.append((tiny_model_fields(cfg)["max_position_embeddings"],
+                       "model.config_overrides.max_position_embeddings", fit))
+    else:
+        rope = rope_fixed_length(path)
+        if rope is not None:
+            limits.append((rope[0], f"{rope[1]} of model.path {path!r}",
+                           f"its rope_scaling type {rope[2]!r} changes every sequence's RoPE frequencies with the "
+                           f"longest sequence of a forward past that length, so log-probs would depend on the "
+                           f"micro-batch"))
+        found = context_length(path)
+        if found is not None:
+            limits.append((found[0], f"{found[1]} of model.path {path!r}", fit))
+    if not limits:
+        return
+    tokens, where, why = min(limits, key=lambda c: c[0])
+    if tokens - prompt < 1:
+        raise ConfigError(f"data.max_prompt_length={prompt} leaves no room for a completion ({where}={tokens}: {why})")
+    if completion > tokens - prompt:
+        raise ConfigError(f"{completion_key}={completion} exceeds this run's limit {tokens - prompt} ({where}={tokens} "
+                          f"- data.max_prompt_length={prompt}: {why})")
+
+
+def check_stage_config(cfg: Config, world_size: int = 1, completion_key: Optional[str] = None) -> Derived:
+    """A supervised job's config against the package (``verl-ds sft|rm|dpo``): ``validate_stage``, every registry
+    name, and, given the job's completion limit ``completion_key``, its longest row within the model's context.
+    Returns the Derived sizes, raises ConfigError naming the key; ``cfg`` is not changed."""
+    derived = validate_stage(cfg, world_size)
+    check_registry_names(cfg)  # every key's value is checked, as the loader checks the others
+    if completion_key is not None:
+        _check_row_length(cfg, completion_key)
     return derived

@@ -1,8 +1,7 @@
 """The start-up gate: every check that can refuse a job before torch.distributed is initialised or any model is
-built. ``check_startup(cfg, world_size)`` runs ``check_config`` and then looks at the machine: model, tokenizer,
-data and reward paths, reward functions, the sandbox for model-written code, the run directory, the checkpoint to
-resume, the device, and the control server's exposure. Each problem is one ConfigError naming the key, what was
-expected and what was found (docs/config.md)."""
+built. ``check_common`` holds the machine checks any job needs; ``check_startup`` is the RL job's gate: its config, its
+own machine checks (critic and reward-model directories, reward code, sandbox, server), then ``check_common``. Each
+problem is one ConfigError naming the key, what was expected and what was found (docs/config.md)."""
 from __future__ import annotations
 
 import os
@@ -40,15 +39,14 @@ def _check_dir(key: str, path: Optional[str], need: tuple, what: str) -> None:
                           + ("; point model.tokenizer_path at the tokenizer" if what == "tokenizer" else ""))
 
 
-def _check_models(cfg: Config) -> None:
+def _check_model(cfg: Config) -> None:
+    """The trained model's directory and its tokenizer's."""
     m = cfg.model
     _check_dir("model.path", m.path, ("config.json",), "model")
-    _check_dir("model.critic_path", m.critic_path, ("config.json",), "model")
     if m.tokenizer_path is not None:
         _check_dir("model.tokenizer_path", m.tokenizer_path, _TOKENIZER_FILES, "tokenizer")
     elif m.path is not None:
         _check_dir("model.path", m.path, _TOKENIZER_FILES, "tokenizer")
-    _check_dir("reward.model_path", cfg.reward.model_path, ("config.json",), "model")
 
 
 def _check_data_file(key: str, path: Optional[str]) -> None:
@@ -206,12 +204,13 @@ def _check_device(cfg: Config) -> None:
                           "use trainer.device=auto or cpu")
 
 
-def _check_sequence_parallel_heads(cfg: Config) -> None:
-    """Heads and key/value heads of the models read from disk (config.json) against model.sequence_parallel_size."""
+def _check_sequence_parallel_heads(cfg: Config, models: tuple) -> None:
+    """Heads and key/value heads of the ``(key, path)`` models read from disk (config.json) against
+    model.sequence_parallel_size."""
     import json
 
     sp = cfg.model.sequence_parallel_size
-    for key, path in (("model.path", cfg.model.path), ("model.critic_path", cfg.model.critic_path)):
+    for key, path in models:
         if sp == 1 or path is None:
             continue
         with open(os.path.join(path, "config.json")) as fh:
@@ -254,20 +253,30 @@ def _check_server(cfg: Config, rank: int) -> None:
         check_bind(s.host, s.port)
 
 
-def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
-    """Everything that can refuse the job before anything is built: ``check_config(cfg, world_size)``, then paths,
-    reward functions, the sandbox, the run directory (created), the checkpoint to resume, the device and the server (on
-    ``rank`` 0, that its address can be bound). Returns the Derived sizes; raises ConfigError naming the key."""
-    derived = check_config(cfg, world_size)
+def check_common(cfg: Config) -> None:
+    """The machine checks any job needs, the RL job's and the supervised ones': the device and attention kernel, the
+    trained model and its tokenizer, the data files, the checkpoint to resume and the run directory (created last, once
+    nothing else refused the job). ConfigError naming the key."""
     _check_device(cfg)
     _check_attention(cfg)
-    _check_models(cfg)
-    _check_sequence_parallel_heads(cfg)
+    _check_model(cfg)
+    _check_sequence_parallel_heads(cfg, (("model.path", cfg.model.path),))
     _check_data_file("data.train_files", cfg.data.train_files)
     _check_data_file("data.val_files", cfg.data.val_files)
+    _check_resume(cfg)
+    _check_output_dir(cfg.trainer.output_dir)
+
+
+def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
+    """The RL job's gate: ``check_config(cfg, world_size)``, the critic and reward-model directories, reward
+    functions, the sandbox and the server (on ``rank`` 0, that its address can be bound), then ``check_common``.
+    Returns the Derived sizes; raises ConfigError naming the key."""
+    derived = check_config(cfg, world_size)
+    _check_dir("model.critic_path", cfg.model.critic_path, ("config.json",), "model")
+    _check_dir("reward.model_path", cfg.reward.model_path, ("config.json",), "model")
+    _check_sequence_parallel_heads(cfg, (("model.critic_path", cfg.model.critic_path),))
     _check_reward_code(cfg)
     _check_sandbox(cfg, rank)
     _check_server(cfg, rank)
-    _check_resume(cfg)
-    _check_output_dir(cfg.trainer.output_dir)
+    check_common(cfg)
     return derived

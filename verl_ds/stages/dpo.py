@@ -18,7 +18,7 @@ class DPOJob(StageJob):
     def load_data(cls, cfg: Config) -> StageData:
         from verl_ds.stages.pairs import load_pair_data
 
-        return load_pair_data(cfg)
+        return load_pair_data(cfg, cls.name)
 
     def engine_roles(self) -> tuple:
         # a LoRA actor is its own reference (adapters off); reference-free DPO has none

@@ -197,9 +197,10 @@ def collate_pairs(items: list[dict], pad_token_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "response_mask": mask[:, P:].clone(), "pairs": len(items)}
 
 
-def load_pair_data(cfg):
-    """The tokenizer and (train, val) preference sets of the RM and DPO jobs: ``data.*_files``, or the parity task's
-    rule-ranked pairs; limits ``data.max_prompt_length`` and ``rollout.max_new_tokens``; ConfigError naming the key."""
+def load_pair_data(cfg, job: str):
+    """The tokenizer and (train, val) preference sets of the ``job`` ("rm" or "dpo"): ``data.*_files``, or the parity
+    task's rule-ranked pairs; limits ``data.max_prompt_length`` and ``<job>.max_completion_length``; ConfigError
+    naming the key."""
     from verl_ds.config import ConfigError
     from verl_ds.engines.build import load_tokenizer
     from verl_ds.stages.spine import StageData
@@ -207,8 +208,8 @@ def load_pair_data(cfg):
 
     tok = load_tokenizer(cfg)
     d = cfg.data
-    limits = dict(max_prompt_length=d.max_prompt_length, max_completion_length=cfg.rollout.max_new_tokens,
-                  overlong=d.overlong)
+    limits = dict(max_prompt_length=d.max_prompt_length, overlong=d.overlong,
+                  max_completion_length=getattr(cfg, job).max_completion_length)
 
     def load(key: str, path: str):
         try:

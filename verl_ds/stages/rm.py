@@ -54,7 +54,7 @@ class RewardModelJob(StageJob):
     def load_data(cls, cfg: Config) -> StageData:
         from verl_ds.stages.pairs import load_pair_data
 
-        return load_pair_data(cfg)
+        return load_pair_data(cfg, cls.name)
 
     def build_model(self, ds_config: dict):
         return build_reward_classifier(self.cfg, self.tokenizer, ds_config)
@@ -91,10 +91,10 @@ class RewardModelJob(StageJob):
         return total / normalizer.to(total.device, total.dtype), {"loss": total, "accuracy": m["accuracy"] * n,
                                                                   "margin": m["margin"] * n}
 
-    def close(self) -> None:
+    def close(self, code: int = 0) -> None:
         if getattr(self, "scorer", None) is not None:
             self.scorer.close()
-        super().close()
+        super().close(code)
 
 
 JOB = RewardModelJob

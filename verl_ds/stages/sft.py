@@ -18,7 +18,7 @@ def load_sft_data(cfg: Config) -> StageData:
     tok = load_tokenizer(cfg)
     d = cfg.data
     options = dict(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                   max_completion_length=cfg.rollout.max_new_tokens, overlong=d.overlong,
+                   max_completion_length=cfg.sft.max_completion_length, overlong=d.overlong,
                    apply_chat_template=d.apply_chat_template)
     if d.train_files is None:
         def rows(n, seed):

@@ -15,9 +15,10 @@ REASONS = {
     "empty_prompt": "prompt is empty or has no tokens",
     "empty_completion": "completion is empty or has no tokens",
     "no_chat_template": "chat messages but the tokenizer has no chat template",
-    "overlong": "prompt longer than data.max_prompt_length or completion longer than rollout.max_new_tokens (skipped)",
+    "overlong": "prompt longer than data.max_prompt_length or completion longer than sft.max_completion_length "
+                "(skipped)",
     "truncated": "prompt longer than data.max_prompt_length (cut from the left) or completion longer than "
-                 "rollout.max_new_tokens (cut from the right); kept",
+                 "sft.max_completion_length (cut from the right); kept",
 }
 
 
