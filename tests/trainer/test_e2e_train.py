@@ -42,12 +42,12 @@ def test_single_rank_zero3_run_writes_metrics_checkpoint_and_export(tmp_path):
     assert (out / "summary.json").is_file() and (out / "config.yaml").is_file()
 
 
-def test_two_ranks_exact_resume(tmp_path):
+def test_two_ranks_exact_resume(tmp_path, two_rank_start):
     """4 steps straight == 2 steps + resume + 2 steps: bitwise-equal parameters and metrics (2 ranks, ZeRO-3)."""
     common = ["trainer.export=merged", "trainer.val_every=0"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(str(straight), [*common, "trainer.total_steps=4"], nproc=2)
-    run_train(str(split), [*common, "trainer.total_steps=2"], nproc=2)
+    two_rank_start(str(split))  # [*common, "trainer.total_steps=2"] on 2 ranks (conftest.py)
     run_train(str(split), [*common, "trainer.total_steps=4"], nproc=2)
     a, b = _params(str(straight / "hf_actor")), _params(str(split / "hf_actor"))
     assert a.keys() == b.keys()

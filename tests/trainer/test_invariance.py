@@ -46,18 +46,6 @@ def _assert_same_update(a: dict, b: dict, rtol: float = 1e-5) -> None:
         assert all(float(a[role][k].norm()) > 0 for k in a[role]), f"{role}: a parameter did not move"
 
 
-@pytest.fixture(scope="module")
-def probes(tmp_path_factory):
-    """Probe runs by name, each run once for the module (``probes(name, overrides, nproc, **env)``)."""
-    root, done = tmp_path_factory.mktemp("probes"), {}
-
-    def get(name: str, overrides: list, nproc: int = 1, **env) -> dict:
-        if name not in done:
-            done[name] = _probe(root, name, overrides, nproc, **env)
-        return done[name]
-    return get
-
-
 # the baseline: one rank, the whole mini-batch of 8 in one micro-batch, the torch kernels
 ONE = ("one", ["actor.micro_batch_size=8"])
 

@@ -126,25 +126,21 @@ def test_a_run_ended_by_non_finite_values_checkpoints_first(tmp_path):
     assert os.path.isfile(os.path.join(out, "checkpoints", "global_step_3", "COMPLETE"))
 
 
-def test_a_fresh_run_in_a_used_directory_does_not_mix_in_the_old_metrics(tmp_path):
+def test_a_fresh_run_in_a_used_directory_does_not_mix_in_the_old_metrics(tmp_path, two_rank_start):
     """trainer.resume=none into a directory with a finished run: the new metrics.jsonl holds the new run only (the
     old one is kept as metrics.jsonl.prev), so the summary covers this run."""
-    out = str(tmp_path / "run")
-    common = ["trainer.export=none", "trainer.val_every=0"]
-    run_train(out, [*common, "trainer.total_steps=3"])
-    run_train(out, [*common, "trainer.total_steps=2", "trainer.resume=none"])
-    assert [m["step"] for m in read_metrics(out) if "rollout/score/mean" in m] == [1, 2]
+    out = two_rank_start(str(tmp_path / "run"))  # a finished run of 2 steps (conftest.py)
+    run_train(out, ["trainer.export=none", "trainer.val_every=0", "trainer.total_steps=1", "trainer.resume=none"])
+    assert [m["step"] for m in read_metrics(out) if "rollout/score/mean" in m] == [1]
     previous = [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl.prev"))]
-    assert [s for s in previous if s > 0] == [1, 2, 3]
+    assert [s for s in previous if s > 0] == [1, 2]
 
 
-def test_a_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path):
+def test_a_run_checkpointed_on_two_ranks_resumes_on_one(tmp_path, two_rank_start):
     """Elastic resume through the trainer: 2 steps on 2 ranks, then steps 3-4 on 1 rank from that checkpoint (the
     engines through DeepSpeed's universal checkpoint, the same global batches split over the new world size)."""
-    out = str(tmp_path / "run")
-    common = ["trainer.export=none", "trainer.val_every=0"]
-    run_train(out, [*common, "trainer.total_steps=2"], nproc=2)
-    proc = run_train(out, [*common, "trainer.total_steps=4"])
+    out = two_rank_start(str(tmp_path / "run"))  # 2 steps on 2 ranks, no validation (conftest.py)
+    proc = run_train(out, ["trainer.export=none", "trainer.val_every=0", "trainer.total_steps=4"])
     assert "resumed from" in proc.stdout + proc.stderr
     steps = [m for m in read_metrics(out) if "rollout/score/mean" in m]
     assert [m["step"] for m in steps] == [1, 2, 3, 4]

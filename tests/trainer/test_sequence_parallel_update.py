@@ -4,7 +4,7 @@ of the same global batch on 1 rank: PPO (actor, critic, reference) and GRPO. Thi
 end: DeepSpeed averages over every rank, the group's ranks each backpropagate every turn's loss."""
 import pytest
 
-from test_invariance import BASE, ONE, _assert_same_update, probes  # noqa: F401 - the fixture
+from test_invariance import ONE, _assert_same_update  # the probes fixture: conftest.py
 
 pytestmark = pytest.mark.slow  # several processes
 
