@@ -131,7 +131,7 @@ class VLLMRollout:
 
         self.lm, self.seeds = actor, CallSeeds(seed, rank, state)
         self.sleep_between, self._asleep = bool(sleep), False
-        self.syncs, self.sync_seconds = 0, 0.0
+        self.syncs = 0
         t0 = time.perf_counter()
         self.engine = VLLMRolloutEngine.from_hf_model(
             self.module, named_tensors=gathered_named_parameters(self.module), pad_token_id=pad_token_id,
@@ -158,7 +158,7 @@ class VLLMRollout:
         from verl_ds.engines.vllm_engine import gathered_named_parameters
 
         self._wake()
-        self.sync_seconds = self.engine.sync_weights(gathered_named_parameters(self.module))
+        self.engine.sync_weights(gathered_named_parameters(self.module))
         self.syncs += 1
         self._synced_at = self._actor_steps()
         self._after_generate()
