@@ -95,7 +95,7 @@ def test_usr1_exits_75_and_the_run_resumes_on_one_rank_as_the_one_rank_run(tmp_p
     out = tmp_path / "two"
     job = start_ranks(stage, out, ["trainer.total_steps=1000", "trainer.save_every=0", "trainer.val_every=0"], 2)
     job.wait_for(lambda: os.path.isfile(out / "metrics.jsonl") and any(r["step"] > 0 for r in rows(out).values()),
-                 300, "step 1")
+                 600, "step 1")
     for rank in range(2):  # as Slurm signals every task of the job
         job.signal(rank, signal.SIGUSR1)
     assert job.wait(300) == [75, 75], job.tail()

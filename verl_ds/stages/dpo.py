@@ -12,7 +12,7 @@ from verl_ds.stages.spine import StageData, StageJob
 class DPOJob(StageJob):
     """The DPO job."""
 
-    name = "dpo"
+    name = section = "dpo"
 
     @classmethod
     def load_data(cls, cfg: Config) -> StageData:

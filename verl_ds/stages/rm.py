@@ -45,7 +45,7 @@ def build_reward_classifier(cfg: Config, tok, ds_config: dict | None = None):
 class RewardModelJob(StageJob):
     """The reward-model job."""
 
-    name = "rm"
+    name = section = "rm"
     export_name = "hf_reward_model"
     lora_task_type = "SEQ_CLS"  # peft trains the score head whole (modules_to_save); output-head adapts nothing
     packs_rows = False  # scored on padded rows, as the RL job's RewardModel scores

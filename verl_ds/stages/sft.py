@@ -52,7 +52,7 @@ def _from_file(key: str, path: str, tok, options: dict):
 class SFTJob(StageJob):
     """The SFT job."""
 
-    name = "sft"
+    name = section = "sft"
 
     @classmethod
     def load_data(cls, cfg: Config) -> StageData:

@@ -32,13 +32,14 @@ class StageJob(Job):
     hooks below."""
 
     name = "stage"  # metric prefix, progress bar, checkpoint kind
+    section: Optional[str] = None  # the config section of the job's own keys (sft, rm, dpo: its completion limit)
     export_name = "hf_actor"  # the export's directory under trainer.output_dir
     lora_task_type: Optional[str] = "CAUSAL_LM"  # peft's task type of the adapters of a model from build_model
     packs_rows = True  # False: padded batches whatever model.remove_padding says (a loss whose forward is not packed)
 
     def __init__(self, cfg: Config, launch: vdist.LaunchInfo, data: Optional[StageData] = None):
         self.kind = self.progress_name = self.name
-        super().__init__(cfg, launch, check_stage(cfg, launch.world_size, launch.rank))
+        super().__init__(cfg, launch, check_stage(cfg, launch.world_size, launch.rank, job=self.section))
         data = type(self).load_data(cfg) if data is None else data
         self.tokenizer, self.train_set, self.val_set = data
         if self.is_main:
@@ -50,10 +51,11 @@ class StageJob(Job):
         self._engines = self._build_engines()
         self.engine = self._engines["actor"]
         from verl_ds.builder import packing_decision
-        from verl_ds.config.limits import sequence_tokens
 
         # packed rows where the model family supports them exactly (a tiny probe forward), padded batches otherwise
-        self.packed = packing_decision(cfg.model, self._engines, say=self.is_main, longest=sequence_tokens(cfg),
+        longest = cfg.data.max_prompt_length + getattr(cfg, self.section).max_completion_length if self.section \
+            else max(self.row_tokens(x) for x in self.train_set)
+        self.packed = packing_decision(cfg.model, self._engines, say=self.is_main, longest=longest,
                                        remove_padding=cfg.model.remove_padding and self.packs_rows)[0]
         self.step = 0
         self.setup()
