@@ -1,12 +1,12 @@
-"""Checkpoints written by the code before the one-fit-loop change (tests/fixtures/old_checkpoints, made by
+"""Checkpoints written by the code before the one-fit-loop change (tests/fixtures/old_checkpoints.tar.gz, made by
 make_old_checkpoints.py at commit 3b0dc71) resume with today's code: steps 3-4 of the RL and the SFT job repeat what
 the old code logged after its step-2 checkpoint, float for float. Exact, because a resume is bit-exact (as
 tests/stages/test_sft_runs.py and tests/asyncrl/test_async_e2e.py assert) and the run here has the fixture's setting:
 one process, one thread (e2e_utils.base_env), the fixture's overrides."""
 import json
 import os
-import shutil
 import sys
+import tarfile
 
 import pytest
 
@@ -24,10 +24,11 @@ COMPARED = {
 
 
 def _resume(job: str, tmp_path) -> tuple[str, str]:
-    """Copy the fixture, run ``job`` to step 4 from its step-2 checkpoint into a fresh output_dir (one process, as
+    """Unpack the fixture, run ``job`` to step 4 from its step-2 checkpoint into a fresh output_dir (one process, as
     the fixture was made); returns (output_dir, the fixture copy)."""
-    fixture = str(tmp_path / "fixture")
-    shutil.copytree(os.path.join(FIXTURES, "old_checkpoints", job), fixture)
+    with tarfile.open(os.path.join(FIXTURES, "old_checkpoints.tar.gz")) as tar:
+        tar.extractall(tmp_path / "fixtures", filter="data")
+    fixture = str(tmp_path / "fixtures" / job)
     step_dir, out = os.path.join(fixture, "global_step_2"), str(tmp_path / "run")
     with open(os.path.join(fixture, "overrides.json")) as fh:
         overrides = [*json.load(fh), f"trainer.output_dir={out}", f"trainer.resume={step_dir}"]
