@@ -26,6 +26,7 @@ WORKER = r'''
 import json, os, sys, time
 from verl_ds import dist as vdist
 from verl_ds.asyncrl.producer import AsyncRollout
+from verl_ds.asyncrl.source import RolloutRun
 from verl_ds.config import load_config
 from verl_ds.trainer import Trainer
 
@@ -33,10 +34,10 @@ trainer = Trainer(load_config(None, json.loads(sys.argv[2])), vdist.detect_launc
 os.environ["SCORE"] = "1.0"
 trainer.train_step()  # step 1; the generation thread makes step 2's batch meanwhile, scored 1.0
 deadline = time.monotonic() + 600
-while len(trainer.asyncrl.queue) < 2 and time.monotonic() < deadline:
+while len(trainer.rollout_source.queue) < 2 and time.monotonic() < deadline:
     time.sleep(0.05)
-state = trainer.asyncrl.state_dict()
-trainer.asyncrl.close()
+state = trainer.rollout_source.state_dict()
+trainer.rollout_source.close()
 # the checkpoint as if it had been written while step 2's second prompt was still being generated
 mine = state["ranks"][0]
 kept, pending = mine["queue"][:2]
@@ -45,8 +46,8 @@ if sys.argv[3] == "queued_first":
 else:  # the prompt first, then the saved group
     mine.update(queue=[], inflight=[], redo=[pending["index"], kept])
 os.environ["SCORE"] = "0.25"
-trainer.asyncrl = AsyncRollout(trainer)  # what a resumed run starts with
-trainer.asyncrl.load_state_dict(state)
+trainer.rollout_source = AsyncRollout(RolloutRun.of(trainer))  # what a resumed run starts with
+trainer.rollout_source.load_state_dict(state)
 metrics = trainer.train_step()
 trainer.close()
 json.dump({"metrics": metrics, "kept": kept["extras"]["prompt"], "pending": pending["extras"]["prompt"]},
