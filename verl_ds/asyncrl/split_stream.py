@@ -136,7 +136,11 @@ class _Streamer:
         try:
             while not self.stop:
                 with self.gate.cond:
-                    self.gate.cond.wait_for(lambda: self.stop or self._saved() is not None or self._next() is not None)
+                    # a take that hands stale groups back (under the queue's lock) cannot notify this condition: look
+                    # again now and then, or that take waits for a batch this thread never starts
+                    if not self.gate.cond.wait_for(lambda: self.stop or self._saved() is not None
+                                                   or self._next() is not None, timeout=0.5):
+                        continue
                     if self.stop:
                         break
                     t = self._saved()
