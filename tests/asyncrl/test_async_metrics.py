@@ -79,7 +79,7 @@ SWAP_WORKER = r'''
 import json, sys
 import torch
 from verl_ds import dist as vdist
-from verl_ds.asyncrl.producer import taken_samples
+from verl_ds.asyncrl.stream import taken_samples
 from verl_ds.asyncrl.queue import Group
 from verl_ds.metrics import reduce_metrics, sample_means_over_ranks
 from verl_ds.rollout import Rollout

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from verl_ds.asyncrl.producer import WeightGate
+from verl_ds.asyncrl.stream import WeightGate
 from verl_ds.asyncrl.queue import Group, ProducerError, SampleQueue
 from verl_ds.batch import RolloutBatch
 

@@ -10,7 +10,6 @@ import torch
 
 from verl_ds import dist as vdist
 from verl_ds.asyncrl.bridge import _SAVE, _control, _recv_obj, _send_obj
-from verl_ds.asyncrl.queue import Group
 from verl_ds.asyncrl.reshard import rank_part
 
 log = logging.getLogger(__name__)
@@ -86,36 +85,16 @@ def send_part(placement, src: int, part) -> None:
     _send_obj(placement.bridge, part, src)
 
 
-# ---------------------------------------------------------------------- the generation rank's side (_Streamer)
+# ---------------------------------------------------------------------- the generation rank's side (split_stream)
 
 def receive_parts(placement, served: list) -> dict:
     """Each served training rank's restored part (None: a fresh start), in the order they are sent."""
     return {t: _recv_obj(placement.bridge, t) for t in served}
 
 
-def snapshot(streamer, t: int) -> dict:
-    """Training rank ``t``'s state (call with the generation thread paused: ``WeightGate.poke``)."""
-    q = streamer.queues[t]
-    with q.lock:  # queued and in flight together: a group landing now is in one or the other
-        return {"queue": q.snapshot(), "inflight": [list(x) for x in streamer.inflight[t]],
-                "redo": [x.to_state() if isinstance(x, Group) else int(x) for x in streamer.redo[t]],
-                "sampler": streamer.g.samplers[t].state_dict(), "rng": dict(streamer.rng[t])}
-
-
-def restore(streamer, t: int, part: dict) -> None:
-    """Load training rank ``t``'s part before the generation thread starts: queued groups, then prompts and saved groups
-    in their turn, then its sampler."""
-    device = streamer.pl.device
-    streamer.queues[t].restore(part["queue"], device=device)
-    streamer.redo[t] = [Group.from_state(x, device) if isinstance(x, dict) else int(x) for x in part["redo"]]
-    streamer.g.samplers[t].load_state_dict(part["sampler"])
-    if part.get("rng") is not None:
-        streamer.rng[t] = part["rng"]
-
-
 def save(streamer) -> None:
     """``_SAVE`` on a generation rank: snapshot every served rank at a decoding step, send each its state."""
     states = {}
-    streamer.gate.poke(lambda: states.update({t: snapshot(streamer, t) for t in streamer.g.served}))
+    streamer.gate.poke(lambda: states.update({t: lane.snapshot() for t, lane in streamer.lanes.items()}))
     for t in streamer.g.served:
         _send_obj(streamer.pl.bridge, states[t], t)
