@@ -144,7 +144,8 @@ def cmd_train(args) -> int:
 
             return vdist.exit_after_shutdown(code, processes)
     trainer = Trainer(cfg, launch, data=data)
-    install_from_env(trainer)  # VERL_DS_FAULT: tests break real runs at chosen points
+    # VERL_DS_FAULT: tests break real runs at chosen points
+    install_from_env(trainer.rank, trainer.add_event_listener, trainer.actor_engine.module)
     return _run(trainer, cfg, launch, "verl_ds", format_summary, processes)
 
 

@@ -9,31 +9,30 @@ from verl_ds import dist as vdist
 
 
 @torch.no_grad()
-def evaluate(trainer) -> dict:
+def evaluate(run, val_set) -> dict:
     """``val/score/mean`` and, with ``trainer.val_n`` > 1, ``val/mean@n``, ``val/pass@1``, ``val/pass@n`` over every
-    rank's share of the prompts (equal shares: generation may be a collective)."""
+    rank's share of ``val_set`` (equal shares: generation may be a collective); ``run``: a ``RolloutRun``."""
     from verl_ds.algos import pass_at_k
     from verl_ds.data import collate_prompts
 
-    val_set = trainer.c.val_set
     if val_set is None:
         return {}
-    cfg, tok, world = trainer.cfg, trainer.tokenizer, trainer.world
-    hot = trainer.state.snapshot()
-    idx = list(range(trainer.rank, (len(val_set) // world) * world, world))
-    per_call = trainer.derived.prompts_per_rank
-    actor, reward = trainer.registry.get("actor"), trainer.registry.get("reward")
+    cfg, tok, world = run.cfg, run.tokenizer, vdist.world_size()
+    hot = run.state.snapshot()
+    idx = list(range(run.rank, (len(val_set) // world) * world, world))
+    per_call = run.sampler.batch_size  # the prompts of one rank's step
+    actor, reward = run.registry.get("actor"), run.registry.get("reward")
     n = cfg.trainer.val_n
     sums = torch.zeros(5, dtype=torch.float64)  # greedy score sum, prompts, sampled score sum, pass@1, pass@n
     for i in range(0, len(idx), per_call):
         items = [val_set[j] for j in idx[i:i + per_call]]
-        prompts = collate_prompts(items, tok.pad_token_id, trainer.actor_engine.device)
-        greedy = trainer.rollout_fn(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"], greedy=True)
+        prompts = collate_prompts(items, tok.pad_token_id, run.device)
+        greedy = run.rollout_fn(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"], greedy=True)
         sums[0] += greedy.batch.scores.sum().item()
         sums[1] += len(items)
         if n > 1:
-            sampled = trainer.rollout_fn(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"],
-                                        temperature=hot["temperature"], top_k=hot["top_k"], top_p=hot["top_p"], n=n)
+            sampled = run.rollout_fn(actor, reward, tok, prompts, max_new_tokens=hot["max_new_tokens"],
+                                     temperature=hot["temperature"], top_k=hot["top_k"], top_p=hot["top_p"], n=n)
             scores = sampled.batch.scores.sum(-1).view(len(items), n).double().cpu()
             correct = (scores >= cfg.trainer.val_pass_threshold).sum(-1).tolist()
             sums[2] += scores.sum()

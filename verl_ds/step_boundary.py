@@ -289,17 +289,15 @@ class ScoredByEnvironment:
                          "swap would have no effect")
 
 
-def start_control_server(trainer):
-    """The /v1 control plane on rank 0 (a daemon thread; it never blocks the training loop); returns the server."""
+def start_control_server(sc, state, registry, run_dir, metrics_fn, reward_swapper, policy_vocab_size: int):
+    """The /v1 control plane of the ``server`` section ``sc`` on rank 0 (a daemon thread; it never blocks the training
+    loop); returns the server. ``reward_swapper``: the StepBoundary, or ScoredByEnvironment for an agent run."""
     from verl_ds.server import ControlServer
 
-    sc, env = trainer.cfg.server, trainer.cfg.agent.environment
-    server = ControlServer(trainer.state, trainer.registry, host=sc.host, port=sc.port, token=sc.token,
-                           run_dir=trainer.out_dir,
-                           metrics_fn=trainer.metrics.snapshot,
-                           reward_swapper=trainer.boundary if env is None else ScoredByEnvironment(env),
+    server = ControlServer(state, registry, host=sc.host, port=sc.port, token=sc.token, run_dir=run_dir,
+                           metrics_fn=metrics_fn, reward_swapper=reward_swapper,
                            swappable_rewards=sc.swappable_rewards, allow_reward_code=sc.allow_reward_code,
-                           reward_model_dir=sc.reward_model_dir, policy_vocab_size=len(trainer.tokenizer))
+                           reward_model_dir=sc.reward_model_dir, policy_vocab_size=policy_vocab_size)
     url = server.start()
     print(f"verl_ds: control server at {url} (GET {url}/v1/models)", flush=True)
     return server

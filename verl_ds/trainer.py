@@ -29,7 +29,7 @@ from verl_ds.rollout import SamplingError, rollout_and_score, sampler_mismatch
 from verl_ds.run.startup import check_startup
 from verl_ds.runtime import StepFailed, raise_if_any_rank_failed
 from verl_ds.runtime.job import Job
-from verl_ds.step_boundary import StepBoundary, start_control_server
+from verl_ds.step_boundary import ScoredByEnvironment, StepBoundary, start_control_server
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class Trainer(Job):
 
             self.rollout_fn = agent_rollout_fn(AgentSpec.from_config(cfg))
         # rollout.mode and placement: on the step (sync), a generation thread, or generation ranks
-        self.rollout_source = make_rollout_source(RolloutRun.of(self))
+        self.run = RolloutRun.of(self)  # what the rollout source and the evaluation read of the run
+        self.rollout_source = make_rollout_source(self.run)
         self.server = None  # started by fit() once the run's state is restored: a change is announced for its step
 
     @property
@@ -259,11 +260,14 @@ class Trainer(Job):
     def evaluate(self) -> dict:
         from verl_ds.evaluation import evaluate
 
-        return evaluate(self)
+        return evaluate(self.run, self.c.val_set)
 
     def started(self) -> None:
         if self.is_main and self.cfg.server.enabled:  # a change is announced for a step of the restored run
-            self.server = start_control_server(self)
+            env = self.cfg.agent.environment
+            self.server = start_control_server(self.cfg.server, self.state, self.registry, self.out_dir,
+                                               self.metrics.snapshot, self.boundary if env is None
+                                               else ScoredByEnvironment(env), len(self.tokenizer))
 
     def progress(self, metrics: dict) -> dict:
         return {"score": f"{metrics.get('rollout/score/mean', float('nan')):.3f}",

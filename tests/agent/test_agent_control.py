@@ -14,14 +14,14 @@ pytestmark = pytest.mark.slow  # builds a real trainer (DeepSpeed engines) in a 
 WORKER = r'''
 import json, sys
 from verl_ds.config import load_config
-from verl_ds.step_boundary import start_control_server
 from verl_ds.dist import detect_launch
 from verl_ds.trainer import Trainer
 sys.path.insert(0, sys.argv[2])
 from server_testutil import TOKEN, call
 
 trainer = Trainer(load_config(None, sys.argv[4:]), detect_launch())
-server = start_control_server(trainer)
+trainer.started()  # the job's own start: the control server on rank 0
+server = trainer.server
 swap = call(server.url, "POST", "/v1/models/reward", {"function": sys.argv[3]}, token=TOKEN)
 patch = call(server.url, "PATCH", "/v1/state", {"temperature": 0.7}, token=TOKEN)
 json.dump({"swap": [swap.status, swap.json], "patch": patch.status,

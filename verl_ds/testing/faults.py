@@ -169,10 +169,11 @@ class FaultInjector:
         return None
 
 
-def install_from_env(trainer, env=None) -> Optional[FaultInjector]:
-    """Subscribe the faults of ``VERL_DS_FAULT`` (if any) to a built trainer; returns the injector or None."""
-    injector = FaultInjector.from_env(trainer.rank, env)
+def install_from_env(rank: int, add_event_listener, module, env=None) -> Optional[FaultInjector]:
+    """Subscribe the faults of ``VERL_DS_FAULT`` (if any) to a job's events (``add_event_listener``) and the actor's
+    ``module``; returns the injector or None."""
+    injector = FaultInjector.from_env(rank, env)
     if injector is not None:
-        trainer.add_event_listener(injector.on_event)
-        injector.attach(trainer.actor_engine.module)
+        add_event_listener(injector.on_event)
+        injector.attach(module)
     return injector
