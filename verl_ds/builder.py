@@ -11,6 +11,7 @@ from verl_ds import algos
 from verl_ds.config import Config, ConfigError, Derived, sequence_tokens
 from verl_ds.config.limits import has_reference  # the same rule limits the hot KL keys
 from verl_ds.engines.build import build_engines, build_reward_engine, load_tokenizer
+from verl_ds.engines.teacher import build_teacher_engine
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +64,17 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
         roles.append("critic")
     # every model is created already partitioned under ZeRO-3; the reference is the (warmed-up) initial policy
     engines = build_engines(cfg, derived, tok, roles=roles, sft_warmup=warmup_of(cfg, tok))
+    teacher = build_teacher_engine(cfg, derived, tok)  # None: no distillation, or the LoRA actor's own base
+    scorers = {**engines, **({} if teacher is None else {"teacher": teacher})}  # one row layout for them all
 
     state = SharedState.from_config(cfg, rank=rank)  # the run's limits and step-0 values, the same on every rank
-    packed, shared = packing_decision(cfg.model, engines, say=rank == 0, longest=sequence_tokens(cfg),
+    packed, shared = packing_decision(cfg.model, scorers, say=rank == 0, longest=sequence_tokens(cfg),
                                       share=cfg.model.share_prompts and cfg.rollout.n > 1)  # one copy per prompt
     fused = cfg.model.fused_lm_head
     prefixes = shared and cfg.model.share_response_prefixes  # and of its samples' common response prefixes
     from verl_ds.models.sequence_parallel import setup_sequence_parallel
 
-    sp = setup_sequence_parallel(cfg.model.sequence_parallel_size, engines, packed)  # packed rows split over ranks
+    sp = setup_sequence_parallel(cfg.model.sequence_parallel_size, scorers, packed)  # packed rows split over ranks
 
     # rollout.engine from the registry in verl_ds.rollout_engines (hf: a LoRA actor's replica has its adapters merged)
     # with split placement the generation ranks sample; the training ranks' engine only serves validation: hf
@@ -92,8 +95,13 @@ def build(cfg: Config, derived: Derived, rank: int, world: int, out_dir: str,
         registry.register(role, model, aliases=ROLE_ALIASES[role])
     ppo = PPOModel(state=state, algo=cfg.algo, registry=registry,
                    is_cap=cfg.rollout.is_cap if cfg.rollout.is_correction else None, is_mode=cfg.rollout.is_mode,
+                   is_low=cfg.rollout.is_low, is_rejection=cfg.rollout.is_rejection,
                    **models)
     registry.register("ppo", ppo)
+    if teacher is not None:  # scores the actor's samples (on-policy distillation)
+        registry.register("teacher", ReferenceModel(teacher, **scoring))
+    elif cfg.distill.teacher_path is not None:  # "base": the LoRA actor, adapters off (the reference when built)
+        registry.register("teacher", models.get("ref") or AdaptersOffReferenceModel(engines["actor"], **scoring))
     if rank == 0:
         state.set("reward_name", reward_name(cfg.reward.functions, cfg.reward.model_path))
     return Components(tokenizer=tok, train_set=train_set, val_set=val_set, sampler=sampler, engines=engines,
@@ -243,6 +251,7 @@ def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] =
     a collective); defaults: the config's ``reward`` section."""
     from verl_ds.models import RewardModel
     from verl_ds.rewards import resolve_reward_fn
+    from verl_ds.tasks import builtin_task
     from verl_ds.verifiable import set_math_verify_timeout
 
     rc = cfg.reward
@@ -258,4 +267,14 @@ def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] =
         name = spec["name"]
         reward.register_reward_fn(resolve_reward_fn(name), name=name.split(":")[-1],
                                   weight=float(spec.get("weight", 1.0)), per_token=bool(spec.get("per_token", False)))
+    if not functions and model_path is None and cfg.distill.teacher_path is not None \
+            and cfg.agent.environment is None:  # distillation alone trains
+        # the built-in task's rule is still logged (reward/parity/mean), at weight 0; other data score nothing
+        task = builtin_task(cfg) is not None
+        reward.register_reward_fn(resolve_reward_fn("parity") if task else _unscored, name="parity" if task else
+                                  "none", weight=0.0)
     return reward
+
+
+def _unscored(prompts: list, responses: list, batch=None) -> list:
+    return [0.0] * len(responses)

@@ -18,7 +18,7 @@ _CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequenc
 def registry_choices() -> dict[str, tuple]:
     """Config key -> the names its registry holds now; the config stores these keys as plain strings."""
     return {"algo.adv_estimator": tuple(algos.ADV_ESTIMATOR_NAMES), "algo.kl_kind": tuple(algos.KL_KINDS),
-            "algo.loss_agg_mode": tuple(algos.LOSS_AGG_MODES)}
+            "algo.loss_agg_mode": tuple(algos.LOSS_AGG_MODES), "algo.policy_loss": tuple(algos.POLICY_LOSS_NAMES)}
 
 
 def kl_placement_of(cfg: Config) -> str:

@@ -1,6 +1,6 @@
 """The RL job: ``train_step`` under ``runtime.job.Job``'s loop, until ``trainer.total_steps``.
 A step is these phases in order, each one call under the timer ``timing_s/<phase>``: boundary (hot changes), gen,
-reward, old_log_prob, ref and values (only when needed), adv, update_critic, update_actor, weight_sync, kl_ctrl.
+reward, old_log_prob, ref, teacher and values (only when needed), adv, update_critic, update_actor, weight_sync, kl_ctrl.
 Construction is ``verl_ds.builder.build``; the numerics are ``verl_ds.algos``; checkpoints ``verl_ds.checkpoint``."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from verl_ds import dist as vdist
+from verl_ds.algos.distill import reverse_kl_term
 from verl_ds.asyncrl.source import RolloutRun
 from verl_ds.asyncrl.split import make_rollout_source
 from verl_ds.batch import REQUIRED_FOR_LOSS
@@ -124,6 +125,15 @@ class Trainer(Job):
                 with t("ref"):
                     batch.ref_log_probs = self._no_grad_pass("ref", batch, log_prob_chunks, lambda m, b: m.get_logprob(
                         b.observation, b.action, b.mask, temperature))
+            distill, distill_metrics = None, {}
+            if "teacher" in self.registry:  # on-policy distillation: the teacher scores the actor's own samples
+                with t("teacher"):  # a LoRA actor's base as the teacher is its reference: scored once
+                    teacher = batch.ref_log_probs if self.registry.get("teacher") is self.ppo.ref else \
+                        self._no_grad_pass("teacher", batch, log_prob_chunks, lambda m, b: m.get_logprob(
+                            b.observation, b.action, b.mask, temperature))
+                student = batch.old_log_probs if batch.old_log_probs is not None else batch.rollout_log_probs
+                term, distill_metrics = reverse_kl_term(student, teacher, batch.response_mask, cfg.distill.coef)
+                distill = (cfg.distill.mode, term)
             if self.ppo.needs_critic:
                 with t("values"):
                     chunks = micro_batch_groups(batch, cfg.actor.micro_batch_size, cfg.actor.max_tokens_per_micro_batch)
@@ -132,8 +142,9 @@ class Trainer(Job):
         baseline = batch.extras.get("baseline_score")
         with t("adv"):  # the reward metrics of the rows trained, over every rank's (also across a reward swap)
             metrics = {**rollout.metrics, **sample_means_over_ranks(rollout.per_sample), **self.ppo.compute_advantage(
-                batch, whiten_fn=vdist.global_masked_whiten,
-                baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device))}
+                batch, whiten_fn=vdist.global_masked_whiten, distill=distill,
+                baseline_scores=None if baseline is None else torch.tensor(baseline, device=batch.scores.device)),
+                **distill_metrics}
         # a non-finite value on any rank skips the update on every rank
         if not self.guard.skip_batch(batch, planned_updates=self._planned_updates()):
             batch.validate(tok.pad_token_id, required=self._required_fields(old_log_probs=not shortcut))

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from verl_ds.algos.losses import decoupled_is_weights, policy_loss, truncated_is_weights
+from verl_ds.algos import policy_loss
+from verl_ds.algos.mismatch import decoupled_is_weights, truncated_is_weights
 
 
 def _reference(logp, prox, behav, adv, mask, eps_low, eps_high, cap):

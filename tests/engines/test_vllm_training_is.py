@@ -8,7 +8,7 @@ import torch
 from algos_refs import ppo_token_loss
 
 from verl_ds.algos import agg_loss, policy_loss
-from verl_ds.algos.losses import truncated_is_weights
+from verl_ds.algos.mismatch import truncated_is_weights
 from verl_ds.models import PPOModel
 
 from models_testutil import EOS

@@ -28,8 +28,17 @@ from .kl_ctrl import (
     register_kl_controller,
 )
 from .logprob import entropy_from_logits, logprobs_and_entropy, logprobs_and_entropy_torch, logprobs_from_logits
-from .losses import policy_loss, value_loss
+from .losses import value_loss
 from .masked import LOSS_AGG_MODES, agg_loss, masked_mean, masked_var, masked_whiten, register_loss_agg
+from .policy_losses import (
+    POLICY_LOSS_NAMES,
+    PolicyLoss,
+    PolicyLossParams,
+    get_policy_loss,
+    policy_loss,
+    register_policy_loss,
+    resolve_policy_loss_agg_mode,
+)
 from .sampling import groups_with_signal, mean_at_k, overlong_reward_penalty, pass_at_k
 
 __all__ = [
@@ -41,7 +50,8 @@ __all__ = [
     "AdvantageEstimator", "register_advantage_estimator", "get_advantage_estimator", "ADV_ESTIMATOR_NAMES",
     "resolve_kl_placement", "resolve_loss_agg_mode",
     "masked_mean", "masked_var", "masked_whiten", "agg_loss", "LOSS_AGG_MODES", "register_loss_agg",
-    "policy_loss", "value_loss",
+    "policy_loss", "value_loss", "PolicyLoss", "PolicyLossParams", "POLICY_LOSS_NAMES", "register_policy_loss",
+    "get_policy_loss", "resolve_policy_loss_agg_mode",
     "FixedKLController", "BandKLController", "ZieglerKLController", "make_kl_controller", "register_kl_controller", "KL_CTRL_KINDS", "observed_kl",
     "overlong_reward_penalty", "groups_with_signal", "pass_at_k", "mean_at_k",
 ]

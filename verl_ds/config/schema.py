@@ -111,9 +111,11 @@ class RolloutConfig:
     vllm_kv_cache_bytes: Optional[int] = _f(None, "vLLM's KV cache in bytes; null: 256 MiB on CPU, the room vllm_gpu_memory_utilization leaves on a GPU.", min=1 << 20)
     vllm_enforce_eager: Optional[bool] = _f(None, "vLLM without torch.compile and CUDA graphs; null: true on CPU (compiling costs about a minute there), false on a GPU.")
     vllm_sleep: bool = _f(False, "GPU only: put vLLM to sleep after each generate call (KV cache freed, weights offloaded to CPU memory) and wake it for the next generate or weight sync, so the update phases get its GPU memory.")
-    is_correction: bool = _f(False, "Truncated importance sampling (Yao et al. 2025, 'Your Efficient RL Framework Secretly Brings You Off-Policy RL Training'; verl's tis_imp_ratio_cap): weight each token's policy-gradient loss by min(exp(old_log_probs - rollout_log_probs), is_cap), correcting for a sampler whose log-probs differ from the trainer's (vLLM, a bf16 rollout).")
-    is_cap: float = _f(2.0, "The cap C of the truncated importance weight min(ratio, C) (is_correction).", min=1.0, max=1e6)
-    is_mode: Literal["truncate", "decoupled"] = _f("truncate", "With is_correction: truncate (each token's weight min(ratio, is_cap)) or decoupled (AReaL's decoupled PPO, Fu et al. 2025: the ratio is clipped around the actor before the update and weighted by pi_old / pi_sampler; tokens whose weight exceeds is_cap are left out). Use decoupled with mode one_step_off or streaming (docs/async.md).")
+    is_correction: bool = _f(False, "Rollout-mismatch correction: weight each token's policy-gradient loss by the importance ratio pi_trainer / pi_sampler = exp(old_log_probs - rollout_log_probs) as is_mode says, for a sampler whose log-probs differ from the trainer's (vLLM, a bf16 rollout, an asynchronous sampler's older weights); metrics actor/is_* and actor/mismatch_* (docs/vllm.md).")
+    is_cap: float = _f(2.0, "Upper bound C of the importance ratio (is_correction): truncate modes weight min(ratio, C), mask modes leave out (weight 0) what lies above C.", min=1.0, max=1e6)
+    is_mode: Literal["truncate", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geo_mask", "decoupled"] = _f("truncate", "With is_correction, the ratio per token, per sequence (exp of the summed token log-ratios) or the sequence's geometric mean (exp of their mean), truncated or masked: token_truncate (truncate is its first name; TIS, Yao et al. 2025), token_mask (IcePop with is_low > 0), sequence_truncate, sequence_mask (TRL's modes), geo_mask (weight 1 where the geometric mean lies in [is_low, is_cap], else 0), or decoupled (AReaL's decoupled PPO, Fu et al. 2025, arXiv:2505.24298: token_mask around the actor before the update; use it with mode one_step_off or streaming, docs/async.md).")
+    is_low: float = _f(0.0, "Lower bound of the band [is_low, is_cap] of the mask modes (token_mask, sequence_mask, geo_mask, decoupled); 0: one-sided, as TRL's masks; e.g. 0.5 with is_cap 2 masks two-sided (IcePop).", min=0.0, lt=1.0)
+    is_rejection: Optional[str] = _f(None, "verl's rejection criteria, with or without is_correction: 'criterion:threshold[,...]' leaves out (weight 0) each token, or each whole sequence, whose divergence statistic exceeds its threshold; criteria token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3, seq_max_k2|k3 (k1: a band 'low_high' of pi_sampler / pi_trainer, or one number u for [1/u, u]; seq_mean_k1 is the geometric-mean sequence mask). E.g. 'token_k3:0.01' or 'seq_mean_k1:0.999_1.001'.", nonempty=True)
     mode: Literal["sync", "one_step_off", "streaming"] = _f("sync", "sync: generate, then train, every step (lock-step). one_step_off: batch k+1 generates (on a replica, in a thread) while batch k trains, with the weights before that update. streaming: generation runs ahead up to max_staleness versions, weights swap in mid-response (each token keeps its version); see docs/async.md.")
     max_staleness: int = _f(1, "mode=streaming: no sample whose oldest token is more than this many actor updates old is trained on (0: the synchronous run, bit for bit); stale_samples says what happens to older ones.", min=0, max=64, hot="max_staleness")
     split_ranks: int = _f(0, "Split placement: the last split_ranks ranks only generate (a whole actor copy each, weights broadcast from the trainers after every update), the others train; 0: every rank does both (colocated). Needs mode=one_step_off or streaming; see docs/async.md.", min=0)
@@ -161,9 +163,12 @@ class AlgoConfig:
     kl_horizon: int = _f(10000, "Horizon of the ziegler controller.", min=1)
     clip_ratio_low: float = _f(0.2, "PPO ratio clip below 1 (epsilon_low; 1 - epsilon_low must stay > 0).", min=0.0, lt=1.0, hot="clip_ratio_low")
     clip_ratio_high: float = _f(0.2, "PPO ratio clip above 1 (epsilon_high).", min=0.0, max=10.0, hot="clip_ratio_high")
-    clip_ratio_c: Optional[float] = _f(3.0, "Dual-clip constant for negative advantages (> 1; null disables).", gt=1.0)
+    clip_ratio_c: Optional[float] = _f(3.0, "Dual-clip constant for negative advantages (> 1; null disables); the vanilla policy loss only, the others ignore it (as verl).", gt=1.0)
+    policy_loss: str = _f("vanilla", "Policy loss from the registry in verl_ds.algos (docs/algorithms.md): vanilla (PPO clip, dual clip); gspo (sequence-level ratio, token-level gradient; set clip_ratio_low/high to the paper's 3e-4/4e-4); geo_mean, alias gmpo (geometric mean of token ratios clipped in log space; paper: 0.4/0.4); cispo (stop-gradient clipped weight x advantage x log-prob; the paper has no lower bound: clip_ratio_low near 1); sapo (a sigmoid gate instead of the clip, sapo_tau_pos/neg; the clip ratios are ignored).")
+    sapo_tau_pos: float = _f(1.0, "SAPO's gate temperature for positive advantages (verl's tau_pos; the paper's 1.0).", gt=0.0, max=1e3)
+    sapo_tau_neg: float = _f(1.05, "SAPO's gate temperature for zero and negative advantages (verl's tau_neg; the paper's 1.05: a sharper gate for negative updates).", gt=0.0, max=1e3)
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.", min=0.0, max=1.0, hot="entropy_coef")
-    loss_agg_mode: str = _f("auto", "How per-token losses are aggregated (exact across ranks and accumulation); auto = the estimator's convention: seq-mean-token-sum-norm for dr_grpo (Liu et al. 2025: each sequence's token sum over the constant rollout.max_new_tokens), token-mean for the others.", config_only=("auto",))
+    loss_agg_mode: str = _f("auto", "How per-token losses are aggregated (exact across ranks and accumulation); auto = seq-mean-token-mean with policy_loss gspo, geo_mean or sapo (geo_mean and sapo take no other mode), else the estimator's convention: seq-mean-token-sum-norm for dr_grpo (Liu et al. 2025: each sequence's token sum over the constant rollout.max_new_tokens), token-mean for the others.", config_only=("auto",))
     whiten_advantages: bool = _f(True, "Whiten advantages with statistics global across data-parallel ranks.")
     dynamic_sampling: bool = _f(False, "DAPO dynamic sampling (Yu et al. 2025): drop groups whose rewards (before the overlong penalty) are all equal and draw more prompts until the batch is full (paper: on).")
     max_sampling_rounds: int = _f(3, "Dynamic sampling: most rounds of prompts drawn per step; a rank still short then fills up with dropped groups.", min=1)
@@ -190,6 +195,13 @@ class RewardConfig:
     num_workers: int = _f(1, "Threads scoring chunks of the batch with the reward functions (rule rewards can be slow; functions must be thread-safe).", min=1)
     math_verify_timeout_s: float = _f(5.0, "Seconds one math_verify check may take in its worker process; past it the worker is killed and the answer scores 0 (counted in reward/math_verify/timed_out).", gt=0.0, max=3600.0)
     eos_reward: Literal["zero", "keep"] = _f("zero", "Per-token rewards at the EOS position: zeroed or kept.")
+
+
+@dataclass
+class DistillConfig:
+    teacher_path: Optional[str] = _f(None, "On-policy distillation (docs/stages.md): the teacher, a local HF causal-LM directory sharing the actor's tokenizer (its tokenizer files are compared at start-up), loaded frozen like the reference, that scores the actor's own samples each step; 'base': with actor.lora_rank > 0, the actor's base with its adapters off; null: off.", nonempty=True)
+    coef: float = _f(1.0, "Weight of the per-token reverse KL to the teacher, -(log pi(y_t) - log pi_teacher(y_t)) on the sampled response tokens.", min=0.0, max=MAX_REWARD_WEIGHT)
+    mode: Literal["advantage", "reward"] = _f("advantage", "Where the weighted term goes: advantage, added to the estimator's advantages (with reward.functions: [] it is the whole advantage: Agarwal et al. 2024, arXiv:2306.13649); reward, added to the task reward's token rewards before the advantage estimator.")
 
 
 @dataclass
@@ -266,6 +278,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)

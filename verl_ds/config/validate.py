@@ -80,8 +80,9 @@ def _check_kl_controller(cfg: Config) -> None:
 
 
 def _check_reward_functions(cfg: Config) -> None:
-    if not cfg.reward.functions and cfg.reward.model_path is None:
-        raise ConfigError("reward: configure at least one of reward.functions or reward.model_path")
+    if not cfg.reward.functions and cfg.reward.model_path is None and cfg.distill.teacher_path is None:
+        raise ConfigError("reward: configure at least one of reward.functions or reward.model_path (or "
+                          "distill.teacher_path: a teacher's per-token reverse KL alone trains the actor)")
     for i, spec in enumerate(cfg.reward.functions):
         where = f"reward.functions[{i}]"
         if isinstance(spec, dict):
@@ -100,6 +101,13 @@ def _check_reward_functions(cfg: Config) -> None:
             name = spec
         if not isinstance(name, str) or not name.strip():
             raise ConfigError(f"{where}: expected a reward function name (a non-empty string) or a mapping, got {show(spec)}")
+
+
+def _check_distill(cfg: Config) -> None:
+    if cfg.distill.teacher_path == "base" and cfg.actor.lora_rank == 0:
+        raise ConfigError("distill.teacher_path=base is the actor's base with its LoRA adapters off: it needs "
+                          "actor.lora_rank > 0 (a fully fine-tuned actor has no base apart from itself); set "
+                          "actor.lora_rank or point distill.teacher_path at a model directory")
 
 
 def _check_dpo(cfg: Config) -> None:
@@ -169,6 +177,7 @@ def validate(cfg: Config, world_size: int = 1) -> Derived:
     _check_kl_controller(cfg)
     if cfg.agent.environment is None:  # an environment's rules need the agent registry: verl_ds.run.checks
         _check_reward_functions(cfg)
+    _check_distill(cfg)
     _check_data(cfg)
     if cfg.rollout.mode != "sync" or cfg.rollout.split_ranks:
         _check_async(cfg)

@@ -9,7 +9,8 @@ from typing import Any, Callable
 import torch
 
 from verl_ds import algos
-from verl_ds.algos.losses import decoupled_is_weights, truncated_is_weights
+from verl_ds.algos.distill import DISTILL_MODES
+from verl_ds.algos.mismatch import check_mode, mismatch_weights, parse_rejection
 from verl_ds.batch import RolloutBatch
 from verl_ds.config.limits import FULL_KL_KIND
 from verl_ds.models.base import MissingModuleError, TrainableRole
@@ -37,10 +38,6 @@ def _need(batch: Any, fields: tuple[str, ...], who: str) -> None:
 LOSS_SHARE_METRICS = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")
 
 
-# rollout.is_mode -> the weights of the policy loss: truncated IS, or AReaL's decoupled objective
-IS_MODES = {"truncate": truncated_is_weights, "decoupled": decoupled_is_weights}
-
-
 def _role(role: str, optional: bool = False) -> property:
     """The current component of ``role`` (``PPOModel._get``); setting it swaps it in."""
     return property(lambda self: self._get(role, optional), lambda self, m: self.swap(role, m))
@@ -48,8 +45,9 @@ def _role(role: str, optional: bool = False) -> property:
 
 class PPOModel(TrainableRole):
     """The algorithm over components looked up in a ModelRegistry at every call, so ``swap("reward", new)`` takes
-    effect at the next one. A critic is required exactly when the estimator needs one; ``is_cap``: importance
-    sampling against the sampler's log-probs (None: off), by ``IS_MODES[is_mode]``."""
+    effect at the next one. A critic is required exactly when the estimator needs one. Rollout-mismatch correction
+    (``algos.mismatch``): ``is_cap`` None turns the importance weights off, else they follow ``is_mode`` with the
+    band [``is_low``, ``is_cap``]; ``is_rejection`` (a criteria string) leaves out tokens with or without them."""
 
     required_modules = ("actor", "reward")
     module_types = _KINDS
@@ -57,14 +55,18 @@ class PPOModel(TrainableRole):
     def __init__(self, actor: PolicyModel, reward: RewardModel, critic: ValueModel | None = None,
                  ref: ReferenceModel | None = None, state: SharedState | None = None, algo: Any = None,
                  registry: ModelRegistry | None = None, names: dict[str, str] | None = None,
-                 is_cap: float | None = None, is_mode: str = "truncate"):
-        if is_mode not in IS_MODES:
-            raise ValueError(f"PPOModel: is_mode must be one of {sorted(IS_MODES)}, got {is_mode!r}")
-        self.is_weights_fn = IS_MODES[is_mode]
+                 is_cap: float | None = None, is_mode: str = "truncate", is_low: float = 0.0,
+                 is_rejection: str | None = None):
         if is_cap is not None and (isinstance(is_cap, bool) or not isinstance(is_cap, (int, float)) or not is_cap >= 1):
             raise ValueError(f"PPOModel: is_cap must be None (no importance sampling correction) or a number >= 1, "
                              f"got {is_cap!r}")
+        try:
+            check_mode(is_mode, 2.0 if is_cap is None else is_cap, is_low)
+            self.is_rejection = parse_rejection(is_rejection)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"PPOModel: is_{exc}") from None
         self.is_cap = None if is_cap is None else float(is_cap)
+        self.is_mode, self.is_low = is_mode, float(is_low)
         if state is None and isinstance(actor, PolicyModel):  # anything else is refused by name below
             state = actor.state
         super().__init__(state=state, actor=actor, critic=critic, reward=reward, ref=ref)
@@ -75,7 +77,9 @@ class PPOModel(TrainableRole):
         self.algo = algo
         self._estimator = algos.get_advantage_estimator(algo.adv_estimator)
         self._kl_placement = algos.resolve_kl_placement(algo.kl_placement, algo.adv_estimator)  # "reward" or "loss"
-        self._loss_agg_mode = algos.resolve_loss_agg_mode(algo.loss_agg_mode, algo.adv_estimator)
+        self._policy_loss = algos.get_policy_loss(algo.policy_loss)
+        self._loss_agg_mode = algos.resolve_policy_loss_agg_mode(algo.policy_loss, algo.loss_agg_mode,
+                                                                 algo.adv_estimator)
         if self._estimator.needs_critic and critic is None:
             raise MissingModuleError(f"Missing required module: critic (algo.adv_estimator={algo.adv_estimator!r} "
                                      f"estimates advantages with a critic; the critic-free estimators are "
@@ -97,7 +101,7 @@ class PPOModel(TrainableRole):
 
     @property
     def loss_agg_mode(self) -> str:
-        """``algo.loss_agg_mode`` with ``auto`` resolved for the estimator."""
+        """``algo.loss_agg_mode`` with ``auto`` resolved for the policy loss and the estimator."""
         return self._loss_agg_mode
 
     @property
@@ -151,14 +155,19 @@ class PPOModel(TrainableRole):
 
     def compute_advantage(self, batch: Any,
                           whiten_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-                          baseline_scores: torch.Tensor | None = None) -> dict:
+                          baseline_scores: torch.Tensor | None = None,
+                          distill: tuple[str, torch.Tensor] | None = None) -> dict:
         """Fill ``batch.token_rewards`` (scores - kl_coef * KL when the KL is in the reward), ``advantages`` and
         ``returns``; returns metrics. ``whiten_fn(adv, response_mask)`` (the trainer passes a DP-global one)
-        whitens GAE advantages when ``algo.whiten_advantages``; ``baseline_scores`` (B,): ReMax's."""
+        whitens GAE advantages when ``algo.whiten_advantages``; ``baseline_scores`` (B,): ReMax's. ``distill``:
+        (mode, (B, R) term) of on-policy distillation (``algos.distill``), added to the token rewards before the
+        estimator (mode "reward") or to its advantages (mode "advantage")."""
         who = "PPOModel.compute_advantage"
         given, batch = batch, RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
         _need(batch, ("observation", "mask", "response_mask", "scores"), who)
+        if distill is not None and distill[0] not in DISTILL_MODES:
+            raise ValueError(f"{who}: distill mode must be one of {list(DISTILL_MODES)}, got {distill[0]!r}")
         est = self._estimator
         if est.needs_critic:
             _need(batch, ("values",), who)
@@ -180,11 +189,15 @@ class PPOModel(TrainableRole):
                 metrics["actor/reward_kl_penalty_coeff"] = torch.tensor(hot["kl_coef"], dtype=torch.float64)
             else:
                 rewards = scores
+            if distill is not None and distill[0] == "reward":
+                rewards = rewards + distill[1]
             values = batch.values.float() * fmask if est.needs_critic else None
             adv, ret = est(rewards, mask, values=values, group_index=batch.group_index,
                            baseline_scores=baseline_scores, gamma=hot["gamma"], lam=hot["lam"], whiten_fn=whiten_fn)
             if est.needs_critic and self.algo.whiten_advantages:
                 adv = (whiten_fn or algos.masked_whiten)(adv, mask)
+            if distill is not None and distill[0] == "advantage":
+                adv = adv + distill[1]
             adv, ret = adv * fmask, ret * fmask
         batch.token_rewards, batch.advantages, batch.returns = rewards, adv, ret
         if given is not batch:  # a plain mapping: the results go back into it too
@@ -201,14 +214,14 @@ class PPOModel(TrainableRole):
 
     # ---- losses ------------------------------------------------------------------------------------
     def compute_policy_loss(self, batch: Any, normalizer: float | torch.Tensor | None = None):
-        """(loss, metrics): clipped surrogate (dual clip) - entropy_coef * agg(entropy) [+ kl_coef * agg(KL) when
+        """(loss, metrics): ``algo.policy_loss`` - entropy_coef * agg(entropy) [+ kl_coef * agg(KL) when
         the KL is in the loss]. Without batch.old_log_probs (an on-policy update whose forward is the scoring
         pass's) the actor's own detached log-probs stand in (ratio 1). ``normalizer`` goes to every agg_loss."""
         who = "PPOModel.compute_policy_loss"
         batch = RolloutBatch.coerce(batch, who)
         hot = self._state.snapshot()
         _need(batch, ("observation", "action", "mask", "response_mask", "advantages"), who)
-        if self.is_cap is not None:
+        if self.is_cap is not None or self.is_rejection:
             _need(batch, ("rollout_log_probs",), who)
         kl_in_loss = self.kl_in_loss(hot)
         if kl_in_loss:
@@ -224,11 +237,17 @@ class PPOModel(TrainableRole):
                                                         temperature=hot["temperature"], return_entropy=True)
         old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
         is_weights, is_metrics = None, {}
-        if self.is_cap is not None:  # the sampler's log-probs differ from the trainer's (vLLM, bf16): TIS
-            is_weights, is_metrics = self.is_weights_fn(old, batch.rollout_log_probs, mask, self.is_cap)
-        pg_loss, pg_metrics = algos.policy_loss(log_probs, old, batch.advantages, mask,
-                                                hot["clip_ratio_low"], hot["clip_ratio_high"], self.algo.clip_ratio_c,
-                                                mode, normalizer=normalizer, is_weights=is_weights, max_len=max_len)
+        if self.is_cap is not None or self.is_rejection:  # the sampler is not the trainer (vLLM, bf16, stale weights)
+            is_weights, is_metrics = mismatch_weights(old, batch.rollout_log_probs, mask,
+                                                      None if self.is_cap is None else self.is_mode, self.is_cap,
+                                                      self.is_low, self.is_rejection)
+        elif batch.old_log_probs is not None and batch.rollout_log_probs is not None:  # the gap, with no correction
+            gap = mismatch_weights(old, batch.rollout_log_probs, mask, None)[1]
+            is_metrics = {k: v for k, v in gap.items() if k.startswith(("mismatch_", "is_ratio_"))}
+        params = algos.PolicyLossParams(hot["clip_ratio_low"], hot["clip_ratio_high"], self.algo.clip_ratio_c,
+                                        self.algo.sapo_tau_pos, self.algo.sapo_tau_neg)
+        pg_loss, pg_metrics = self._policy_loss(log_probs, old, batch.advantages, mask, params, mode, normalizer,
+                                                is_weights, max_len)
         pg_metrics.update(is_metrics)
         coef = hot["entropy_coef"]
         loss = pg_loss

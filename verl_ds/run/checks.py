@@ -1,6 +1,7 @@
 """The config checked against the package: ``verl_ds.config.validate`` plus the rules that need a registry (the
-names of estimators, KL estimators and loss aggregations, an estimator's groups, the KL placement, this run's limits
-on hot keys, the agent environment, the shipped rewards); ``check_stage_config`` is a supervised job's counterpart.
+names of estimators, KL estimators, policy losses and loss aggregations, an estimator's groups, the KL placement,
+this run's limits on hot keys, the agent environment, the shipped rewards); ``check_stage_config`` is a supervised
+job's counterpart.
 No file, device or port: that is ``verl_ds.run.startup``."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Optional
 
 from verl_ds import algos
 from verl_ds.agent.registry import BUILTIN_AGENT_TASKS, environment_class, make_environment
+from verl_ds.algos.mismatch import check_mode, parse_rejection
 from verl_ds.config import (STATE_FROM_CONFIG, Config, ConfigError, Derived, check_value, kl_placement_rule, validate,
                             validate_stage)
 from verl_ds.config.fields import show
@@ -36,6 +38,33 @@ def _check_estimator(cfg: Config) -> None:
         raise ConfigError(f"rollout.n={cfg.rollout.n}: algo.adv_estimator={cfg.algo.adv_estimator} compares the "
                           "responses sampled for the same prompt; with one per prompt every advantage is 0. "
                           "Set rollout.n >= 2")
+
+
+def _check_mismatch(cfg: Config) -> None:
+    """The rollout-mismatch keys agree: a band's low bound only for a mask mode, new modes and bounds only with
+    is_correction (decoupled and truncate without it are today's no-ops, kept), criteria that parse."""
+    r = cfg.rollout
+    if not r.is_correction:
+        if r.is_mode not in ("truncate", "decoupled") or r.is_low > 0:
+            raise ConfigError(f"rollout.is_mode={r.is_mode}, rollout.is_low={r.is_low}: the importance weights are off "
+                              "(rollout.is_correction=false); set rollout.is_correction=true, or leave is_mode and "
+                              "is_low at their defaults (is_rejection works alone)")
+    else:
+        try:
+            check_mode(r.is_mode, r.is_cap, r.is_low)
+        except ValueError as exc:
+            raise ConfigError(f"rollout.is_mode={r.is_mode}, rollout.is_low={r.is_low}: {exc}") from None
+    try:
+        parse_rejection(r.is_rejection)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.is_rejection: {exc}") from None
+
+
+def _check_policy_loss(cfg: Config) -> None:
+    try:
+        algos.resolve_policy_loss_agg_mode(cfg.algo.policy_loss, cfg.algo.loss_agg_mode, cfg.algo.adv_estimator)
+    except ValueError as exc:
+        raise ConfigError(f"algo.loss_agg_mode: {exc}") from None
 
 
 def _check_sequence_rewards(cfg: Config) -> None:
@@ -85,6 +114,8 @@ def check_config(cfg: Config, world_size: int = 1) -> Derived:
     derived = validate(cfg, world_size)
     check_registry_names(cfg)
     _check_estimator(cfg)
+    _check_policy_loss(cfg)
+    _check_mismatch(cfg)
     why = kl_placement_rule(kl_placement_of(cfg), cfg.algo.kl_kind)
     if why is not None:
         raise ConfigError(f"algo.kl_kind: {why}")

@@ -16,6 +16,7 @@ from verl_ds.agent.sandbox import SandboxUnavailable, require_sandbox
 from verl_ds.agent.tools import python
 from verl_ds.attention_layout import resolve_attn_implementation
 from verl_ds.config import TOKEN_ENV, Config, ConfigError, Derived, is_loopback, tiny_model_fields
+from verl_ds.engines.teacher import check_teacher
 from verl_ds.rewards import resolve_reward_fn
 from verl_ds.run.checks import check_config
 from verl_ds.run.ports import check_bind
@@ -274,6 +275,7 @@ def check_startup(cfg: Config, world_size: int = 1, rank: int = 0) -> Derived:
     derived = check_config(cfg, world_size)
     _check_dir("model.critic_path", cfg.model.critic_path, ("config.json",), "model")
     _check_dir("reward.model_path", cfg.reward.model_path, ("config.json",), "model")
+    check_teacher(cfg)  # distill.teacher_path: a causal LM sharing the actor's tokenizer
     _check_sequence_parallel_heads(cfg, (("model.critic_path", cfg.model.critic_path),))
     _check_reward_code(cfg)
     _check_sandbox(cfg, rank)
