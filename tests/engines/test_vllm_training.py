@@ -250,6 +250,28 @@ def test_the_tool_task_runs_with_vllm_sampling(tmp_path):
         assert m["rollout/log_prob_diff_mean"] < 1e-4, m["rollout/log_prob_diff_mean"]
 
 
+@needs_vllm
+def test_a_bf16_rollout_logs_the_mismatch_and_a_sequence_mask_on_it_reaches_the_update(tmp_path):
+    """A bf16 vLLM rollout for an fp32 trainer: the mismatch is logged (token KL, the ratio's range), and with
+    ``sequence_mask`` on the band [1 - 1e-6, 1] no sequence fits (bf16 moves each log-prob by ~1e-2), so every token
+    weighs 0 and, with no KL or entropy term in the loss, the actor's gradient is exactly 0. A loss that dropped
+    the weights would step the actor: this test fails then."""
+    job = ["rollout.engine=vllm", *MODEL, "rollout.vllm_dtype=bf16", "algo.adv_estimator=grpo", "rollout.n=4",
+           "rollout.batch_size=4", "actor.mini_batch_size=16", "actor.micro_batch_size=8", "algo.use_kl_penalty=false",
+           "rollout.is_correction=true", "rollout.is_mode=sequence_mask", "rollout.is_low=0.999999",
+           "rollout.is_cap=1.0", "trainer.total_steps=2", "trainer.val_every=0", *QUIET]
+    out = str(tmp_path / "bf16")
+    proc = run_train(out, job, env=vllm_env(), timeout=900)
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    steps = [m for m in read_metrics(out) if "rollout/score/mean" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["rollout/log_prob_diff_mean"] > 1e-4  # bf16 sampling: the gap the correction is for
+        assert m["actor/mismatch_k3"] > 0 and m["actor/is_ratio_min"] < 1.0 < m["actor/is_ratio_max"]
+        assert m["actor/is_seq_masked_frac"] == 1.0 and m["actor/is_masked_frac"] == 1.0
+        assert m["actor/grad_norm"] == 0.0, m["actor/grad_norm"]
+
+
 SPLIT = ["rollout.engine=vllm", *MODEL, "rollout.mode=one_step_off", "rollout.split_ranks=1", "algo.adv_estimator=grpo",
          "rollout.n=4", "rollout.batch_size=4", "actor.mini_batch_size=16", "actor.micro_batch_size=8",
          "actor.lr=0.01", "trainer.val_every=0", "trainer.total_steps=3", *QUIET]
