@@ -269,10 +269,10 @@ def build_reward(cfg: Config, tok, derived: Derived, functions: Optional[list] =
                                   weight=float(spec.get("weight", 1.0)), per_token=bool(spec.get("per_token", False)))
     if not functions and model_path is None and cfg.distill.teacher_path is not None \
             and cfg.agent.environment is None:  # distillation alone trains
-        # the built-in task's rule is still logged (reward/parity/mean), at weight 0; other data score nothing
-        task = builtin_task(cfg) is not None
-        reward.register_reward_fn(resolve_reward_fn("parity") if task else _unscored, name="parity" if task else
-                                  "none", weight=0.0)
+        # the built-in task's rule is still logged (e.g. reward/parity/mean), at weight 0; other data score nothing
+        task = builtin_task(cfg)
+        rule = None if task is None else task.rule
+        reward.register_reward_fn(resolve_reward_fn(rule) if rule else _unscored, name=rule or "none", weight=0.0)
     return reward
 
 

@@ -10,11 +10,13 @@ __all__ = ["BuiltinTask", "builtin_task", "gsm8k", "parity"]
 
 
 class BuiltinTask(NamedTuple):
-    """Its tokenizer, prompt ``rows(n, seed)`` and warm-up ``demonstrations(tokenizer, n, seed)``: (ids, mask)."""
+    """Its tokenizer, prompt ``rows(n, seed)``, warm-up ``demonstrations(tokenizer, n, seed)``: (ids, mask), and the
+    reward function that scores it (None: its environment does)."""
     tokenizer: Callable[[], Any]
     rows: Callable[[int, int], list]
     demonstrations: Callable[[Any, int, int], list]
     warmup_lr: Optional[float] = None  # None: the actor's
+    rule: Optional[str] = None
 
 
 def builtin_task(cfg) -> Optional[BuiltinTask]:
@@ -26,7 +28,8 @@ def builtin_task(cfg) -> Optional[BuiltinTask]:
     if cfg.data.train_files is not None:
         return None
     if env is None:  # parity's own small vocabulary: a fresh model samples task words, not hundreds of others
-        return BuiltinTask(partial(build_tokenizer, parity.VOCAB), parity.generate_prompts, parity.demonstrations)
+        return BuiltinTask(partial(build_tokenizer, parity.VOCAB), parity.generate_prompts, parity.demonstrations,
+                           rule="parity")
     if env not in tiny.BUILTIN_TASKS:
         raise ConfigError(f"agent.environment={env!r} has no built-in data set (only {list(tiny.BUILTIN_TASKS)} do); "
                           "set data.train_files to rows its reset takes")
